@@ -1,0 +1,27 @@
+# One image for every role; compose.yaml picks the role with the subcommand.
+# GPU workers need a CUDA build of torch (the PyPI default on Linux x86_64); for a CPU-only image:
+#   docker build --build-arg TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu" .
+FROM python:3.11-slim
+
+ARG TORCH_SPEC="torch>=2.4"
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+WORKDIR /app
+
+RUN pip install $TORCH_SPEC
+COPY pyproject.toml README.md ./
+COPY loraserve loraserve
+COPY gateway gateway
+COPY scheduler scheduler
+COPY adapter_store adapter_store
+COPY worker worker
+COPY kernels kernels
+COPY bench bench
+COPY demo demo
+COPY proto proto
+RUN pip install .
+
+# Adapters to register by path go under /adapters (mounted read-only).
+RUN useradd --create-home loraserve && mkdir -p /adapters && chown loraserve /adapters
+USER loraserve
+ENTRYPOINT ["loraserve"]
+CMD ["--help"]

@@ -1,0 +1,74 @@
+"""The adapter store's configuration: limits of the pure store, and the service around it.
+
+Both are frozen and validated on construction; `main` builds them from flags (and their
+LORASERVE_* twins), nothing else reads flags.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraserve.errors import InvalidConfigError
+
+MIB = 2**20
+GIB = 2**30
+MAX_CONFIG_BYTES = 1 * MIB  # adapter_config.json larger than this is refused (it is a few KiB in practice)
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """What the store accepts and how long it keeps versions nobody can name any more."""
+
+    max_lora_rank: int = 128
+    max_adapter_bytes: int = 512 * MIB  # the largest weights file accepted
+    budget_bytes: int = 8 * GIB  # host RAM for every held version's files, retained ones included
+    retention_s: float = 600.0  # superseded / deleted versions stay fetchable this long
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise InvalidConfigError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_adapter_bytes < 1:
+            raise InvalidConfigError(f"max_adapter_bytes must be positive, got {self.max_adapter_bytes}")
+        if self.budget_bytes < self.max_adapter_bytes:
+            raise InvalidConfigError(
+                f"the memory budget ({self.budget_bytes} bytes) is smaller than the largest adapter accepted "
+                f"({self.max_adapter_bytes} bytes)"
+            )
+        if not math.isfinite(self.retention_s) or self.retention_s < 0:
+            raise InvalidConfigError(f"retention_s must be a finite number >= 0, got {self.retention_s}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything `loraserve adapter-store` runs with."""
+
+    model_dir: Path  # only its config.json is read
+    limits: StoreLimits = field(default_factory=StoreLimits)
+    bind: str = "127.0.0.1:7300"  # gRPC control plane
+    data_address: str = "tcp://127.0.0.1:7301"  # ZMQ ROUTER workers fetch bytes from
+    adapter_root: Path | None = None  # RegisterFromPath reads only below it; None refuses it
+    preload: tuple[tuple[str, Path], ...] = ()  # (name, directory) registered before SERVING
+    purge_interval_s: float = 10.0  # how often expired versions are dropped when nothing else does it
+
+    def __post_init__(self) -> None:
+        if not self.bind:
+            raise InvalidConfigError("bind must name an address (host:port)")
+        if not self.data_address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise InvalidConfigError(f"data_address {self.data_address!r} must be a tcp://, ipc:// or inproc:// URL")
+        if self.adapter_root is not None and not self.adapter_root.is_dir():
+            raise InvalidConfigError(f"adapter root {self.adapter_root} is not a directory")
+        names = [name for name, _ in self.preload]
+        if len(set(names)) != len(names):
+            raise InvalidConfigError(f"preload names an adapter twice: {sorted(names)}")
+        if self.purge_interval_s <= 0:
+            raise InvalidConfigError(f"purge_interval_s must be positive, got {self.purge_interval_s}")
+
+
+def parse_preload(spec: str) -> tuple[str, Path]:
+    """'NAME=PATH' -> (name, path); the name is checked when it is registered."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise InvalidConfigError(f"--preload {spec!r}: expected NAME=PATH")
+    return name, Path(path)

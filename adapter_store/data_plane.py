@@ -1,0 +1,112 @@
+"""The ZMQ data plane: workers' FETCH_ADAPTER requests answered with the adapter's raw files.
+
+Threading model: one plain-zmq thread owns the ROUTER socket (bound at construction, so a busy
+port fails start-up at once, then handed to the thread and touched by nothing else). It is kept
+off the asyncio loop so a burst of fetches never delays gRPC handlers and a registration being
+validated never delays a fetch; the store's lock is the only thing the two share. Replies are
+zero-copy: the store's immutable bytes objects go straight into send_multipart(copy=False), and
+ZMQ's I/O thread reads them from there (they stay alive while queued even if purged meanwhile).
+
+A malformed message is logged and dropped; a peer that cannot take a reply (gone, or its queue
+full) loses that reply and the worker times out and retries. Nothing here raises out of the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from loraserve import telemetry
+from loraserve.adapter_store.store import AdapterStore
+from loraserve.errors import LoraserveError
+from loraserve.sockets import make_socket, send
+from loraserve.wire import AdapterFiles, FetchAdapter, FetchFailed, Message, WireError, decode
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often the loop looks at the stop flag
+
+
+class DataPlane:
+    def __init__(self, store: AdapterStore, address: str):
+        self.store, self.address = store, address
+        self._ctx = zmq.Context()
+        try:
+            self._sock = make_socket(self._ctx, zmq.ROUTER, bind=address)
+        except zmq.ZMQError:
+            self._ctx.term()
+            raise
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when bound to ":*"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adapter-data-plane", daemon=True)
+        self.served = 0  # replies with files, for logs and tests
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        else:  # never started: the socket is still ours to close
+            self._close()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(POLL_MS, zmq.POLLIN):
+                    self._serve_one(self._sock.recv_multipart(copy=False))
+        except Exception:
+            log.exception("adapter data plane stopped on an unexpected error")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _serve_one(self, frames: list) -> None:
+        peer = frames[0].bytes if frames else b""
+        try:
+            message = decode(frames[1:])
+        except WireError as e:
+            log.warning("dropped a malformed message from peer %r: %s", peer[:32], e)
+            return
+        if not isinstance(message, FetchAdapter):
+            log.warning(
+                "dropped a %s message from peer %r: the store only answers FetchAdapter",
+                type(message).__name__,
+                peer[:32],
+            )
+            return
+        reply = self._answer(message)
+        try:
+            send(self._sock, reply, to=peer, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone, ROUTER_MANDATORY) or EAGAIN (its queue is full)
+            log.warning("could not reply to peer %r for %s v%d: %s", peer[:32], message.name, message.version, e)
+
+    def _answer(self, fetch: FetchAdapter) -> Message:
+        trace = {k: v for k, v in fetch.trace.items() if isinstance(k, str) and isinstance(v, str)}
+        span_context = telemetry.context_from(trace)
+        with telemetry.tracer().start_as_current_span("adapter_store.serve_adapter", context=span_context) as span:
+            span.set_attribute("loraserve.adapter.name", fetch.name)
+            span.set_attribute("loraserve.adapter.version", fetch.version)
+            try:
+                files = self.store.get_files(fetch.name, fetch.version)
+            except LoraserveError as e:
+                span.set_attribute("loraserve.error", e.status)
+                return FetchFailed(fetch.name, fetch.version, status=e.status, error=str(e))
+            except Exception as e:  # the loop must survive anything
+                log.exception("serving adapter %s v%d failed", fetch.name, fetch.version)
+                return FetchFailed(fetch.name, fetch.version, status="INTERNAL", error=f"the store failed: {e}")
+            span.set_attribute("loraserve.adapter.bytes", len(files.config_json) + len(files.weights))
+            self.served += 1
+            return AdapterFiles(
+                name=fetch.name,
+                version=fetch.version,
+                weights_format=files.weights_format,
+                config_json=files.config_json,
+                weights=files.weights,
+            )

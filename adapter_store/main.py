@@ -1,0 +1,166 @@
+"""`loraserve adapter-store`: adapters in host RAM; gRPC control plane, ZMQ data plane.
+
+Start-up: read the base model's config.json, bind the data plane (its own thread, see
+data_plane.py), start gRPC with health NOT_SERVING, register the preloads, then SERVING. Stops on
+SIGTERM/SIGINT: gRPC drains for a grace period, the data-plane thread closes its socket, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+import torch
+import zmq
+
+from loraserve import telemetry
+from loraserve.adapter_store.config import GIB, MIB, StoreConfig, StoreLimits, parse_preload
+from loraserve.adapter_store.data_plane import DataPlane
+from loraserve.adapter_store.service import AdapterStoreService
+from loraserve.adapter_store.store import AdapterStore
+from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+from loraserve.errors import LoraserveError
+from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
+from loraserve.process import become_service, until_stopped
+from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc
+from loraserve.worker.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+SERVICE = adapter_store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
+GRACE_S = 2.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", type=Path, default=DEMO_MODEL_DIR, help="base model directory (only config.json is read)"
+    )
+    parser.add_argument("--bind", default="127.0.0.1:7300", help="gRPC control-plane address")
+    parser.add_argument("--data-address", default="tcp://127.0.0.1:7301", help="ZMQ address workers fetch from")
+    parser.add_argument(
+        "--adapter-root",
+        type=Path,
+        default=None,
+        help="directory RegisterFromPath may read below (unset: RegisterFromPath is refused)",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="register the PEFT directory PATH as NAME before serving (repeatable; in the env twin, comma-separated)",
+    )
+    parser.add_argument(
+        "--preload-demo",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="register every demo adapter (default: on when --model is the demo model)",
+    )
+    parser.add_argument("--memory-budget-gb", type=float, default=8.0, help="host RAM for adapters, GiB")
+    parser.add_argument("--max-adapter-mb", type=float, default=512.0, help="largest weights file accepted, MiB")
+    parser.add_argument("--max-lora-rank", type=int, default=128, help="largest LoRA rank accepted")
+    parser.add_argument(
+        "--retention-s",
+        type=float,
+        default=600.0,
+        help="seconds a superseded or deleted version stays fetchable for requests in flight",
+    )
+    telemetry.add_tracing_arguments(parser)
+
+
+def config_from_args(args: argparse.Namespace) -> StoreConfig:
+    specs = args.preload
+    if isinstance(specs, str):  # from LORASERVE_PRELOAD: flags.py hands an append flag's env value over as one string
+        specs = [spec for spec in specs.split(",") if spec]
+    preload = [parse_preload(spec) for spec in specs]
+    preload_demo = args.preload_demo
+    if preload_demo is None:
+        preload_demo = Path(args.model).resolve() == DEMO_MODEL_DIR.resolve()
+    if preload_demo:
+        explicit = {name for name, _ in preload}
+        preload = [(name, path) for name, path in demo_adapters().items() if name not in explicit] + preload
+    limits = StoreLimits(
+        max_lora_rank=args.max_lora_rank,
+        max_adapter_bytes=int(args.max_adapter_mb * MIB),
+        budget_bytes=int(args.memory_budget_gb * GIB),
+        retention_s=args.retention_s,
+    )
+    return StoreConfig(
+        model_dir=Path(args.model),
+        limits=limits,
+        bind=args.bind,
+        data_address=args.data_address,
+        adapter_root=args.adapter_root,
+        preload=tuple(preload),
+    )
+
+
+def _preload(store: AdapterStore, config: StoreConfig) -> None:
+    for name, path in config.preload:
+        try:
+            store.register_dir(name, path)
+        except LoraserveError as e:
+            raise LoraserveError(f"preload {name}={path}: {e}") from None
+
+
+async def _purge_periodically(store: AdapterStore, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        store.purge_expired()
+
+
+async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
+    model = ModelConfig.from_dir(config.model_dir)
+    store = AdapterStore(model, config.limits, adapter_root=config.adapter_root)
+    data_plane = DataPlane(store, config.data_address)
+    try:
+        server, port = new_server(config.bind)
+    except BaseException:
+        data_plane.stop()
+        raise
+    adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(AdapterStoreService(store, config.data_address), server)
+    health = add_health_and_reflection(server, [SERVICE])
+    await set_serving(health, [SERVICE], False)
+    data_plane.start()
+    await server.start()
+    purger = asyncio.create_task(_purge_periodically(store, config.purge_interval_s))
+    try:
+        await asyncio.to_thread(_preload, store, config)
+        await set_serving(health, [SERVICE], True)
+        log.info(
+            "adapter store: gRPC on %s (port %d), data plane on %s, %d adapter(s), budget %d MiB, root %s",
+            config.bind,
+            port,
+            config.data_address,
+            len(config.preload),
+            config.limits.budget_bytes // MIB,
+            config.adapter_root or "(none: RegisterFromPath refused)",
+        )
+        await until_stopped(stop_event)
+        log.info("adapter store: stopping")
+    finally:
+        purger.cancel()
+        await set_serving(health, [SERVICE], False)
+        await server.stop(grace=GRACE_S)
+        data_plane.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    stop_event = become_service("adapter-store")
+    telemetry.setup_tracing("adapter-store", args.trace_exporter, args.otlp_endpoint)
+    # Validation checks many small tensors: intra-op threads gain nothing there, and on a shared CPU
+    # their parallel regions stall (measured: 1000x slower with 2 threads on a busy 2-core machine).
+    torch.set_num_threads(1)
+    try:
+        config = config_from_args(args)
+        import uvloop
+
+        uvloop.run(serve(config, stop_event))
+    except (LoraserveError, zmq.ZMQError) as e:  # configuration errors: a message, not a traceback
+        log.error("adapter store: %s", e)
+        return 1
+    finally:
+        telemetry.shutdown_tracing()
+    return 0

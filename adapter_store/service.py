@@ -1,0 +1,103 @@
+"""The AdapterStore gRPC servicer: the control plane, and the only place protobuf meets the store.
+
+Handlers raise `loraserve.errors` exceptions; the server's ErrorInterceptor turns them into
+statuses. Validation and file reading are CPU / disk work, so they run in a thread
+(`asyncio.to_thread`) and the event loop keeps answering while a large adapter is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from opentelemetry import trace
+
+from loraserve import telemetry
+from loraserve.adapter_store.store import AdapterRecord, AdapterStore, StoreStats, check_name
+from loraserve.adapter_store.upload import UploadAssembler
+from loraserve.errors import InvalidRequestError
+from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2, gateway_pb2
+
+
+def record_to_pb(record: AdapterRecord) -> common_pb2.AdapterInfo:
+    return common_pb2.AdapterInfo(
+        name=record.name,
+        version=record.version,
+        rank=record.rank,
+        lora_alpha=record.lora_alpha,
+        scale=record.scale,
+        target_modules=list(record.target_modules),
+        layers=list(record.layers),
+        size_bytes=record.size_bytes,
+        created_unix=record.created_unix,
+        source=record.source,
+        sha256=record.sha256,
+    )
+
+
+def stats_to_pb(stats: StoreStats, data_address: str) -> adapter_store_pb2.StoreState:
+    return adapter_store_pb2.StoreState(
+        adapters=stats.adapters,
+        used_bytes=stats.used_bytes,
+        budget_bytes=stats.budget_bytes,
+        max_adapter_bytes=stats.max_adapter_bytes,
+        data_address=data_address,
+        retired_versions=stats.retired_versions,
+        retired_bytes=stats.retired_bytes,
+    )
+
+
+class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
+    def __init__(self, store: AdapterStore, data_address: str):
+        self.store, self.data_address = store, data_address
+
+    async def Upload(self, request_iterator, context):
+        upload = UploadAssembler(self.store.limits.max_adapter_bytes)
+        async for request in request_iterator:
+            part = request.WhichOneof("part")
+            if part == "header":
+                upload.header(request.header.name)
+            elif part == "chunk":
+                upload.chunk(request.chunk.file, request.chunk.data)
+                self.store.check_fits(upload.weights_bytes)  # refuse over-budget uploads mid-stream
+            else:
+                raise InvalidRequestError("part", "an upload message must carry a header or a chunk")
+        files = upload.finish()
+        with _span("adapter_store.register", context, files.name) as span:
+            record = await asyncio.to_thread(
+                self.store.register, files.name, files.config_json, files.weights, files.weights_format, "upload"
+            )
+            span.set_attribute("loraserve.adapter.version", record.version)
+        return record_to_pb(record)
+
+    async def RegisterFromPath(self, request: gateway_pb2.RegisterAdapterFromPathRequest, context):
+        check_name(request.name)
+        with _span("adapter_store.register", context, request.name) as span:
+            span.set_attribute("loraserve.adapter.path", request.path)
+            record = await asyncio.to_thread(self.store.register_from_path, request.name, request.path)
+            span.set_attribute("loraserve.adapter.version", record.version)
+        return record_to_pb(record)
+
+    async def List(self, request: gateway_pb2.ListAdaptersRequest, context):
+        return gateway_pb2.ListAdaptersResponse(adapters=[record_to_pb(r) for r in self.store.list()])
+
+    async def Describe(self, request: gateway_pb2.DescribeAdapterRequest, context):
+        check_name(request.name)
+        return record_to_pb(self.store.describe(request.name))
+
+    async def Delete(self, request: gateway_pb2.DeleteAdapterRequest, context):
+        check_name(request.name)
+        return gateway_pb2.DeleteAdapterResponse(version=self.store.delete(request.name))
+
+    async def GetStoreState(self, request: adapter_store_pb2.GetStoreStateRequest, context):
+        return stats_to_pb(self.store.stats(), self.data_address)
+
+
+@contextmanager
+def _span(name: str, context, adapter: str) -> Iterator[trace.Span]:
+    """A span under the caller's trace context (gRPC metadata), naming the adapter."""
+    parent = telemetry.context_from(context.invocation_metadata())
+    with telemetry.tracer().start_as_current_span(name, context=parent) as span:
+        span.set_attribute("loraserve.adapter.name", adapter)
+        yield span

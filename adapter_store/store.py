@@ -1,0 +1,299 @@
+"""Every registered adapter in host RAM, versioned, validated at the door. A plain object: no sockets.
+
+Per (name, version) the store keeps the raw bytes of adapter_config.json and of the weights file
+(exactly what workers fetch) and an `AdapterRecord`. Registering a name again makes version + 1;
+versions are never reused, even after a delete, so (name, version) always means the same bytes.
+
+Retention: a request keeps the version it started with, and a worker may fetch it after the name
+moved on. So a superseded or deleted version is *retired*, not dropped: it stays fetchable for
+`retention_s` and counts against the memory budget until it is purged. Purging is lazy (every
+call purges what expired) plus whatever periodic `purge_expired` calls the owner makes.
+
+Thread-safe: one lock guards the maps; validation (parsing every tensor) and hashing run outside
+it, so the data-plane thread is never held up by a registration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB, StoreLimits
+from loraserve.adapter_store.files import (
+    CONFIG_FILE,
+    WEIGHTS_FILES,
+    AdapterFiles,
+    read_adapter_dir,
+    resolve_under_root,
+    too_large_message,
+)
+from loraserve.errors import (
+    AdapterNotFoundError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from loraserve.worker.adapters import load_adapter_bytes
+from loraserve.worker.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+WEIGHTS_FORMATS = tuple(WEIGHTS_FILES.values())
+
+
+class NoAdapterRootError(FailedPreconditionError):
+    """RegisterFromPath on a store started without --adapter-root."""
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    """What the store tells about one version of an adapter."""
+
+    name: str
+    version: int
+    rank: int
+    lora_alpha: float
+    scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    target_modules: tuple[str, ...]
+    layers: tuple[int, ...]
+    size_bytes: int  # the weights file
+    created_unix: float
+    source: str  # "upload", or the path it was registered from
+    sha256: str  # of the weights file, hex
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    adapters: int  # names registered now
+    held_versions: int  # versions held, retired ones included
+    retired_versions: int
+    used_bytes: int  # both files of every held version
+    retired_bytes: int
+    budget_bytes: int
+    max_adapter_bytes: int
+
+
+@dataclass
+class _Held:
+    record: AdapterRecord
+    files: AdapterFiles
+    retired_at: float | None = None  # clock() when superseded or deleted
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.files.config_json) + len(self.files.weights)
+
+
+def check_name(name: str, field: str = "name") -> None:
+    """Raise InvalidRequestError unless `name` is a valid adapter name."""
+    if not name:
+        raise InvalidRequestError(field, "required: the adapter's name")
+    if not NAME_PATTERN.fullmatch(name):
+        raise InvalidRequestError(
+            field,
+            f"{name[:140]!r} is not a valid adapter name: 1-128 characters, letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+        )
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        model: ModelConfig,
+        limits: StoreLimits,
+        adapter_root: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.model, self.limits, self.adapter_root = model, limits, adapter_root
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, int], _Held] = {}
+        self._current: dict[str, int] = {}  # name -> current version
+        self._last_version: dict[str, int] = {}  # survives deletes: versions are never reused
+        self._retired: deque[tuple[float, tuple[str, int]]] = deque()  # (retired at, key), oldest first
+        self._used = 0
+
+    # ---- registering ---------------------------------------------------------------------------
+    def register(
+        self,
+        name: str,
+        config_json: bytes,
+        weights: bytes,
+        weights_format: str = "safetensors",
+        source: str = "upload",
+    ) -> AdapterRecord:
+        """Validate with the engine's own rules, then store as the name's next version."""
+        check_name(name)
+        if weights_format not in WEIGHTS_FORMATS:
+            raise InvalidRequestError(
+                "weights_format", f"{weights_format!r} is not one of {', '.join(WEIGHTS_FORMATS)}"
+            )
+        config_json, weights = bytes(config_json), bytes(weights)  # no copy when given bytes
+        if len(config_json) > MAX_CONFIG_BYTES:
+            raise InvalidRequestError(
+                CONFIG_FILE, f"is {len(config_json)} bytes; an adapter config may be at most {MAX_CONFIG_BYTES} bytes"
+            )
+        if len(weights) > self.limits.max_adapter_bytes:
+            raise ResourceExhaustedError(too_large_message(len(weights), self.limits.max_adapter_bytes))
+        nbytes = len(config_json) + len(weights)
+        self.check_fits(nbytes)  # cheap refusal before the expensive validation
+        adapter = load_adapter_bytes(config_json, weights, self.model, self.limits.max_lora_rank, weights_format)
+        sha256 = hashlib.sha256(weights).hexdigest()
+        with self._lock:
+            self._purge_locked()
+            self._check_fits_locked(nbytes)
+            version = self._last_version.get(name, 0) + 1
+            record = AdapterRecord(
+                name=name,
+                version=version,
+                rank=adapter.rank,
+                lora_alpha=adapter.lora_alpha,
+                scale=adapter.scale,
+                target_modules=adapter.modules,
+                layers=adapter.layers,
+                size_bytes=len(weights),
+                created_unix=time.time(),
+                source=source,
+                sha256=sha256,
+            )
+            previous = self._current.get(name)
+            if previous is not None:
+                self._retire_locked(name, previous)
+            self._held[(name, version)] = _Held(record, AdapterFiles(config_json, weights, weights_format))
+            self._current[name] = version
+            self._last_version[name] = version
+            self._used += nbytes
+            self._purge_locked()  # a zero retention drops the superseded version at once
+        log.info(
+            "registered adapter %s v%d (rank %d, %s, %.1f MiB) from %s",
+            name,
+            version,
+            record.rank,
+            ",".join(record.target_modules),
+            record.size_bytes / MIB,
+            source,
+        )
+        return record
+
+    def register_from_path(self, name: str, relative_path: str) -> AdapterRecord:
+        """Register the PEFT directory `relative_path` below the adapter root (never outside it)."""
+        check_name(name)
+        if self.adapter_root is None:
+            raise NoAdapterRootError("no --adapter-root configured: this store does not register adapters from paths")
+        directory = resolve_under_root(self.adapter_root, relative_path)
+        files = read_adapter_dir(directory, self.limits.max_adapter_bytes, confine_to=self.adapter_root)
+        return self.register(name, files.config_json, files.weights, files.weights_format, source=relative_path)
+
+    def register_dir(self, name: str, directory: Path) -> AdapterRecord:
+        """Register a directory the operator named (preloads): anywhere, no root confinement."""
+        if not directory.is_dir():
+            raise NotFoundError(f"adapter directory {directory} does not exist")
+        files = read_adapter_dir(directory, self.limits.max_adapter_bytes)
+        return self.register(name, files.config_json, files.weights, files.weights_format, source=str(directory))
+
+    def check_fits(self, nbytes: int) -> None:
+        """Raise ResourceExhaustedError if `nbytes` more would exceed the memory budget."""
+        with self._lock:
+            self._purge_locked()
+            self._check_fits_locked(nbytes)
+
+    # ---- reading -------------------------------------------------------------------------------
+    def get_files(self, name: str, version: int) -> AdapterFiles:
+        """The files of one version (current or retired); NotFoundError when not held."""
+        with self._lock:
+            self._purge_locked()
+            held = self._held.get((name, version))
+            if held is not None:
+                return held.files
+            current = self._current.get(name)
+            last = self._last_version.get(name)
+        if last is None:
+            raise AdapterNotFoundError(name)
+        why = f"adapter {name!r} was deleted" if current is None else f"adapter {name!r} is at version {current}"
+        if 1 <= version <= last:
+            why += f" and version {version} was released (retired versions are kept {self.limits.retention_s:g} s)"
+        else:
+            why += f"; version {version} never existed"
+        raise NotFoundError(why)
+
+    def describe(self, name: str) -> AdapterRecord:
+        with self._lock:
+            self._purge_locked()
+            version = self._current.get(name)
+            if version is None:
+                raise AdapterNotFoundError(name, list(self._current))
+            return self._held[(name, version)].record
+
+    def list(self) -> list[AdapterRecord]:
+        """The current version of every adapter, sorted by name."""
+        with self._lock:
+            self._purge_locked()
+            return [self._held[(name, self._current[name])].record for name in sorted(self._current)]
+
+    def delete(self, name: str) -> int:
+        """Unregister a name; returns the version that was current. It stays fetchable while retained."""
+        with self._lock:
+            version = self._current.pop(name, None)
+            if version is None:
+                raise AdapterNotFoundError(name, list(self._current))
+            self._retire_locked(name, version)
+            self._purge_locked()
+        log.info("deleted adapter %s (v%d retained for %g s)", name, version, self.limits.retention_s)
+        return version
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._purge_locked()
+            retired = [h for h in self._held.values() if h.retired_at is not None]
+            return StoreStats(
+                adapters=len(self._current),
+                held_versions=len(self._held),
+                retired_versions=len(retired),
+                used_bytes=self._used,
+                retired_bytes=sum(h.nbytes for h in retired),
+                budget_bytes=self.limits.budget_bytes,
+                max_adapter_bytes=self.limits.max_adapter_bytes,
+            )
+
+    def purge_expired(self) -> int:
+        """Drop retired versions whose retention ended; returns how many."""
+        with self._lock:
+            return self._purge_locked()
+
+    # ---- internals (self._lock held) -----------------------------------------------------------
+    def _retire_locked(self, name: str, version: int) -> None:
+        now = self._clock()
+        self._held[(name, version)].retired_at = now
+        self._retired.append((now, (name, version)))
+
+    def _purge_locked(self) -> int:
+        """Drop expired versions: O(expired), as retirements are queued in time order."""
+        now, purged = self._clock(), 0
+        while self._retired and now - self._retired[0][0] >= self.limits.retention_s:
+            _, key = self._retired.popleft()
+            self._used -= self._held.pop(key).nbytes
+            purged += 1
+            log.info("purged adapter %s v%d (retention over)", *key)
+        return purged
+
+    def _check_fits_locked(self, nbytes: int) -> None:
+        budget = self.limits.budget_bytes
+        if self._used + nbytes <= budget:
+            return
+        retired = [h for h in self._held.values() if h.retired_at is not None]
+        retired_bytes = sum(h.nbytes for h in retired)
+        raise ResourceExhaustedError(
+            f"host-RAM budget exhausted: the adapter needs {nbytes / MIB:.1f} MiB but {self._used / MIB:.1f} of "
+            f"{budget / MIB:.1f} MiB are in use ({retired_bytes / MIB:.1f} MiB by {len(retired)} superseded or "
+            f"deleted version(s) kept up to {self.limits.retention_s:g} s for requests in flight); "
+            "delete adapters or raise the store's memory budget"
+        )

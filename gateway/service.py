@@ -1,0 +1,297 @@
+"""The public gRPC API (`loraserve.v1.LoraServe`): validate, tokenize, submit, stream back.
+
+A generation: authenticate → validate (INVALID_ARGUMENT naming the field) → tokenize → resolve the
+adapter's current version with the store (NOT_FOUND) → Submit to the scheduler (RESOURCE_EXHAUSTED,
+UNAVAILABLE) → read TOKENS from the token sink, detokenize incrementally, apply stop sequences,
+stream to the client → a summary with the finish reason, usage and latency breakdown. If the
+client cancels or its deadline passes, the request is cancelled downstream at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from loraserve import telemetry
+from loraserve.convert import FINISH_REASONS, sampling_to_pb
+from loraserve.errors import InvalidRequestError, LoraserveError, PermissionDeniedError, UnavailableError
+from loraserve.gateway.auth import Authenticator, Principal
+from loraserve.gateway.stops import StopFilter
+from loraserve.gateway.token_sink import TokenSink
+from loraserve.gateway.validation import Limits, ValidRequest, check_context, validate_generate
+from loraserve.grpc_utils import internal_call
+from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
+from loraserve.wire import Tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_name: str
+    model_type: str
+    max_lora_rank: int
+    internal_timeout_s: float = 5.0  # calls to the scheduler and the store
+    inactivity_timeout_s: float = 60.0  # no token for this long: the request failed somewhere
+
+
+class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        limits: Limits,
+        tokenizer: Tokenizer,
+        sink: TokenSink,
+        scheduler: sched_grpc.SchedulerStub,
+        store: adapter_store_pb2_grpc.AdapterStoreStub,
+        auth: Authenticator,
+    ):
+        self.config, self.limits, self.tokenizer, self.sink = config, limits, tokenizer, sink
+        self.scheduler, self.store, self.auth = scheduler, store, auth
+        self.ready_workers = 0  # kept current by the health poller in main.py
+        self._background: set[asyncio.Task] = set()
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        text, tokens, summary = [], [], None
+        async for event in self._generate(request, context):
+            if event.HasField("chunk"):
+                text.append(event.chunk.text)
+                tokens += event.chunk.token_ids
+            else:
+                summary = event.summary
+        summary.text = "".join(text)
+        summary.token_ids.extend(tokens)
+        return summary
+
+    async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        async for event in self._generate(request, context):
+            yield event
+
+    async def _generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        arrival = time.time()
+        metadata = _metadata(context)
+        principal = self.auth.authenticate(metadata)
+        request_id = uuid.uuid4().hex
+        parent = telemetry.context_from(metadata)
+        with telemetry.tracer().start_as_current_span(
+            "gateway.generate", context=parent, kind=trace.SpanKind.SERVER
+        ) as span:
+            span.set_attribute("loraserve.request_id", request_id)
+            span.set_attribute("loraserve.tenant", principal.tenant)
+            if request.client_request_id:
+                span.set_attribute("loraserve.client_request_id", request.client_request_id[:128])
+            valid, prompt_ids, version = await self._prepare(request, principal)
+            span.set_attribute("loraserve.adapter", valid.adapter or "")
+            stream = self.sink.open(request_id)
+            finished = False
+            try:
+                await self._submit(request_id, valid, prompt_ids, version, context, arrival)
+                async for event in self._stream(request_id, valid, prompt_ids, stream, arrival, version):
+                    if event.HasField("summary"):
+                        finished = True
+                    yield event
+            except asyncio.CancelledError:
+                self._cancel_downstream(request_id, "client cancelled or deadline exceeded")
+                raise
+            finally:
+                self.sink.close(request_id)
+                if not finished:
+                    self._cancel_downstream(request_id, "the gateway stopped reading")
+
+    async def _prepare(self, request, principal: Principal) -> tuple[ValidRequest, list[int], int]:
+        tracer = telemetry.tracer()
+        with tracer.start_as_current_span("gateway.validate"):
+            valid = validate_generate(request, self.limits)
+        with tracer.start_as_current_span("gateway.tokenize"):
+            prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
+            check_context(prompt_ids, valid.sampling, self.limits)
+        version = 0
+        if valid.adapter is not None:
+            if not self.auth.may_use_adapter(principal, valid.adapter):
+                raise PermissionDeniedError(f"tenant {principal.tenant!r} may not use adapter {valid.adapter!r}")
+            with tracer.start_as_current_span("gateway.adapter_lookup"):
+                info = await internal_call("the adapter store", lambda: self.store.Describe(
+                    gateway_pb2.DescribeAdapterRequest(name=valid.adapter),
+                    timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata(),
+                ))  # fmt: skip
+            version = info.version
+        return valid, prompt_ids, version
+
+    async def _submit(self, request_id, valid: ValidRequest, prompt_ids, version, context, arrival) -> None:
+        remaining = context.time_remaining()
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            adapter=valid.adapter or "",
+            adapter_version=version,
+            sampling=sampling_to_pb(valid.sampling),
+            max_new_tokens=valid.sampling.max_new_tokens,
+            stop_token_ids=list(valid.sampling.stop_token_ids),
+            deadline_unix=time.time() + remaining if remaining is not None else 0.0,
+            reply_to=self.sink.address,
+            arrival_unix=arrival,
+        )
+        with telemetry.tracer().start_as_current_span("gateway.submit"):
+            await internal_call("the scheduler", lambda: self.scheduler.Submit(
+                submit, timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata()
+            ))  # fmt: skip
+
+    async def _stream(
+        self, request_id, valid: ValidRequest, prompt_ids, stream: asyncio.Queue[Tokens], arrival, version
+    ):
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        stops = StopFilter(list(valid.stop))
+        special = set(self.tokenizer.eos_token_ids)
+        completion_tokens, first_token_at, worker_id, stream_span = 0, None, "", None
+        while True:
+            try:
+                message = await asyncio.wait_for(stream.get(), self.config.inactivity_timeout_s)
+            except TimeoutError:
+                raise UnavailableError(
+                    f"no progress for {self.config.inactivity_timeout_s:.0f} s; the serving stack may be degraded"
+                ) from None
+            if message.error_status:  # the failure crosses the hop with its status and message
+                error = LoraserveError(message.error or message.error_status)
+                error.status = message.error_status
+                raise error
+            worker_id = message.worker_id or worker_id
+            if message.token_ids and first_token_at is None:
+                first_token_at = time.time()
+                stream_span = telemetry.tracer().start_span("gateway.stream")
+            completion_tokens += len(message.token_ids)
+            text = "".join(detok.push(t) for t in message.token_ids if t not in special)
+            if message.finished:
+                text += detok.flush()
+            shown, stopped = stops.feed(text)
+            if message.finished and not stopped:
+                shown += stops.flush()
+            if shown or message.token_ids:
+                yield gateway_pb2.GenerateStreamResponse(
+                    chunk=gateway_pb2.TokenChunk(text=shown, token_ids=message.token_ids)
+                )
+            if stopped or message.finished:
+                reason = "stop_sequence" if stopped else message.finish_reason
+                if stopped and not message.finished:
+                    self._cancel_downstream(request_id, "stop sequence")
+                if stream_span is not None:
+                    stream_span.end()
+                yield gateway_pb2.GenerateStreamResponse(summary=self._summary(
+                    request_id, valid, prompt_ids, completion_tokens, reason, message.timings, arrival,
+                    first_token_at, version, worker_id,
+                ))  # fmt: skip
+                return
+
+    def _summary(
+        self,
+        request_id,
+        valid,
+        prompt_ids,
+        completion_tokens,
+        reason,
+        timings,
+        arrival,
+        first_token_at,
+        version,
+        worker_id,
+    ):
+        now = time.time()
+        return gateway_pb2.GenerateResponse(
+            request_id=request_id,
+            client_request_id=valid.client_request_id,
+            finish_reason=FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
+            usage=common_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens),
+            timings=common_pb2.Timings(
+                queue_s=timings.get("queue_s", 0.0),
+                adapter_load_s=timings.get("adapter_load_s", 0.0),
+                prefill_s=timings.get("prefill_s", 0.0),
+                time_to_first_token_s=(first_token_at - arrival) if first_token_at else 0.0,
+                decode_s=timings.get("decode_s", 0.0),
+                total_s=now - arrival,
+            ),
+            adapter_version=version,
+            worker_id=worker_id,
+        )
+
+    def _cancel_downstream(self, request_id: str, reason: str) -> None:
+        async def cancel() -> None:
+            try:
+                await self.scheduler.Cancel(
+                    scheduler_pb2.CancelRequest(request_id=request_id, reason=reason),
+                    timeout=self.config.internal_timeout_s,
+                )
+            except grpc.aio.AioRpcError as e:
+                log.warning("could not cancel %s downstream: %s", request_id, e.details())
+
+        task = asyncio.get_running_loop().create_task(cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- tokenizer and model -------------------------------------------------------------------
+    async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context):
+        self.auth.authenticate(_metadata(context))
+        if len(request.text.encode()) > self.limits.max_prompt_bytes:
+            raise InvalidRequestError("text", f"is longer than {self.limits.max_prompt_bytes} bytes")
+        ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return gateway_pb2.TokenizeResponse(ids=ids, tokens=self.tokenizer.token_strings(ids))
+
+    async def GetModelInfo(self, request, context):
+        self.auth.authenticate(_metadata(context))
+        return gateway_pb2.ModelInfo(
+            model_type=self.config.model_type,
+            model_name=self.config.model_name,
+            vocab_size=self.limits.vocab_size,
+            max_context_length=self.limits.max_context,
+            default_max_new_tokens=self.limits.default_max_new_tokens,
+            max_lora_rank=self.config.max_lora_rank,
+            ready_workers=self.ready_workers,
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+        )
+
+    # ---- adapter admin (proxied to the adapter store) ------------------------------------------
+    async def ListAdapters(self, request, context):
+        self.auth.authenticate(_metadata(context))
+        return await self._store("List", request)
+
+    async def DescribeAdapter(self, request, context):
+        self.auth.authenticate(_metadata(context))
+        return await self._store("Describe", request)
+
+    async def UploadAdapter(self, request_iterator, context):
+        self._admin(context)
+        return await internal_call("the adapter store", lambda: self.store.Upload(request_iterator, timeout=600))
+
+    async def RegisterAdapterFromPath(self, request, context):
+        self._admin(context)
+        return await self._store("RegisterFromPath", request)
+
+    async def DeleteAdapter(self, request, context):
+        self._admin(context)
+        return await self._store("Delete", request)
+
+    def _admin(self, context) -> None:
+        principal = self.auth.authenticate(_metadata(context))
+        if not self.auth.may_administer(principal):
+            raise PermissionDeniedError(f"tenant {principal.tenant!r} may not manage adapters")
+
+    async def _store(self, method: str, request):
+        call = getattr(self.store, method)
+        return await internal_call(
+            "the adapter store",
+            lambda: call(request, timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata()),
+        )
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}

@@ -1,0 +1,53 @@
+"""The gateway's ZMQ token sink: workers (and the scheduler, for failures) push TOKENS here.
+
+One PULL socket per gateway; messages are dispatched to the per-request queue of the RPC that
+waits for them. Messages for requests nobody waits for any more (cancelled) are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from loraserve.sockets import make_socket
+from loraserve.wire import Tokens, WireError, decode
+
+log = logging.getLogger(__name__)
+
+
+class TokenSink:
+    def __init__(self, address: str):
+        self.ctx = zmq.asyncio.Context()
+        self.socket = make_socket(self.ctx, zmq.PULL, bind=address)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._streams: dict[str, asyncio.Queue[Tokens]] = {}
+
+    def open(self, request_id: str) -> asyncio.Queue[Tokens]:
+        stream: asyncio.Queue[Tokens] = asyncio.Queue()
+        self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def run(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart()
+            try:
+                message = decode(frames)
+            except WireError as e:
+                log.warning("dropping a malformed message on the token sink: %s", e)
+                continue
+            if not isinstance(message, Tokens):
+                log.warning("dropping unexpected %s on the token sink", type(message).__name__)
+                continue
+            stream = self._streams.get(message.request_id)
+            if stream is not None:
+                stream.put_nowait(message)
+
+    def shutdown(self) -> None:
+        self.socket.close(linger=0)
+        self.ctx.term()

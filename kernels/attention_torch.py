@@ -1,0 +1,86 @@
+"""Paged attention over the unified pool, in plain torch: the reference and the CPU path.
+
+    write:  pool[K row of new token t] = k[t];  pool[V row of t] = v[t]
+    attend: for each sequence b, new token i at position p = context_len[b] - query_len[b] + i:
+                out[t] = softmax(q[t] · K[0..p]^T * scale) · V[0..p]     (keys within the sliding
+                window only, when there is one); query head h reads KV head h // (H / H_kv)
+
+Shapes: q [T, H, D]; k, v [T, H_kv * D]; pool_layer [rows, H_kv * D]; out [T, H, D].
+Sequences are gathered into a padded batch (decode-only sequences and prefill chunks apart, so a
+long prompt does not pad every decode) and run through one scaled_dot_product_attention call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loraserve.kernels.metadata import AttentionBatch
+
+
+def write_kv_torch(pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
+    pool_layer.index_copy_(0, batch.new_rows, k)
+    pool_layer.index_copy_(0, batch.new_rows + batch.tokens_per_page, v)
+
+
+@dataclass
+class _Group:
+    """Index tensors for one padded group of sequences, shared by every layer of the step."""
+
+    query_index: torch.Tensor  # int64 [G, Qmax]: token of each (sequence, query slot)
+    query_valid: torch.Tensor  # bool  [G, Qmax]
+    key_rows: torch.Tensor  # int64 [G, Smax]: K row of each key position
+    mask: torch.Tensor  # bool  [G, 1, Qmax, Smax]: True where a query may attend a key
+
+
+def _groups(batch: AttentionBatch) -> list[_Group]:
+    if "groups" in batch.cache:
+        return batch.cache["groups"]
+    decode = [b for b, n in enumerate(batch.query_lens) if n == 1]
+    prefill = [b for b, n in enumerate(batch.query_lens) if n > 1]
+    batch.cache["groups"] = [_build_group(batch, seqs) for seqs in (decode, prefill) if seqs]
+    return batch.cache["groups"]
+
+
+def _build_group(batch: AttentionBatch, seqs: list[int]) -> _Group:
+    device = batch.page_table.device
+    idx = torch.tensor(seqs, device=device)
+    q_lens = torch.tensor([batch.query_lens[b] for b in seqs], device=device)
+    ctx = torch.tensor([batch.context_lens[b] for b in seqs], device=device)
+    q_max, s_max = int(q_lens.max()), int(ctx.max())
+    tp = batch.tokens_per_page
+
+    slot = torch.arange(q_max, device=device)
+    query_valid = slot[None, :] < q_lens[:, None]
+    starts = batch.query_start.to(device=device, dtype=torch.int64)[idx]
+    query_index = torch.where(query_valid, starts[:, None] + slot[None, :], 0)
+
+    key_pos = torch.arange(s_max, device=device)
+    pages = batch.page_table[idx][:, key_pos // tp].to(torch.int64)
+    key_rows = pages * (2 * tp) + key_pos % tp
+    query_pos = (ctx - q_lens)[:, None] + slot[None, :]  # [G, Qmax]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]
+    if batch.sliding_window:
+        mask &= key_pos[None, None, :] > query_pos[:, :, None] - batch.sliding_window
+    mask &= query_valid[:, :, None]
+    mask[:, :, 0] |= ~query_valid  # padded query slots attend key 0 rather than nothing (no NaN)
+    return _Group(query_index, query_valid, key_rows, mask[:, None])
+
+
+def attention_torch(
+    q: torch.Tensor, pool_layer: torch.Tensor, batch: AttentionBatch, num_kv_heads: int, scale: float
+) -> torch.Tensor:
+    _, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    for group in _groups(batch):
+        g, s_max = group.key_rows.shape
+        k = pool_layer[group.key_rows].view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
+        v = pool_layer[group.key_rows + batch.tokens_per_page].view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
+        queries = q[group.query_index].transpose(1, 2)  # [G, H, Qmax, D]
+        attended = F.scaled_dot_product_attention(
+            queries, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_kv_heads != num_heads
+        ).transpose(1, 2)  # [G, Qmax, H, D]
+        out[group.query_index[group.query_valid]] = attended[group.query_valid]
+    return out

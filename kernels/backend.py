@@ -1,0 +1,56 @@
+"""The kernel backend: chosen once from configuration, logged, then passed to the model.
+
+Both backends implement the same three operations with the same semantics (see each module's
+docstring); the torch one is the reference and what runs on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.kernels.attention_torch import attention_torch, write_kv_torch
+from loraserve.kernels.lora_bmm import lora_apply_bmm
+from loraserve.kernels.lora_torch import lora_apply_torch
+from loraserve.kernels.metadata import AttentionBatch, LoraBatch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "triton", "torch-bmm")  # torch-bmm: the padded baseline, for benchmarks
+
+LoraApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LoraBatch, int, int], None]
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch], None]
+Attend = Callable[[torch.Tensor, torch.Tensor, AttentionBatch, int, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    lora_apply: LoraApply  # (y, x, pool_layer, lora_batch, layer, module) -> None, y updated in place
+    write_kv: WriteKV  # (pool_layer, k, v, attention_batch) -> None
+    attention: Attend  # (q, pool_layer, attention_batch, num_kv_heads, scale) -> out
+
+
+TORCH = KernelBackend("torch", lora_apply_torch, write_kv_torch, attention_torch)
+TORCH_BMM = KernelBackend("torch-bmm", lora_apply_bmm, write_kv_torch, attention_torch)
+
+
+def select_backend(name: str, device: torch.device) -> KernelBackend:
+    """`auto` is triton on CUDA and torch elsewhere. Triton on CPU needs TRITON_INTERPRET=1."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        backend = TORCH
+    elif name == "torch-bmm":
+        backend = TORCH_BMM
+    else:
+        from loraserve.kernels.triton_backend import triton_backend
+
+        backend = triton_backend(device)
+    log.info("kernel backend: %s on %s", backend.name, device)
+    return backend

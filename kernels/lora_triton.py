@@ -1,0 +1,327 @@
+"""Batched LoRA over the unified pool, in Triton: the same semantics as `lora_torch`.
+
+    for each segment s (adapter a = seg_adapter[s], tokens t in the segment):
+        if a_offset[a, m] >= 0 and layer_active[a, layer]:
+            v[t]  = x[t] @ A_a^T                    shrink:  A_a [r_a, d_in]
+            y[t] += (v[t] @ B_a) * scale[a]         expand:  B_a [r_a, d_out]   (B here is lora_B^T)
+
+    A_a[j, c*W + k] = pool[row(a, a_offset[a, m] + j*c_in + c), k]      (k < W, c*W + k < d_in)
+    B_a[j, c*W + n] = pool[row(a, b_offset[a, m] + j*c_out + c), n]
+    row(a, l)       = page_table[a, l // R] * R + l % R
+
+Shapes: x [T, d_in], y [T, d_out] (updated in place), pool_layer [rows, W]; metadata in LoraBatch.
+
+Both factors are read row by row straight from the adapter's pages: nothing is padded to a
+maximum rank in memory, and adapters of different ranks share one launch (the rank BLOCK is a
+power of two >= 16 covering the largest rank, and rows j >= r_a are masked off, never read).
+Rank vectors wider than a row are `c` consecutive rows; a program walks them chunk by chunk, so
+every load of a weight tile is W-contiguous within one physical row.
+
+Two paths, each a shrink kernel and an expand kernel joined by a float32 buffer
+v [SPLITS, T, BLOCK_R] (the shrink may split the d_in reduction over SPLITS programs; the expand
+sums the partial vectors, so the result does not depend on the order of any atomic):
+
+- token path (decode; S-LoRA's MBGMV, punica's BGMV): one program per token t (and split), adapter
+  token_adapter[t] (-1: none); dot products as broadcast multiply + tl.sum.
+    shrink grid (T, SPLITS)                          expand grid (T, c_out * ceil(W / BLOCK_N))
+- segment path (prefill; S-LoRA's MBGMM, punica's SGMV): one program per tile of BLOCK_M tokens
+  of a segment; tl.dot on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_R] and [BLOCK_M, BLOCK_R] x
+  [BLOCK_R, BLOCK_N] tiles; programs past their segment's end return at once.
+    shrink grid (S, ceil(max_seg_len / BLOCK_M), SPLITS)
+    expand grid (S, ceil(max_seg_len / BLOCK_M), c_out * ceil(W / BLOCK_N))
+
+`lora_apply_triton` takes the token path when every segment is one token long (a pure decode step
+with no adapter shared by two requests in a row), the segment path otherwise: a segment of n
+tokens then reads its adapter once per tile rather than n times.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.kernels.metadata import MODULES, LoraBatch
+
+# Largest segment length for which the token path is chosen (see the module docstring).
+TOKEN_PATH_MAX_SEG_LEN = 1
+PATHS = ("auto", "token", "segment")
+
+
+@triton.jit
+def _rows(page_row_ptr, logical, mask, R: tl.constexpr):
+    """Physical pool rows (int64) of an adapter's logical rows: page_row[l // R] * R + l % R."""
+    page = tl.load(page_row_ptr + logical // R, mask=mask, other=0)
+    return page.to(tl.int64) * R + logical % R
+
+
+@triton.jit
+def _block_offset(a, module, layer, offset_ptr, layer_active_ptr, stride_la):
+    """(first logical row of adapter a's block for the module, whether a skips it in this layer)."""
+    offset = tl.load(offset_ptr + a * 7 + module)
+    active = tl.load(layer_active_ptr + a * stride_la + layer)
+    return offset, (offset < 0) | (active == 0)
+
+
+@triton.jit
+def _shrink_token_kernel(
+    x_ptr, stride_xt, pool_ptr, v_ptr,
+    token_adapter_ptr, rank_ptr, page_table_ptr, stride_pt, a_offset_ptr, layer_active_ptr, stride_la,
+    module, layer, num_tokens, d_in, c_in,
+    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """v[split, t, j] = sum over this split's k of x[t, k] * A_a[j, k]   (a = token_adapter[t])"""
+    t = tl.program_id(0)
+    split = tl.program_id(1)
+    a = tl.load(token_adapter_ptr + t)
+    if a < 0:
+        return
+    a_off, skip = _block_offset(a, module, layer, a_offset_ptr, layer_active_ptr, stride_la)
+    if skip:
+        return
+    j = tl.arange(0, BLOCK_R)
+    j_ok = j < tl.load(rank_ptr + a)
+    cols = tl.arange(0, BLOCK_K)
+    blocks_per_chunk = (W + BLOCK_K - 1) // BLOCK_K
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for kb in range(split, c_in * blocks_per_chunk, SPLITS):
+        c = kb // blocks_per_chunk
+        col = (kb % blocks_per_chunk) * BLOCK_K + cols
+        k_ok = (col < W) & (c * W + col < d_in)
+        xk = tl.load(x_ptr + t * stride_xt + c * W + col, mask=k_ok, other=0.0).to(tl.float32)
+        rows = _rows(page_table_ptr + a * stride_pt, a_off + j * c_in + c, j_ok, R)
+        w = tl.load(pool_ptr + rows[:, None] * W + col[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    tl.store(v_ptr + (split * num_tokens + t) * BLOCK_R + j, acc)
+
+
+@triton.jit
+def _expand_token_kernel(
+    y_ptr, stride_yt, pool_ptr, v_ptr,
+    token_adapter_ptr, rank_ptr, scale_ptr, page_table_ptr, stride_pt, b_offset_ptr, layer_active_ptr,
+    stride_la, module, layer, num_tokens, d_out, c_out,
+    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """y[t, n] += (sum_split v[split, t, :]) @ B_a[:, n] * scale[a], for the BLOCK_N columns n of this program."""
+    t = tl.program_id(0)
+    a = tl.load(token_adapter_ptr + t)
+    if a < 0:
+        return
+    b_off, skip = _block_offset(a, module, layer, b_offset_ptr, layer_active_ptr, stride_la)
+    if skip:
+        return
+    j = tl.arange(0, BLOCK_R)
+    j_ok = j < tl.load(rank_ptr + a)
+    v = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for split in range(SPLITS):
+        v += tl.load(v_ptr + (split * num_tokens + t) * BLOCK_R + j)
+    blocks_per_chunk = (W + BLOCK_N - 1) // BLOCK_N
+    nb = tl.program_id(1)
+    c = nb // blocks_per_chunk
+    col = (nb % blocks_per_chunk) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (col < W) & (c * W + col < d_out)
+    rows = _rows(page_table_ptr + a * stride_pt, b_off + j * c_out + c, j_ok, R)
+    w = tl.load(pool_ptr + rows[:, None] * W + col[None, :], mask=j_ok[:, None] & n_ok[None, :], other=0.0)
+    delta = tl.sum(v[:, None] * w.to(tl.float32), axis=0) * tl.load(scale_ptr + a)
+    y_ptrs = y_ptr + t * stride_yt + c * W + col
+    y = tl.load(y_ptrs, mask=n_ok, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
+
+
+@triton.jit
+def _shrink_segment_kernel(
+    x_ptr, stride_xt, pool_ptr, v_ptr,
+    seg_start_ptr, seg_len_ptr, seg_adapter_ptr, rank_ptr, page_table_ptr, stride_pt, a_offset_ptr,
+    layer_active_ptr, stride_la, module, layer, num_tokens, d_in, c_in,
+    W: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """v[split, tile, :] = x[tile, this split's k] @ A_a[:, k]^T   (tile: BLOCK_M tokens of segment s)"""
+    s = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(seg_len_ptr + s)
+    if tile * BLOCK_M >= length:
+        return
+    a = tl.load(seg_adapter_ptr + s)
+    a_off, skip = _block_offset(a, module, layer, a_offset_ptr, layer_active_ptr, stride_la)
+    if skip:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < length
+    tokens = tl.load(seg_start_ptr + s) + offs_m
+    j = tl.arange(0, BLOCK_R)
+    j_ok = j < tl.load(rank_ptr + a)
+    cols = tl.arange(0, BLOCK_K)
+    blocks_per_chunk = (W + BLOCK_K - 1) // BLOCK_K
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for kb in range(split, c_in * blocks_per_chunk, SPLITS):
+        c = kb // blocks_per_chunk
+        col = (kb % blocks_per_chunk) * BLOCK_K + cols
+        k_ok = (col < W) & (c * W + col < d_in)
+        xk = tl.load(
+            x_ptr + tokens[:, None] * stride_xt + c * W + col[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        rows = _rows(page_table_ptr + a * stride_pt, a_off + j * c_in + c, j_ok, R)
+        w = tl.load(
+            pool_ptr + rows[None, :] * W + col[:, None], mask=k_ok[:, None] & j_ok[None, :], other=0.0
+        )  # A^T tile [BLOCK_K, BLOCK_R]
+        acc = tl.dot(xk, w, acc, input_precision=PRECISION)
+    v_ptrs = v_ptr + (split * num_tokens + tokens[:, None]) * BLOCK_R + j[None, :]
+    tl.store(v_ptrs, acc, mask=m_ok[:, None])
+
+
+@triton.jit
+def _expand_segment_kernel(
+    y_ptr, stride_yt, pool_ptr, v_ptr,
+    seg_start_ptr, seg_len_ptr, seg_adapter_ptr, rank_ptr, scale_ptr, page_table_ptr, stride_pt,
+    b_offset_ptr, layer_active_ptr, stride_la, module, layer, num_tokens, d_out, c_out,
+    W: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """y[tile, n] += (sum_split v[split, tile, :]) @ B_a[:, n] * scale[a], for this program's BLOCK_N columns."""
+    s = tl.program_id(0)
+    tile = tl.program_id(1)
+    length = tl.load(seg_len_ptr + s)
+    if tile * BLOCK_M >= length:
+        return
+    a = tl.load(seg_adapter_ptr + s)
+    b_off, skip = _block_offset(a, module, layer, b_offset_ptr, layer_active_ptr, stride_la)
+    if skip:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < length
+    tokens = tl.load(seg_start_ptr + s) + offs_m
+    j = tl.arange(0, BLOCK_R)
+    j_ok = j < tl.load(rank_ptr + a)
+    v = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for split in range(SPLITS):
+        v += tl.load(v_ptr + (split * num_tokens + tokens[:, None]) * BLOCK_R + j[None, :], mask=m_ok[:, None])
+    blocks_per_chunk = (W + BLOCK_N - 1) // BLOCK_N
+    nb = tl.program_id(2)
+    c = nb // blocks_per_chunk
+    col = (nb % blocks_per_chunk) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (col < W) & (c * W + col < d_out)
+    rows = _rows(page_table_ptr + a * stride_pt, b_off + j * c_out + c, j_ok, R)
+    w = tl.load(pool_ptr + rows[:, None] * W + col[None, :], mask=j_ok[:, None] & n_ok[None, :], other=0.0)
+    delta = tl.dot(v.to(w.dtype), w, input_precision=PRECISION) * tl.load(scale_ptr + a)  # [BLOCK_M, BLOCK_N]
+    y_ptrs = y_ptr + tokens[:, None] * stride_yt + c * W + col[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _num_splits(programs: int, k_blocks: int, device: torch.device) -> int:
+    """Split the d_in reduction until the shrink fills the GPU (about two programs per SM); 1 on CPU."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(k_blocks, 16, triton.cdiv(2 * sms, max(programs, 1))))
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, batch: LoraBatch, module: int) -> None:
+    if not 0 <= module < len(MODULES):
+        raise ValueError(f"module index {module} is not in [0, {len(MODULES)})")
+    name = MODULES[module]
+    d_in, d_out = batch.d_in[module], batch.d_out[module]
+    if x.dim() != 2 or y.dim() != 2 or x.shape[1] != d_in or y.shape[1] != d_out or x.shape[0] != y.shape[0]:
+        raise ValueError(f"{name}: expected x [T, {d_in}] and y [T, {d_out}], got x {list(x.shape)}, y {list(y.shape)}")
+    if x.shape[0] != batch.token_adapter.shape[0]:
+        raise ValueError(f"{name}: x has {x.shape[0]} tokens, the LoRA batch {batch.token_adapter.shape[0]}")
+    if pool_layer.dim() != 2 or pool_layer.shape[1] != batch.row_width:
+        raise ValueError(f"pool_layer must be [rows, {batch.row_width}], got {list(pool_layer.shape)}")
+    if not pool_layer.is_contiguous():
+        raise ValueError("pool_layer must be contiguous (row stride == row width)")
+    if x.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError(f"x and y need unit stride along features, got {x.stride()} and {y.stride()}")
+    if not x.dtype == y.dtype == pool_layer.dtype:
+        raise ValueError(f"x, y and pool_layer must share a dtype, got {x.dtype}, {y.dtype}, {pool_layer.dtype}")
+    tables = (batch.token_adapter, batch.seg_start, batch.seg_len, batch.seg_adapter, batch.rank)
+    tables += (batch.page_table, batch.a_offset, batch.b_offset, batch.layer_active)
+    devices = {t.device for t in (y, x, pool_layer, batch.scale, *tables)}
+    if len(devices) != 1:
+        raise ValueError(f"x, y, pool_layer and the LoRA batch's tables must be on one device, got {devices}")
+    if any(t.dtype != torch.int32 for t in tables) or batch.scale.dtype != torch.float32:
+        raise ValueError("LoraBatch tables must be int32 (scale float32)")
+    if any(not t.is_contiguous() for t in tables):
+        raise ValueError("LoraBatch tables must be contiguous")
+
+
+def lora_apply_triton(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    batch: LoraBatch,
+    layer: int,
+    module: int,
+    *,
+    path: str = "auto",
+    splits: int | None = None,
+) -> None:
+    """y[t] += ((x[t] @ A^T) @ B) * scale[a] for every token t of an adapter segment (see module doc).
+
+    Shapes: y [T, d_out] (in place), x [T, d_in], pool_layer [rows, W]. `path` ("auto", "token",
+    "segment") and `splits` (the shrink's reduction split) are for tests and benchmarks; the
+    result does not depend on them beyond rounding.
+    """
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+    _check(y, x, pool_layer, batch, module)
+    # Host mirrors: which adapters do anything here, and the largest rank among them.
+    ranks = [
+        r
+        for r, offsets, layers in zip(batch.ranks, batch.a_offsets, batch.layers_active, strict=True)
+        if offsets[module] >= 0 and layers[layer]
+    ]
+    if batch.empty or not ranks or x.shape[0] == 0:
+        return
+    num_tokens = x.shape[0]
+    w, rpp = batch.row_width, batch.rows_per_page
+    c_in, c_out = batch.c_in[module], batch.c_out[module]
+    block_r = _pow2_at_least(max(ranks), 16)  # tl.dot needs K >= 16 on GPU; data is never padded
+    width = triton.next_power_of_2(w)
+    if path == "auto":
+        path = "token" if batch.max_seg_len <= TOKEN_PATH_MAX_SEG_LEN else "segment"
+    common = (batch.page_table, batch.page_table.stride(0))
+    active = (batch.layer_active, batch.layer_active.stride(0), module, layer, num_tokens)
+
+    if path == "token":
+        # weight tiles of at most 8192 elements: [BLOCK_R, BLOCK_K] stays in registers at rank 128
+        block_k = block_n = min(width, max(16, 8192 // block_r))
+        k_blocks = c_in * triton.cdiv(w, block_k)
+        splits = splits or _num_splits(num_tokens, k_blocks, x.device)
+        v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
+        _shrink_token_kernel[(num_tokens, splits)](
+            x, x.stride(0), pool_layer, v, batch.token_adapter, batch.rank, *common, batch.a_offset, *active,
+            batch.d_in[module], c_in, W=w, R=rpp, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=splits,
+        )  # fmt: skip
+        _expand_token_kernel[(num_tokens, c_out * triton.cdiv(w, block_n))](
+            y, y.stride(0), pool_layer, v, batch.token_adapter, batch.rank, batch.scale, *common,
+            batch.b_offset, *active, batch.d_out[module], c_out,
+            W=w, R=rpp, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=splits,
+        )  # fmt: skip
+        return
+
+    block_m = 16 if batch.max_seg_len <= 16 or x.device.type != "cuda" else 32
+    block_k = block_n = max(16, min(width, 64))  # tl.dot needs K and N >= 16 on GPU
+    num_segments, tiles = len(batch.segments), triton.cdiv(batch.max_seg_len, block_m)
+    k_blocks = c_in * triton.cdiv(w, block_k)
+    splits = splits or _num_splits(num_segments * tiles, k_blocks, x.device)
+    precision = "ieee" if x.dtype == torch.float32 else None  # exact float32 products, not tf32
+    v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
+    segs = (batch.seg_start, batch.seg_len, batch.seg_adapter, batch.rank)
+    _shrink_segment_kernel[(num_segments, tiles, splits)](
+        x, x.stride(0), pool_layer, v, *segs, *common, batch.a_offset, *active, batch.d_in[module], c_in,
+        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=splits, PRECISION=precision,
+    )  # fmt: skip
+    _expand_segment_kernel[(num_segments, tiles, c_out * triton.cdiv(w, block_n))](
+        y, y.stride(0), pool_layer, v, *segs, batch.scale, *common, batch.b_offset, *active,
+        batch.d_out[module], c_out,
+        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=splits, PRECISION=precision,
+    )  # fmt: skip

@@ -1,0 +1,295 @@
+"""Synthetic pools and per-step metadata for kernel tests and benchmarks (no model, no engine).
+
+Adapters are packed exactly as `loraserve.worker.pool_layout` lays them out, into pages drawn in
+random order from the pool, and the metadata is built the way `loraserve.worker.runner` builds it:
+
+    LoRA:  for adapter a, module m (MODULES order, targeted ones only), in a's logical rows:
+               A block: r × c_in rows,  row j*c_in + c  = A[j, c*W : (c+1)*W]    (last chunk zero-padded)
+               B block: r × c_out rows, row j*c_out + c = B[j, c*W : (c+1)*W]    (B = lora_B^T: [r, d_out])
+           logical row l of a lives at physical row pages[a][l // R] * R + l % R.
+    KV:    token p of sequence b: K row = page_table[b, p // tp] * 2tp + p % tp, V row = K row + tp.
+
+The weights handed back are float32 copies of what the pool holds (already rounded to its dtype),
+so a float32 dense recomputation from them is exact up to the kernels' arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.kernels.metadata import MODULES, AttentionBatch, LoraBatch
+
+POPULARITIES = ("distinct", "uniform", "zipf", "identical")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class LoraGeometry:
+    """Widths of the 7 projections (MODULES order) and the pool's row/page shape."""
+
+    d_in: tuple[int, ...]
+    d_out: tuple[int, ...]
+    row_width: int
+    rows_per_page: int
+    num_layers: int = 1
+
+    @classmethod
+    def uniform(cls, d_in: int, d_out: int, row_width: int, rows_per_page: int, num_layers: int = 1):
+        """Every module maps d_in -> d_out (enough for kernel tests, which run one module at a time)."""
+        n = len(MODULES)
+        return cls((d_in,) * n, (d_out,) * n, row_width, rows_per_page, num_layers)
+
+    @property
+    def c_in(self) -> tuple[int, ...]:
+        return tuple(_ceil_div(d, self.row_width) for d in self.d_in)
+
+    @property
+    def c_out(self) -> tuple[int, ...]:
+        return tuple(_ceil_div(d, self.row_width) for d in self.d_out)
+
+
+@dataclass
+class SyntheticAdapter:
+    """One packed adapter: its float32 weights per (layer, module) and its place in the pool."""
+
+    rank: int
+    scale: float
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]  # (layer, m) -> (A [r, d_in], B [r, d_out])
+    layers: list[bool]  # [L]: the adapter has weights in that layer
+    a_offsets: list[int]  # [7]: first logical row of each module's A block, -1 if not targeted
+    b_offsets: list[int]
+    pages: list[int]
+    row_index: torch.Tensor  # int64 [num_rows]: physical row of every logical row
+
+
+def _chunk(matrix: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
+    """[r, d] -> [r * chunks, width], each rank vector cut into rows, the last zero-padded."""
+    r, d = matrix.shape
+    padded = torch.zeros(r, chunks * width, dtype=matrix.dtype)
+    padded[:, :d] = matrix
+    return padded.reshape(r * chunks, width)
+
+
+def make_lora_pool(
+    geometry: LoraGeometry,
+    ranks: list[int],
+    modules: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    inactive_layers: list[tuple[int, ...]] | None = None,
+    spare_pages: int = 3,
+) -> tuple[torch.Tensor, list[SyntheticAdapter]]:
+    """A pool [L, pages * R, W] holding one adapter per rank, in scattered pages; the rest is noise.
+
+    modules[i]: module indices adapter i targets; inactive_layers[i]: layers where it has no weights.
+    Weights are N(0, 1/d) so that x @ A^T @ B stays O(|x|) whatever the widths and ranks.
+    """
+    g = torch.Generator().manual_seed(seed)
+    w, rpp, num_layers = geometry.row_width, geometry.rows_per_page, geometry.num_layers
+    c_in, c_out = geometry.c_in, geometry.c_out
+    packed: list[tuple[torch.Tensor, SyntheticAdapter]] = []
+    for i, r in enumerate(ranks):
+        targeted = set(modules[i])
+        off = 0
+        a_offsets, b_offsets = [-1] * len(MODULES), [-1] * len(MODULES)
+        for m in range(len(MODULES)):
+            if m in targeted:
+                a_offsets[m], b_offsets[m] = off, off + r * c_in[m]
+                off += r * (c_in[m] + c_out[m])
+        inactive = set(inactive_layers[i]) if inactive_layers else set()
+        layers = [layer not in inactive for layer in range(num_layers)]
+        rows = torch.zeros(num_layers, max(off, 1), w)
+        weights = {}
+        for layer in range(num_layers):
+            if not layers[layer]:
+                continue
+            for m in sorted(targeted):
+                a = (torch.randn(r, geometry.d_in[m], generator=g) / math.sqrt(geometry.d_in[m])).to(dtype)
+                b = (torch.randn(r, geometry.d_out[m], generator=g) / math.sqrt(r)).to(dtype)
+                weights[(layer, m)] = (a.float(), b.float())
+                rows[layer, a_offsets[m] : a_offsets[m] + r * c_in[m]] = _chunk(a.float(), c_in[m], w)
+                rows[layer, b_offsets[m] : b_offsets[m] + r * c_out[m]] = _chunk(b.float(), c_out[m], w)
+        scale = 0.5 * (1 + i % 4)  # distinct per adapter, so a mixed-up scale shows
+        adapter = SyntheticAdapter(r, scale, weights, layers, a_offsets, b_offsets, [], torch.empty(0))
+        packed.append((rows, adapter))
+
+    need = [_ceil_div(rows.shape[1], rpp) for rows, _ in packed]
+    num_pages = sum(need) + spare_pages
+    order = torch.randperm(num_pages, generator=g).tolist()  # scattered, in random order
+    pool = torch.randn(num_layers, num_pages * rpp, w, generator=g).to(dtype)  # noise where nothing lives
+    for (rows, adapter), n in zip(packed, need, strict=True):
+        adapter.pages, order = order[:n], order[n:]
+        logical = torch.arange(rows.shape[1])
+        adapter.row_index = torch.tensor(adapter.pages, dtype=torch.int64)[logical // rpp] * rpp + logical % rpp
+        pool.index_copy_(1, adapter.row_index, rows.to(dtype))
+    for _, adapter in packed:
+        adapter.row_index = adapter.row_index.to(device)
+    return pool.to(device), [adapter for _, adapter in packed]
+
+
+def assign_adapters(popularity: str, num_requests: int, seed: int = 0) -> list[int]:
+    """Adapter index of each request under punica's four popularity patterns.
+
+    distinct: every request its own adapter; uniform: ceil(sqrt(n)) adapters, drawn uniformly;
+    zipf: Zipf(1.5) over n adapters; identical: one adapter for all.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n = num_requests
+    if popularity == "distinct":
+        return list(range(n))
+    if popularity == "identical":
+        return [0] * n
+    if popularity == "uniform":
+        k = math.ceil(math.sqrt(n))
+        return torch.randint(0, k, (n,), generator=g).tolist()
+    if popularity == "zipf":
+        weights = torch.tensor([1.0 / (i + 1) ** 1.5 for i in range(n)])
+        return torch.multinomial(weights, n, replacement=True, generator=g).tolist()
+    raise ValueError(f"unknown popularity {popularity!r}; choose one of {', '.join(POPULARITIES)}")
+
+
+def adapters_used(requests: list[tuple[int | None, int]]) -> list[int]:
+    """Adapters the requests use, in order of first use: LoraBatch's adapter a is adapters_used[a]."""
+    return list(dict.fromkeys(a for a, n in requests if a is not None and n > 0))
+
+
+def make_lora_batch(
+    geometry: LoraGeometry,
+    adapters: list[SyntheticAdapter],
+    requests: list[tuple[int | None, int]],
+    device: torch.device | str = "cpu",
+) -> LoraBatch | None:
+    """Metadata for a step whose requests are (adapter index or None, tokens), as the runner builds it.
+
+    Consecutive requests of one adapter merge into one segment; only adapters some request uses are
+    in the per-adapter tables (renumbered in order of first use). None when no token uses an adapter.
+    """
+    used = {adapter: a for a, adapter in enumerate(adapters_used(requests))}
+    segments: list[tuple[int, int, int]] = []
+    token_adapter: list[int] = []
+    start = 0
+    for adapter, n in requests:
+        if n == 0:
+            continue
+        if adapter is None:
+            token_adapter += [-1] * n
+        else:
+            a = used[adapter]
+            if segments and segments[-1][2] == a and segments[-1][0] + segments[-1][1] == start:
+                segments[-1] = (segments[-1][0], segments[-1][1] + n, a)
+            else:
+                segments.append((start, n, a))
+            token_adapter += [a] * n
+        start += n
+    if not segments:
+        return None
+    chosen = [adapters[i] for i in used]
+
+    def i32(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    max_pages = max(len(a.pages) for a in chosen)
+    return LoraBatch(
+        seg_start=i32([s for s, _, _ in segments]),
+        seg_len=i32([n for _, n, _ in segments]),
+        seg_adapter=i32([a for _, _, a in segments]),
+        token_adapter=i32(token_adapter),
+        rank=i32([a.rank for a in chosen]),
+        scale=torch.tensor([a.scale for a in chosen], dtype=torch.float32, device=device),
+        page_table=i32([a.pages + [0] * (max_pages - len(a.pages)) for a in chosen]),
+        a_offset=i32([a.a_offsets for a in chosen]),
+        b_offset=i32([a.b_offsets for a in chosen]),
+        layer_active=i32([[int(x) for x in a.layers] for a in chosen]),
+        c_in=geometry.c_in,
+        c_out=geometry.c_out,
+        d_in=geometry.d_in,
+        d_out=geometry.d_out,
+        rows_per_page=geometry.rows_per_page,
+        row_width=geometry.row_width,
+        max_rank=max(a.rank for a in chosen),
+        max_seg_len=max(n for _, n, _ in segments),
+        segments=segments,
+        ranks=[a.rank for a in chosen],
+        scales=[a.scale for a in chosen],
+        a_offsets=[list(a.a_offsets) for a in chosen],
+        b_offsets=[list(a.b_offsets) for a in chosen],
+        layers_active=[list(a.layers) for a in chosen],
+        row_index=[a.row_index for a in chosen],
+    )
+
+
+@dataclass
+class AttentionCase:
+    """A pool layer with every sequence's earlier context cached, and the step's new tokens."""
+
+    pool_layer: torch.Tensor  # [pages * 2tp, H_kv * D]; earlier context written, new tokens not yet
+    batch: AttentionBatch
+    q: torch.Tensor  # [T, H, D]
+    k: torch.Tensor  # [T, H_kv * D]: new tokens' keys, for write_kv
+    v: torch.Tensor  # [T, H_kv * D]
+    keys: list[torch.Tensor]  # per sequence, float32 [context_len, H_kv, D]: every key, new ones included
+    values: list[torch.Tensor]
+
+
+def make_attention_case(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tokens_per_page: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    sliding_window: int | None = None,
+    seed: int = 0,
+    spare_pages: int = 2,
+) -> AttentionCase:
+    """seqs[b] = (context_len, query_len): the step adds query_len tokens after context_len - query_len."""
+    g = torch.Generator().manual_seed(seed)
+    tp, width = tokens_per_page, num_kv_heads * head_dim
+    need = [_ceil_div(ctx, tp) for ctx, _ in seqs]
+    num_pages = sum(need) + spare_pages
+    order = torch.randperm(num_pages, generator=g).tolist()
+    pool = torch.randn(num_pages * 2 * tp, width, generator=g).to(dtype)  # noise in unused rows
+    tables, keys, values, new_rows, new_k, new_v, query_start = [], [], [], [], [], [], [0]
+    for (ctx, q_len), n in zip(seqs, need, strict=True):
+        if not 0 <= q_len <= ctx:
+            raise ValueError(f"query_len {q_len} must lie in [0, context_len {ctx}]")
+        table, order = order[:n], order[n:]
+        k = torch.randn(ctx, width, generator=g).to(dtype)
+        v = torch.randn(ctx, width, generator=g).to(dtype)
+        rows = torch.tensor([table[p // tp] * 2 * tp + p % tp for p in range(ctx)], dtype=torch.int64)
+        old = ctx - q_len
+        pool[rows[:old]], pool[rows[:old] + tp] = k[:old], v[:old]
+        tables.append(table)
+        keys.append(k.float().view(ctx, num_kv_heads, head_dim))
+        values.append(v.float().view(ctx, num_kv_heads, head_dim))
+        new_rows.append(rows[old:])
+        new_k.append(k[old:])
+        new_v.append(v[old:])
+        query_start.append(query_start[-1] + q_len)
+    width_pages = max(need)
+    num_tokens = query_start[-1]
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    batch = AttentionBatch(
+        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        context_len=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=device),
+        page_table=torch.tensor([t + [0] * (width_pages - len(t)) for t in tables], dtype=torch.int32, device=device),
+        new_rows=torch.cat(new_rows).to(device),
+        tokens_per_page=tp,
+        max_query_len=max(n for _, n in seqs),
+        max_context_len=max(c for c, _ in seqs),
+        sliding_window=sliding_window,
+        query_starts=query_start,
+        query_lens=[n for _, n in seqs],
+        context_lens=[c for c, _ in seqs],
+    )
+    return AttentionCase(
+        pool.to(device), batch, q.to(device), torch.cat(new_k).to(device), torch.cat(new_v).to(device), keys, values
+    )

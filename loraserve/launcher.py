@@ -1,0 +1,210 @@
+"""`loraserve up`: the whole stack as local processes on loopback.
+
+Starts the adapter store, the scheduler, N workers and the gateway as child processes (each dies
+with the launcher), waits until every role reports healthy, prints the gateway's address, and
+stops them all on Ctrl-C or SIGTERM. With the demo model (the default) the store preloads every
+demo adapter; `--show-demo` then streams a few generations through the public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loraserve import telemetry
+from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.process import become_service
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Every address of a local stack, derived from one base port."""
+
+    base: int
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.base}"
+
+    @property
+    def scheduler_workers(self) -> str:
+        return f"tcp://127.0.0.1:{self.base + 1}"
+
+    @property
+    def store(self) -> str:
+        return f"127.0.0.1:{self.base + 2}"
+
+    @property
+    def store_data(self) -> str:
+        return f"tcp://127.0.0.1:{self.base + 3}"
+
+    @property
+    def tokens(self) -> str:
+        return f"tcp://127.0.0.1:{self.base + 4}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="model directory (default: the demo model)")
+    parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    parser.add_argument("--device", default="cpu", help="worker device: cpu, cuda, or cuda:0,cuda:1,... one per worker")
+    parser.add_argument("--bind", default="127.0.0.1:50051", help="the gateway's public gRPC address")
+    parser.add_argument("--base-port", type=int, default=7100, help="internal ports start here (5 consecutive ports)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="preload an adapter")
+    parser.add_argument("--adapter-root", default=None, help="directory RegisterAdapterFromPath may read from")
+    parser.add_argument("--pool-pages", type=int, default=None, help="pages of each worker's unified pool")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--worker-timeout", type=float, default=3.0, help="seconds before a silent worker is dropped")
+    parser.add_argument("--child-log-level", default="WARNING", help="log level of the roles")
+    parser.add_argument(
+        "--ready-timeout", type=float, default=180.0, help="seconds to wait for the stack to be healthy"
+    )
+    parser.add_argument("--show-demo", action="store_true", help="stream a few demo generations once up")
+    parser.add_argument("--exit-after-demo", action="store_true", help="stop after --show-demo (for scripts)")
+    telemetry.add_tracing_arguments(parser)
+
+
+def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The command line of every role, in start order."""
+    ports = Ports(args.base_port)
+    base = [sys.executable, "-m", "loraserve.cli", "--log-level", args.child_log_level]
+    tracing = ["--trace-exporter", args.trace_exporter, "--otlp-endpoint", args.otlp_endpoint]
+    store = [*base, "adapter-store", "--model", str(args.model), "--bind", ports.store,
+             "--data-address", ports.store_data, *tracing]  # fmt: skip
+    for spec in args.adapter:
+        store += ["--preload", spec]
+    if args.adapter_root:
+        store += ["--adapter-root", args.adapter_root]
+    commands = {
+        "adapter-store": store,
+        "scheduler": [*base, "scheduler", "--bind", ports.scheduler, "--worker-address", ports.scheduler_workers,
+                      "--worker-timeout", str(args.worker_timeout), *tracing],
+    }  # fmt: skip
+    devices = args.device.split(",")
+    for i in range(args.workers):
+        worker = [*base, "worker", "--model", str(args.model), "--worker-id", f"worker-{i}",
+                  "--device", devices[i % len(devices)], "--scheduler-address", ports.scheduler_workers,
+                  "--store-address", ports.store_data, "--max-batch-size", str(args.max_batch_size),
+                  *tracing]  # fmt: skip
+        if args.pool_pages:
+            worker += ["--pool-pages", str(args.pool_pages)]
+        commands[f"worker-{i}"] = worker
+    commands["gateway"] = [*base, "gateway", "--model", str(args.model), "--bind", args.bind,
+                           "--scheduler", ports.scheduler, "--store", ports.store,
+                           "--token-address", ports.tokens, *tracing]  # fmt: skip
+    return commands
+
+
+class Stack:
+    def __init__(self, commands: dict[str, list[str]]):
+        self.commands = commands
+        self.children: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        env = {**os.environ, "LORASERVE_DIE_WITH_PARENT": "1", "PYTHONUNBUFFERED": "1"}
+        for name, command in self.commands.items():
+            self.children[name] = subprocess.Popen(command, env=env)
+            log.info("started %s (pid %d)", name, self.children[name].pid)
+
+    def dead(self) -> list[str]:
+        return [f"{n} (exit code {p.returncode})" for n, p in self.children.items() if p.poll() is not None]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for process in self.children.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, process in self.children.items():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
+                process.kill()
+                process.wait()
+
+
+def wait_healthy(addresses: list[str], stack: Stack, timeout_s: float) -> None:
+    """Until every gRPC health service at `addresses` says SERVING; raises if a child dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(addresses)
+    while pending:
+        if stack.dead():
+            raise RuntimeError(f"a role exited during start-up: {', '.join(stack.dead())}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {', '.join(pending)}")
+        address = pending[0]
+        with grpc.insecure_channel(address) as channel:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+            except grpc.RpcError:
+                status = None
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            pending.pop(0)
+        else:
+            time.sleep(0.2)
+
+
+def _model_label(model: Path) -> str:
+    return "the embedded demo model" if model.resolve() == DEMO_MODEL_DIR.resolve() else f"model {model}"
+
+
+def main(args: argparse.Namespace) -> int:
+    stop = become_service("up")
+    ports = Ports(args.base_port)
+    stack = Stack(role_commands(args))
+    started = time.monotonic()
+    stack.start()
+    try:
+        wait_healthy([ports.store, ports.scheduler, args.bind], stack, args.ready_timeout)
+        print(
+            f"loraserve is up in {time.monotonic() - started:.1f} s: gRPC API on {args.bind} "
+            f"({args.workers} worker(s), {_model_label(args.model)}); Ctrl-C stops it",
+            flush=True,
+        )
+        if args.show_demo:
+            from loraserve.demo.client import show_demo
+
+            show_demo(args.bind)
+            if args.exit_after_demo:
+                return 0
+            print(HOW_TO_CALL.format(address=args.bind), flush=True)
+        while not stop.is_set():
+            if stack.dead():
+                log.error("a role exited: %s; stopping the stack", ", ".join(stack.dead()))
+                return 1
+            stop.wait(0.5)
+        return 0
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        stack.stop()
+
+
+HOW_TO_CALL = """
+The stack keeps serving. Call it from Python:
+
+    import grpc
+    from loraserve.v1 import gateway_pb2, gateway_pb2_grpc
+    stub = gateway_pb2_grpc.LoraServeStub(grpc.insecure_channel("{address}"))
+    for event in stub.GenerateStream(gateway_pb2.GenerateRequest(adapter="upper", text="the quiet king")):
+        print(event.chunk.text, end="", flush=True)
+
+or with grpcurl (server reflection is on):
+
+    grpcurl -plaintext -d '{{"adapter": "rot13", "text": "the quiet king"}}' \\
+        {address} loraserve.v1.LoraServe/GenerateStream
+
+Ctrl-C stops every process.
+"""

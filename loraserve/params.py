@@ -1,0 +1,52 @@
+"""Per-request sampling parameters, validated on construction (no torch: the gateway uses them too)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loraserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed per request
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise InvalidRequestError(name, f"{why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be a positive integer")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
+            bad("temperature", "must be in [0, 100] (0 means greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be >= 0 (0 turns it off)")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1]")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
+            bad("repetition_penalty", "must be in (0, 10] (1 turns it off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (math.isfinite(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            bad("seed", "must be in [0, 2^63)")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be token ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,0 +1,52 @@
+"""Process plumbing every role's `main` uses: title, dying with the parent, graceful stop signals."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def become_service(name: str) -> threading.Event:
+    """Set the process title, turn SIGTERM/SIGINT into an Event, and die with the parent when asked.
+
+    `loraserve up` sets LORASERVE_DIE_WITH_PARENT=1 for its children (Linux prctl PDEATHSIG), so no
+    role outlives the launcher; a role started alone (a container's main process) does not.
+
+    Returns the event that is set when the process should stop.
+    """
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"loraserve-{name}")
+    except ImportError:  # optional nicety
+        pass
+    if sys.platform.startswith("linux") and os.environ.get("LORASERVE_DIE_WITH_PARENT") == "1":
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("%s: received %s, stopping", name, signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+async def until_stopped(stop: threading.Event, poll_s: float = 0.1) -> None:
+    """Await the stop Event from asyncio code (signal handlers set it from the main thread)."""
+    import asyncio
+
+    while not stop.is_set():
+        await asyncio.sleep(poll_s)

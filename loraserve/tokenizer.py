@@ -1,0 +1,96 @@
+"""The model's tokenizer (Hugging Face `tokenizers`, from tokenizer.json) and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from loraserve.errors import InvalidModelError
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, eos_token_ids: tuple[int, ...], bos_token_id: int | None):
+        self._tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise InvalidModelError(f"{model_dir} has no tokenizer.json (a `tokenizers` file is required)")
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise InvalidModelError(f"{path} could not be read: {e}") from None
+        return cls(tok, *_special_ids(model_dir, tok))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
+
+def _special_ids(model_dir: Path, tok: HFTokenizer) -> tuple[tuple[int, ...], int | None]:
+    """EOS ids from generation_config.json, else config.json, else tokenizer_config.json's eos_token."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            eos = raw.get("eos_token_id")
+            if eos is not None:
+                return (tuple(eos) if isinstance(eos, list) else (eos,)), raw.get("bos_token_id")
+    path = model_dir / "tokenizer_config.json"
+    if path.is_file():
+        raw = json.loads(path.read_text())
+        eos = tok.token_to_id(raw["eos_token"]) if isinstance(raw.get("eos_token"), str) else None
+        bos = tok.token_to_id(raw["bos_token"]) if isinstance(raw.get("bos_token"), str) else None
+        return ((eos,) if eos is not None else ()), bos
+    return (), None
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces, holding back incomplete UTF-8 characters.
+
+    Decodes a short window of recent tokens twice (with and without the newest) and emits the
+    difference once it no longer ends in a replacement character, so a character split over
+    several byte-level tokens appears whole, and leading-space rules see their context.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 4):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-context:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            piece = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += piece
+            return piece
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end of generation)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        piece = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += piece
+        return piece

@@ -1,0 +1,29 @@
+from loraserve.v1 import common_pb2 as _common_pb2
+from loraserve.v1 import gateway_pb2 as _gateway_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStoreStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreState(_message.Message):
+    __slots__ = ("adapters", "used_bytes", "budget_bytes", "max_adapter_bytes", "data_address", "retired_versions", "retired_bytes")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    adapters: int
+    used_bytes: int
+    budget_bytes: int
+    max_adapter_bytes: int
+    data_address: str
+    retired_versions: int
+    retired_bytes: int
+    def __init__(self, adapters: _Optional[int] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., max_adapter_bytes: _Optional[int] = ..., data_address: _Optional[str] = ..., retired_versions: _Optional[int] = ..., retired_bytes: _Optional[int] = ...) -> None: ...

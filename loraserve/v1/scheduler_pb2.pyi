@@ -1,0 +1,100 @@
+from loraserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "adapter", "adapter_version", "sampling", "max_new_tokens", "stop_token_ids", "deadline_unix", "reply_to", "arrival_unix")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    adapter: str
+    adapter_version: int
+    sampling: _common_pb2.SamplingParameters
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    deadline_unix: float
+    reply_to: str
+    arrival_unix: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., reply_to: _Optional[str] = ..., arrival_unix: _Optional[float] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("queue_position",)
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    queue_position: int
+    def __init__(self, queue_position: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetClusterStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerState(_message.Message):
+    __slots__ = ("worker_id", "ready", "running", "waiting", "max_batch_size", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "last_report_age_s", "prefetch_hits", "prefetch_misses", "steps", "pool_waste_fraction")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_MISSES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    POOL_WASTE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    ready: bool
+    running: int
+    waiting: int
+    max_batch_size: int
+    free_pages: int
+    total_pages: int
+    kv_pages: int
+    adapter_pages: int
+    resident_adapters: _containers.RepeatedScalarFieldContainer[str]
+    last_report_age_s: float
+    prefetch_hits: int
+    prefetch_misses: int
+    steps: int
+    pool_waste_fraction: float
+    def __init__(self, worker_id: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., last_report_age_s: _Optional[float] = ..., prefetch_hits: _Optional[int] = ..., prefetch_misses: _Optional[int] = ..., steps: _Optional[int] = ..., pool_waste_fraction: _Optional[float] = ...) -> None: ...
+
+class ClusterState(_message.Message):
+    __slots__ = ("workers", "queue_length", "max_queue_length")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
+    queue_length: int
+    max_queue_length: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., queue_length: _Optional[int] = ..., max_queue_length: _Optional[int] = ...) -> None: ...

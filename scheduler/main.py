@@ -1,0 +1,63 @@
+"""`loraserve scheduler`: the admission and placement service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from loraserve import telemetry
+from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
+from loraserve.process import become_service, until_stopped
+from loraserve.scheduler.loop import SchedulerLoop
+from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
+from loraserve.scheduler.service import SchedulerService
+from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default="127.0.0.1:7100", help="gRPC address gateways call")
+    parser.add_argument("--worker-address", default="tcp://127.0.0.1:7101", help="ZMQ address workers connect to")
+    parser.add_argument("--max-queue-length", type=int, default=1024)
+    parser.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=3.0,
+        help="seconds without a report before a worker is dropped",
+    )
+    parser.add_argument("--prefetch-depth", type=int, default=16, help="queued requests used to predict adapters")
+    telemetry.add_tracing_arguments(parser)
+
+
+async def serve(args: argparse.Namespace, stop_event) -> None:
+    policy = SchedulerPolicy(PolicyConfig(args.max_queue_length, args.worker_timeout, args.prefetch_depth))
+    loop = SchedulerLoop(policy, args.worker_address)
+    server, _ = new_server(args.bind)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop), server)
+    health = add_health_and_reflection(server, [SERVICE])
+    await server.start()
+    await set_serving(health, [SERVICE], True)
+    log.info("scheduler: gRPC on %s, workers on %s", args.bind, args.worker_address)
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(until_stopped(stop_event))
+    watcher.add_done_callback(lambda _: stop.set())
+    try:
+        await loop.run(stop)
+    finally:
+        watcher.cancel()
+        await server.stop(grace=1.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    stop_event = become_service("scheduler")
+    telemetry.setup_tracing("scheduler", args.trace_exporter, args.otlp_endpoint)
+    try:
+        import uvloop
+
+        uvloop.run(serve(args, stop_event))
+    finally:
+        telemetry.shutdown_tracing()
+    return 0

@@ -1,0 +1,252 @@
+"""The scheduler's policy: a pure object (no sockets, no clocks of its own) driven by `loop.py`.
+
+    policy.add(request, now)            admit to the bounded FCFS queue (or refuse)
+    policy.cancel(request_id)           -> decisions
+    policy.on_report(report, now)       a worker's state after a step (or a heartbeat)
+    policy.schedule(now)                -> decisions: assignments, prefetch hints, failures
+
+Placement follows Punica §5.1: the request at the head of the queue goes to the *busiest* ready
+worker that still has batch room and pool room for the request's whole KV (prompt + max new
+tokens) — consolidating load so that lightly loaded workers drain. Between reports the policy
+counts its own assignments against a worker's room, so a burst is not piled onto one worker.
+
+Prediction (S-LoRA §5.2): the adapters of the next queued requests are what workers will need
+next; each worker that lacks one of them is told to prefetch it, while it is still decoding.
+
+Failure: a worker that stops reporting for `worker_timeout_s` is dropped and every request it
+held fails with UNAVAILABLE; queued requests whose deadline passed fail with DEADLINE_EXCEEDED;
+when no worker is left, queued requests fail with UNAVAILABLE after the same timeout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraserve.errors import InvalidConfigError, ResourceExhaustedError, UnavailableError
+from loraserve.wire import WorkerReport
+
+AdapterKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_queue_length: int = 1024
+    worker_timeout_s: float = 3.0  # a worker silent this long is dead
+    prefetch_depth: int = 16  # queued requests looked at when predicting adapters
+
+    def __post_init__(self) -> None:
+        if self.max_queue_length < 1 or self.worker_timeout_s <= 0 or self.prefetch_depth < 0:
+            raise InvalidConfigError(f"invalid scheduler policy config {self}")
+
+
+@dataclass
+class QueuedRequest:
+    request_id: str
+    adapter: AdapterKey | None
+    prompt_len: int
+    max_new_tokens: int
+    reply_to: str
+    arrival: float
+    deadline: float | None = None
+    enqueued: float = 0.0
+    payload: Any = None  # what the loop needs to build the assignment; opaque here
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    last_report: float
+    report: WorkerReport
+    assigned: set[str] = field(default_factory=set)  # request ids held by this worker
+
+    @property
+    def resident(self) -> set[AdapterKey]:
+        return {(name, int(version)) for name, version in self.report.resident}
+
+
+# ---- decisions --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AssignTo:
+    worker_id: str
+    request: QueuedRequest
+
+
+@dataclass(frozen=True)
+class CancelOn:
+    worker_id: str
+    request_ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class PrefetchOn:
+    worker_id: str
+    adapters: tuple[AdapterKey, ...]
+
+
+@dataclass(frozen=True)
+class Fail:
+    request: QueuedRequest
+    status: str  # grpc.StatusCode name
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerGone:
+    worker_id: str
+    reason: str
+
+
+Decision = AssignTo | CancelOn | PrefetchOn | Fail | WorkerGone
+
+
+class SchedulerPolicy:
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+        self.queue: OrderedDict[str, QueuedRequest] = OrderedDict()
+        self.workers: dict[str, WorkerView] = {}
+        self.placed: dict[str, tuple[str, QueuedRequest]] = {}  # request id -> (worker, request)
+        self._prefetch_sent: dict[str, tuple[AdapterKey, ...]] = {}
+        self._no_worker_since: float | None = None
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def ready_workers(self) -> list[WorkerView]:
+        return [w for w in self.workers.values() if w.report.ready]
+
+    def add(self, request: QueuedRequest, now: float) -> int:
+        """Queue a request; returns how many are ahead of it."""
+        if not self.ready_workers():
+            raise UnavailableError("no worker is ready to serve requests; try again shortly")
+        if len(self.queue) >= self.config.max_queue_length:
+            raise ResourceExhaustedError(
+                f"the scheduler queue is full ({self.config.max_queue_length} requests waiting); retry later"
+            )
+        if not any(self._fits_ever(w, request) for w in self.ready_workers()):
+            raise ResourceExhaustedError(
+                f"no worker's pool can ever hold this request ({request.prompt_len} prompt + "
+                f"{request.max_new_tokens} new tokens); lower max_new_tokens"
+            )
+        request.enqueued = now
+        self.queue[request.request_id] = request
+        return len(self.queue) - 1
+
+    def cancel(self, request_id: str, reason: str) -> tuple[bool, list[Decision]]:
+        """Remove a request from the queue, or tell its worker to stop it. Returns (found, decisions)."""
+        if self.queue.pop(request_id, None) is not None:
+            return True, []
+        placed = self.placed.get(request_id)
+        if placed is None:
+            return False, []
+        return True, [CancelOn(placed[0], (request_id,), reason)]
+
+    def on_report(self, report: WorkerReport, now: float) -> list[Decision]:
+        view = self.workers.get(report.worker_id)
+        if view is None:
+            view = self.workers[report.worker_id] = WorkerView(report.worker_id, now, report)
+        view.report, view.last_report = report, now
+        for request_id in report.finished:
+            view.assigned.discard(request_id)
+            self.placed.pop(request_id, None)
+        if report.fatal:
+            return self._drop(view, f"worker {report.worker_id} failed: {report.fatal}")
+        return []
+
+    # ---- the scheduling round ------------------------------------------------------------------
+    def schedule(self, now: float) -> list[Decision]:
+        decisions: list[Decision] = []
+        for view in list(self.workers.values()):
+            if now - view.last_report > self.config.worker_timeout_s:
+                decisions += self._drop(view, f"worker {view.worker_id} stopped responding")
+        decisions += self._expire(now)
+        decisions += self._place()
+        decisions += self._predict()
+        return decisions
+
+    def _drop(self, view: WorkerView, reason: str) -> list[Decision]:
+        del self.workers[view.worker_id]
+        self._prefetch_sent.pop(view.worker_id, None)
+        decisions: list[Decision] = [WorkerGone(view.worker_id, reason)]
+        for request_id in sorted(view.assigned):
+            _, request = self.placed.pop(request_id)
+            decisions.append(Fail(request, "UNAVAILABLE", f"{reason}; the request was lost, retry it"))
+        return decisions
+
+    def _expire(self, now: float) -> list[Decision]:
+        decisions: list[Decision] = []
+        for request in list(self.queue.values()):
+            if request.deadline is not None and now >= request.deadline:
+                del self.queue[request.request_id]
+                decisions.append(Fail(request, "DEADLINE_EXCEEDED", "the deadline passed while the request was queued"))
+        if self.ready_workers():
+            self._no_worker_since = None
+        elif self.queue:
+            self._no_worker_since = self._no_worker_since or now
+            if now - self._no_worker_since >= self.config.worker_timeout_s:
+                for request in list(self.queue.values()):
+                    decisions.append(Fail(request, "UNAVAILABLE", "no worker is available to serve the request"))
+                self.queue.clear()
+        return decisions
+
+    def _place(self) -> list[Decision]:
+        decisions: list[Decision] = []
+        while self.queue:
+            request = next(iter(self.queue.values()))
+            worker = self._choose(request)
+            if worker is None:
+                break  # first come, first served: the head waits, nobody overtakes it
+            del self.queue[request.request_id]
+            worker.assigned.add(request.request_id)
+            self.placed[request.request_id] = (worker.worker_id, request)
+            decisions.append(AssignTo(worker.worker_id, request))
+        return decisions
+
+    def _load(self, view: WorkerView) -> int:
+        """Requests the worker holds: reported running/waiting plus assignments not yet reported."""
+        reported = set(view.report.running) | set(view.report.waiting)
+        return len(reported | view.assigned)
+
+    def _room_pages(self, view: WorkerView) -> int:
+        """Pool pages still free for KV, counting what unreported assignments will take."""
+        report = view.report
+        unreported = view.assigned - set(report.running) - set(report.waiting)
+        reserved = sum(self._kv_pages(view, self.placed[r][1]) for r in unreported if r in self.placed)
+        return report.free_pages + report.evictable_pages - reserved
+
+    @staticmethod
+    def _kv_pages(view: WorkerView, request: QueuedRequest) -> int:
+        tokens = request.prompt_len + request.max_new_tokens
+        return -(-tokens // max(1, view.report.tokens_per_page))
+
+    def _fits_ever(self, view: WorkerView, request: QueuedRequest) -> bool:
+        return self._kv_pages(view, request) <= view.report.total_pages
+
+    def _choose(self, request: QueuedRequest) -> WorkerView | None:
+        candidates = [
+            w for w in self.ready_workers()
+            if self._load(w) < w.report.max_batch_size and self._kv_pages(w, request) <= self._room_pages(w)
+        ]  # fmt: skip
+        if not candidates:
+            return None
+        return max(
+            candidates,
+            key=lambda w: (
+                self._load(w),
+                request.adapter in w.resident if request.adapter else False,
+                w.worker_id,
+            ),
+        )
+
+    def _predict(self) -> list[Decision]:
+        wanted: list[AdapterKey] = []
+        for request in list(self.queue.values())[: self.config.prefetch_depth]:
+            if request.adapter is not None and request.adapter not in wanted:
+                wanted.append(request.adapter)
+        decisions: list[Decision] = []
+        for view in self.ready_workers():
+            missing = tuple(k for k in wanted if k not in view.resident)
+            if missing and missing != self._prefetch_sent.get(view.worker_id):
+                decisions.append(PrefetchOn(view.worker_id, missing))
+            self._prefetch_sent[view.worker_id] = missing
+        return decisions

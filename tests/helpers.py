@@ -1,0 +1,138 @@
+"""Builders for tiny real checkpoints and adapters (saved with transformers / peft) used as oracles."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraserve.demo.assets import DEMO_MODEL_DIR
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "llama"  # llama | mistral | qwen2
+    hidden: int = 64
+    intermediate: int = 88  # not a multiple of the KV width: exercises padded row chunks
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    tie: bool = False
+    rope_scaling: dict | None = None
+    max_positions: int = 256
+    seed: int = 0
+
+
+def make_model(path: Path, spec: TinySpec = TinySpec()) -> Path:
+    """A random-weight HF checkpoint of `spec`'s architecture, with the demo tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    config_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[spec.arch]
+    extra = {}
+    if spec.rope_scaling is not None:
+        extra["rope_scaling"] = spec.rope_scaling
+    if spec.arch == "mistral":
+        extra["sliding_window"] = None
+    config = config_cls(
+        vocab_size=1024,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=spec.tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **extra,
+    )
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # HF initializes with small std; larger weights give peakier, more distinct tokens
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+            elif "norm" not in name:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEMO_MODEL_DIR / name, path / name)
+    return path
+
+
+def make_adapter(
+    model_path: Path,
+    out: Path,
+    r: int,
+    target_modules: list[str] | str,
+    lora_alpha: float = 16,
+    use_rslora: bool = False,
+    layers_to_transform: list[int] | None = None,
+    seed: int = 1,
+    std: float = 0.1,
+) -> Path:
+    """A PEFT adapter with random (non-zero) A and B, saved with save_pretrained."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_path)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        target_modules=target_modules,
+        use_rslora=use_rslora,
+        layers_to_transform=layers_to_transform,
+        init_lora_weights=False,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, std)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def hf_greedy(model_path: Path, adapter_path: Path | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers (+ peft), the oracle for token-exact parity."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_path)
+    model.eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_logits(model_path: Path, adapter_path: Path | None, prompt_ids: list[int]) -> torch.Tensor:
+    """Last-position logits of the prompt (float32 [vocab])."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_path)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()

@@ -1,0 +1,301 @@
+"""End to end: the stack as real processes on real sockets, driven by a real gRPC client."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack import Collector, LocalStack, free_port_block
+
+from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+from loraserve.demo.corpus import HELD_OUT_PROMPTS
+from loraserve.v1 import common_pb2, gateway_pb2
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine, GenerateRequest
+from loraserve.worker.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def collector():
+    collector = Collector()
+    yield collector
+    collector.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(collector):
+    stack = LocalStack(DEMO_MODEL_DIR, workers=2, collector=collector, max_batch_size=4).start()
+    stack.wait_workers(2)
+    yield stack
+    stack.stop()
+
+
+def _generate(stack, timeout=60, **fields):
+    return stack.api.Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout)
+
+
+def _stream(stack, timeout=60, **fields):
+    """(token ids, text, summary) of a streamed generation."""
+    tokens, text, summary = [], "", None
+    for event in stack.api.GenerateStream(gateway_pb2.GenerateRequest(**fields), timeout=timeout):
+        if event.HasField("chunk"):
+            tokens += event.chunk.token_ids
+            text += event.chunk.text
+        else:
+            summary = event.summary
+    return tokens, text, summary
+
+
+def _idle(stack, timeout_s=10.0) -> bool:
+    """True once no worker holds a running request or KV pages."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = stack.cluster().workers
+        if all(w.running == 0 and w.kv_pages == 0 for w in workers):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_health_and_reflection_answer(stack):
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    for service in ("", "loraserve.v1.LoraServe"):
+        response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    services = ProtoReflectionDescriptorDatabase(stack.channel).get_services()
+    assert "loraserve.v1.LoraServe" in services and "grpc.health.v1.Health" in services
+    info = stack.api.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
+    assert info.model_type == "llama" and info.ready_workers == 2
+
+
+def test_concurrent_streams_match_the_offline_engine(stack):
+    names = ["", *demo_adapters()]
+    prompts = [HELD_OUT_PROMPTS[i % len(HELD_OUT_PROMPTS)] for i in range(len(names))]
+    results: dict[str, tuple] = {}
+
+    def run(name, prompt):
+        results[name] = _stream(stack, adapter=name, text=prompt, max_new_tokens=NEW_TOKENS)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(names, prompts, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine = Engine(DEMO_MODEL_DIR, EngineConfig(device="cpu", pool_pages=512))
+    for name, path in demo_adapters().items():
+        engine.register_adapter(name, path)
+    offline = engine.generate(
+        [GenerateRequest(prompt=p, adapter=n or None, sampling=SamplingParams(max_new_tokens=NEW_TOKENS))
+         for n, p in zip(names, prompts, strict=True)]
+    )  # fmt: skip
+    for name, expected in zip(names, offline, strict=True):
+        tokens, text, summary = results[name]
+        assert tokens == expected.token_ids, name
+        assert text == expected.text, name
+        assert summary.usage.completion_tokens == len(tokens)
+        assert summary.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+        assert summary.timings.time_to_first_token_s > 0 and summary.timings.total_s >= summary.timings.decode_s
+        assert summary.worker_id.startswith("worker-")
+
+
+def _steps(stack) -> int:
+    return sum(w.steps for w in stack.cluster().workers)
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "message"),
+    [
+        ({"adapter": "no-such-adapter", "text": "the old fox"}, grpc.StatusCode.NOT_FOUND, "no-such-adapter"),
+        ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt: is empty"),
+        ({"text": "the old fox", "sampling": common_pb2.SamplingParameters(temperature=500)},
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+        ({"text": "the old fox", "sampling": common_pb2.SamplingParameters(top_p=2)},
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+        ({"text": "the old fox", "max_new_tokens": 100000}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        ({"text": "the old fox " * 200, "max_new_tokens": 100}, grpc.StatusCode.INVALID_ARGUMENT, "context length"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_precise_statuses_and_reach_no_worker(stack, fields, code, message):
+    before = _steps(stack)
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(stack, **fields)
+    assert info.value.code() == code
+    assert message in info.value.details()
+    assert _steps(stack) == before, "an invalid request must not reach a worker"
+
+
+def test_cancel_mid_stream_frees_the_pages(stack):
+    assert _idle(stack)
+    call = stack.api.GenerateStream(
+        gateway_pb2.GenerateRequest(adapter="reverse", text="the quiet king", max_new_tokens=400,
+                                    sampling=common_pb2.SamplingParameters(ignore_eos=True)),
+        timeout=60,
+    )  # fmt: skip
+    chunks = 0
+    for event in call:
+        chunks += event.HasField("chunk")
+        if chunks == 3:
+            break
+    assert any(w.kv_pages > 0 for w in stack.cluster().workers), "the request should hold KV pages while it runs"
+    call.cancel()
+    assert _idle(stack, 5.0), "cancelling must free the request's pages at the worker's next step"
+
+
+def test_short_deadline_is_deadline_exceeded(stack):
+    request = gateway_pb2.GenerateRequest(
+        text="the quiet king", max_new_tokens=400, sampling=common_pb2.SamplingParameters(ignore_eos=True)
+    )
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        _stream(stack, timeout=0.5, **{f.name: v for f, v in request.ListFields()})
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 3.0
+    assert _idle(stack, 5.0)
+
+
+def _upload(stack, name: str, files: dict[str, bytes], chunk: int = 64 * 1024):
+    def messages():
+        yield gateway_pb2.UploadAdapterRequest(header=gateway_pb2.UploadHeader(name=name))
+        for file, data in files.items():
+            for i in range(0, max(len(data), 1), chunk):
+                yield gateway_pb2.UploadAdapterRequest(chunk=gateway_pb2.FileChunk(file=file, data=data[i : i + chunk]))
+
+    return stack.api.UploadAdapter(messages(), timeout=60)
+
+
+def _adapter_files(name: str) -> dict[str, bytes]:
+    path = demo_adapters()[name]
+    return {f: (path / f).read_bytes() for f in ("adapter_config.json", "adapter_model.safetensors")}
+
+
+def test_uploaded_adapter_serves_at_once_and_a_bad_upload_hurts_nobody(stack):
+    info = _upload(stack, "fresh-rot13", _adapter_files("rot13"))
+    assert info.rank == 64 and info.version >= 1
+    fresh = _stream(stack, adapter="fresh-rot13", text="the quiet king", max_new_tokens=NEW_TOKENS)
+    original = _stream(stack, adapter="rot13", text="the quiet king", max_new_tokens=NEW_TOKENS)
+    assert fresh[0] == original[0]
+
+    background: dict = {}
+    thread = threading.Thread(
+        target=lambda: background.update(
+            result=_stream(stack, adapter="title", text="the quiet king", max_new_tokens=40)
+        )
+    )
+    thread.start()
+    broken = _adapter_files("upper") | {"adapter_config.json": b"{not json"}
+    with pytest.raises(grpc.RpcError) as info:
+        _upload(stack, "broken", broken)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "JSON" in info.value.details()
+    thread.join()
+    assert background["result"][2].usage.completion_tokens > 0
+    names = [a.name for a in stack.api.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=5).adapters]
+    assert "fresh-rot13" in names and "broken" not in names
+
+
+def test_one_trace_per_request_spans_all_four_roles(stack, collector):
+    _upload(stack, "traced", _adapter_files("novowel"))  # a cold adapter: the worker fetches it from the store
+    _, _, summary = _stream(stack, adapter="traced", text="the quiet king", max_new_tokens=8)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        traces = [
+            spans for spans in collector.traces().values()
+            if any(s["attributes"].get("loraserve.request_id") == summary.request_id for s in spans)
+        ]  # fmt: skip
+        services = {s["service"] for spans in traces for s in spans}
+        if len(services) == 4:
+            break
+        time.sleep(0.3)
+    assert len(traces) == 1, "all spans of a request share one trace id"
+    names = {s["name"] for s in traces[0]}
+    assert services == {"loraserve-gateway", "loraserve-scheduler", "loraserve-worker", "loraserve-adapter-store"}
+    assert {"gateway.generate", "scheduler.queue", "worker.prefill", "worker.decode", "worker.adapter_fetch"} <= names
+    fetch = next(s for s in traces[0] if s["name"] == "worker.adapter_fetch")
+    assert fetch["attributes"]["loraserve.adapter.source"] == "cold"
+
+
+def test_a_killed_worker_fails_its_streams_and_the_others_go_on():
+    stack = LocalStack(DEMO_MODEL_DIR, workers=2, max_batch_size=2, worker_timeout=1.5).start()
+    try:
+        stack.wait_workers(2)
+        outcomes: dict[int, object] = {}
+
+        def run(i):
+            try:
+                outcomes[i] = _stream(
+                    stack, timeout=120, adapter=["upper", "title", "rot13", "reverse"][i], text="the quiet king",
+                    max_new_tokens=250, sampling=common_pb2.SamplingParameters(ignore_eos=True),
+                )  # fmt: skip
+            except grpc.RpcError as e:
+                outcomes[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not all(w.running == 2 for w in stack.cluster().workers):  # two streams on each worker
+            assert time.monotonic() < deadline, stack.cluster()
+            time.sleep(0.05)
+        victim = stack.process("worker-0")
+        victim.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(timeout=120)
+        failed = [o for o in outcomes.values() if isinstance(o, grpc.RpcError)]
+        completed = [o for o in outcomes.values() if not isinstance(o, grpc.RpcError)]
+        assert len(failed) == 2 and len(completed) == 2, outcomes
+        for error in failed:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE and "worker-0" in error.details()
+        assert all(len(tokens) == 250 for tokens, _, _ in completed)
+        assert time.monotonic() - killed_at < 60
+        tokens, _, summary = _stream(stack, text="the quiet king", max_new_tokens=4)  # new work goes to worker-1
+        assert summary.worker_id == "worker-1" and tokens
+
+        stack.process("adapter-store").send_signal(signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            _generate(stack, adapter="upper", text="the quiet king", timeout=20)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "adapter store" in info.value.details()
+        stack.process("scheduler").send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            _generate(stack, text="the quiet king", timeout=20)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "scheduler" in info.value.details()
+        assert time.monotonic() - start < 10
+    finally:
+        stack.stop()
+
+
+def test_loraserve_up_shows_the_demo_and_stops_cleanly():
+    base, bind = free_port_block(6), f"127.0.0.1:{free_port_block(1)}"
+    command = [sys.executable, "-m", "loraserve.cli", "up", "--show-demo", "--base-port", str(base), "--bind", bind]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C stops every process" in line or time.monotonic() > deadline:
+                break
+        output = "".join(lines)
+        assert "loraserve is up" in output and "concurrent streams through the gRPC API" in output, output[-3000:]
+        for name in demo_adapters():
+            assert name in output
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    time.sleep(0.5)
+    pattern = f"--base-port {base}|127.0.0.1:{base + 2}|{bind}"
+    leftovers = subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True)
+    assert leftovers.stdout.strip() == b"", "no role may outlive `loraserve up`"

@@ -1,0 +1,75 @@
+"""Gateway pieces that need no process: validation, stop sequences, incremental detokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.errors import InvalidRequestError
+from loraserve.gateway.stops import StopFilter
+from loraserve.gateway.validation import Limits, check_context, validate_generate
+from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from loraserve.v1 import common_pb2, gateway_pb2
+
+LIMITS = Limits(vocab_size=1024, max_context=512)
+
+
+def _request(**fields) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(**{**TEXT, **fields})
+
+
+TEXT = {"text": "the old fox"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"text": ""}, "prompt"),
+        ({"token_ids": gateway_pb2.TokenIds(ids=[])}, "prompt"),
+        ({"token_ids": gateway_pb2.TokenIds(ids=[5, 5000])}, "prompt.token_ids"),
+        ({**TEXT, "adapter": "../etc"}, "adapter"),
+        ({**TEXT, "sampling": common_pb2.SamplingParameters(temperature=-1)}, "sampling.temperature"),
+        ({**TEXT, "sampling": common_pb2.SamplingParameters(top_p=1.5)}, "sampling.top_p"),
+        ({**TEXT, "sampling": common_pb2.SamplingParameters(repetition_penalty=11)}, "sampling.repetition_penalty"),
+        ({**TEXT, "sampling": common_pb2.SamplingParameters(presence_penalty=3)}, "sampling.presence_penalty"),
+        ({**TEXT, "stop": ["x"] * 9}, "stop"),
+        ({**TEXT, "stop": [""]}, "stop"),
+        ({**TEXT, "stop_token_ids": [99999]}, "stop_token_ids"),
+        ({**TEXT, "max_new_tokens": 512}, "max_new_tokens"),
+        ({**TEXT, "client_request_id": "x" * 200}, "client_request_id"),
+    ],
+)
+def test_invalid_fields_are_named(fields, field):
+    with pytest.raises(InvalidRequestError) as info:
+        validate_generate(gateway_pb2.GenerateRequest(**fields), LIMITS)
+    assert info.value.field == field
+    assert str(info.value).startswith(field + ":")
+
+
+def test_defaults_and_context_check():
+    valid = validate_generate(_request(), LIMITS)
+    assert valid.sampling.max_new_tokens == LIMITS.default_max_new_tokens and valid.sampling.greedy
+    with pytest.raises(InvalidRequestError, match="lower max_new_tokens to at most 12"):
+        check_context(list(range(500)), validate_generate(_request(max_new_tokens=100), LIMITS).sampling, LIMITS)
+
+
+def test_stop_filter_holds_back_possible_stops():
+    f = StopFilter(["END", "xyz"])
+    assert f.feed("hello E") == ("hello ", False)  # "E" might start "END"
+    assert f.feed("N") == ("", False)
+    assert f.feed("D and more") == ("", True)  # the stop and what follows never appear
+    g = StopFilter(["END"])
+    assert g.feed("an E") == ("an ", False)
+    assert g.feed("xit") == ("Exit", False)
+    assert g.feed(" E") == (" ", False)
+    assert g.flush() == "E"
+
+
+def test_incremental_detokenizer_handles_multibyte_characters():
+    tokenizer = Tokenizer.from_model_dir(DEMO_MODEL_DIR)
+    text = "the café ünïcödé 日本 fox"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [1])
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)

@@ -1,0 +1,110 @@
+"""Triton paged attention against the torch reference and a float32 dense recomputation.
+
+Sweeps: MHA and GQA (groups of 2, 3 and 8 query heads per KV head); head_dim 16 and 32 (and 128
+on GPU); pages in random order, tokens_per_page odd and even; decode-only, prefill-only and mixed
+steps, with chunked prefill (query_len > 1 after earlier cached context) and one-token contexts;
+with and without a sliding window. The dense reference attends each query over its sequence's
+keys in plain float32, from the K/V vectors as the pool stores them.
+
+Tolerance (absolute and relative, on the attention output, |out| <= ~2): see TOL below.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraserve.kernels.attention_torch import attention_torch, write_kv_torch
+from loraserve.kernels.attention_triton import attention_triton, write_kv_triton
+from loraserve.kernels.synthetic import AttentionCase, make_attention_case
+
+TOL = {  # dtype -> (atol, rtol)
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+# (context_len, query_len): decodes (one after a one-token context), a fresh prompt longer than a
+# query tile, chunked prefills after earlier context, a chunk of 2.
+MIXED = [(7, 1), (1, 1), (21, 21), (30, 9), (12, 2), (40, 1)]
+HEADS = {"mha": (2, 2, 32), "gqa2": (4, 2, 16), "gqa3": (6, 2, 16), "gqa8": (8, 1, 16)}  # (H, H_kv, D)
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def dense_reference(case: AttentionCase, num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """float32 [T, H, D]: every query over its own sequence's keys, causal, windowed."""
+    batch, group = case.batch, num_heads // num_kv_heads
+    out = torch.zeros(case.q.shape, dtype=torch.float32)
+    q32 = case.q.float().cpu()
+    for b, (ctx, q_len) in enumerate(zip(batch.context_lens, batch.query_lens, strict=True)):
+        keys = case.keys[b].repeat_interleave(group, dim=1)  # [ctx, H, D]
+        values = case.values[b].repeat_interleave(group, dim=1)
+        for i in range(q_len):
+            t, pos = batch.query_starts[b] + i, ctx - q_len + i
+            lo = max(0, pos - batch.sliding_window + 1) if batch.sliding_window else 0
+            scores = torch.einsum("hd,shd->hs", q32[t], keys[lo : pos + 1]) * scale
+            out[t] = torch.einsum("hs,shd->hd", scores.softmax(dim=-1), values[lo : pos + 1])
+    return out
+
+
+def _check(case: AttentionCase, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    head_dim = case.q.shape[2]
+    scale = head_dim**-0.5
+    before = case.pool_layer.clone()
+    write_kv_triton(case.pool_layer, case.k, case.v, case.batch)
+    write_kv_torch(before, case.k, case.v, case.batch)
+    assert torch.equal(case.pool_layer, before)
+    expected = attention_torch(case.q, case.pool_layer, case.batch, num_kv_heads, scale)
+    out = attention_triton(case.q, case.pool_layer, case.batch, num_kv_heads, scale)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    dense = dense_reference(case, num_heads, num_kv_heads, scale)
+    torch.testing.assert_close(out.float().cpu(), dense, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_step(dtype: torch.dtype, heads: str, window: int | None):
+    num_heads, num_kv_heads, head_dim = HEADS[heads]
+    case = make_attention_case(MIXED, num_heads, num_kv_heads, head_dim, 3, dtype, sliding_window=window)
+    _check(case, num_heads, num_kv_heads, dtype)
+
+
+@pytest.mark.parametrize(
+    "seqs",
+    [[(9, 1), (17, 1), (4, 1), (33, 1)], [(16, 16), (5, 5), (26, 8)]],
+    ids=["decode-only", "prefill-only"],
+)
+def test_decode_only_and_prefill_only(seqs: list[tuple[int, int]]):
+    case = make_attention_case(seqs, 4, 2, 16, 4, torch.float32, seed=1)
+    _check(case, 4, 2, torch.float32)
+
+
+def test_window_longer_than_context_and_one_token_pages():
+    case = make_attention_case([(6, 3), (3, 1)], 2, 1, 16, 1, torch.float32, sliding_window=100, seed=2)
+    _check(case, 2, 1, torch.float32)
+
+
+def test_rejects_bad_arguments():
+    case = make_attention_case([(4, 2)], 4, 2, 16, 2, torch.float32)
+    with pytest.raises(ValueError, match="share a dtype"):
+        attention_triton(case.q.half(), case.pool_layer, case.batch, 2, 0.25)
+    with pytest.raises(ValueError, match="groups"):
+        attention_triton(case.q, case.pool_layer, case.batch, 3, 0.25)
+    with pytest.raises(ValueError, match=r"\[rows, 2 \* 16\]"):
+        attention_triton(case.q, case.pool_layer[:, :16], case.batch, 2, 0.25)
+    with pytest.raises(ValueError, match="tokens"):
+        attention_triton(case.q[:1], case.pool_layer, case.batch, 2, 0.25)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("window", [None, 256])
+def test_gpu_real_sizes(dtype: torch.dtype, window: int | None):
+    seqs = [(700, 1), (1, 1), (1500, 1), (513, 513), (2048, 300), (90, 2)] + [(n, 1) for n in range(20, 400, 37)]
+    case = make_attention_case(seqs, 32, 8, 128, 16, dtype, device="cuda", sliding_window=window, seed=3)
+    _check(case, 32, 8, dtype)

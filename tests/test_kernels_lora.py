@@ -1,0 +1,216 @@
+"""Triton batched LoRA against the torch reference and a float32 dense recomputation.
+
+Sweeps (punica style): ranks {1, 4, 8, 16, 64, 128} mixed in one launch; adapter popularity
+distinct / uniform / zipf / identical; tokens without adapter; pages in random order; widths that
+are not multiples of the row width nor of the block; decode steps, prefill steps and mixed steps;
+both kernel paths (token = MBGMV/BGMV, segment = MBGMM/SGMV) and split reductions.
+
+On CPU the kernels run in Triton's interpreter (milliseconds per program), so shapes are small;
+the `gpu` tests repeat the sweep at h = 4096 in float16 and bfloat16.
+
+Tolerance (absolute and relative, on y after the update; the dense reference computes in float32
+from the weights as the pool stores them): see TOL below. float16 / bfloat16 carry the rounding of
+y itself (|y| ~ 1-10) and of the rank vector the reference rounds to the input dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from loraserve.kernels.lora_torch import lora_apply_torch
+from loraserve.kernels.lora_triton import lora_apply_triton
+from loraserve.kernels.metadata import MODULES, LoraBatch
+from loraserve.kernels.synthetic import (
+    POPULARITIES,
+    LoraGeometry,
+    SyntheticAdapter,
+    adapters_used,
+    assign_adapters,
+    make_lora_batch,
+    make_lora_pool,
+)
+
+TOL = {  # dtype -> (atol, rtol)
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-2, 1e-2),
+    torch.bfloat16: (1e-1, 2e-2),
+}
+RANKS = [1, 4, 8, 16, 64, 128, 4, 16]  # adapter i has rank RANKS[i]: every rank mixed in one launch
+ALL = tuple(range(len(MODULES)))
+# d_in = 48 and d_out = 80 with 32-wide rows: 2 and 3 chunks, the last half / partly padded.
+SMALL = LoraGeometry.uniform(48, 80, row_width=32, rows_per_page=4, num_layers=2)
+# 48-wide rows (not a power of two: blocks are masked inside a row), d_in 80, d_out 40.
+ODD_ROW = LoraGeometry.uniform(80, 40, row_width=48, rows_per_page=6, num_layers=2)
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def dense_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    adapters: list[SyntheticAdapter],
+    requests: list[tuple[int | None, int]],
+    batch: LoraBatch,
+    layer: int,
+    module: int,
+) -> torch.Tensor:
+    """float32: y[t] + x[t] @ A^T @ B * scale, straight from the adapters' original matrices."""
+    out, x32 = y.float().clone(), x.float()
+    used = adapters_used(requests)
+    for t, a in enumerate(batch.token_adapter.tolist()):
+        adapter = adapters[used[a]] if a >= 0 else None
+        if adapter is None or (layer, module) not in adapter.weights:
+            continue
+        a_w, b_w = (w.to(x.device) for w in adapter.weights[(layer, module)])
+        out[t] += (x32[t] @ a_w.t()) @ b_w * adapter.scale
+    return out
+
+
+def _requests(popularity: str, num_requests: int, tokens: list[int], seed: int) -> list[tuple[int | None, int]]:
+    """Requests of `tokens[i % len]` tokens each, adapters by popularity, every third one base-only."""
+    assigned = assign_adapters(popularity, num_requests, seed=seed)
+    return [(None if i % 3 == 2 else assigned[i], tokens[i % len(tokens)]) for i in range(num_requests)]
+
+
+def _run_both(
+    geometry: LoraGeometry,
+    pool: torch.Tensor,
+    adapters: list[SyntheticAdapter],
+    requests: list[tuple[int | None, int]],
+    dtype: torch.dtype,
+    layer: int,
+    module: int,
+    paths: tuple[str, ...] = ("token", "segment"),
+    splits: int | None = None,
+    seed: int = 0,
+) -> None:
+    device = pool.device
+    batch = make_lora_batch(geometry, adapters, requests, device=device)
+    assert batch is not None
+    g = torch.Generator().manual_seed(seed)
+    num_tokens = sum(n for _, n in requests)
+    x = torch.randn(num_tokens, geometry.d_in[module], generator=g).to(device=device, dtype=dtype)
+    y0 = torch.randn(num_tokens, geometry.d_out[module], generator=g).to(device=device, dtype=dtype)
+    reference = y0.clone()
+    lora_apply_torch(reference, x, pool[layer], batch, layer, module)
+    dense = dense_reference(y0, x, adapters, requests, batch, layer, module)
+    untouched = batch.token_adapter < 0
+    for path in paths:
+        y = y0.clone()
+        lora_apply_triton(y, x, pool[layer], batch, layer, module, path=path, splits=splits)
+        _close(y, reference, dtype)
+        _close(y, dense, dtype)
+        assert torch.equal(y[untouched], y0[untouched]), f"{path}: a token without adapter changed"
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.float16], ids=["fp32", "fp16"])
+def small_pool(request):
+    pool, adapters = make_lora_pool(SMALL, RANKS, [ALL] * len(RANKS), request.param, seed=1)
+    return request.param, pool, adapters
+
+
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_popularity_sweep(small_pool, popularity: str, phase: str):
+    dtype, pool, adapters = small_pool
+    tokens = [1] if phase == "decode" else [5, 1, 19, 2]  # prefill: mixed with decodes, one over 16
+    requests = _requests(popularity, 8, tokens, seed=len(popularity))
+    _run_both(SMALL, pool, adapters, requests, dtype, layer=1, module=MODULES.index("q_proj"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_row_width_not_a_power_of_two(dtype: torch.dtype):
+    pool, adapters = make_lora_pool(ODD_ROW, RANKS[:6], [ALL] * 6, dtype, seed=2)
+    requests = [(5, 3), (None, 2), (0, 1), (1, 1), (4, 17), (2, 1), (3, 2), (5, 1)]
+    _run_both(ODD_ROW, pool, adapters, requests, dtype, layer=0, module=MODULES.index("down_proj"))
+
+
+def test_modules_not_targeted_and_inactive_layers():
+    """Each module: only adapters that target it, in layers where they have weights, change y."""
+    geometry = LoraGeometry(
+        d_in=(48, 48, 48, 64, 48, 48, 88),
+        d_out=(64, 32, 32, 48, 88, 88, 48),  # q, k, v, o, gate, up, down of a small GQA model
+        row_width=32,
+        rows_per_page=8,
+        num_layers=2,
+    )
+    targets = [(0, 2), ALL, (1, 3, 6), (4, 5, 6)]
+    inactive = [(), (0,), (), (1,)]
+    pool, adapters = make_lora_pool(geometry, [4, 16, 8, 64], targets, torch.float32, inactive_layers=inactive)
+    requests = [(0, 2), (1, 1), (None, 1), (2, 3), (3, 1), (1, 2)]
+    for module in range(len(MODULES)):
+        for layer in (0, 1):
+            _run_both(geometry, pool, adapters, requests, torch.float32, layer, module, seed=module)
+
+
+@pytest.mark.parametrize("path", ["token", "segment"])
+def test_split_reduction(path: str):
+    pool, adapters = make_lora_pool(ODD_ROW, [8, 128, 1], [ALL] * 3, torch.float32, seed=3)
+    requests = [(1, 2), (0, 1), (2, 4), (None, 1), (1, 1)]
+    _run_both(ODD_ROW, pool, adapters, requests, torch.float32, 0, 2, paths=(path,), splits=2)
+
+
+def test_nothing_to_do_leaves_y_untouched():
+    pool, adapters = make_lora_pool(SMALL, [4, 8], [(0,), (0,)], torch.float32, inactive_layers=[(1,), ()])
+    batch = make_lora_batch(SMALL, adapters, [(0, 2), (None, 1)])
+    assert batch is not None
+    x, y0 = torch.randn(3, 48), torch.randn(3, 80)
+    y = y0.clone()
+    lora_apply_triton(y, x, pool[1], batch, 1, 0)  # adapter 0 has no weights in layer 1
+    lora_apply_triton(y, x, pool[0], batch, 0, 3)  # no adapter targets o_proj
+    assert torch.equal(y, y0)
+    empty_i32 = torch.zeros(0, dtype=torch.int32)
+    empty = dataclasses.replace(
+        batch, seg_start=empty_i32, seg_len=empty_i32, seg_adapter=empty_i32, token_adapter=empty_i32,
+        segments=[], max_seg_len=0,
+    )  # fmt: skip
+    y = torch.zeros(0, 80)
+    lora_apply_triton(y, torch.zeros(0, 48), pool[0], empty, 0, 0)  # an empty step
+    assert make_lora_batch(SMALL, adapters, [(None, 3)]) is None  # the runner passes no batch then
+
+
+def test_rejects_bad_arguments():
+    pool, adapters = make_lora_pool(SMALL, [4], [ALL], torch.float32)
+    batch = make_lora_batch(SMALL, adapters, [(0, 2)])
+    assert batch is not None
+    x, y = torch.randn(2, 48), torch.randn(2, 80)
+    with pytest.raises(ValueError, match="share a dtype"):
+        lora_apply_triton(y.half(), x, pool[0], batch, 0, 0)
+    with pytest.raises(ValueError, match=r"expected x \[T, 48\]"):
+        lora_apply_triton(y, torch.randn(2, 40), pool[0], batch, 0, 0)
+    with pytest.raises(ValueError, match="tokens"):
+        lora_apply_triton(torch.randn(3, 80), torch.randn(3, 48), pool[0], batch, 0, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_apply_triton(y, x, pool[0].t().contiguous().t(), batch, 0, 0)
+    with pytest.raises(ValueError, match="unit stride"):
+        lora_apply_triton(y, torch.randn(48, 2).t(), pool[0], batch, 0, 0)
+    with pytest.raises(ValueError, match="module index"):
+        lora_apply_triton(y, x, pool[0], batch, 0, 7)
+    with pytest.raises(ValueError, match="unknown path"):
+        lora_apply_triton(y, x, pool[0], batch, 0, 0, path="bgmv")
+
+
+# ---- on a GPU: the same sweep at real sizes ------------------------------------------------------
+REAL = LoraGeometry.uniform(4096, 4096, row_width=1024, rows_per_page=32, num_layers=1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("popularity", POPULARITIES)
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_gpu_sweep_h4096(dtype: torch.dtype, popularity: str, phase: str):
+    ranks = [8, 16, 32, 64, 128, 1, 4] * 5
+    pool, adapters = make_lora_pool(REAL, ranks, [(0,)] * len(ranks), dtype, device="cuda", seed=4)
+    tokens = [1] if phase == "decode" else [300, 1, 17, 64]
+    requests = _requests(popularity, 32, tokens, seed=5)
+    _run_both(REAL, pool, adapters, requests, dtype, layer=0, module=0, paths=("auto", "token", "segment"))

@@ -1,0 +1,80 @@
+"""Project hygiene: committed stubs are current, import names do not clash, compose uses real commands."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLE_FOLDERS = ["gateway", "scheduler", "adapter_store", "worker", "kernels", "bench", "demo", "proto"]
+
+
+def test_generated_stubs_match_the_protos(tmp_path):
+    from loraserve.protos import OUT, generate
+
+    for path in generate(tmp_path):
+        committed = OUT / path.name
+        assert committed.is_file(), f"{committed} is missing: run `make protos`"
+        assert committed.read_bytes() == path.read_bytes(), f"{committed.name} is stale: run `make protos`"
+
+
+def test_only_loraserve_is_installed_as_a_top_level_name():
+    provided = {name for name, dists in importlib.metadata.packages_distributions().items() if "loraserve" in dists}
+    assert provided == {"loraserve"}
+    for folder in ROLE_FOLDERS:  # no installed distribution may be shadowed by a folder of this repo
+        assert folder not in importlib.metadata.packages_distributions(), (
+            f"an installed package provides '{folder}', which the repo's {folder}/ folder would shadow"
+        )
+
+
+def test_repo_folders_never_shadow_installed_packages(tmp_path):
+    """Run from the repo root (cwd first on sys.path), an installed `kernels`, `proto`, ... still wins."""
+    site = tmp_path / "site"
+    for folder in ROLE_FOLDERS:
+        (site / folder).mkdir(parents=True)
+        (site / folder / "__init__.py").write_text("INSTALLED = True\n")
+    code = (
+        "import sys; sys.path.append(sys.argv[1]);"
+        f"names = {ROLE_FOLDERS!r};"
+        "mods = [__import__(n) for n in names];"
+        "bad = [n for n, m in zip(names, mods) if not getattr(m, 'INSTALLED', False)];"
+        "print('shadowed:', bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(site)], cwd=ROOT, check=False, capture_output=True, text=True)
+    assert out.stdout.strip() == "shadowed: []", out.stdout + out.stderr[-2000:]
+
+
+def test_transformers_and_peft_import_beside_the_project_from_the_repo_root():
+    code = (
+        "import sys, transformers, peft; from transformers.utils import import_utils as u;"
+        "from loraserve.kernels import backend; from loraserve.worker import engine;"
+        "assert not u.is_kernels_available();"
+        "m = sys.modules.get('kernels'); assert m is None or getattr(m, '__file__', None) is None; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_compose_services_run_real_subcommands():
+    yaml = pytest.importorskip("yaml")
+    from loraserve.cli import COMMANDS, build_parser
+
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    roles = set()
+    for name, service in compose["services"].items():
+        if "build" not in service:
+            continue  # third-party images (jaeger)
+        command = service["command"]
+        command = shlex.split(command) if isinstance(command, str) else command
+        assert command[0] in COMMANDS, f"service {name} runs unknown subcommand {command[0]!r}"
+        build_parser(command[0]).parse_args(command)  # every flag exists and parses
+        roles.add(command[0])
+    assert roles == {"gateway", "scheduler", "adapter-store", "worker"}
+    gpu = compose["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"]
+    assert "jaeger" in compose["services"]

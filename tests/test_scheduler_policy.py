@@ -1,0 +1,165 @@
+"""The scheduler's policy object, alone: admission, Punica placement, prediction, failure handling."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraserve.errors import ResourceExhaustedError, UnavailableError
+from loraserve.scheduler.policy import (
+    AssignTo,
+    CancelOn,
+    Fail,
+    PolicyConfig,
+    PrefetchOn,
+    QueuedRequest,
+    SchedulerPolicy,
+    WorkerGone,
+)
+from loraserve.wire import WorkerReport
+
+
+def report(worker_id, running=(), free_pages=100, max_batch=4, resident=(), finished=(), ready=True, fatal=None):
+    return WorkerReport(
+        worker_id=worker_id, ready=ready, max_batch_size=max_batch, total_pages=100, free_pages=free_pages,
+        kv_pages=100 - free_pages, adapter_pages=0, running=list(running), waiting=[],
+        resident=[list(k) for k in resident], finished=list(finished), tokens_per_page=16, fatal=fatal,
+    )  # fmt: skip
+
+
+def request(rid, adapter=None, prompt=16, new=16, deadline=None):
+    return QueuedRequest(rid, adapter, prompt, new, reply_to="tcp://gw", arrival=0.0, deadline=deadline)
+
+
+def assigned(decisions):
+    return [(d.worker_id, d.request.request_id) for d in decisions if isinstance(d, AssignTo)]
+
+
+def test_no_ready_worker_means_unavailable():
+    policy = SchedulerPolicy()
+    with pytest.raises(UnavailableError):
+        policy.add(request("r"), 0.0)
+    policy.on_report(report("w", ready=False), 0.0)
+    with pytest.raises(UnavailableError):
+        policy.add(request("r"), 0.0)
+
+
+def test_bounded_queue():
+    policy = SchedulerPolicy(PolicyConfig(max_queue_length=2))
+    policy.on_report(report("w", max_batch=0), 0.0)  # no batch room: everything stays queued
+    policy.add(request("a"), 0.0)
+    policy.add(request("b"), 0.0)
+    with pytest.raises(ResourceExhaustedError, match="queue is full"):
+        policy.add(request("c"), 0.0)
+
+
+def test_request_larger_than_any_pool_is_refused():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w"), 0.0)
+    with pytest.raises(ResourceExhaustedError, match="can ever hold"):
+        policy.add(request("huge", prompt=100 * 16, new=16), 0.0)
+
+
+def test_busiest_worker_with_room_wins():
+    policy = SchedulerPolicy()
+    policy.on_report(report("light", running=["x"]), 0.0)
+    policy.on_report(report("busy", running=["y", "z"]), 0.0)
+    policy.add(request("a"), 0.0)
+    assert assigned(policy.schedule(0.0)) == [("busy", "a")]
+    # busy now holds 3 of 4: one more fits there, then it is full and light takes the rest
+    for rid in ("b", "c"):
+        policy.add(request(rid), 0.0)
+    assert assigned(policy.schedule(0.0)) == [("busy", "b"), ("light", "c")]
+
+
+def test_pool_room_is_respected_including_unreported_assignments():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w", free_pages=3, max_batch=10), 0.0)  # 3 pages: one request of 2 pages
+    policy.on_report(report("v", free_pages=50, max_batch=10), 0.0)
+    for rid in ("a", "b"):
+        policy.add(request(rid), 0.0)
+    decisions = assigned(policy.schedule(0.0))
+    assert sorted(w for w, _ in decisions) == ["v", "w"]
+
+
+def test_head_of_line_is_not_overtaken():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w", free_pages=3, max_batch=10), 0.0)
+    policy.add(request("big", prompt=60, new=20), 0.0)  # 5 pages: does not fit now
+    policy.add(request("small"), 0.0)
+    assert assigned(policy.schedule(0.0)) == []
+    policy.on_report(report("w", free_pages=80, max_batch=10), 0.1)
+    assert assigned(policy.schedule(0.1)) == [("w", "big"), ("w", "small")]
+
+
+def test_silent_worker_is_dropped_and_its_requests_fail():
+    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+    policy.on_report(report("dead"), 0.0)
+    policy.on_report(report("alive"), 0.0)
+    policy.add(request("a"), 0.0)
+    [(worker, _)] = assigned(policy.schedule(0.0))
+    policy.on_report(report("alive" if worker == "dead" else "dead"), 0.9)
+    policy.on_report(report(worker), 0.9)
+    other = "alive" if worker == "dead" else "dead"
+    policy.on_report(report(other), 2.0)
+    decisions = policy.schedule(2.0)
+    gone = [d for d in decisions if isinstance(d, WorkerGone)]
+    failed = [d for d in decisions if isinstance(d, Fail)]
+    assert [g.worker_id for g in gone] == [worker]
+    assert [(f.request.request_id, f.status) for f in failed] == [("a", "UNAVAILABLE")]
+    assert "stopped responding" in failed[0].message
+    policy.add(request("b"), 2.0)
+    assert assigned(policy.schedule(2.0)) == [(other, "b")]
+
+
+def test_fatal_report_drops_the_worker_at_once():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w"), 0.0)
+    policy.add(request("a"), 0.0)
+    policy.schedule(0.0)
+    decisions = policy.on_report(report("w", fatal="CUDA error"), 0.1)
+    assert any(isinstance(d, Fail) and "CUDA error" in d.message for d in decisions)
+    assert "w" not in policy.workers
+
+
+def test_queued_deadline_expires():
+    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=100.0))
+    policy.on_report(report("w", max_batch=0), 0.0)
+    policy.add(request("a", deadline=5.0), 0.0)
+    assert policy.schedule(4.9) == []
+    [failure] = [d for d in policy.schedule(5.0) if isinstance(d, Fail)]
+    assert failure.status == "DEADLINE_EXCEEDED" and not policy.queue
+
+
+def test_cancel_in_queue_and_on_worker():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w", max_batch=1), 0.0)
+    policy.add(request("running"), 0.0)
+    policy.schedule(0.0)
+    policy.add(request("queued"), 0.0)
+    assert policy.cancel("queued", "client") == (True, [])
+    found, decisions = policy.cancel("running", "client")
+    assert found and decisions == [CancelOn("w", ("running",), "client")]
+    assert policy.cancel("unknown", "client") == (False, [])
+
+
+def test_finished_requests_free_their_worker():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w", max_batch=1), 0.0)
+    policy.add(request("a"), 0.0)
+    policy.add(request("b"), 0.0)
+    assert assigned(policy.schedule(0.0)) == [("w", "a")]
+    policy.on_report(report("w", max_batch=1, running=["a"]), 0.1)
+    assert assigned(policy.schedule(0.1)) == []
+    policy.on_report(report("w", max_batch=1, finished=["a"]), 0.2)
+    assert assigned(policy.schedule(0.2)) == [("w", "b")]
+
+
+def test_prefetch_predictions_from_the_queue():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w", max_batch=0, resident=[("x", 1)]), 0.0)
+    policy.add(request("a", adapter=("x", 1)), 0.0)
+    policy.add(request("b", adapter=("y", 2)), 0.0)
+    policy.add(request("c", adapter=("y", 2)), 0.0)
+    [hint] = [d for d in policy.schedule(0.0) if isinstance(d, PrefetchOn)]
+    assert hint == PrefetchOn("w", (("y", 2),))
+    assert not [d for d in policy.schedule(0.1) if isinstance(d, PrefetchOn)], "unchanged hints are not resent"

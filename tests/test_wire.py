@@ -1,0 +1,50 @@
+"""The ZMQ wire format: typed round trips, raw buffers, and rejection of anything else."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from loraserve.wire import AdapterFiles, Assign, MsgType, Tokens, WireError, WorkerReport, decode, encode
+
+
+def test_round_trip_keeps_every_field():
+    assign = Assign("r1", [1, 2, 3], "upper", 2, {"max_new_tokens": 5}, "tcp://127.0.0.1:1", 1.5, deadline=9.0,
+                    trace={"traceparent": "00-abc"})  # fmt: skip
+    assert decode(encode(assign)) == assign
+    tokens = Tokens("r1", [7], worker_id="w", finished=True, finish_reason="stop", timings={"queue_s": 0.1})
+    assert decode(encode(tokens)) == tokens
+
+
+def test_buffers_travel_as_their_own_frames():
+    weights = bytes(range(256)) * 1000
+    frames = encode(AdapterFiles("a", 3, "safetensors", config_json=b"{}", weights=weights))
+    assert len(frames) == 4 and frames[3] is weights  # no copy on the way out
+    decoded = decode(frames)
+    assert bytes(decoded.weights) == weights and bytes(decoded.config_json) == b"{}"
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        ([b"\x63", msgpack.packb({})], "unknown message type"),
+        ([bytes([MsgType.TOKENS]), b"\xc1"], "not msgpack"),
+        ([bytes([MsgType.TOKENS]), msgpack.packb([1, 2])], "must be a map"),
+        ([bytes([MsgType.TOKENS]), msgpack.packb({"token_ids": []})], "missing field 'request_id'"),
+        ([bytes([MsgType.TOKENS]), msgpack.packb({"request_id": 5, "token_ids": []})], "request_id"),
+        ([bytes([MsgType.TOKENS]), msgpack.packb({"request_id": "r", "token_ids": "x"})], "token_ids"),
+        ([bytes([MsgType.ADAPTER]), msgpack.packb({"name": "a", "version": 1, "weights_format": "s"})], "frames"),
+        ([bytes([MsgType.TOKENS])], "at least 2 frames"),
+    ],
+)
+def test_malformed_messages_are_rejected(frames, message):
+    with pytest.raises(WireError, match=message):
+        decode(frames)
+
+
+def test_no_pickle_can_arrive():
+    import pickle
+
+    payload = pickle.dumps(WorkerReport)  # a pickled class instead of a msgpack map
+    with pytest.raises(WireError):
+        decode([bytes([MsgType.WORKER_REPORT]), payload])

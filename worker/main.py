@@ -1,0 +1,49 @@
+"""`loraserve worker`: one engine on one device, serving what the scheduler assigns."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+
+from loraserve import telemetry
+from loraserve.process import become_service
+from loraserve.worker.cli import add_engine_arguments, engine_config_from_args
+from loraserve.worker.engine import Engine
+from loraserve.worker.service import WorkerConfig, WorkerService
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--worker-id", default=None, help="unique name (default: host-pid)")
+    parser.add_argument(
+        "--scheduler-address", default="tcp://127.0.0.1:7101", help="the scheduler's ZMQ worker address"
+    )
+    parser.add_argument("--store-address", default="tcp://127.0.0.1:7301", help="the adapter store's ZMQ data address")
+    parser.add_argument("--report-interval", type=float, default=0.5, help="heartbeat period when idle, seconds")
+    parser.add_argument(
+        "--fetch-timeout", type=float, default=10.0, help="seconds to wait for an adapter from the store"
+    )
+    telemetry.add_tracing_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    stop = become_service(f"worker {worker_id}")
+    telemetry.setup_tracing("worker", args.trace_exporter, args.otlp_endpoint)
+    try:
+        engine = Engine(args.model, engine_config_from_args(args))
+        config = WorkerConfig(
+            worker_id=worker_id,
+            scheduler_address=args.scheduler_address,
+            store_address=args.store_address,
+            report_interval_s=args.report_interval,
+            fetch_timeout_s=args.fetch_timeout,
+        )
+        WorkerService(engine, config).run(stop)
+    finally:
+        telemetry.shutdown_tracing()
+    return 0

@@ -1,0 +1,190 @@
+"""The Llama-family network (Llama, Mistral, Qwen2) over a flattened, ragged batch.
+
+A step's tokens — prefill chunks and decode tokens of many requests — are concatenated into one
+[T, hidden] tensor. Every projection runs once for the whole batch (x W^T), then the backend adds
+each adapter segment's LoRA term from the unified pool; attention reads and writes KV in the pool
+through the step's page tables. Nothing is global: the step's metadata arrives in `ForwardBatch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.errors import InvalidModelError
+from loraserve.kernels.backend import KernelBackend
+from loraserve.kernels.metadata import MODULE_INDEX, AttentionBatch, LoraBatch
+from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.weights import iter_tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything a forward pass needs besides the token ids."""
+
+    positions: torch.Tensor  # int64 [T]
+    attention: AttentionBatch
+    lora: LoraBatch | None  # None when no token of the step uses an adapter
+    pool: torch.Tensor  # [L, rows, W]: the unified pool
+    backend: KernelBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Projection(nn.Module):
+    """y = x W^T (+ b) for the whole batch, plus the LoRA term of each adapter segment."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, layer: int, name: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(d_out), requires_grad=False) if bias else None
+        self.layer, self.module = layer, MODULE_INDEX[name]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # [T, d_out]
+        if batch.lora is not None:
+            batch.backend.lora_apply(y, x, batch.pool[self.layer], batch.lora, self.layer, self.module)
+        return y
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.layer = layer
+        self.q_proj = Projection(c.hidden_size, c.q_width, c.qkv_bias, layer, "q_proj")
+        self.k_proj = Projection(c.hidden_size, c.kv_width, c.qkv_bias, layer, "k_proj")
+        self.v_proj = Projection(c.hidden_size, c.kv_width, c.qkv_bias, layer, "v_proj")
+        self.o_proj = Projection(c.q_width, c.hidden_size, c.o_bias, layer, "o_proj")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x, batch).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, batch).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, batch)  # [T, H_kv * D]
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        pool_layer = batch.pool[self.layer]
+        batch.backend.write_kv(pool_layer, k.reshape(t, -1), v, batch.attention)
+        out = batch.backend.attention(q, pool_layer, batch.attention, self.num_kv_heads, self.scale)
+        return self.o_proj(out.reshape(t, -1), batch)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Projection(h, i, bias, layer, "gate_proj")
+        self.up_proj = Projection(h, i, bias, layer, "up_proj")
+        self.down_proj = Projection(i, h, bias, layer, "down_proj")
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, batch)) * self.up_proj(x, batch), batch)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, layer)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
+
+
+class Decoder(nn.Module):
+    """Parameter names match the Hugging Face checkpoint ("model.layers.0.self_attn.q_proj.weight")."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        if self.lm_head is not None:
+            self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("inv_freq", config.rope.inverse_frequencies(config.head_dim), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states after the final norm. input_ids: [T] -> [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 as in HF
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """Build the network and fill it from the checkpoint's safetensors; every tensor is checked."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {name: p for name, p in model.named_parameters()}
+    loaded: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_tensors(model_dir):
+        if name not in expected:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
+                continue
+            raise InvalidModelError(f"{model_dir}: unexpected tensor {name!r} for a {config.model_type} model")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise InvalidModelError(
+                f"{model_dir}: tensor {name} has shape {list(tensor.shape)}, "
+                f"config.json implies {list(expected[name].shape)}"
+            )
+        loaded[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise InvalidModelError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    model.inv_freq = config.rope.inverse_frequencies(config.head_dim).to(device)
+    model.eval()
+    log.info(
+        "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s",
+        config.model_type, model_dir, config.num_layers, config.hidden_size, config.num_heads,
+        config.num_kv_heads, sum(t.numel() for t in loaded.values()) / 1e6, dtype, device,
+    )  # fmt: skip
+    return model

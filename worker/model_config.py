@@ -1,0 +1,185 @@
+"""The base model's shape, read from a Hugging Face `config.json` (Llama, Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loraserve.errors import InvalidModelError
+
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# The seven projections a LoRA adapter may target, in the order the pool lays them out.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = LORA_MODULES[:4]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters: `kind` is "default", "linear" or "llama3"."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
+        """inv_freq[i] = theta^(-2i/d), rescaled as the rope type says. Shape: [head_dim // 2], float32."""
+        import torch  # lazily: the gateway reads model configs without loading torch
+
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (self.theta**exponents)
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        if self.kind != "llama3":
+            return inv_freq
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the runner, the pool and adapter validation need to know about the base model."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 (and Llama with attention_bias) add biases to q, k and v
+    o_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    @property
+    def kv_width(self) -> int:
+        """Elements of one token's K (or V) in one layer: num_kv_heads × head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of one projection."""
+        h, q, kv, i = self.hidden_size, self.q_width, self.kv_width, self.intermediate_size
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }[module]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise InvalidModelError(f"{path} not found: a model directory needs config.json") from None
+        except json.JSONDecodeError as e:
+            raise InvalidModelError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf(raw, source=str(path))
+
+    @classmethod
+    def from_hf(cls, raw: dict, source: str = "config.json") -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise InvalidModelError(
+                f"{source}: model_type {model_type!r} is not supported; "
+                f"loraserve serves {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
+            if not isinstance(raw.get(key), int) or raw[key] <= 0:
+                raise InvalidModelError(f"{source}: {key} must be a positive integer, got {raw.get(key)!r}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise InvalidModelError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        heads = raw["num_attention_heads"]
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise InvalidModelError(
+                f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = raw.get("sliding_window")
+        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            rope=_rope_from_hf(raw, source),
+            sliding_window=window,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        )
+
+
+def _rope_from_hf(raw: dict, source: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise InvalidModelError(f"{source}: rope type {kind!r} is not supported (default, linear, llama3)")
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )

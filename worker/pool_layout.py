@@ -1,0 +1,124 @@
+"""Geometry of the unified page pool: where a token's KV and an adapter's weights live.
+
+The pool is ONE tensor, allocated once:
+
+    pool: [num_layers, num_pages * rows_per_page, row_width]      row_width W = num_kv_heads × head_dim
+
+A *row* is W elements of one layer. A *page* is `rows_per_page` (R) consecutive rows, at the same
+place in every layer; pages are what the allocator hands out, to KV cache or to adapters alike.
+
+KV cache. A page holds `tokens_per_page` = R/2 tokens of one sequence: rows [0, R/2) are their K
+vectors, rows [R/2, R) their V vectors (a K or V vector of one token is exactly one row: W is the
+KV width, so grouped-query attention wastes nothing). Token t of a sequence with page table P:
+
+    K row = P[t // (R/2)] * R + t % (R/2)          V row = K row + R/2
+
+Adapters. S-LoRA stores a rank-r weight as r vectors; here each rank vector is split into
+row-sized chunks. For a target module with in/out widths (d_in, d_out), c_in = ceil(d_in / W),
+c_out = ceil(d_out / W):
+
+    A block: r × c_in rows,  row j*c_in + c  = lora_A[j, c*W : (c+1)*W]     (lora_A: [r, d_in])
+    B block: r × c_out rows, row j*c_out + c = lora_B[c*W : (c+1)*W, j]     (lora_B: [d_out, r])
+
+Blocks of the adapter's modules follow each other in `LORA_MODULES` order in the adapter's
+*logical* row space; logical row ℓ lives at physical row  pages[ℓ // R] * R + ℓ % R. Every layer
+uses the same logical layout, so one page list per adapter serves all layers. Widths that are
+multiples of W (hidden size, KV width and, in most models, the MLP width: 14336 = 14 × 1024 in
+Llama-3-8B) waste nothing; otherwise only the last chunk of each rank vector is padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraserve.worker.model_config import LORA_MODULES, ModelConfig
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ModuleBlock:
+    """Where one target module's A and B live in an adapter's logical rows."""
+
+    module: str
+    d_in: int
+    d_out: int
+    c_in: int  # row chunks per A rank vector
+    c_out: int  # row chunks per B rank vector
+    a_offset: int  # first logical row of the A block
+    b_offset: int  # first logical row of the B block
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """The logical row layout of one adapter (rank r, some target modules)."""
+
+    rank: int
+    blocks: tuple[ModuleBlock, ...]
+    num_rows: int
+    num_pages: int
+    useful_elements: int  # weights actually stored, summed over layers (for waste accounting)
+
+    def block(self, module: str) -> ModuleBlock | None:
+        return next((b for b in self.blocks if b.module == module), None)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    num_layers: int
+    row_width: int
+    rows_per_page: int
+    num_pages: int
+
+    def __post_init__(self) -> None:
+        if self.rows_per_page < 2 or self.rows_per_page % 2:
+            raise ValueError(f"rows_per_page must be an even number >= 2, got {self.rows_per_page}")
+        if self.num_pages < 1:
+            raise ValueError(f"the pool needs at least one page, got {self.num_pages}")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, rows_per_page: int, num_pages: int) -> PoolLayout:
+        return cls(config.num_layers, config.kv_width, rows_per_page, num_pages)
+
+    @property
+    def tokens_per_page(self) -> int:
+        return self.rows_per_page // 2
+
+    @property
+    def rows_per_layer(self) -> int:
+        return self.num_pages * self.rows_per_page
+
+    @property
+    def page_elements(self) -> int:
+        """Elements of one page over all layers."""
+        return self.num_layers * self.rows_per_page * self.row_width
+
+    def kv_pages_for(self, num_tokens: int) -> int:
+        return ceil_div(num_tokens, self.tokens_per_page)
+
+    def adapter_layout(
+        self, config: ModelConfig, rank: int, modules: tuple[str, ...], active_layers: int | None = None
+    ) -> AdapterLayout:
+        """Lay out an adapter of rank `rank` on `modules` (any order; stored in LORA_MODULES order)."""
+        unknown = set(modules) - set(LORA_MODULES)
+        if unknown:
+            raise ValueError(f"unknown LoRA modules {sorted(unknown)}")
+        blocks, offset, useful = [], 0, 0
+        for module in LORA_MODULES:
+            if module not in modules:
+                continue
+            d_in, d_out = config.module_shape(module)
+            c_in, c_out = ceil_div(d_in, self.row_width), ceil_div(d_out, self.row_width)
+            blocks.append(ModuleBlock(module, d_in, d_out, c_in, c_out, offset, offset + rank * c_in))
+            offset += rank * (c_in + c_out)
+            useful += rank * (d_in + d_out)
+        layers = self.num_layers if active_layers is None else active_layers
+        return AdapterLayout(
+            rank=rank,
+            blocks=tuple(blocks),
+            num_rows=offset,
+            num_pages=ceil_div(offset, self.rows_per_page),
+            useful_elements=useful * layers,
+        )

@@ -1,0 +1,64 @@
+"""A generation request as the engine tracks it between steps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.worker.sampling import SamplingParams
+
+AdapterKey = tuple[str, int]  # (name, version): requests keep the version they started with
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_new_tokens or the model's context length
+    CANCELLED = "cancelled"  # aborted by the caller (client cancel, deadline)
+    ERROR = "error"  # the engine could not serve it (the message says why)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    adapter: AdapterKey | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    # Timestamps (monotonic seconds) for latency breakdowns.
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+    adapter_wait_s: float = 0.0  # time a step spent waiting for this request's adapter to reach the pool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        prompt = len(self.prompt_ids)
+        if end <= prompt:
+            return self.prompt_ids[start:end]
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,359 @@
+"""The worker process: the engine's step loop, fed by the scheduler, streaming to gateways.
+
+One thread runs everything that touches the engine: between steps it drains the scheduler's
+messages (ASSIGN / CANCEL / PREFETCH), registers adapters that background fetch threads brought
+from the adapter store, aborts requests whose deadline passed, runs a step, streams the new
+tokens to each request's gateway and reports its state to the scheduler. Fetching (network +
+validation) never happens on the step loop; prefetched adapters are copied into the pool in the
+background by the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import zmq
+from opentelemetry import trace
+
+from loraserve import telemetry
+from loraserve.adapter_store.client import AdapterFetcher
+from loraserve.errors import LoraserveError
+from loraserve.params import SamplingParams
+from loraserve.sockets import make_socket, send
+from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
+from loraserve.worker.adapters import load_adapter_bytes
+from loraserve.worker.engine import Engine, GenerateRequest, StepOutput
+from loraserve.worker.request import AdapterKey, FinishReason, Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    scheduler_address: str = "tcp://127.0.0.1:7101"
+    store_address: str = "tcp://127.0.0.1:7301"
+    report_interval_s: float = 0.5  # heartbeat when idle
+    fetch_timeout_s: float = 10.0
+    fetch_threads: int = 2
+
+
+@dataclass
+class _Tracked:
+    """What the service keeps per request besides the engine's Request."""
+
+    assign: Assign
+    received: float  # time.time() at the worker
+    context: object  # trace context from the scheduler
+    request: Request | None = None  # None while its adapter is being fetched
+    adapter_source: str = "none"  # none | hit | prefetched | cold
+    fetch_s: float = 0.0
+    expired: bool = False
+    sent_tokens: int = 0
+
+
+@dataclass
+class _Fetched:
+    key: AdapterKey
+    adapter: object | None = None
+    error: LoraserveError | None = None
+    seconds: float = 0.0
+    for_prefetch: bool = False
+    waiting: list[str] = field(default_factory=list)
+
+
+class WorkerService:
+    def __init__(self, engine: Engine, config: WorkerConfig):
+        self.engine, self.config = engine, config
+        self.ctx = zmq.Context()
+        self.scheduler = make_socket(self.ctx, zmq.DEALER, connect=config.scheduler_address, identity=config.worker_id)
+        self.gateways: dict[str, zmq.Socket] = {}
+        self.tracked: dict[str, _Tracked] = {}
+        self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
+        self.fetched: queue.Queue[_Fetched] = queue.Queue()
+        self.finished_since_report: list[str] = []
+        self.ready = False
+        self._fetch_pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="adapter-fetch")
+        self._fetchers = threading.local()
+        self._last_report = 0.0
+
+    # ---- main loop -----------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        self._report()  # register (not ready yet)
+        self._warm_up()
+        self.ready = True
+        self._report()
+        log.info("worker %s ready: %d pool pages", self.config.worker_id, self.engine.layout.num_pages)
+        try:
+            while not stop.is_set():
+                busy = self.engine.has_unfinished()
+                self._drain_scheduler(block_s=0.0 if busy else min(0.05, self.config.report_interval_s))
+                self._register_fetched()
+                self._expire_deadlines()
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+                    self._report()
+                elif time.monotonic() - self._last_report >= self.config.report_interval_s:
+                    self._report()
+        except Exception as e:
+            log.exception("worker %s failed", self.config.worker_id)
+            self._fail_everything("INTERNAL", f"worker {self.config.worker_id} failed: {e}")
+            self._report(fatal=str(e) or type(e).__name__)
+            raise
+        finally:
+            self.close()
+
+    def _warm_up(self) -> None:
+        """One short generation, so the first real request does not pay for lazy initialization."""
+        token = self.engine.tokenizer.bos_token_id or 0
+        warmup = GenerateRequest(prompt_ids=[token], sampling=SamplingParams(max_new_tokens=2, ignore_eos=True))
+        self.engine.generate([warmup])
+
+    # ---- scheduler messages --------------------------------------------------------------------
+    def _drain_scheduler(self, block_s: float) -> None:
+        if block_s and not self.scheduler.poll(int(block_s * 1000)):
+            return
+        while True:
+            try:
+                frames = self.scheduler.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frames)
+            except WireError as e:
+                log.warning("dropping a malformed scheduler message: %s", e)
+                continue
+            if isinstance(message, Assign):
+                self._on_assign(message)
+            elif isinstance(message, Cancel):
+                for request_id in message.request_ids:
+                    self._cancel(request_id, message.reason)
+            elif isinstance(message, Prefetch):
+                self._on_prefetch([(str(n), int(v)) for n, v in message.adapters])
+            else:
+                log.warning("dropping unexpected %s from the scheduler", type(message).__name__)
+
+    def _on_assign(self, assign: Assign) -> None:
+        tracked = _Tracked(assign, time.time(), telemetry.context_from(assign.trace))
+        self.tracked[assign.request_id] = tracked
+        key = (assign.adapter, assign.adapter_version) if assign.adapter else None
+        if key is None or self.engine.registry.has(key):
+            if key is not None:
+                tracked.adapter_source = "hit" if self.engine.pages.is_resident(key) else "prefetched"
+            self._start(tracked)
+            return
+        tracked.adapter_source = "cold"
+        if key not in self.awaiting:
+            self.awaiting[key] = []
+            self._fetch(key, for_prefetch=False, trace_context=assign.trace)
+        self.awaiting[key].append(assign.request_id)
+
+    def _start(self, tracked: _Tracked) -> None:
+        a = tracked.assign
+        try:
+            sampling = SamplingParams(**{**a.sampling, "stop_token_ids": tuple(a.sampling.get("stop_token_ids", ()))})
+            key = (a.adapter, a.adapter_version) if a.adapter else None
+            tracked.request = self.engine.add_request(a.prompt_ids, sampling, key, a.request_id)
+        except LoraserveError as e:
+            self._end(a.request_id, error_status=e.status, error=str(e))
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return
+        if tracked.request is not None:
+            self.engine.abort(request_id)  # pages are freed at the next step
+        else:
+            for waiting in self.awaiting.values():
+                if request_id in waiting:
+                    waiting.remove(request_id)
+            self._end(request_id, error_status="CANCELLED", error=reason or "cancelled")
+
+    def _on_prefetch(self, keys: list[AdapterKey]) -> None:
+        registered = [k for k in keys if self.engine.registry.has(k)]
+        self.engine.prefetch(registered)
+        for key in keys:
+            if key not in registered and key not in self.awaiting:
+                self.awaiting[key] = []
+                self._fetch(key, for_prefetch=True, trace_context=None)
+
+    # ---- adapter fetching (background threads) -------------------------------------------------
+    def _fetch(self, key: AdapterKey, for_prefetch: bool, trace_context: dict | None) -> None:
+        self._fetch_pool.submit(self._fetch_one, key, for_prefetch, trace_context)
+
+    def _fetch_one(self, key: AdapterKey, for_prefetch: bool, trace_context: dict | None) -> None:
+        start = time.perf_counter()
+        result = _Fetched(key, for_prefetch=for_prefetch)
+        fetcher = getattr(self._fetchers, "fetcher", None)
+        if fetcher is None:
+            fetcher = self._fetchers.fetcher = AdapterFetcher(self.config.store_address, self.config.fetch_timeout_s)
+        try:
+            config_json, weights, fmt = fetcher.fetch(key[0], key[1], trace=trace_context)
+            m = self.engine
+            result.adapter = load_adapter_bytes(config_json, weights, m.model_config, m.config.max_lora_rank, fmt)
+        except LoraserveError as e:
+            result.error = e
+        except Exception as e:  # never let a fetch thread die silently
+            log.exception("fetching adapter %s v%d failed", *key)
+            result.error = LoraserveError(f"fetching adapter {key[0]} v{key[1]} failed: {e}")
+        result.seconds = time.perf_counter() - start
+        self.fetched.put(result)
+
+    def _register_fetched(self) -> None:
+        while True:
+            try:
+                result = self.fetched.get_nowait()
+            except queue.Empty:
+                return
+            waiting = self.awaiting.pop(result.key, [])
+            if result.error is not None:
+                for request_id in waiting:
+                    self._end(request_id, error_status=result.error.status, error=str(result.error))
+                continue
+            if not self.engine.registry.has(result.key):
+                self.engine.add_adapter(result.key[0], result.adapter, version=result.key[1])
+            if result.for_prefetch or waiting:
+                self.engine.prefetch([result.key])
+            for request_id in waiting:
+                tracked = self.tracked.get(request_id)
+                if tracked is not None:
+                    tracked.fetch_s = result.seconds
+                    self._start(tracked)
+
+    # ---- deadlines, outputs --------------------------------------------------------------------
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for request_id, tracked in list(self.tracked.items()):
+            deadline = tracked.assign.deadline
+            if deadline is not None and now >= deadline and not tracked.expired:
+                tracked.expired = True
+                if tracked.request is not None:
+                    self.engine.abort(request_id, error="the deadline passed")
+                else:
+                    self._cancel(request_id, "the deadline passed")
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            tracked = self.tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            if not out.finished:
+                self._send(tracked, Tokens(out.request_id, out.new_token_ids, self.config.worker_id))
+            elif out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self._end(out.request_id, tokens=out.new_token_ids, finish_reason=str(out.finish_reason))
+            elif tracked.expired:
+                self._end(
+                    out.request_id,
+                    error_status="DEADLINE_EXCEEDED",
+                    error="the deadline passed on the worker",
+                )
+            elif out.finish_reason is FinishReason.CANCELLED:
+                self._end(out.request_id, error_status="CANCELLED", error="cancelled")
+            else:
+                self._end(out.request_id, error_status="RESOURCE_EXHAUSTED", error=out.error or "failed")
+
+    def _end(self, request_id: str, tokens=(), finish_reason=None, error_status=None, error=None) -> None:
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        self.finished_since_report.append(request_id)
+        timings = self._timings(tracked)
+        self._send(tracked, Tokens(
+            request_id, list(tokens), self.config.worker_id, finished=True, finish_reason=finish_reason,
+            error_status=error_status, error=error, timings=timings,
+        ))  # fmt: skip
+        self._record_spans(tracked, timings, error_status)
+
+    def _send(self, tracked: _Tracked, message: Tokens) -> None:
+        address = tracked.assign.reply_to
+        sock = self.gateways.get(address)
+        if sock is None:
+            sock = self.gateways[address] = make_socket(self.ctx, zmq.PUSH, connect=address)
+        try:
+            send(sock, message, flags=zmq.NOBLOCK)
+            tracked.sent_tokens += len(message.token_ids)
+        except zmq.Again:  # the gateway is gone or stuck: stop spending compute on it
+            log.warning("gateway %s is not taking tokens; aborting %s", address, message.request_id)
+            if tracked.request is not None and not message.finished:
+                self.engine.abort(message.request_id)
+
+    def _timings(self, tracked: _Tracked) -> dict[str, float]:
+        r = tracked.request
+        to_wall = time.time() - time.monotonic()
+        timings = {"queue_s": tracked.assign.queued_s, "adapter_load_s": tracked.fetch_s}
+        if r is not None and r.first_scheduled is not None:
+            timings["queue_s"] += r.first_scheduled + to_wall - tracked.received
+            timings["adapter_load_s"] += r.adapter_wait_s
+            if r.first_token is not None:
+                timings["prefill_s"] = r.first_token - r.first_scheduled
+                timings["decode_s"] = (r.finished_at or time.monotonic()) - r.first_token
+                timings["first_token_unix"] = r.first_token + to_wall
+                timings["first_scheduled_unix"] = r.first_scheduled + to_wall
+        return timings
+
+    def _record_spans(self, tracked: _Tracked, timings: dict[str, float], error_status: str | None) -> None:
+        tracer = telemetry.tracer()
+        received_ns = int(tracked.received * 1e9)
+        root = tracer.start_span("worker.request", context=tracked.context, start_time=received_ns)
+        root.set_attribute("loraserve.request_id", tracked.assign.request_id)
+        root.set_attribute("loraserve.worker_id", self.config.worker_id)
+        if error_status:
+            root.set_attribute("loraserve.error_status", error_status)
+        ctx = trace.set_span_in_context(root)
+        if tracked.assign.adapter:
+            span = tracer.start_span("worker.adapter_fetch", context=ctx, start_time=received_ns)
+            span.set_attribute("loraserve.adapter", f"{tracked.assign.adapter}@{tracked.assign.adapter_version}")
+            span.set_attribute("loraserve.adapter.source", tracked.adapter_source)
+            span.end(end_time=received_ns + int(timings.get("adapter_load_s", 0.0) * 1e9))
+        if "first_token_unix" in timings:
+            start = int(timings["first_scheduled_unix"] * 1e9)
+            first = int(timings["first_token_unix"] * 1e9)
+            tracer.start_span("worker.prefill", context=ctx, start_time=start).end(end_time=first)
+            tracer.start_span("worker.decode", context=ctx, start_time=first).end(end_time=time.time_ns())
+        root.end()
+
+    # ---- reports -------------------------------------------------------------------------------
+    def _report(self, fatal: str | None = None) -> None:
+        e = self.engine
+        pool = e.pages.stats()
+        stats = e.loader.stats
+        parked = [rid for waiting in self.awaiting.values() for rid in waiting]
+        report = WorkerReport(
+            worker_id=self.config.worker_id,
+            ready=self.ready and fatal is None,
+            max_batch_size=e.config.max_batch_size,
+            total_pages=pool.total_pages,
+            free_pages=pool.free_pages,
+            kv_pages=pool.kv_pages,
+            adapter_pages=pool.adapter_pages,
+            running=[r.request_id for r in e.scheduler.running],
+            waiting=[r.request_id for r in e.scheduler.waiting] + parked,
+            resident=[list(k) for k in e.pages.resident_adapters()],
+            finished=self.finished_since_report,
+            evictable_pages=e.pages.evictable_pages(),
+            tokens_per_page=e.layout.tokens_per_page,
+            steps=e.steps,
+            prefetch_hits=stats.prefetch_hits,
+            prefetch_misses=stats.misses + stats.prefetch_late,
+            waste_fraction=pool.waste_fraction,
+            fatal=fatal,
+        )
+        send(self.scheduler, report)
+        self.finished_since_report = []
+        self._last_report = time.monotonic()
+
+    def _fail_everything(self, status: str, message: str) -> None:
+        for request_id in list(self.tracked):
+            self._end(request_id, error_status=status, error=message)
+
+    def close(self) -> None:
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        for sock in [self.scheduler, *self.gateways.values()]:
+            sock.close(linger=200)
+        self.ctx.term()
+        self.engine.close()
