@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import torch
-import zmq
 
 from loraserve import telemetry
 from loraserve.adapter_store.config import GIB, MIB, StoreConfig, StoreLimits, parse_preload
@@ -24,7 +23,7 @@ from loraserve.adapter_store.store import AdapterStore
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
-from loraserve.process import become_service, until_stopped
+from loraserve.process import run_service, until_stopped
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from loraserve.worker.model_config import ModelConfig
 
@@ -148,19 +147,12 @@ async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    stop_event = become_service("adapter-store")
-    telemetry.setup_tracing("adapter-store", args.trace_exporter, args.otlp_endpoint)
     # Validation checks many small tensors: intra-op threads gain nothing there, and on a shared CPU
     # their parallel regions stall (measured: 1000x slower with 2 threads on a busy 2-core machine).
     torch.set_num_threads(1)
     try:
         config = config_from_args(args)
-        import uvloop
-
-        uvloop.run(serve(config, stop_event))
-    except (LoraserveError, zmq.ZMQError) as e:  # configuration errors: a message, not a traceback
+    except LoraserveError as e:
         log.error("adapter store: %s", e)
         return 1
-    finally:
-        telemetry.shutdown_tracing()
-    return 0
+    return run_service("adapter-store", args, lambda stop: serve(config, stop))

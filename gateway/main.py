@@ -16,7 +16,7 @@ from loraserve.gateway.service import GatewayConfig, LoraServeService
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
-from loraserve.process import become_service, until_stopped
+from loraserve.process import run_service, until_stopped
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import (
     adapter_store_pb2_grpc,
@@ -108,12 +108,4 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    stop_event = become_service("gateway")
-    telemetry.setup_tracing("gateway", args.trace_exporter, args.otlp_endpoint)
-    try:
-        import uvloop
-
-        uvloop.run(serve(args, stop_event))
-    finally:
-        telemetry.shutdown_tracing()
-    return 0
+    return run_service("gateway", args, lambda stop: serve(args, stop))

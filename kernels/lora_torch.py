@@ -8,25 +8,29 @@
 
 Shapes: x [T, d_in], y [T, d_out] (updated in place), pool_layer [rows, W].
 
-Two ways to compute the same thing, chosen per call from the host mirrors:
-  loop     one gather of A and B and two matmuls per segment; no padding. Used for long segments
-           (prefill chunks) and when a step has few segments.
-  grouped  short segments (decode tokens), when there are many: one gather of every segment's A
-           rows and one of its B rows, padded to the largest rank, then two batched matmuls over
-           [segments, longest short segment]. Padding repeats the last rank vector / token and is
-           multiplied by zero. On CPU every torch call costs a few µs, so the loop spends ~50 µs
-           per segment and module, which dominated decode steps with many adapters; the grouped
-           path costs ~300 µs whatever the number of segments (plus the data it moves).
+Two ways to compute the same thing, neither padding ranks:
+  segments  one gather of A and B and two matmuls per segment. Used for long segments (prefill
+            chunks, many requests of one adapter) and when a step has few segments.
+  pairs     short segments (decode tokens of many adapters), when there are many: one *pair* per
+            token and rank vector, P = sum over tokens of their adapter's rank. Per layer:
+                v[p] = x[token p] · A row(p)        (gathered rows, multiply and sum)
+                y[token p] += v[p] * scale[p] * B row(p)      (one index_add over all pairs)
+            The pairs' row indices depend only on the step and the module, so they are built once
+            per step (cached in the batch) and every layer reuses them: on CPU each torch call
+            costs microseconds, and a loop over segments × layers × modules dominated decode steps
+            with many adapters.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from loraserve.kernels.metadata import LoraBatch
 
-GROUP_MIN_SEGMENTS = 8  # below this, the loop's per-segment calls cost less than building the grouped gather
-GROUP_MAX_LEN = 8  # segments longer than this run in the loop: padding them to the group would waste work
+PAIRS_MIN_SEGMENTS = 4  # below this, a few per-segment matmuls cost less than building the pairs
+SHORT_SEGMENT = 8  # segments up to this many tokens go through the pairs
 
 
 def gather_lora_weights(
@@ -42,58 +46,92 @@ def gather_lora_weights(
     return a, b
 
 
+@dataclass
+class _Pairs:
+    """Row indices of every (token, rank vector) pair of the short segments, for one module."""
+
+    token: torch.Tensor  # int64 [P]
+    a_rows: torch.Tensor  # int64 [P * c_in]: physical rows of each pair's A chunks
+    b_rows: torch.Tensor  # int64 [P * c_out]
+    weight: torch.Tensor  # [L, P]: scale of the pair's adapter, 0 in layers the adapter skips
+
+
+@dataclass
+class _Plan:
+    pairs: _Pairs | None
+    segments: list[tuple[int, int, int]]  # the ones the loop handles
+
+
 def lora_apply_torch(
     y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, batch: LoraBatch, layer: int, module: int
 ) -> None:
-    segments = [s for s in batch.segments if batch.a_offsets[s[2]][module] >= 0 and batch.layers_active[s[2]][layer]]
-    short = [s for s in segments if s[1] <= GROUP_MAX_LEN]
-    if len(short) >= GROUP_MIN_SEGMENTS:
-        _apply_grouped(y, x, pool_layer, batch, module, short)
-        segments = [s for s in segments if s[1] > GROUP_MAX_LEN]
-    for start, length, adapter in segments:
+    plan = batch.cache.get(("lora_torch", module))
+    if plan is None:
+        plan = batch.cache[("lora_torch", module)] = _plan(batch, module, x.dtype)
+    if plan.pairs is not None:
+        _apply_pairs(y, x, pool_layer, batch, module, layer, plan.pairs)
+    for start, length, adapter in plan.segments:
+        if not batch.layers_active[adapter][layer]:
+            continue
         a, b = gather_lora_weights(pool_layer, batch, adapter, module)
         end = start + length
         y[start:end] += ((x[start:end] @ a.t()) @ b) * batch.scales[adapter]
 
 
-def _apply_grouped(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    pool_layer: torch.Tensor,
-    batch: LoraBatch,
-    module: int,
-    segments: list[tuple[int, int, int]],
+def _plan(batch: LoraBatch, module: int, dtype: torch.dtype) -> _Plan:
+    targeted = [s for s in batch.segments if batch.a_offsets[s[2]][module] >= 0]
+    short = [s for s in targeted if s[1] <= SHORT_SEGMENT]
+    if len(short) < PAIRS_MIN_SEGMENTS:
+        return _Plan(None, targeted)
+    return _Plan(_pairs(batch, module, short, dtype), [s for s in targeted if s[1] > SHORT_SEGMENT])
+
+
+@dataclass
+class _PairBase:
+    """What every module's pairs share for one set of short segments: tokens, ranks, pages."""
+
+    token: torch.Tensor  # int64 [P]
+    j: torch.Tensor  # int64 [P]: the pair's rank vector
+    adapter: torch.Tensor  # int64 [P]
+    pages: torch.Tensor  # int64 [P, max_pages]
+
+
+def _pair_base(batch: LoraBatch, segments: list[tuple[int, int, int]]) -> _PairBase:
+    key = ("lora_torch_pairs", tuple(segments))
+    if key in batch.cache:
+        return batch.cache[key]
+    device = batch.page_table.device
+    token = torch.cat([torch.arange(start, start + length) for start, length, _ in segments]).to(device)
+    adapter = torch.tensor([a for _, length, a in segments for _ in range(length)], device=device)
+    rank = batch.rank.index_select(0, adapter).long()
+    owner = torch.repeat_interleave(torch.arange(len(token), device=device), rank)  # [P]: the pair's token
+    j = torch.arange(len(owner), device=device) - (torch.cumsum(rank, 0) - rank)[owner]
+    pair_adapter = adapter[owner]
+    pages = batch.page_table.index_select(0, pair_adapter).long()
+    batch.cache[key] = base = _PairBase(token[owner], j, pair_adapter, pages)
+    return base
+
+
+def _pairs(batch: LoraBatch, module: int, segments: list[tuple[int, int, int]], dtype: torch.dtype) -> _Pairs:
+    base = _pair_base(batch, segments)
+    rpp = batch.rows_per_page
+
+    def rows(offsets: torch.Tensor, chunks: int) -> torch.Tensor:
+        first = offsets.index_select(0, base.adapter)[:, module] + base.j * chunks  # [P]
+        logical = first[:, None] + torch.arange(chunks, device=first.device)  # [P, chunks]
+        return (base.pages.gather(1, logical // rpp) * rpp + logical % rpp).view(-1)
+
+    scale = batch.scale.index_select(0, base.adapter).to(dtype)
+    weight = batch.layer_active.index_select(0, base.adapter).t().to(dtype) * scale  # [L, P]
+    a_rows = rows(batch.a_offset.long(), batch.c_in[module])
+    return _Pairs(base.token, a_rows, rows(batch.b_offset.long(), batch.c_out[module]), weight)
+
+
+def _apply_pairs(
+    y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, batch: LoraBatch, module: int, layer: int, p: _Pairs
 ) -> None:
-    """The loop's arithmetic for S short segments at once, padded to the largest rank and segment."""
-    device, n = x.device, len(segments)
-    w, rpp = batch.row_width, batch.rows_per_page
-    c_in, c_out, d_in, d_out = batch.c_in[module], batch.c_out[module], batch.d_in[module], batch.d_out[module]
-    host = [
-        (batch.ranks[a], batch.a_offsets[a][module], batch.b_offsets[a][module], a, start, length)
-        for start, length, a in segments
-    ]
-    rank, a_off, b_off, adapter, start, length = torch.tensor(host, device=device).unbind(1)  # each [S]
-    r_max, longest = max(h[0] for h in host), max(h[5] for h in host)
-    ranks = torch.arange(r_max, device=device)
-    j = torch.minimum(ranks, rank[:, None] - 1)  # [S, r_max]: rank j >= r repeats rank r - 1, zeroed by `keep`
-    pages = batch.page_table.index_select(0, adapter).long()  # [S, max_pages]
-
-    def gather(offset: torch.Tensor, chunks: int) -> torch.Tensor:
-        """[S, r_max, chunks * W]: each segment's block of rank vectors, from the pool's rows."""
-        logical = ((offset[:, None] + j * chunks)[:, :, None] + torch.arange(chunks, device=device)).view(n, -1)
-        physical = pages.gather(1, logical // rpp) * rpp + logical % rpp
-        return pool_layer.index_select(0, physical.view(-1)).view(n, r_max, chunks * w)
-
-    a = gather(a_off, c_in)[:, :, :d_in]  # [S, r_max, d_in]
-    b = gather(b_off, c_out)[:, :, :d_out]  # [S, r_max, d_out]
-    keep = (ranks < rank[:, None]).to(x.dtype)[:, None, :]  # [S, 1, r_max]
-    scale = batch.scale.index_select(0, adapter).to(x.dtype)[:, None, None]  # [S, 1, 1]
-    if longest == 1:
-        tokens = start  # [S]
-    else:  # token i of segment s, i clamped to the segment: padding repeats its last token, times zero
-        steps = torch.arange(longest, device=device)
-        tokens = start[:, None] + torch.minimum(steps, length[:, None] - 1)  # [S, L]
-        scale = scale * (steps < length[:, None]).to(x.dtype)[:, :, None]  # [S, L, 1]
-    xs = x.index_select(0, tokens.view(-1)).view(n, -1, d_in)  # [S, L, d_in]
-    out = torch.bmm(torch.bmm(xs, a.transpose(1, 2)) * keep, b) * scale  # [S, L, d_out]
-    y.index_add_(0, tokens.view(-1), out.view(-1, d_out))
+    n = len(p.token)
+    a = pool_layer.index_select(0, p.a_rows).view(n, -1)[:, : batch.d_in[module]]  # [P, d_in]
+    b = pool_layer.index_select(0, p.b_rows).view(n, -1)[:, : batch.d_out[module]]  # [P, d_out]
+    v = (x.index_select(0, p.token) * a).sum(-1) * p.weight[layer]  # [P]
+    y.index_add_(0, p.token, b * v[:, None])

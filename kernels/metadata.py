@@ -59,6 +59,8 @@ class LoraBatch:
     b_offsets: list[list[int]] = field(default_factory=list)
     layers_active: list[list[bool]] = field(default_factory=list)
     row_index: list[torch.Tensor] = field(default_factory=list)  # per adapter: int64 physical row of each logical row
+    # Built lazily by a backend and reused by every layer of the step (index plans, per module).
+    cache: dict = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:

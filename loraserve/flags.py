@@ -64,6 +64,6 @@ def _from_env(var: str, raw: str, kwargs: dict) -> Any:
     except (TypeError, ValueError) as e:
         raise SystemExit(f"{var}={raw!r}: {e}") from None
     choices = kwargs.get("choices")
-    if choices is not None and not many and value not in choices:
+    if choices is not None and any(v not in choices for v in (value if many else [value])):
         raise SystemExit(f"{var}={raw!r}: choose one of {', '.join(map(str, choices))}")
     return value

@@ -99,6 +99,8 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                   *tracing]  # fmt: skip
         if args.pool_pages:
             worker += ["--pool-pages", str(args.pool_pages)]
+        if devices[i % len(devices)] == "cpu":  # leave a core to the other roles; spinning threads stall
+            worker += ["--torch-threads", str(max(1, ((os.cpu_count() or 2) - 1) // args.workers))]
         commands[f"worker-{i}"] = worker
     commands["gateway"] = [*base, "gateway", "--model", str(args.model), "--bind", args.bind,
                            "--scheduler", ports.scheduler, "--store", ports.store,
@@ -157,6 +159,63 @@ def wait_healthy(addresses: list[str], stack: Stack, timeout_s: float) -> None:
 
 def _model_label(model: Path) -> str:
     return "the embedded demo model" if model.resolve() == DEMO_MODEL_DIR.resolve() else f"model {model}"
+
+
+def free_port_block(size: int) -> int:
+    """A base port with `size` consecutive free ports on loopback (best effort: they may be taken later)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + size >= 65000:
+            continue
+        taken: list[socket.socket] = []
+        try:
+            for port in range(base, base + size):
+                taken.append(socket.socket())
+                taken[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in taken:
+                s.close()
+    raise RuntimeError("no block of free ports on 127.0.0.1")
+
+
+class LocalStack:
+    """A stack on free loopback ports, with handles to every process (tests and benchmarks use it)."""
+
+    def __init__(self, model: Path, workers: int = 1, **options):
+        self.ports = Ports(free_port_block(5))
+        self.address = f"127.0.0.1:{free_port_block(1)}"
+        args = argparse.Namespace(
+            model=model, workers=workers, device="cpu", bind=self.address, base_port=self.ports.base, adapter=[],
+            adapter_root=None, pool_pages=None, max_batch_size=64, worker_timeout=3.0, child_log_level="WARNING",
+            trace_exporter="none", otlp_endpoint="http://127.0.0.1:4317",
+        )  # fmt: skip
+        unknown = set(options) - set(vars(args))
+        if unknown:
+            raise TypeError(f"unknown stack options {sorted(unknown)}")
+        vars(args).update(options)
+        self.stack = Stack(role_commands(args))
+
+    def start(self, timeout_s: float = 180.0) -> LocalStack:
+        self.stack.start()
+        try:
+            wait_healthy([self.ports.store, self.ports.scheduler, self.address], self.stack, timeout_s)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def process(self, name: str) -> subprocess.Popen:
+        return self.stack.children[name]
+
+    def stop(self) -> None:
+        self.stack.stop(timeout_s=10.0)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -50,3 +52,27 @@ async def until_stopped(stop: threading.Event, poll_s: float = 0.1) -> None:
 
     while not stop.is_set():
         await asyncio.sleep(poll_s)
+
+
+def run_service(name: str, args, serve: Callable[[threading.Event], Coroutine[Any, Any, None]]) -> int:
+    """The `main` of an asyncio role: title, signals, tracing, uvloop, and configuration errors as one line.
+
+    `serve(stop)` runs until the stop Event is set. A LoraserveError or socket error while starting
+    (a busy port, a bad flag value) ends the process with exit code 1 and a message, not a traceback.
+    """
+    import uvloop
+    import zmq
+
+    from loraserve import telemetry
+    from loraserve.errors import LoraserveError
+
+    stop = become_service(name)
+    telemetry.setup_tracing(name, args.trace_exporter, args.otlp_endpoint)
+    try:
+        uvloop.run(serve(stop))
+    except (LoraserveError, zmq.ZMQError) as e:
+        log.error("%s: %s", name, e)
+        return 1
+    finally:
+        telemetry.shutdown_tracing()
+    return 0

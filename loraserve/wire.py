@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ _TYPES: dict[int, type[Message]] = {
 def encode(message: Message) -> list[bytes | memoryview]:
     """Frames for `message`; send with send_multipart(frames, copy=False) to avoid copying buffers."""
     buffers = getattr(message, "BUFFERS", ())
-    body = {f.name: getattr(message, f.name) for f in dataclasses.fields(message) if f.name not in buffers}
+    body = {name: getattr(message, name) for name, _, _ in _fields(type(message)) if name not in buffers}
     return [
         bytes([message.TYPE]),
         msgpack.packb(body, use_bin_type=True),
@@ -178,18 +179,27 @@ def _bytes(frame) -> bytes:
     return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
 
 
-def _build(cls: type[Message], body: dict[str, Any]) -> Message:
+@functools.cache
+def _fields(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
+    """(name, type hint, required) of every field; resolved once per message class."""
     hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    )
+
+
+def _build(cls: type[Message], body: dict[str, Any]) -> Message:
     values = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in body:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise WireError(f"{cls.__name__}: missing field {f.name!r}")
+    for name, hint, required in _fields(cls):
+        if name not in body:
+            if required:
+                raise WireError(f"{cls.__name__}: missing field {name!r}")
             continue
-        value = body[f.name]
-        if not _matches(value, hints[f.name]):
-            raise WireError(f"{cls.__name__}.{f.name}: unexpected {type(value).__name__} value")
-        values[f.name] = value
+        value = body[name]
+        if not _matches(value, hint):
+            raise WireError(f"{cls.__name__}.{name}: unexpected {type(value).__name__} value")
+        values[name] = value
     return cls(**values)
 
 

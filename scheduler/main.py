@@ -8,7 +8,7 @@ import logging
 
 from loraserve import telemetry
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
-from loraserve.process import become_service, until_stopped
+from loraserve.process import run_service, until_stopped
 from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
 from loraserve.scheduler.service import SchedulerService
@@ -52,12 +52,4 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    stop_event = become_service("scheduler")
-    telemetry.setup_tracing("scheduler", args.trace_exporter, args.otlp_endpoint)
-    try:
-        import uvloop
-
-        uvloop.run(serve(args, stop_event))
-    finally:
-        telemetry.shutdown_tracing()
-    return 0
+    return run_service("scheduler", args, lambda stop: serve(args, stop))

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
-import socket
+import os
 import threading
 import time
 from collections import defaultdict
@@ -13,31 +12,11 @@ from pathlib import Path
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from loraserve.launcher import Ports, Stack, role_commands, wait_healthy
+from loraserve.launcher import LocalStack as _LocalStack
+from loraserve.launcher import free_port_block
 from loraserve.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-
-def free_port_block(size: int) -> int:
-    """A base port with `size` consecutive free ports after it (best effort)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + size >= 65000:
-            continue
-        try:
-            sockets = []
-            for port in range(base, base + size):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free port block")
+__all__ = ["Collector", "LocalStack", "free_port_block"]
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -81,34 +60,20 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         self.server.stop(0)
 
 
-class LocalStack:
-    """The stack `loraserve up` runs, started by the test so it can reach (and kill) each process."""
+class LocalStack(_LocalStack):
+    """The launcher's local stack plus the clients a test needs; tracing goes to `collector`."""
 
-    def __init__(self, model: Path, workers: int, collector: Collector | None = None, **overrides):
-        self.base = free_port_block(6)
-        self.ports = Ports(self.base)
-        self.address = f"127.0.0.1:{free_port_block(1)}"
-        args = argparse.Namespace(
-            model=model, workers=workers, device="cpu", bind=self.address, base_port=self.base, adapter=[],
-            adapter_root=overrides.pop("adapter_root", None), pool_pages=overrides.pop("pool_pages", 512),
-            max_batch_size=overrides.pop("max_batch_size", 8), worker_timeout=overrides.pop("worker_timeout", 2.0),
-            child_log_level="WARNING", trace_exporter="otlp" if collector else "none",
-            otlp_endpoint=collector.endpoint if collector else "http://127.0.0.1:4317",
-        )  # fmt: skip
-        if overrides:
-            raise TypeError(f"unknown overrides {sorted(overrides)}")
-        self.stack = Stack(role_commands(args))
+    def __init__(self, model: Path, workers: int, collector: Collector | None = None, **options):
+        options.setdefault("pool_pages", 512)
+        options.setdefault("max_batch_size", 8)
+        options.setdefault("worker_timeout", 2.0)
+        if collector is not None:
+            options.update(trace_exporter="otlp", otlp_endpoint=collector.endpoint)
+        super().__init__(model, workers, **options)
 
     def start(self, timeout_s: float = 180.0) -> LocalStack:
-        import os
-
         os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")  # export spans quickly
-        self.stack.start()
-        try:
-            wait_healthy([self.ports.store, self.ports.scheduler, self.address], self.stack, timeout_s)
-        except Exception:
-            self.stop()
-            raise
+        super().start(timeout_s)
         self.channel = grpc.insecure_channel(self.address)
         self.api = gateway_pb2_grpc.LoraServeStub(self.channel)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(self.ports.scheduler))
@@ -123,9 +88,3 @@ class LocalStack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} workers not ready after {timeout_s} s")
             time.sleep(0.2)
-
-    def process(self, name: str):
-        return self.stack.children[name]
-
-    def stop(self) -> None:
-        self.stack.stop(timeout_s=10.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import signal
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from readme import README_API_ADDRESS, python_example
 from stack import Collector, LocalStack, free_port_block
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
@@ -77,6 +80,17 @@ def test_health_and_reflection_answer(stack):
     assert "loraserve.v1.LoraServe" in services and "grpc.health.v1.Health" in services
     info = stack.api.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
     assert info.model_type == "llama" and info.ready_workers == 2
+
+
+def test_the_readme_api_example_streams_an_uppercase_continuation(stack):
+    code = python_example("GenerateStream(").replace(README_API_ADDRESS, stack.address)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    text, summary = out.getvalue().split("\n", 1)
+    assert text.strip() and text == text.upper(), text
+    assert summary.split()[0] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH"), summary
+    assert "time_to_first_token_s" in summary
 
 
 def test_concurrent_streams_match_the_offline_engine(stack):

@@ -64,3 +64,13 @@ def test_repeatable_flags_read_comma_separated_env(monkeypatch):
     parser.add_argument("--preload", action="append", default=[])
     assert parser.parse_args([]).preload == ["a=/x", "b=/y"]
     assert parser.parse_args(["--preload", "c=/z"]).preload == ["a=/x", "b=/y", "c=/z"]
+
+
+def test_list_values_from_env_are_checked_against_choices(monkeypatch):
+    parser = EnvArgumentParser()
+    monkeypatch.setenv("LORASERVE_SYSTEMS", "a,b")
+    parser.add_argument("--systems", nargs="+", choices=["a", "b", "c"])
+    assert parser.parse_args([]).systems == ["a", "b"]
+    monkeypatch.setenv("LORASERVE_SYSTEMS", "a,zzz")
+    with pytest.raises(SystemExit, match="choose one of"):
+        EnvArgumentParser().add_argument("--systems", nargs="+", choices=["a", "b", "c"])

@@ -106,6 +106,14 @@ class Engine:
         self._prefetching: set[AdapterKey] = set()  # pinned while their background copy runs
         self._seeds = itertools.count(config.seed)
         self.steps = 0
+        # Bytes a step must read: every weight of the base model once (embeddings aside, unless tied
+        # to the output layer), plus the weights of each distinct adapter in the batch.
+        self.base_bytes = sum(
+            p.numel() * p.element_size()
+            for name, p in self.model.named_parameters()
+            if "embed_tokens" not in name or self.model_config.tie_word_embeddings
+        )
+        self.adapter_bytes_read = 0
         log.info(
             "unified pool: %d pages x %d rows x %d wide x %d layers (%.1f MiB, %d tokens per KV page)",
             self.layout.num_pages, self.layout.rows_per_page, self.layout.row_width, self.layout.num_layers,
@@ -189,7 +197,9 @@ class Engine:
             if self.registry.has(key):
                 keys.append(key)
         reserve = 0 if self.pages.split else int(self.layout.num_pages * self.config.prefetch_reserve)
-        started = self.scheduler.plan_prefetch(keys, reserve)
+        started, evicted = self.scheduler.plan_prefetch(keys, reserve)
+        for key in evicted:
+            self.loader.evicted(key)
         for key in started:
             self.pages.pin(key)  # a page being written must not be handed to anyone else
             self._prefetching.add(key)
@@ -288,6 +298,10 @@ class Engine:
                            if r.adapter is not None])  # fmt: skip
         sampled = self.runner.execute(plan.scheduled, self.pages, self.loader.resident)
         self.steps += 1
+        in_batch = {r.adapter for r, _ in plan.scheduled if r.adapter is not None}
+        self.adapter_bytes_read += self.pool.element_size() * sum(
+            self.loader.resident[key].layout.useful_elements for key in in_batch
+        )
         now = time.monotonic()
         for request, _ in plan.scheduled:
             token = sampled.get(request.request_id)
@@ -363,6 +377,8 @@ class Engine:
         return {
             "pool": self.pages.stats().as_dict(),
             "adapters": vars(self.loader.stats).copy(),
+            "base_bytes": self.base_bytes,
+            "adapter_bytes_read": self.adapter_bytes_read,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "steps": self.steps,

@@ -8,6 +8,7 @@ import os
 import socket
 
 from loraserve import telemetry
+from loraserve.errors import LoraserveError
 from loraserve.process import become_service
 from loraserve.worker.cli import add_engine_arguments, engine_config_from_args
 from loraserve.worker.engine import Engine
@@ -27,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fetch-timeout", type=float, default=10.0, help="seconds to wait for an adapter from the store"
     )
+    parser.add_argument(
+        "--torch-threads", type=int, default=None,
+        help="torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)",
+    )  # fmt: skip
     telemetry.add_tracing_arguments(parser)
 
 
@@ -34,8 +39,16 @@ def main(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     stop = become_service(f"worker {worker_id}")
     telemetry.setup_tracing("worker", args.trace_exporter, args.otlp_endpoint)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     try:
-        engine = Engine(args.model, engine_config_from_args(args))
+        try:
+            engine = Engine(args.model, engine_config_from_args(args))
+        except LoraserveError as e:  # a bad model directory or flag: a message, not a traceback
+            log.error("worker %s: %s", worker_id, e)
+            return 1
         config = WorkerConfig(
             worker_id=worker_id,
             scheduler_address=args.scheduler_address,

@@ -64,6 +64,15 @@ class AdapterLayout:
     def block(self, module: str) -> ModuleBlock | None:
         return next((b for b in self.blocks if b.module == module), None)
 
+    @property
+    def a_offsets(self) -> tuple[int, ...]:
+        """First logical row of each module's A block, in LORA_MODULES order; -1 where not targeted."""
+        return tuple(b.a_offset if b else -1 for b in map(self.block, LORA_MODULES))
+
+    @property
+    def b_offsets(self) -> tuple[int, ...]:
+        return tuple(b.b_offset if b else -1 for b in map(self.block, LORA_MODULES))
+
 
 @dataclass(frozen=True)
 class PoolLayout:

@@ -111,9 +111,9 @@ class ModelRunner:
             start += n
         if not segments:
             return None
-        a_offsets = [[_offset(r, m, "a") for m in MODULES] for r in adapters]
-        b_offsets = [[_offset(r, m, "b") for m in MODULES] for r in adapters]
-        layers = [[layer in r.layers for layer in range(self.layout.num_layers)] for r in adapters]
+        a_offsets = [r.a_offsets for r in adapters]
+        b_offsets = [r.b_offsets for r in adapters]
+        layers = [r.layer_flags for r in adapters]
         max_pages = max(len(r.pages) for r in adapters)
         device = self.device
 
@@ -150,10 +150,3 @@ class ModelRunner:
             layers_active=layers,
             row_index=[r.row_index for r in adapters],
         )
-
-
-def _offset(resident: Resident, module: str, which: str) -> int:
-    block = resident.layout.block(module)
-    if block is None:
-        return -1
-    return block.a_offset if which == "a" else block.b_offset

@@ -151,19 +151,25 @@ class StepScheduler:
         return True
 
     # ---- prefetch ------------------------------------------------------------------------------
-    def plan_prefetch(self, keys: list[AdapterKey], reserve_pages: int) -> list[AdapterKey]:
-        """Give pages to predicted adapters that are not resident, from free pages only.
+    def plan_prefetch(self, keys: list[AdapterKey], reserve_pages: int) -> tuple[list[AdapterKey], list[AdapterKey]]:
+        """Give pages to predicted adapters that are not resident, most urgent first.
 
-        Never evicts anything and leaves `reserve_pages` free for KV growth. Returns the adapters
-        given pages, whose data the engine then copies in the background.
+        A predicted adapter is worth more than an idle cached one, so idle adapters that are not
+        predicted may be evicted (LRU first) to make room; pinned ones never are, and
+        `reserve_pages` stay free for KV growth. Returns (adapters given pages, whose data the
+        engine then copies in the background; adapters evicted for them).
         """
-        started = []
+        wanted = frozenset(keys)
+        started: list[AdapterKey] = []
+        evicted: list[AdapterKey] = []
         for key in dict.fromkeys(keys):
             if self.pool.is_resident(key):
                 continue
             pages, useful = self.footprint(key)
-            if self.pool.room(for_kv=False) - pages < reserve_pages:
+            made_room = self.pool.evict_for(pages + reserve_pages, keep=wanted)
+            if made_room is None:
                 break
+            evicted += made_room
             self.pool.allocate_adapter(key, pages, useful)
             started.append(key)
-        return started
+        return started, evicted

@@ -1,0 +1,134 @@
+"""loraserve's in-process engine as a benchmark system, and its ablations (S-LoRA §7.2's variants).
+
+    loraserve                  unified pool (KV and adapters share pages), segmented LoRA kernels
+    loraserve-no-unified-pool  adapters get a fixed share of the pages, KV the rest
+    loraserve-bmm              gather every adapter padded to the largest rank, then one bmm
+
+The engine is driven in real time: requests are added when their arrival time comes, and
+`engine.step()` runs in a loop while anything is queued or running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraserve.bench.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.systems import Replay, ReplayLimits, RequestRecord
+from loraserve.bench.workload import Trace
+from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.sampling import SamplingParams
+
+WASTE_SAMPLE_EVERY = 4  # steps between samples of the pool's waste fraction
+
+
+class AdapterBank:
+    """Validated adapters in host memory, built once from their files' bytes and shared by engines."""
+
+    def __init__(self, adapters: SyntheticAdapters, max_rank: int = 128):
+        self.adapters = adapters
+        self.model = ModelConfig.from_dir(adapters.model_dir)
+        self.max_rank = max_rank
+        self._cache: dict[tuple[str, int], LoraAdapter] = {}
+
+    def get(self, name: str, rank: int) -> LoraAdapter:
+        key = (name, rank)
+        if key not in self._cache:
+            config, weights = self.adapters.files(name, rank)
+            self._cache[key] = load_adapter_bytes(config, weights, self.model, self.max_rank)
+        return self._cache[key]
+
+
+@dataclass
+class EngineSystem:
+    name: str
+    model_dir: Path
+    config: EngineConfig
+    bank: AdapterBank
+    limits: ReplayLimits = field(default_factory=ReplayLimits)
+    _stats: dict = field(default_factory=dict, init=False, repr=False)
+
+    def run(self, trace: Trace) -> list[RequestRecord]:
+        engine = Engine(self.model_dir, self.config)
+        try:
+            for name, rank in trace.adapters.items():
+                engine.add_adapter(name, self.bank.get(name, rank))
+            _warm_up(engine, next(iter(trace.adapters), None))
+            return self._replay(engine, trace)
+        finally:
+            engine.close()
+
+    def _replay(self, engine: Engine, trace: Trace) -> list[RequestRecord]:
+        replay = Replay(trace, self.name, self.limits)
+        waste, batch_sizes, steps0 = [], [], engine.steps
+        replay.start()
+        while not replay.done:
+            for r in replay.due():
+                sampling = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True, seed=0)
+                try:
+                    engine.add_request(list(r.prompt_ids), sampling, r.adapter, r.request_id)
+                except Exception as e:  # an invalid request is a failed request, not a crashed benchmark
+                    replay.finish(r.request_id, error=str(e))
+            if not engine.has_unfinished():
+                replay.wait_for_arrival()
+                continue
+            outputs = engine.step()
+            now = replay.now()
+            batch_sizes.append(len(outputs))  # requests that got a token (or finished) this step
+            for out in outputs:
+                replay.tokens(out.request_id, len(out.new_token_ids), now)
+                if out.finished:
+                    replay.finish(out.request_id, now, out.error)
+            if (engine.steps - steps0) % WASTE_SAMPLE_EVERY == 0:
+                waste.append(engine.stats()["pool"]["waste_fraction"])
+        for request_id in list(engine.requests):  # past the deadline: stop what is left
+            engine.abort(request_id)
+        if engine.has_unfinished():
+            engine.step()
+        self._stats = _engine_stats(engine, waste, batch_sizes)
+        return replay.results()
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+
+def _warm_up(engine: Engine, adapter: str | None) -> None:
+    """One short request before the clock starts, so first-call costs are not charged to the trace."""
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=2, ignore_eos=True), adapter, "warm-up")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _engine_stats(engine: Engine, waste: list[float], batch_sizes: list[int]) -> dict:
+    adapters = engine.stats()["adapters"]
+    needed = adapters["prefetch_hits"] + adapters["prefetch_late"] + adapters["misses"]
+    return {
+        "pool_waste_fraction": sum(waste) / len(waste) if waste else 0.0,
+        "adapter_loads": adapters["loads"],
+        "adapter_misses": adapters["misses"],
+        "adapter_evictions": adapters["evictions"],
+        "prefetches": adapters["prefetches"],
+        "prefetch_hit_rate": adapters["prefetch_hits"] / needed if needed else None,
+        "adapter_load_s": round(adapters["load_seconds"], 4),
+        "steps": engine.steps,
+        "mean_batch_size": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
+    }
+
+
+LORASERVE_VARIANTS = ("loraserve", "loraserve-no-unified-pool", "loraserve-bmm")
+
+
+def engine_variant(
+    name: str, model_dir: Path, base: EngineConfig, bank: AdapterBank, limits: ReplayLimits, split_fraction: float
+) -> EngineSystem:
+    """One of LORASERVE_VARIANTS: `base` with the ablation's single change."""
+    changes = {
+        "loraserve": {},
+        "loraserve-no-unified-pool": {"adapter_pool_fraction": split_fraction},
+        "loraserve-bmm": {"backend": "torch-bmm"},
+    }[name]
+    return EngineSystem(name, model_dir, dataclasses.replace(base, **changes), bank, limits)

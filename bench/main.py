@@ -1,0 +1,318 @@
+"""`loraserve bench`: loraserve against its ablations and two baselines, on S-LoRA's synthetic workload.
+
+    loraserve bench --quick --out /tmp/bench-quick
+    loraserve bench --n-adapters 1 10 100 1000 --rates 20 10 30 40 --duration 60 --out results/
+    loraserve bench --trace trace.jsonl --systems loraserve peft --out results/
+
+Settings: every --n-adapters value at the first of --rates (throughput against the number of
+adapters, S-LoRA fig. 5), then every other rate at --rate-sweep-n adapters (against the request
+rate, fig. 6). For each setting one trace is generated (or --trace is replayed) and every system
+replays it in real time, in this process, on the same base model and the same adapters. The
+baselines (peft, merge-and-swap) are skipped above --baseline-max-adapters adapters.
+
+Writes --out/results.json (one row per system and setting), records.jsonl (one per request),
+vs_adapters.png / vs_rate.png, and prints a table and the ratios that matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
+from loraserve.bench.metrics import summarize
+from loraserve.bench.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.systems import ReplayLimits, System
+from loraserve.bench.workload import DEFAULT_RANKS, Trace, WorkloadSpec, load_trace, save_trace, synthetic_trace
+from loraserve.demo.assets import DEMO_MODEL_DIR
+
+log = logging.getLogger(__name__)
+
+BASELINES = ("peft", "merge-and-swap")
+STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
+SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
+
+# Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
+FULL = {
+    "n_adapters": [1, 10, 100, 1000], "rates": [40.0, 20.0, 60.0, 80.0], "rate_sweep_n": 100,
+    "duration": 60.0, "input_len": [8, 64], "output_len": [8, 64], "drain": 60.0, "pool_pages": 768,
+}  # fmt: skip
+QUICK = {
+    "n_adapters": [1, 100, 1000], "rates": [60.0, 30.0, 120.0], "rate_sweep_n": 100,
+    "duration": 5.0, "input_len": [8, 32], "output_len": [8, 24], "drain": 3.0, "pool_pages": 384,
+}  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+
+    def preset(key: str) -> str:
+        return f"(full: {FULL[key]}; quick: {QUICK[key]})"
+
+    p.add_argument("--quick", action="store_true", help="a small preset that runs in a few minutes on 2 CPU cores")
+    p.add_argument("--n-adapters", type=int, nargs="+", help=f"adapter counts {preset('n_adapters')}")
+    p.add_argument("--rates", type=float, nargs="+",
+                   help=f"request rates R, req/s; the first is the adapter sweep's {preset('rates')}")  # fmt: skip
+    p.add_argument("--rate-sweep-n", type=int, help=f"adapters for the other rates {preset('rate_sweep_n')}")
+    p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of adapter popularity")
+    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times")
+    p.add_argument("--duration", type=float, help=f"trace duration, seconds {preset('duration')}")
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                   help=f"prompt length range {preset('input_len')}")  # fmt: skip
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                   help=f"output length range {preset('output_len')}")  # fmt: skip
+    p.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS), help="adapter ranks, round-robin")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM",
+                   help=f"systems to compare: {' '.join(SYSTEMS)}")  # fmt: skip
+    p.add_argument("--baseline-max-adapters", type=int, default=100,
+                   help="skip peft and merge-and-swap above this many adapters")  # fmt: skip
+    p.add_argument("--trace", type=Path, help="replay this JSON-lines trace instead of generating")
+    p.add_argument("--save-trace", type=Path, help="write each generated trace here (-n<N>-r<R> added if several)")
+    p.add_argument("--out", type=Path, help="directory for results.json, records.jsonl and the plots")
+    p.add_argument("--slo", type=float, default=1.0,
+                   help="SLO on the first-token latency, seconds (S-LoRA: 6 s for a 7B model on an A100)")  # fmt: skip
+    p.add_argument("--drain", type=float,
+                   help=f"seconds after the last arrival; then stragglers are cut {preset('drain')}")  # fmt: skip
+    p.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="base model directory")
+    p.add_argument("--adapter-cache", type=Path, help="where synthetic adapter directories are written once")
+    p.add_argument("--max-batch-size", type=int, default=32, help="running requests per step / per static batch")
+    p.add_argument("--pool-pages", type=int,
+                   help=f"engine pool pages (16 KV tokens or 32 adapter rows each) {preset('pool_pages')}")  # fmt: skip
+    p.add_argument("--split-adapter-fraction", type=float,
+                   help="adapters' share of the pool in loraserve-no-unified-pool (default: what is left "
+                        "after KV room for a full batch of the longest requests)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+@dataclass(frozen=True)
+class Setting:
+    n_adapters: int
+    rate: float
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:  # checked here, not with choices=, so the LORASERVE_SYSTEMS=a,b twin works too
+        raise SystemExit(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def settings(args: argparse.Namespace) -> list[Setting]:
+    out = [Setting(n, args.rates[0]) for n in args.n_adapters]
+    out += [Setting(args.rate_sweep_n, rate) for rate in args.rates[1:]]
+    return list(dict.fromkeys(out))
+
+
+def build_system(name: str, args: argparse.Namespace, bank: AdapterBank, limits: ReplayLimits) -> System:
+    from loraserve.worker.config import EngineConfig
+
+    if name in LORASERVE_VARIANTS:
+        config = EngineConfig(
+            device="cpu", max_batch_size=args.max_batch_size, pool_pages=args.pool_pages, seed=args.seed
+        )
+        return engine_variant(name, args.model, config, bank, limits, split_fraction(args))
+    if name == STACK:
+        from loraserve.bench.stack_system import StackSystem
+
+        return StackSystem(bank.adapters, args.pool_pages, args.max_batch_size, limits)
+    if name == "peft":
+        from loraserve.bench.peft_system import PeftSystem
+
+        return PeftSystem(bank.adapters, args.adapter_cache, args.max_batch_size, limits)
+    from loraserve.bench.merge_system import MergeSwapSystem
+
+    return MergeSwapSystem(bank.adapters, args.max_batch_size, limits)
+
+
+def split_fraction(args: argparse.Namespace) -> float:
+    """The static split S-LoRA's no-unified-memory variant stands for, sized generously: KV keeps
+    exactly enough pages for a full batch of the longest requests, adapters get the rest."""
+    if args.split_adapter_fraction is not None:
+        return args.split_adapter_fraction
+    tokens_per_page = 16  # EngineConfig's default rows_per_page (32) / 2
+    longest = args.input_len[1] + args.output_len[1]
+    kv_pages = args.max_batch_size * -(-longest // tokens_per_page)
+    return min(0.9, max(0.1, 1 - kv_pages / args.pool_pages))
+
+
+def _trace_for(setting: Setting, args: argparse.Namespace, many: bool) -> Trace:
+    spec = WorkloadSpec(
+        n_adapters=setting.n_adapters, alpha=args.alpha, rate=setting.rate, cv=args.cv, duration_s=args.duration,
+        input_len=tuple(args.input_len), output_len=tuple(args.output_len), ranks=tuple(args.ranks), seed=args.seed,
+    )  # fmt: skip
+    trace = synthetic_trace(spec)
+    if args.save_trace:
+        path = args.save_trace
+        if many:
+            path = path.with_name(f"{path.stem}-n{setting.n_adapters}-r{setting.rate:g}{path.suffix}")
+        save_trace(trace, path)
+    return trace
+
+
+def run_benchmark(args: argparse.Namespace) -> list[dict]:
+    """Every system on every setting; one result row each."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    limits = ReplayLimits(drain_s=args.drain, progress=not args.no_progress)
+    bank = AdapterBank(SyntheticAdapters(args.model, seed=args.seed))
+    if args.trace:
+        trace = load_trace(args.trace, seed=args.seed)
+        jobs = [(Setting(len(trace.adapters), float(trace.params.get("rate", 0.0))), trace)]
+    else:
+        todo = settings(args)
+        jobs = [(s, None) for s in todo]
+    rows, records, systems = [], [], {}
+    for setting, given in jobs:
+        trace = given or _trace_for(setting, args, len(jobs) > 1)
+        for name in args.systems:
+            if name in BASELINES and setting.n_adapters > args.baseline_max_adapters:
+                continue
+            if name not in systems:  # one instance per system: the PEFT one keeps its loaded adapters
+                systems[name] = build_system(name, args, bank, limits)
+            system = systems[name]
+            start = time.perf_counter()
+            result = system.run(trace)
+            row = {
+                "system": name,
+                "n_adapters": setting.n_adapters,
+                "alpha": trace.params.get("alpha", args.alpha),
+                "cv": trace.params.get("cv", args.cv),
+                "rate": setting.rate,
+                "duration_s": trace.duration_s,
+                "offered_req_per_s": round(len(trace.requests) / trace.duration_s, 3) if trace.duration_s else None,
+                "seed": args.seed,
+                "adapters_used": len(trace.used_adapters()),
+                "pool_pages": args.pool_pages,
+                "adapter_pool_fraction": split_fraction(args) if name == "loraserve-no-unified-pool" else None,
+                **summarize(result, args.slo),
+                **system.stats(),
+                "wall_s": round(time.perf_counter() - start, 2),
+            }
+            rows.append(row)
+            records += [{"system": name, "n_adapters": setting.n_adapters, "rate": setting.rate, **r.as_dict()}
+                        for r in result]  # fmt: skip
+            log.info(
+                "%s n=%d rate=%g: %.2f req/s, %.0f tok/s, ttft p50 %s s, SLO %.0f%%, %d/%d finished",
+                name, setting.n_adapters, setting.rate, row["req_per_s"], row["tokens_per_s"], row["ttft_p50_s"],
+                100 * row["slo_attainment"], row["finished"], row["requests"],
+            )  # fmt: skip
+    if args.out:
+        _write(args.out, rows, records)
+    return rows
+
+
+def _write(out: Path, rows: list[dict], records: list[dict]) -> None:
+    from loraserve.bench.plots import plot_results
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    with (out / "records.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    for path in plot_results(rows, out):
+        log.info("wrote %s", path)
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+def _row(rows: list[dict], system: str, n: int, rate: float) -> dict | None:
+    return next((r for r in rows if r["system"] == system and r["n_adapters"] == n and r["rate"] == rate), None)
+
+
+def ratios(rows: list[dict], rate: float) -> list[tuple[str, float | None]]:
+    """(description, value): throughput ratios at `rate` (and mean-latency ratios where they help)."""
+
+    def ratio(a: dict | None, b: dict | None, key: str = "req_per_s") -> float | None:
+        if a is None or b is None or not b.get(key) or a.get(key) is None:
+            return None
+        return round(a[key] / b[key], 3)
+
+    out = []
+    for n in (100, 1):
+        ls = _row(rows, "loraserve", n, rate)
+        for other in BASELINES:
+            o = _row(rows, other, n, rate)
+            out.append((f"loraserve / {other} throughput, n={n}", ratio(ls, o)))
+            out.append((f"{other} / loraserve mean latency, n={n}", ratio(o, ls, "latency_mean_s")))
+    ns = sorted({r["n_adapters"] for r in rows if r["system"] == "loraserve" and r["rate"] == rate})
+    if len(ns) > 1:
+        top, bottom = _row(rows, "loraserve", ns[-1], rate), _row(rows, "loraserve", ns[0], rate)
+        out.append((f"loraserve throughput n={ns[-1]} / n={ns[0]}", ratio(top, bottom)))
+        offered = ratio(top, bottom, "offered_req_per_s")
+        out.append((f"  offered load n={ns[-1]} / n={ns[0]} (the traces differ)", offered))
+        out.append((f"  mean latency n={ns[-1]} / n={ns[0]}", ratio(top, bottom, "latency_mean_s")))
+        out.append((f"loraserve output tok/s n={ns[-1]} / n={ns[0]}", ratio(top, bottom, "tokens_per_s")))
+    for n in ns:
+        stack, ls = _row(rows, STACK, n, rate), _row(rows, "loraserve", n, rate)
+        out.append((f"{STACK} / loraserve (in-process) throughput, n={n}", ratio(stack, ls)))
+        if stack and ls and stack.get("tpot_p50_s") is not None and ls.get("tpot_p50_s") is not None:
+            added = round(1000 * (stack["tpot_p50_s"] - ls["tpot_p50_s"]), 2)
+            out.append((f"{STACK} added latency per token (p50 tpot difference, ms), n={n}", added))
+    for variant in LORASERVE_VARIANTS[1:]:
+        for n in ns:
+            v, ls = _row(rows, variant, n, rate), _row(rows, "loraserve", n, rate)
+            r = ratio(v, ls)
+            out.append((f"{variant} throughput loss vs loraserve, n={n}", None if r is None else round(1 - r, 3)))
+            out.append((f"{variant} / loraserve mean latency, n={n}", ratio(v, ls, "latency_mean_s")))
+    return out
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def print_report(rows: list[dict], rate: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="loraserve bench", show_lines=False)
+    columns = [
+        ("system", "system"), ("n", "n_adapters"), ("rate", "rate"), ("req/s", "req_per_s"),
+        ("tok/s", "tokens_per_s"), ("ttft p50", "ttft_p50_s"), ("ttft p99", "ttft_p99_s"),
+        ("tpot p50", "tpot_p50_s"), ("latency", "latency_mean_s"), ("SLO", "slo_attainment"),
+        ("done", "finished"), ("batch", "mean_batch_size"), ("waste", "pool_waste_fraction"),
+        ("loads", "adapter_loads"), ("prefetch hit", "prefetch_hit_rate"), ("switches", "adapter_switches"),
+    ]  # fmt: skip
+    for title, _ in columns:
+        table.add_column(title, justify="left" if title == "system" else "right")
+    for row in rows:
+        table.add_row(*[_fmt(row.get(key)) for _, key in columns])
+    console = Console()
+    if console.width < 180:  # a narrow terminal or a pipe: let the table keep every column
+        console = Console(width=180)
+    console.print(table)
+    for description, value in ratios(rows, rate):
+        if value is not None:
+            console.print(f"{description}: {value}")
+
+
+def main(args: argparse.Namespace) -> int:
+    args = _resolved(args)
+    quiet = max(logging.WARNING, logging.getLogger().level)
+    for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):
+        logging.getLogger(noisy).setLevel(quiet)  # one line per adapter registered is too many
+    rows = run_benchmark(args)
+    print_report(rows, rows[0]["rate"] if rows else 0.0)
+    if args.out:
+        print(f"results: {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    from loraserve.flags import EnvArgumentParser
+
+    parser = EnvArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise SystemExit(main(parser.parse_args()))

@@ -1,0 +1,97 @@
+"""Merge-and-swap (S-LoRA §7.5's ablation): one adapter merged into the base weights at a time.
+
+A plain transformers model, no peft at run time. For every projection the active adapter targets,
+W = W_base + scale · B A (lora_B [d_out, r] @ lora_A [r, d_in]), computed from the adapter's
+tensors when it is switched in. Switching restores W_base in the old adapter's projections, then
+merges the new one; the time it takes is measured. The model serves the merged adapter's queue in
+static batches and switches when its queue is empty or another adapter's queue is longer (to the
+adapter with the longest queue). No LoRA compute at run time: with one adapter it is the fastest
+possible design, with many the switches and the small per-adapter batches cost it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.bench.hf_batching import AdapterQueues, generate_batch, load_base_model, warm_up
+from loraserve.bench.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.systems import Replay, ReplayLimits, RequestRecord
+from loraserve.bench.workload import Trace
+
+_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight$")
+
+
+class MergedModel:
+    """A transformers model whose weights hold base + at most one merged adapter."""
+
+    def __init__(self, model):
+        self.model = model
+        self.modules = dict(model.named_modules())
+        self.base: dict[str, torch.Tensor] = {}  # projection -> its base weight (saved on first merge)
+        self.merged: tuple[str, ...] = ()  # projections the active adapter changed
+        self.active: str | None = None
+
+    @torch.no_grad()
+    def switch(self, name: str, tensors: dict[str, torch.Tensor], scale: float) -> None:
+        """Unmerge the active adapter, merge `tensors` (PEFT names) with `scale` = lora_alpha / r."""
+        for module in self.merged:  # unmerge: back to the base weight
+            self.modules[module].weight.copy_(self.base[module])
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            module, which = _TENSOR.match(key).groups()
+            pairs.setdefault(module, {})[which] = tensor
+        for module, ab in pairs.items():
+            weight = self.modules[module].weight
+            self.base.setdefault(module, weight.detach().clone())
+            weight.add_(ab["B"] @ ab["A"], alpha=scale)
+        self.merged, self.active = tuple(pairs), name
+
+
+@dataclass
+class MergeSwapSystem:
+    adapters: SyntheticAdapters
+    max_batch_size: int = 32
+    limits: ReplayLimits = field(default_factory=ReplayLimits)
+    name: str = "merge-and-swap"
+    _stats: dict = field(default_factory=dict, init=False, repr=False)
+
+    def run(self, trace: Trace) -> list[RequestRecord]:
+        model = load_base_model(self.adapters.model_dir)
+        warm_up(model)
+        merged = MergedModel(model)
+        # Adapters wait in host memory, as in S-LoRA; a switch only computes and adds B·A.
+        host = {name: self.adapters.tensors(name, rank) for name, rank in trace.used_adapters().items()}
+        scales = {name: self.adapters.config(rank)["lora_alpha"] / rank for name, rank in trace.adapters.items()}
+        replay, queues = Replay(trace, self.name, self.limits), AdapterQueues()
+        switches, switch_s, batches, batched = 0, 0.0, 0, 0
+        replay.start()
+        while not replay.done:
+            queues.add(replay.due())
+            if not queues:
+                replay.wait_for_arrival()
+                continue
+            current = merged.active
+            if queues.length(current) == 0 or queues.length(queues.longest()) > queues.length(current):
+                start = time.perf_counter()
+                target = queues.longest()
+                merged.switch(target, host[target], scales[target])
+                switch_s += time.perf_counter() - start
+                switches += 1
+            batch = queues.take(merged.active, self.max_batch_size)
+            generate_batch(model, batch, replay)
+            batches, batched = batches + 1, batched + len(batch)
+        self._stats = {
+            "adapter_switches": switches,
+            "switch_s": round(switch_s, 4),
+            "mean_switch_ms": round(1000 * switch_s / switches, 3) if switches else 0.0,
+            "batches": batches,
+            "mean_batch_size": batched / batches if batches else 0.0,
+        }
+        return replay.results()
+
+    def stats(self) -> dict:
+        return dict(self._stats)
