@@ -10,7 +10,9 @@ done. The policy that picks the next adapter, and what switching costs, are the 
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -114,3 +116,38 @@ def warm_up(model) -> None:
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                        eos_token_id=None, pad_token_id=PAD_ID)  # fmt: skip
+
+
+def serve_one_adapter_at_a_time(
+    model,
+    replay: Replay,
+    max_batch_size: int,
+    pick: Callable[[AdapterQueues, str | None], str],
+    switch: Callable[[str], None],
+) -> dict:
+    """Replay the trace one adapter at a time: `pick(queues, active)` names the adapter to serve
+    next, `switch(adapter)` makes it the model's active one (timed); returns switch and batch stats."""
+    queues, active = AdapterQueues(), None
+    switches, switch_s, batches, batched = 0, 0.0, 0, 0
+    replay.start()
+    while not replay.done:
+        queues.add(replay.due())
+        if not queues:
+            replay.wait_for_arrival()
+            continue
+        adapter = pick(queues, active)
+        if adapter != active:
+            start = time.perf_counter()
+            switch(adapter)
+            switch_s += time.perf_counter() - start
+            active, switches = adapter, switches + 1
+        batch = queues.take(adapter, max_batch_size)
+        generate_batch(model, batch, replay)
+        batches, batched = batches + 1, batched + len(batch)
+    return {
+        "adapter_switches": switches,
+        "switch_s": round(switch_s, 4),
+        "mean_switch_ms": round(1000 * switch_s / switches, 3) if switches else 0.0,
+        "batches": batches,
+        "mean_batch_size": batched / batches if batches else 0.0,
+    }

@@ -12,12 +12,11 @@ possible design, with many the switches and the small per-adapter batches cost i
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from loraserve.bench.hf_batching import AdapterQueues, generate_batch, load_base_model, warm_up
+from loraserve.bench.hf_batching import AdapterQueues, load_base_model, serve_one_adapter_at_a_time, warm_up
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workload import Trace
@@ -66,31 +65,17 @@ class MergeSwapSystem:
         # Adapters wait in host memory, as in S-LoRA; a switch only computes and adds B·A.
         host = {name: self.adapters.tensors(name, rank) for name, rank in trace.used_adapters().items()}
         scales = {name: self.adapters.config(rank)["lora_alpha"] / rank for name, rank in trace.adapters.items()}
-        replay, queues = Replay(trace, self.name, self.limits), AdapterQueues()
-        switches, switch_s, batches, batched = 0, 0.0, 0, 0
-        replay.start()
-        while not replay.done:
-            queues.add(replay.due())
-            if not queues:
-                replay.wait_for_arrival()
-                continue
-            current = merged.active
-            if queues.length(current) == 0 or queues.length(queues.longest()) > queues.length(current):
-                start = time.perf_counter()
-                target = queues.longest()
-                merged.switch(target, host[target], scales[target])
-                switch_s += time.perf_counter() - start
-                switches += 1
-            batch = queues.take(merged.active, self.max_batch_size)
-            generate_batch(model, batch, replay)
-            batches, batched = batches + 1, batched + len(batch)
-        self._stats = {
-            "adapter_switches": switches,
-            "switch_s": round(switch_s, 4),
-            "mean_switch_ms": round(1000 * switch_s / switches, 3) if switches else 0.0,
-            "batches": batches,
-            "mean_batch_size": batched / batches if batches else 0.0,
-        }
+        replay = Replay(trace, self.name, self.limits)
+
+        def pick(queues: AdapterQueues, active: str | None) -> str:
+            """Stay while the active adapter has work and no queue is longer; else the longest."""
+            longest = queues.longest()
+            return active if queues.length(active) and queues.length(longest) <= queues.length(active) else longest
+
+        def switch(adapter: str) -> None:
+            merged.switch(adapter, host[adapter], scales[adapter])
+
+        self._stats = serve_one_adapter_at_a_time(model, replay, self.max_batch_size, pick, switch)
         return replay.results()
 
     def stats(self) -> dict:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraserve.bench.hf_batching import AdapterQueues, generate_batch, load_base_model, warm_up
+from loraserve.bench.hf_batching import load_base_model, serve_one_adapter_at_a_time, warm_up
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workload import Trace
@@ -57,29 +57,11 @@ class PeftSystem:
         return model
 
     def _replay(self, model, trace: Trace) -> list[RequestRecord]:
-        replay, queues = Replay(trace, self.name, self.limits), AdapterQueues()
-        active, switches, switch_s, batches, batched = None, 0, 0.0, 0, 0
-        replay.start()
-        while not replay.done:
-            queues.add(replay.due())
-            if not queues:
-                replay.wait_for_arrival()
-                continue
-            adapter = queues.oldest()
-            if adapter != active:
-                start = time.perf_counter()
-                model.set_adapter(adapter)
-                switch_s += time.perf_counter() - start
-                active, switches = adapter, switches + 1
-            batch = queues.take(adapter, self.max_batch_size)
-            generate_batch(model, batch, replay)
-            batches, batched = batches + 1, batched + len(batch)
-        self._stats |= {
-            "adapter_switches": switches,
-            "switch_s": round(switch_s, 4),
-            "batches": batches,
-            "mean_batch_size": batched / batches if batches else 0.0,
-        }
+        replay = Replay(trace, self.name, self.limits)
+        stats = serve_one_adapter_at_a_time(
+            model, replay, self.max_batch_size, pick=lambda queues, _active: queues.oldest(), switch=model.set_adapter
+        )
+        self._stats |= stats
         return replay.results()
 
     def stats(self) -> dict:

@@ -78,7 +78,10 @@ def test_health_and_reflection_answer(stack):
 
     services = ProtoReflectionDescriptorDatabase(stack.channel).get_services()
     assert "loraserve.v1.LoraServe" in services and "grpc.health.v1.Health" in services
-    info = stack.api.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)
+    deadline = time.monotonic() + 5.0  # the gateway asks the scheduler twice a second
+    while (info := stack.api.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=5)).ready_workers < 2:
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
     assert info.model_type == "llama" and info.ready_workers == 2
 
 
