@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loraserve.bench.engine_system import AdapterBank
+from loraserve.bench.engine_system import AdapterBank, adapter_counters, adapter_stats_since
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.workload import DEFAULT_RANKS, FIRST_TOKEN_ID, round_robin_ranks
 from loraserve.demo.assets import DEMO_MODEL_DIR
@@ -43,29 +43,28 @@ def measure(
 
     engine = Engine(bank.adapters.model_dir, config)
     names = list(round_robin_ranks(n_adapters, ranks).items())
-    for name, rank in names:
-        engine.add_adapter(name, bank.get(name, rank))
-    sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True, seed=0)
-    warm = [engine.add_request(prompts[0], sampling, names[0][0]) for _ in range(2)]
-    while any(not r.finished for r in warm):
-        engine.step()
-    stats0 = engine.stats()["adapters"]
-    steps0, read0 = engine.steps, engine.adapter_bytes_read
-    waste, batch = [], []  # per step
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, sampling, names[i % n_adapters][0], f"req-{i}")
-    while engine.has_unfinished():
-        batch.append(len(engine.step()))  # requests that got a token this step
-        waste.append(engine.stats()["pool"]["waste_fraction"])
-    elapsed = time.perf_counter() - start
-    stats = engine.stats()["adapters"]
-    engine.close()
+    try:
+        for name, rank in names:
+            engine.add_adapter(name, bank.get(name, rank))
+        sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True, seed=0)
+        warm = [engine.add_request(prompts[0], sampling, names[0][0]) for _ in range(2)]
+        while any(not r.finished for r in warm):
+            engine.step()
+        counters0, steps0, read0 = adapter_counters(engine), engine.steps, engine.adapter_bytes_read
+        waste, batch = [], []  # per step
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, sampling, names[i % n_adapters][0], f"req-{i}")
+        while engine.has_unfinished():
+            batch.append(len(engine.step()))  # requests that got a token this step
+            waste.append(engine.stats()["pool"]["waste_fraction"])
+        elapsed = time.perf_counter() - start
+        adapter_stats = adapter_stats_since(engine, counters0)
+    finally:
+        engine.close()
     tokens = len(prompts) * output_len
     steps = engine.steps - steps0
     adapter_bytes = (engine.adapter_bytes_read - read0) / max(steps, 1)
-    delta = {k: stats[k] - stats0[k] for k in ("loads", "misses", "prefetch_hits", "prefetch_late", "evictions")}
-    needed = delta["prefetch_hits"] + delta["prefetch_late"] + delta["misses"]
     return {
         "n_adapters": n_adapters,
         "tokens_per_s": round(tokens / elapsed, 1),
@@ -74,10 +73,7 @@ def measure(
         "step_ms": round(1000 * elapsed / steps, 3),
         "mean_batch_size": round(float(np.mean(batch)), 2) if batch else 0.0,
         "pool_waste_fraction": round(float(np.mean(waste)), 4) if waste else 0.0,
-        "adapter_loads": delta["loads"],
-        "adapter_misses": delta["misses"],
-        "adapter_evictions": delta["evictions"],
-        "prefetch_hit_rate": round(delta["prefetch_hits"] / needed, 3) if needed else None,
+        **{k: adapter_stats[k] for k in ("adapter_loads", "adapter_misses", "adapter_evictions", "prefetch_hit_rate")},
         "base_mb_per_step": round(engine.base_bytes / 2**20, 2),
         "adapter_mb_per_step": round(adapter_bytes / 2**20, 2),  # distinct adapters' weights a step reads
     }
@@ -92,12 +88,12 @@ def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(FIRST_TOKEN_ID, 1024, size=args.prompt_len)] for _ in range(args.requests)]
     config = EngineConfig(
-        device="cpu", backend=args.backend, max_batch_size=args.max_batch_size, pool_pages=args.pool_pages,
+        device=args.device, backend=args.backend, max_batch_size=args.max_batch_size, pool_pages=args.pool_pages,
         prefetch=not args.no_prefetch,
     )  # fmt: skip
     bank = AdapterBank(SyntheticAdapters(args.model, seed=args.seed))
     rows = []
-    for n in args.adapters:
+    for n in sorted(set(args.adapters)):
         rows.append(measure(n, bank, prompts, args.output_len, config, tuple(args.ranks)))
         r = rows[-1]
         print(
@@ -130,13 +126,14 @@ def run(args: argparse.Namespace) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
-    p.add_argument("--adapters", type=int, nargs="+", default=[1, 10, 100, 1000], help="adapter counts, ascending")
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 10, 100, 1000], help="adapter counts")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS), help="adapter ranks, round-robin")
     p.add_argument("--pool-pages", type=int, default=1024)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", default="torch", choices=["torch", "torch-bmm", "triton"])
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")

@@ -64,7 +64,7 @@ class EngineSystem:
 
     def _replay(self, engine: Engine, trace: Trace) -> list[RequestRecord]:
         replay = Replay(trace, self.name, self.limits)
-        waste, batch_sizes, steps0 = [], [], engine.steps
+        waste, batch_sizes, steps0, counters0 = [], [], engine.steps, adapter_counters(engine)
         replay.start()
         while not replay.done:
             for r in replay.due():
@@ -89,7 +89,12 @@ class EngineSystem:
             engine.abort(request_id)
         if engine.has_unfinished():
             engine.step()
-        self._stats = _engine_stats(engine, waste, batch_sizes)
+        self._stats = {
+            "pool_waste_fraction": sum(waste) / len(waste) if waste else 0.0,
+            **adapter_stats_since(engine, counters0),
+            "steps": engine.steps - steps0,
+            "mean_batch_size": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
+        }
         return replay.results()
 
     def stats(self) -> dict:
@@ -103,19 +108,27 @@ def _warm_up(engine: Engine, adapter: str | None) -> None:
         engine.step()
 
 
-def _engine_stats(engine: Engine, waste: list[float], batch_sizes: list[int]) -> dict:
+ADAPTER_COUNTERS = ("loads", "misses", "evictions", "prefetches", "prefetch_hits", "prefetch_late", "load_seconds")
+
+
+def adapter_counters(engine: Engine) -> dict[str, float]:
+    """A snapshot of the engine's cumulative adapter counters."""
     adapters = engine.stats()["adapters"]
-    needed = adapters["prefetch_hits"] + adapters["prefetch_late"] + adapters["misses"]
+    return {k: adapters[k] for k in ADAPTER_COUNTERS}
+
+
+def adapter_stats_since(engine: Engine, before: dict[str, float]) -> dict:
+    """Adapter loads, misses, evictions and prefetch hit rate since the snapshot `before`
+    (hit rate: prefetched and ready / adapters needed, whether ready, late or missed)."""
+    delta = {k: v - before[k] for k, v in adapter_counters(engine).items()}
+    needed = delta["prefetch_hits"] + delta["prefetch_late"] + delta["misses"]
     return {
-        "pool_waste_fraction": sum(waste) / len(waste) if waste else 0.0,
-        "adapter_loads": adapters["loads"],
-        "adapter_misses": adapters["misses"],
-        "adapter_evictions": adapters["evictions"],
-        "prefetches": adapters["prefetches"],
-        "prefetch_hit_rate": adapters["prefetch_hits"] / needed if needed else None,
-        "adapter_load_s": round(adapters["load_seconds"], 4),
-        "steps": engine.steps,
-        "mean_batch_size": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
+        "adapter_loads": delta["loads"],
+        "adapter_misses": delta["misses"],
+        "adapter_evictions": delta["evictions"],
+        "prefetches": delta["prefetches"],
+        "prefetch_hit_rate": round(delta["prefetch_hits"] / needed, 3) if needed else None,
+        "adapter_load_s": round(delta["load_seconds"], 4),
     }
 
 

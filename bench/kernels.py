@@ -9,7 +9,10 @@ For each (phase, rank, batch size, popularity): a batch of requests (one token e
 packed in random pages of one pool, one projection hidden -> hidden. Measured in the same run:
 
     triton   lora_apply_triton (the token path for decode-shaped steps, the segment path otherwise)
-    loop     lora_apply_torch: per adapter segment, gather A and B from the pool, two torch matmuls
+    loop     lora_apply_torch, the engine's torch path: per adapter segment, gather A and B from the
+             pool and two torch matmuls (or, for many short segments, its per-token "pairs" form).
+             Its index plan is cached in the batch during warm-up, as the engine builds it once
+             per step and reuses it in every layer; planning is not in the figure.
     bmm      lora_apply_bmm: gather every adapter padded to the largest rank, then torch.bmm
     roofline bytes that must move / peak bandwidth:
              (T*d_in + 2*T*d_out + sum over distinct adapters r*(d_in + d_out)) * itemsize / bw

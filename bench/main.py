@@ -29,6 +29,7 @@ from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import ReplayLimits, System
 from loraserve.bench.workload import DEFAULT_RANKS, Trace, WorkloadSpec, load_trace, save_trace, synthetic_trace
 from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.worker.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def build_system(name: str, args: argparse.Namespace, bank: AdapterBank, limits:
     if name == STACK:
         from loraserve.bench.stack_system import StackSystem
 
-        return StackSystem(bank.adapters, args.pool_pages, args.max_batch_size, limits)
+        return StackSystem(bank.adapters, args.pool_pages, args.max_batch_size, limits, torch_threads=args.threads)
     if name == "peft":
         from loraserve.bench.peft_system import PeftSystem
 
@@ -139,7 +140,7 @@ def split_fraction(args: argparse.Namespace) -> float:
     exactly enough pages for a full batch of the longest requests, adapters get the rest."""
     if args.split_adapter_fraction is not None:
         return args.split_adapter_fraction
-    tokens_per_page = 16  # EngineConfig's default rows_per_page (32) / 2
+    tokens_per_page = EngineConfig().rows_per_page // 2  # a KV page holds K and V rows per token
     longest = args.input_len[1] + args.output_len[1]
     kv_pages = args.max_batch_size * -(-longest // tokens_per_page)
     return min(0.9, max(0.1, 1 - kv_pages / args.pool_pages))

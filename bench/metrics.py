@@ -2,7 +2,7 @@
 
 makespan        last finish - first arrival (trace clock)
 req_per_s       finished requests / makespan
-tokens_per_s    output tokens produced (finished or not) / makespan
+tokens_per_s    output tokens of finished requests / makespan (the same window as req_per_s)
 ttft            first token - arrival                       (requests that got a first token)
 tpot            (finish - first token) / (output tokens - 1)  (finished requests, >= 2 tokens)
 latency         finish - arrival                            (finished requests)
@@ -32,6 +32,7 @@ def summarize(records: list[RequestRecord], slo_s: float) -> dict:
     finished = [r for r in records if r.finished]
     makespan = max(r.finish_s for r in finished) - min(r.arrival_s for r in records) if finished else 0.0
     tokens = sum(r.output_tokens for r in records)
+    finished_tokens = sum(r.output_tokens for r in finished)
     ttft = [r.ttft_s for r in records if r.ttft_s is not None]
     out = {
         "requests": len(records),
@@ -40,7 +41,7 @@ def summarize(records: list[RequestRecord], slo_s: float) -> dict:
         "output_tokens": tokens,
         "makespan_s": round(makespan, 4),
         "req_per_s": round(len(finished) / makespan, 4) if makespan > 0 else 0.0,
-        "tokens_per_s": round(tokens / makespan, 2) if makespan > 0 else 0.0,
+        "tokens_per_s": round(finished_tokens / makespan, 2) if makespan > 0 else 0.0,
     }
     out |= _dist("ttft", ttft)
     out |= _dist("tpot", [r.tpot_s for r in finished if r.tpot_s is not None])

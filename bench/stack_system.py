@@ -30,12 +30,16 @@ class StackSystem:
     pool_pages: int
     max_batch_size: int
     limits: ReplayLimits = field(default_factory=ReplayLimits)
+    torch_threads: int = 1  # the worker's, as the in-process systems get --threads
     name: str = "loraserve-stack"
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
         stack = LocalStack(
-            Path(self.adapters.model_dir), pool_pages=self.pool_pages, max_batch_size=self.max_batch_size
+            Path(self.adapters.model_dir),
+            pool_pages=self.pool_pages,
+            max_batch_size=self.max_batch_size,
+            torch_threads=self.torch_threads,
         ).start()
         try:
             return asyncio.run(self._run(stack, trace))

@@ -12,6 +12,8 @@ once to a cache (peft's load_adapter), or as raw tensors (merging).
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -83,9 +85,14 @@ class SyntheticAdapters:
         if (path / "adapter_model.safetensors").is_file():
             return path
         config, weights = self.files(name, rank)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))  # private to this writer
         (tmp / "adapter_config.json").write_bytes(config)
         (tmp / "adapter_model.safetensors").write_bytes(weights)
-        tmp.replace(path)
+        if path.exists():  # a partial directory from an interrupted writer (complete ones returned above)
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            tmp.replace(path)
+        except OSError:  # another writer finished first: its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
         return path

@@ -83,6 +83,8 @@ def show_demo(address: str, max_new_tokens: int = 32) -> bool:
                 live.update(_table(rows))
             live.update(_table(rows))
         elapsed = time.perf_counter() - started
+    if not console.is_terminal:  # Live leaves a piped output without its final newline
+        console.line()
     tokens = sum(r.summary.usage.completion_tokens for r in rows if r.summary)
     finish = {common_pb2.FinishReason.Name(r.summary.finish_reason) for r in rows if r.summary}
     console.print(

@@ -30,7 +30,13 @@ import torch
 from loraserve.kernels.metadata import LoraBatch
 
 PAIRS_MIN_SEGMENTS = 4  # below this, a few per-segment matmuls cost less than building the pairs
-SHORT_SEGMENT = 8  # segments up to this many tokens go through the pairs
+# Segments up to this many tokens go through the pairs. A pair gathers its adapter's rows for its
+# own token, so a segment of n tokens reads its weights n times: worth it for decode (n = 1) and
+# short chunks, where the per-segment loop's call overhead dominates.
+SHORT_SEGMENT = 8
+# The pairs path gathers [P, d] temporaries; above this many elements it falls back to the loop
+# (e.g. 512 short tokens of rank 128 adapters at d = 4096 would need 1 GiB in float32).
+PAIRS_MAX_ELEMENTS = 1 << 24
 
 
 def gather_lora_weights(
@@ -81,7 +87,9 @@ def lora_apply_torch(
 def _plan(batch: LoraBatch, module: int, dtype: torch.dtype) -> _Plan:
     targeted = [s for s in batch.segments if batch.a_offsets[s[2]][module] >= 0]
     short = [s for s in targeted if s[1] <= SHORT_SEGMENT]
-    if len(short) < PAIRS_MIN_SEGMENTS:
+    n_pairs = sum(length * batch.ranks[a] for _, length, a in short)
+    width = max(batch.c_in[module], batch.c_out[module]) * batch.row_width
+    if len(short) < PAIRS_MIN_SEGMENTS or n_pairs * width > PAIRS_MAX_ELEMENTS:
         return _Plan(None, targeted)
     return _Plan(_pairs(batch, module, short, dtype), [s for s in targeted if s[1] > SHORT_SEGMENT])
 
@@ -100,15 +108,17 @@ def _pair_base(batch: LoraBatch, segments: list[tuple[int, int, int]]) -> _PairB
     key = ("lora_torch_pairs", tuple(segments))
     if key in batch.cache:
         return batch.cache[key]
+    # Built from the host-side lists, then moved once: no device synchronisation.
+    token = torch.cat([torch.arange(start, start + length) for start, length, _ in segments])
+    adapter = torch.tensor([a for _, length, a in segments for _ in range(length)])
+    rank = torch.tensor([batch.ranks[a] for _, length, a in segments for _ in range(length)])
+    owner = torch.repeat_interleave(torch.arange(len(token)), rank)  # [P]: the pair's token
+    j = torch.arange(len(owner)) - (torch.cumsum(rank, 0) - rank)[owner]
     device = batch.page_table.device
-    token = torch.cat([torch.arange(start, start + length) for start, length, _ in segments]).to(device)
-    adapter = torch.tensor([a for _, length, a in segments for _ in range(length)], device=device)
-    rank = batch.rank.index_select(0, adapter).long()
-    owner = torch.repeat_interleave(torch.arange(len(token), device=device), rank)  # [P]: the pair's token
-    j = torch.arange(len(owner), device=device) - (torch.cumsum(rank, 0) - rank)[owner]
-    pair_adapter = adapter[owner]
+    pair_adapter = adapter[owner].to(device)
     pages = batch.page_table.index_select(0, pair_adapter).long()
-    batch.cache[key] = base = _PairBase(token[owner], j, pair_adapter, pages)
+    token, j = token[owner].to(device), j.to(device)
+    batch.cache[key] = base = _PairBase(token, j, pair_adapter, pages)
     return base
 
 

@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter-root", default=None, help="directory RegisterAdapterFromPath may read from")
     parser.add_argument("--pool-pages", type=int, default=None, help="pages of each worker's unified pool")
     parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="torch threads per CPU worker (default: spare cores / workers)"
+    )
     parser.add_argument("--worker-timeout", type=float, default=3.0, help="seconds before a silent worker is dropped")
     parser.add_argument("--child-log-level", default="WARNING", help="log level of the roles")
     parser.add_argument(
@@ -99,8 +102,8 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                   *tracing]  # fmt: skip
         if args.pool_pages:
             worker += ["--pool-pages", str(args.pool_pages)]
-        if devices[i % len(devices)] == "cpu":  # leave a core to the other roles; spinning threads stall
-            worker += ["--torch-threads", str(max(1, ((os.cpu_count() or 2) - 1) // args.workers))]
+        if devices[i % len(devices)] == "cpu":
+            worker += ["--torch-threads", str(args.torch_threads or _default_cpu_threads(args.workers))]
         commands[f"worker-{i}"] = worker
     commands["gateway"] = [*base, "gateway", "--model", str(args.model), "--bind", args.bind,
                            "--scheduler", ports.scheduler, "--store", ports.store,
@@ -161,6 +164,12 @@ def _model_label(model: Path) -> str:
     return "the embedded demo model" if model.resolve() == DEMO_MODEL_DIR.resolve() else f"model {model}"
 
 
+def _default_cpu_threads(workers: int) -> int:
+    """Cores this process may use, less one for the other roles, shared by the CPU workers
+    (oversubscribed torch threads spin and stall each other)."""
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // workers)
+
+
 def free_port_block(size: int) -> int:
     """A base port with `size` consecutive free ports on loopback (best effort: they may be taken later)."""
     import socket
@@ -189,12 +198,13 @@ class LocalStack:
     """A stack on free loopback ports, with handles to every process (tests and benchmarks use it)."""
 
     def __init__(self, model: Path, workers: int = 1, **options):
-        self.ports = Ports(free_port_block(5))
-        self.address = f"127.0.0.1:{free_port_block(1)}"
+        base = free_port_block(6)  # one block, so the gateway's port cannot land among the others
+        self.ports = Ports(base)
+        self.address = f"127.0.0.1:{base + 5}"
         args = argparse.Namespace(
             model=model, workers=workers, device="cpu", bind=self.address, base_port=self.ports.base, adapter=[],
-            adapter_root=None, pool_pages=None, max_batch_size=64, worker_timeout=3.0, child_log_level="WARNING",
-            trace_exporter="none", otlp_endpoint="http://127.0.0.1:4317",
+            adapter_root=None, pool_pages=None, max_batch_size=64, torch_threads=None, worker_timeout=3.0,
+            child_log_level="WARNING", trace_exporter="none", otlp_endpoint="http://127.0.0.1:4317",
         )  # fmt: skip
         unknown = set(options) - set(vars(args))
         if unknown:

@@ -57,8 +57,9 @@ async def until_stopped(stop: threading.Event, poll_s: float = 0.1) -> None:
 def run_service(name: str, args, serve: Callable[[threading.Event], Coroutine[Any, Any, None]]) -> int:
     """The `main` of an asyncio role: title, signals, tracing, uvloop, and configuration errors as one line.
 
-    `serve(stop)` runs until the stop Event is set. A LoraserveError or socket error while starting
-    (a busy port, a bad flag value) ends the process with exit code 1 and a message, not a traceback.
+    `serve(stop)` runs until the stop Event is set. A LoraserveError or socket error (a busy port, a
+    bad flag value) ends the process with exit code 1 and a one-line message; the traceback is
+    logged at DEBUG level, for errors that happen after start-up. Anything else propagates.
     """
     import uvloop
     import zmq
@@ -72,6 +73,7 @@ def run_service(name: str, args, serve: Callable[[threading.Event], Coroutine[An
         uvloop.run(serve(stop))
     except (LoraserveError, zmq.ZMQError) as e:
         log.error("%s: %s", name, e)
+        log.debug("%s stopped by", name, exc_info=e)
         return 1
     finally:
         telemetry.shutdown_tracing()

@@ -59,7 +59,7 @@ def shutdown_tracing() -> None:
 @functools.cache
 def tracer() -> trace.Tracer:
     """The process's tracer, made once: `get_tracer` costs tens of µs per call. Made before
-    `configure_tracing`, it is a proxy that follows the provider set later."""
+    `setup_tracing`, it is a proxy that follows the provider set later."""
     return trace.get_tracer("loraserve")
 
 

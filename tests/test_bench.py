@@ -133,7 +133,8 @@ def test_summarize():
     ]
     m = summarize(records, slo_s=1.0)
     assert m["finished"] == 2 and m["makespan_s"] == 4.0
-    assert m["req_per_s"] == 0.5 and m["tokens_per_s"] == 7 / 4
+    assert m["req_per_s"] == 0.5 and m["tokens_per_s"] == 6 / 4  # c's token is not counted
+    assert m["output_tokens"] == 7
     assert m["ttft_p50_s"] == pytest.approx(0.5) and m["ttft_mean_s"] == pytest.approx(0.9)
     assert m["tpot_mean_s"] == pytest.approx(0.5) and m["latency_mean_s"] == pytest.approx(2.25)
     assert m["slo_attainment"] == 0.5  # a and c within 1 s; b late; d never
@@ -177,7 +178,9 @@ def test_engine_systems_replay_a_trace(variant, adapters, tiny_trace):
     assert system.name == variant
     _check_records(system.run(tiny_trace), tiny_trace)
     stats = system.stats()
-    assert stats["adapter_loads"] >= 3 and 0.0 <= stats["pool_waste_fraction"] < 1.0
+    # every adapter the trace uses is loaded, but the warm-up's (loaded before the clock starts)
+    assert stats["adapter_loads"] >= len(tiny_trace.used_adapters()) - 1 >= 2
+    assert 0.0 <= stats["pool_waste_fraction"] < 1.0
     assert stats["mean_batch_size"] >= 1
 
 

@@ -72,6 +72,19 @@ def test_many_segments_take_the_pairs_path(pool, monkeypatch):
     assert ("lora_torch", 0) in batch.cache  # built once, reused by the second layer
 
 
+def test_too_many_pairs_fall_back_to_the_segment_loop(pool, monkeypatch):
+    weights, adapters = pool
+    requests = [(i, 1) for i in range(len(RANKS))]
+    batch = make_lora_batch(GEOMETRY, adapters, requests)
+    pairs = sum(r for i, r in enumerate(RANKS) if i != 10)
+    monkeypatch.setattr(lora_torch, "PAIRS_MAX_ELEMENTS", pairs * 96 - 1)  # q_proj: 3 chunks of 32 out
+    monkeypatch.setattr(lora_torch, "_apply_pairs", lambda *a: pytest.fail("took the pairs path"))
+    x, y = torch.randn(len(RANKS), 48), torch.randn(len(RANKS), 80)
+    expected = _dense(y, x, adapters, requests, batch, 0, 0)
+    lora_apply_torch(y, x, weights[0], batch, 0, 0)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_engine_tokens_identical_with_and_without_pairs(monkeypatch):
     from loraserve.bench.synthetic_adapters import SyntheticAdapters
     from loraserve.demo.assets import DEMO_MODEL_DIR

@@ -9,14 +9,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraserve.errors import InvalidModelError
+from loraserve.kernels.metadata import MODULES
 
 if TYPE_CHECKING:
     import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
-# The seven projections a LoRA adapter may target, in the order the pool lays them out.
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The seven projections a LoRA adapter may target, in the order the pool lays them out: the
+# kernels' module indices, so offsets built here index the kernels' per-module tables.
+LORA_MODULES = MODULES
 ATTENTION_MODULES = LORA_MODULES[:4]
 
 
