@@ -23,6 +23,7 @@ from loraserve.adapter_store.store import AdapterStore
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
+from loraserve.metrics import add_metrics_arguments
 from loraserve.process import run_service, until_stopped
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from loraserve.worker.model_config import ModelConfig
@@ -67,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a superseded or deleted version stays fetchable for requests in flight",
     )
     telemetry.add_tracing_arguments(parser)
+    add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> StoreConfig:

@@ -16,6 +16,7 @@ from loraserve.gateway.service import GatewayConfig, LoraServeService
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
+from loraserve.metrics import add_metrics_arguments
 from loraserve.process import run_service, until_stopped
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import (
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fail a request that makes no progress this long",
     )
     telemetry.add_tracing_arguments(parser)
+    add_metrics_arguments(parser)
 
 
 async def _watch_cluster(service: LoraServeService, scheduler, health) -> None:

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from loraserve import telemetry
 from loraserve.convert import FINISH_REASONS, sampling_to_pb
 from loraserve.errors import InvalidRequestError, LoraserveError, PermissionDeniedError, UnavailableError
+from loraserve.gateway import metrics
 from loraserve.gateway.auth import Authenticator, Principal
 from loraserve.gateway.stops import StopFilter
 from loraserve.gateway.token_sink import TokenSink
@@ -81,10 +82,27 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         arrival = time.time()
-        metadata = _metadata(context)
-        principal = self.auth.authenticate(metadata)
+        metrics.IN_FLIGHT.inc()
+        code, events = "OK", None
+        try:
+            principal = self.auth.authenticate(_metadata(context))
+            events = self._generate_traced(request, principal, context, arrival)
+            async for event in events:
+                yield event
+        except BaseException as e:
+            code = metrics.outcome(e)
+            raise
+        finally:
+            if events is not None:
+                await events.aclose()  # its clean-up (cancel downstream) now, not at garbage collection
+            metrics.IN_FLIGHT.dec()
+            metrics.REQUESTS.labels(code).inc()
+
+    async def _generate_traced(
+        self, request: gateway_pb2.GenerateRequest, principal: Principal, context: grpc.aio.ServicerContext, arrival
+    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         request_id = uuid.uuid4().hex
-        parent = telemetry.context_from(metadata)
+        parent = telemetry.context_from(_metadata(context))
         with telemetry.tracer().start_as_current_span(
             "gateway.generate", context=parent, kind=trace.SpanKind.SERVER
         ) as span:
@@ -169,6 +187,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             worker_id = message.worker_id or worker_id
             if message.token_ids and first_token_at is None:
                 first_token_at = time.time()
+                metrics.TIME_TO_FIRST_TOKEN.observe(first_token_at - arrival)
                 stream_span = telemetry.tracer().start_span("gateway.stream")
             completion_tokens += len(message.token_ids)
             text = "".join(detok.push(t) for t in message.token_ids if t not in special)
@@ -187,6 +206,9 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                     self._cancel_downstream(request_id, "stop sequence")
                 if stream_span is not None:
                     stream_span.end()
+                metrics.REQUEST_DURATION.observe(time.time() - arrival)
+                metrics.PROMPT_TOKENS.inc(len(prompt_ids))
+                metrics.OUTPUT_TOKENS.inc(completion_tokens)
                 yield gateway_pb2.GenerateStreamResponse(summary=self._summary(
                     request_id, valid, prompt_ids, completion_tokens, reason, message.timings, arrival,
                     first_token_at, version, worker_id,

@@ -75,7 +75,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--show-demo", action="store_true", help="stream a few demo generations once up")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop after --show-demo (for scripts)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0,
+        help="Prometheus endpoints from this port on: gateway, scheduler, adapter store, then one per worker (0: off)",
+    )  # fmt: skip
     telemetry.add_tracing_arguments(parser)
+
+
+def metrics_ports(args: argparse.Namespace) -> dict[str, int]:
+    """Each role's metrics port under `up --metrics-port P` (empty when it is 0)."""
+    if not args.metrics_port:
+        return {}
+    roles = ["gateway", "scheduler", "adapter-store", *(f"worker-{i}" for i in range(args.workers))]
+    return {role: args.metrics_port + i for i, role in enumerate(roles)}
 
 
 def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -108,6 +120,8 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     commands["gateway"] = [*base, "gateway", "--model", str(args.model), "--bind", args.bind,
                            "--scheduler", ports.scheduler, "--store", ports.store,
                            "--token-address", ports.tokens, *tracing]  # fmt: skip
+    for role, port in metrics_ports(args).items():
+        commands[role] += ["--metrics-port", str(port)]
     return commands
 
 
@@ -204,7 +218,7 @@ class LocalStack:
         args = argparse.Namespace(
             model=model, workers=workers, device="cpu", bind=self.address, base_port=self.ports.base, adapter=[],
             adapter_root=None, pool_pages=None, max_batch_size=64, torch_threads=None, worker_timeout=3.0,
-            child_log_level="WARNING", trace_exporter="none", otlp_endpoint="http://127.0.0.1:4317",
+            metrics_port=0, child_log_level="WARNING", trace_exporter="none", otlp_endpoint="http://127.0.0.1:4317",
         )  # fmt: skip
         unknown = set(options) - set(vars(args))
         if unknown:
@@ -241,6 +255,9 @@ def main(args: argparse.Namespace) -> int:
             f"({args.workers} worker(s), {_model_label(args.model)}); Ctrl-C stops it",
             flush=True,
         )
+        if args.metrics_port:
+            endpoints = ", ".join(f"{role} :{port}" for role, port in metrics_ports(args).items())
+            print(f"Prometheus metrics at http://127.0.0.1:PORT/metrics: {endpoints}", flush=True)
         if args.show_demo:
             from loraserve.demo.client import show_demo
 

@@ -55,7 +55,7 @@ async def until_stopped(stop: threading.Event, poll_s: float = 0.1) -> None:
 
 
 def run_service(name: str, args, serve: Callable[[threading.Event], Coroutine[Any, Any, None]]) -> int:
-    """The `main` of an asyncio role: title, signals, tracing, uvloop, and configuration errors as one line.
+    """The `main` of an asyncio role: title, signals, tracing, metrics, uvloop, and errors as one line.
 
     `serve(stop)` runs until the stop Event is set. A LoraserveError or socket error (a busy port, a
     bad flag value) ends the process with exit code 1 and a one-line message; the traceback is
@@ -66,10 +66,12 @@ def run_service(name: str, args, serve: Callable[[threading.Event], Coroutine[An
 
     from loraserve import telemetry
     from loraserve.errors import LoraserveError
+    from loraserve.metrics import serve_metrics
 
     stop = become_service(name)
     telemetry.setup_tracing(name, args.trace_exporter, args.otlp_endpoint)
     try:
+        serve_metrics(args, name)
         uvloop.run(serve(stop))
     except (LoraserveError, zmq.ZMQError) as e:
         log.error("%s: %s", name, e)

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from loraserve import telemetry
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
+from loraserve.scheduler import metrics
 from loraserve.scheduler.policy import (
     AssignTo,
     CancelOn,
@@ -130,6 +131,8 @@ class SchedulerLoop:
 
     def _run_round(self) -> None:
         self._execute(self.policy.schedule(time.time()))
+        metrics.QUEUE_LENGTH.set(len(self.policy.queue))
+        metrics.READY_WORKERS.set(len(self.policy.ready_workers()))
 
     def _execute(self, decisions: list[Decision]) -> None:
         for decision in decisions:
@@ -169,6 +172,8 @@ class SchedulerLoop:
             )
         if not self._to_worker(decision.worker_id, assign):
             self._fail(request, "UNAVAILABLE", f"worker {decision.worker_id} is unreachable; retry the request")
+        else:
+            metrics.ASSIGNED.inc()
 
     def _to_worker(self, worker_id: str, message) -> bool:
         try:
@@ -179,6 +184,7 @@ class SchedulerLoop:
             return False
 
     def _fail(self, request: QueuedRequest, status: str, message: str) -> None:
+        metrics.FAILED.labels(status).inc()
         pending = self.pending.pop(request.request_id, None)
         if pending is not None:
             pending.span.set_attribute("loraserve.failed", status)

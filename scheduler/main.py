@@ -8,6 +8,7 @@ import logging
 
 from loraserve import telemetry
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
+from loraserve.metrics import add_metrics_arguments
 from loraserve.process import run_service, until_stopped
 from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefetch-depth", type=int, default=16, help="queued requests used to predict adapters")
     telemetry.add_tracing_arguments(parser)
+    add_metrics_arguments(parser)
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:

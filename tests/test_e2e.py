@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -36,7 +37,10 @@ def collector():
 
 @pytest.fixture(scope="module")
 def stack(collector):
-    stack = LocalStack(DEMO_MODEL_DIR, workers=2, collector=collector, max_batch_size=4).start()
+    metrics_port = free_port_block(5)  # gateway, scheduler, adapter store, 2 workers
+    stack = LocalStack(DEMO_MODEL_DIR, workers=2, collector=collector, max_batch_size=4, metrics_port=metrics_port)
+    stack.metrics_port = metrics_port
+    stack.start()
     stack.wait_workers(2)
     yield stack
     stack.stop()
@@ -94,6 +98,52 @@ def test_the_readme_api_example_streams_an_uppercase_continuation(stack):
     assert text.strip() and text == text.upper(), text
     assert summary.split()[0] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH"), summary
     assert "time_to_first_token_s" in summary
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a role's /metrics, read by prometheus-client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_prometheus_metrics_count_what_the_stack_did(stack):
+    gateway, scheduler, store, *workers = range(stack.metrics_port, stack.metrics_port + 5)
+    before = _scrape(gateway)
+    ok = ("loraserve_gateway_requests_total", (("code", "OK"),))
+    not_found = ("loraserve_gateway_requests_total", (("code", "NOT_FOUND"),))
+    reply = _generate(stack, adapter="upper", text="the quiet king", max_new_tokens=8)
+    with pytest.raises(grpc.RpcError):
+        _generate(stack, adapter="no-such-adapter", text="the quiet king")
+    after = _scrape(gateway)
+    assert after[ok] - before.get(ok, 0) == 1 and after[not_found] - before.get(not_found, 0) == 1
+    tokens = ("loraserve_gateway_output_tokens_total", ())
+    assert after[tokens] - before.get(tokens, 0) == len(reply.token_ids)
+    ttft = ("loraserve_gateway_time_to_first_token_seconds_count", ())
+    assert after[ttft] - before.get(ttft, 0) == 1
+    assert after[("loraserve_gateway_requests_in_flight", ())] == 0
+
+    assert _scrape(scheduler)[("loraserve_scheduler_ready_workers", ())] == 2
+    assert _scrape(scheduler)[("loraserve_scheduler_assigned_requests_total", ())] >= 1
+    assert ("process_cpu_seconds_total", ()) in _scrape(store)
+    total_pages = {w.worker_id: w.total_pages for w in stack.cluster().workers}
+    served_steps = 0.0
+    for port in workers:
+        m = _scrape(port)
+        (worker,) = {dict(labels)["worker"] for name, labels in m if name == "loraserve_worker_pool_pages"}
+        pages = sum(v for (name, _), v in m.items() if name == "loraserve_worker_pool_pages")
+        assert pages == total_pages[worker]
+        assert m[("loraserve_worker_ready", (("worker", worker),))] == 1
+        observed = m[("loraserve_worker_step_seconds_count", (("worker", worker),))]  # serving steps
+        assert m[("loraserve_worker_steps_total", (("worker", worker),))] >= observed  # + the warm-up's
+        served_steps += observed
+    assert served_steps >= len(reply.token_ids)  # one token per decode step at least
 
 
 def test_concurrent_streams_match_the_offline_engine(stack):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import shlex
 import subprocess
@@ -72,9 +73,25 @@ def test_compose_services_run_real_subcommands():
         command = service["command"]
         command = shlex.split(command) if isinstance(command, str) else command
         assert command[0] in COMMANDS, f"service {name} runs unknown subcommand {command[0]!r}"
-        build_parser(command[0]).parse_args(command)  # every flag exists and parses
+        parser = build_parser(command[0])
+        parser.parse_args(command)  # every flag exists and parses
+        (subcommands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        flags = {o for action in subcommands.choices[command[0]]._actions for o in action.option_strings}
+        for variable in service.get("environment", {}):  # LORASERVE_X_Y is the env twin of --x-y
+            assert "--" + variable.removeprefix("LORASERVE_").lower().replace("_", "-") in flags, (name, variable)
         roles.add(command[0])
     assert roles == {"gateway", "scheduler", "adapter-store", "worker"}
     gpu = compose["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
     assert "jaeger" in compose["services"]
+    (mount,) = compose["services"]["prometheus"]["volumes"]
+    config = yaml.safe_load((ROOT / mount.split(":")[0]).read_text())
+    targets = [t for job in config["scrape_configs"] for c in job.get("static_configs", []) for t in c["targets"]]
+    targets += [f"{n}:{c['port']}" for job in config["scrape_configs"] for c in job.get("dns_sd_configs", [])
+                for n in c["names"]]  # fmt: skip
+    assert {t.split(":")[0] for t in targets} == roles_services(compose)
+
+
+def roles_services(compose: dict) -> set[str]:
+    """Names of the compose services that run a loraserve role (built from this repo)."""
+    return {name for name, service in compose["services"].items() if "build" in service}

@@ -9,6 +9,7 @@ import socket
 
 from loraserve import telemetry
 from loraserve.errors import LoraserveError
+from loraserve.metrics import add_metrics_arguments, serve_metrics
 from loraserve.process import become_service
 from loraserve.worker.cli import add_engine_arguments, engine_config_from_args
 from loraserve.worker.engine import Engine
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)",
     )  # fmt: skip
     telemetry.add_tracing_arguments(parser)
+    add_metrics_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,7 +58,15 @@ def main(args: argparse.Namespace) -> int:
             report_interval_s=args.report_interval,
             fetch_timeout_s=args.fetch_timeout,
         )
-        WorkerService(engine, config).run(stop)
+        service = WorkerService(engine, config)
+        if args.metrics_port:
+            from prometheus_client import REGISTRY
+
+            from loraserve.worker.metrics import WorkerCollector
+
+            REGISTRY.register(WorkerCollector(lambda: service.last_snapshot))
+            serve_metrics(args, "worker")
+        service.run(stop)
     finally:
         telemetry.shutdown_tracing()
     return 0

@@ -26,6 +26,7 @@ from loraserve.errors import LoraserveError
 from loraserve.params import SamplingParams
 from loraserve.sockets import make_socket, send
 from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
+from loraserve.worker import metrics
 from loraserve.worker.adapters import load_adapter_bytes
 from loraserve.worker.engine import Engine, GenerateRequest, StepOutput
 from loraserve.worker.request import AdapterKey, FinishReason, Request
@@ -78,9 +79,11 @@ class WorkerService:
         self.fetched: queue.Queue[_Fetched] = queue.Queue()
         self.finished_since_report: list[str] = []
         self.ready = False
+        self._step_seconds = metrics.STEP_SECONDS.labels(config.worker_id)
         self._fetch_pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="adapter-fetch")
         self._fetchers = threading.local()
         self._last_report = 0.0
+        self.last_snapshot: metrics.Snapshot | None = None  # read by the metrics endpoint
 
     # ---- main loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -96,7 +99,10 @@ class WorkerService:
                 self._register_fetched()
                 self._expire_deadlines()
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    started = time.perf_counter()
+                    outputs = self.engine.step()
+                    self._step_seconds.observe(time.perf_counter() - started)
+                    self._deliver(outputs)
                     self._report()
                 elif time.monotonic() - self._last_report >= self.config.report_interval_s:
                     self._report()
@@ -344,6 +350,7 @@ class WorkerService:
             fatal=fatal,
         )
         send(self.scheduler, report)
+        self.last_snapshot = (report, dict(vars(stats)))  # one reference swap: safe for the scrape thread
         self.finished_since_report = []
         self._last_report = time.monotonic()
 

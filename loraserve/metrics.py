@@ -1,0 +1,32 @@
+"""Prometheus metrics: every role can serve its process's registry over HTTP.
+
+A role started with `--metrics-port P` answers `GET http://127.0.0.1:P/metrics` (bind another
+host with `--metrics-host`) in Prometheus' text format: the role's own `loraserve_*` metrics
+beside prometheus-client's process and Python collectors. Port 0, the default, serves nothing.
+The metrics themselves are defined next to the code that updates them (gateway/metrics.py,
+worker/metrics.py, scheduler/metrics.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics (0: off)"
+    )
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+
+
+def serve_metrics(args: argparse.Namespace, role: str) -> None:
+    """Start the metrics endpoint in a daemon thread when `--metrics-port` asks for one."""
+    if not args.metrics_port:
+        return
+    from prometheus_client import start_http_server
+
+    start_http_server(args.metrics_port, addr=args.metrics_host)
+    log.info("%s metrics on http://%s:%d/metrics", role, args.metrics_host, args.metrics_port)

@@ -1,0 +1,10 @@
+"""The scheduler's Prometheus metrics (served when it runs with --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+QUEUE_LENGTH = Gauge("loraserve_scheduler_queue_length", "Requests waiting for a worker")
+READY_WORKERS = Gauge("loraserve_scheduler_ready_workers", "Workers reporting ready")
+ASSIGNED = Counter("loraserve_scheduler_assigned_requests", "Requests placed on a worker")
+FAILED = Counter("loraserve_scheduler_failed_requests", "Requests the scheduler ended, by gRPC status", ["code"])

@@ -1,0 +1,66 @@
+"""The worker's Prometheus metrics (served when it runs with --metrics-port).
+
+Pool and adapter-cache figures are read at scrape time from the last report the worker sent the
+scheduler (it builds one after every step), so the engine loop pays nothing for them and the
+scrape thread never touches the engine. Step times are observed in the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from loraserve.wire import WorkerReport
+
+STEP_SECONDS = Histogram(
+    "loraserve_worker_step_seconds", "Duration of one engine step (one forward over the batch)", ["worker"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)  # fmt: skip
+
+# adapter-cache counters: (metric name, help, key in the loader's stats)
+ADAPTER_COUNTERS = (
+    ("loraserve_worker_adapter_loads", "Adapters copied into the pool", "loads"),
+    ("loraserve_worker_adapter_misses", "Requests that waited for their adapter's load", "misses"),
+    ("loraserve_worker_adapter_evictions", "Adapters evicted from the pool", "evictions"),
+    ("loraserve_worker_prefetches", "Adapter loads started ahead of need", "prefetches"),
+    ("loraserve_worker_prefetch_hits", "Adapters needed that a prefetch had made ready", "prefetch_hits"),
+    ("loraserve_worker_prefetch_late", "Adapters needed while their prefetch was still copying", "prefetch_late"),
+)
+
+Snapshot = tuple[WorkerReport, dict[str, float]]  # the last report and the loader's counters
+
+
+class WorkerCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Snapshot | None]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator:
+        snap = self.snapshot()
+        if snap is None:
+            return
+        report, counters = snap
+        worker = [report.worker_id]
+        pages = GaugeMetricFamily("loraserve_worker_pool_pages", "Unified pool pages by use", labels=["worker", "use"])
+        for use, value in (("kv", report.kv_pages), ("adapter", report.adapter_pages), ("free", report.free_pages)):
+            pages.add_metric([*worker, use], value)
+        yield pages
+        for name, doc, value in (
+            ("loraserve_worker_pool_waste_fraction", "Unused share of allocated pages", report.waste_fraction),
+            ("loraserve_worker_running_requests", "Requests in the running batch", len(report.running)),
+            ("loraserve_worker_waiting_requests", "Requests assigned but not running yet", len(report.waiting)),
+            ("loraserve_worker_resident_adapters", "Adapters in the pool", len(report.resident)),
+            ("loraserve_worker_ready", "1 when the worker accepts requests", int(report.ready)),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["worker"])
+            gauge.add_metric(worker, value)
+            yield gauge
+        steps = CounterMetricFamily("loraserve_worker_steps", "Engine steps run", labels=["worker"])
+        steps.add_metric(worker, report.steps)
+        yield steps
+        for name, doc, key in ADAPTER_COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=["worker"])
+            counter.add_metric(worker, counters.get(key, 0))
+            yield counter
