@@ -23,10 +23,16 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_metrics(args: argparse.Namespace, role: str) -> None:
-    """Start the metrics endpoint in a daemon thread when `--metrics-port` asks for one."""
+    """Start the metrics endpoint in a daemon thread when `--metrics-port` asks for one; a port that
+    cannot be bound is an InvalidConfigError."""
     if not args.metrics_port:
         return
     from prometheus_client import start_http_server
 
-    start_http_server(args.metrics_port, addr=args.metrics_host)
+    from loraserve.errors import InvalidConfigError
+
+    try:
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+    except OSError as e:  # a busy port or an address this host does not have
+        raise InvalidConfigError(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {e}") from e
     log.info("%s metrics on http://%s:%d/metrics", role, args.metrics_host, args.metrics_port)

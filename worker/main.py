@@ -48,7 +48,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         try:
             engine = Engine(args.model, engine_config_from_args(args))
-        except LoraserveError as e:  # a bad model directory or flag: a message, not a traceback
+            if args.metrics_port:
+                from prometheus_client import REGISTRY
+
+                from loraserve.worker.metrics import WorkerCollector
+
+                service: WorkerService | None = None
+                REGISTRY.register(WorkerCollector(lambda: service.last_snapshot if service else None))
+                serve_metrics(args, "worker")
+        except LoraserveError as e:  # a bad model directory, flag or port: a message, not a traceback
             log.error("worker %s: %s", worker_id, e)
             return 1
         config = WorkerConfig(
@@ -59,13 +67,6 @@ def main(args: argparse.Namespace) -> int:
             fetch_timeout_s=args.fetch_timeout,
         )
         service = WorkerService(engine, config)
-        if args.metrics_port:
-            from prometheus_client import REGISTRY
-
-            from loraserve.worker.metrics import WorkerCollector
-
-            REGISTRY.register(WorkerCollector(lambda: service.last_snapshot))
-            serve_metrics(args, "worker")
         service.run(stop)
     finally:
         telemetry.shutdown_tracing()
