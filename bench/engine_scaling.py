@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loraserve.bench.engine_system import AdapterBank, adapter_counters, adapter_stats_since
+from loraserve.bench.engine_system import AdapterBank, adapter_counters, adapter_stats_since, warm_up
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.workload import DEFAULT_RANKS, FIRST_TOKEN_ID, round_robin_ranks
 from loraserve.demo.assets import DEMO_MODEL_DIR
@@ -47,9 +47,7 @@ def measure(
         for name, rank in names:
             engine.add_adapter(name, bank.get(name, rank))
         sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True, seed=0)
-        warm = [engine.add_request(prompts[0], sampling, names[0][0]) for _ in range(2)]
-        while any(not r.finished for r in warm):
-            engine.step()
+        warm_up(engine, names[0][0])
         counters0, steps0, read0 = adapter_counters(engine), engine.steps, engine.adapter_bytes_read
         waste, batch = [], []  # per step
         start = time.perf_counter()

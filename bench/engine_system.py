@@ -57,7 +57,7 @@ class EngineSystem:
         try:
             for name, rank in trace.adapters.items():
                 engine.add_adapter(name, self.bank.get(name, rank))
-            _warm_up(engine, next(iter(trace.adapters), None))
+            warm_up(engine, next(iter(trace.adapters), None))
             return self._replay(engine, trace)
         finally:
             engine.close()
@@ -101,7 +101,7 @@ class EngineSystem:
         return dict(self._stats)
 
 
-def _warm_up(engine: Engine, adapter: str | None) -> None:
+def warm_up(engine: Engine, adapter: str | None) -> None:
     """One short request before the clock starts, so first-call costs are not charged to the trace."""
     engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=2, ignore_eos=True), adapter, "warm-up")
     while engine.has_unfinished():

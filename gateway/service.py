@@ -85,8 +85,9 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         metrics.IN_FLIGHT.inc()
         code, events = "OK", None
         try:
-            principal = self.auth.authenticate(_metadata(context))
-            events = self._generate_traced(request, principal, context, arrival)
+            metadata = _metadata(context)
+            principal = self.auth.authenticate(metadata)
+            events = self._generate_traced(request, principal, metadata, context, arrival)
             async for event in events:
                 yield event
         except BaseException as e:
@@ -99,10 +100,10 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             metrics.REQUESTS.labels(code).inc()
 
     async def _generate_traced(
-        self, request: gateway_pb2.GenerateRequest, principal: Principal, context: grpc.aio.ServicerContext, arrival
+        self, request: gateway_pb2.GenerateRequest, principal: Principal, metadata: dict[str, str], context, arrival
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         request_id = uuid.uuid4().hex
-        parent = telemetry.context_from(_metadata(context))
+        parent = telemetry.context_from(metadata)
         with telemetry.tracer().start_as_current_span(
             "gateway.generate", context=parent, kind=trace.SpanKind.SERVER
         ) as span:

@@ -102,9 +102,10 @@ class _PairBase:
     j: torch.Tensor  # int64 [P]: the pair's rank vector
     adapter: torch.Tensor  # int64 [P]
     pages: torch.Tensor  # int64 [P, max_pages]
+    weight: torch.Tensor  # [L, P]: scale of the pair's adapter, 0 in layers the adapter skips
 
 
-def _pair_base(batch: LoraBatch, segments: list[tuple[int, int, int]]) -> _PairBase:
+def _pair_base(batch: LoraBatch, segments: list[tuple[int, int, int]], dtype: torch.dtype) -> _PairBase:
     key = ("lora_torch_pairs", tuple(segments))
     if key in batch.cache:
         return batch.cache[key]
@@ -118,12 +119,14 @@ def _pair_base(batch: LoraBatch, segments: list[tuple[int, int, int]]) -> _PairB
     pair_adapter = adapter[owner].to(device)
     pages = batch.page_table.index_select(0, pair_adapter).long()
     token, j = token[owner].to(device), j.to(device)
-    batch.cache[key] = base = _PairBase(token, j, pair_adapter, pages)
+    scale = batch.scale.index_select(0, pair_adapter).to(dtype)
+    weight = batch.layer_active.index_select(0, pair_adapter).t().to(dtype) * scale
+    batch.cache[key] = base = _PairBase(token, j, pair_adapter, pages, weight)
     return base
 
 
 def _pairs(batch: LoraBatch, module: int, segments: list[tuple[int, int, int]], dtype: torch.dtype) -> _Pairs:
-    base = _pair_base(batch, segments)
+    base = _pair_base(batch, segments, dtype)
     rpp = batch.rows_per_page
 
     def rows(offsets: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -131,10 +134,8 @@ def _pairs(batch: LoraBatch, module: int, segments: list[tuple[int, int, int]], 
         logical = first[:, None] + torch.arange(chunks, device=first.device)  # [P, chunks]
         return (base.pages.gather(1, logical // rpp) * rpp + logical % rpp).view(-1)
 
-    scale = batch.scale.index_select(0, base.adapter).to(dtype)
-    weight = batch.layer_active.index_select(0, base.adapter).t().to(dtype) * scale  # [L, P]
     a_rows = rows(batch.a_offset.long(), batch.c_in[module])
-    return _Pairs(base.token, a_rows, rows(batch.b_offset.long(), batch.c_out[module]), weight)
+    return _Pairs(base.token, a_rows, rows(batch.b_offset.long(), batch.c_out[module]), base.weight)
 
 
 def _apply_pairs(

@@ -215,11 +215,10 @@ class LocalStack:
         base = free_port_block(6)  # one block, so the gateway's port cannot land among the others
         self.ports = Ports(base)
         self.address = f"127.0.0.1:{base + 5}"
-        args = argparse.Namespace(
-            model=model, workers=workers, device="cpu", bind=self.address, base_port=self.ports.base, adapter=[],
-            adapter_root=None, pool_pages=None, max_batch_size=64, torch_threads=None, worker_timeout=3.0,
-            metrics_port=0, child_log_level="WARNING", trace_exporter="none", otlp_endpoint="http://127.0.0.1:4317",
-        )  # fmt: skip
+        parser = argparse.ArgumentParser()  # plain: `up`'s defaults, without its environment twins
+        add_arguments(parser)
+        args = parser.parse_args(["--model", str(model), "--workers", str(workers), "--bind", self.address,
+                                  "--base-port", str(base)])  # fmt: skip
         unknown = set(options) - set(vars(args))
         if unknown:
             raise TypeError(f"unknown stack options {sorted(unknown)}")

@@ -106,10 +106,7 @@ class Resident:
     ready: torch.cuda.Event | Future | None = None  # pending background copy
     prefetched: bool = False
     loaded_at: float = field(default_factory=time.monotonic)
-    # Per-step metadata rows, computed once: module offsets and per-layer activity.
-    a_offsets: list[int] = field(default_factory=list)
-    b_offsets: list[int] = field(default_factory=list)
-    layer_flags: list[bool] = field(default_factory=list)
+    layer_flags: list[bool] = field(default_factory=list)  # per layer: has weights there (per-step metadata)
 
 
 @dataclass
@@ -146,7 +143,6 @@ class AdapterLoader:
         return Resident(
             key, adapter_layout, adapter.scale, frozenset(adapter.layers),
             page_tensor.to(device=self.device, dtype=torch.int32), row_index.to(self.device),
-            a_offsets=list(adapter_layout.a_offsets), b_offsets=list(adapter_layout.b_offsets),
             layer_flags=[layer in adapter.layers for layer in range(self.layout.num_layers)],
         )  # fmt: skip
 

@@ -286,7 +286,8 @@ class Engine:
             self._fail_unschedulable(outputs)
             return outputs
         now = time.monotonic()
-        for key in {r.adapter for r, _ in plan.scheduled if r.adapter is not None}:
+        in_batch = {r.adapter for r, _ in plan.scheduled if r.adapter is not None}
+        for key in in_batch:
             waited = self.loader.wait(key)
             for r, _ in plan.scheduled:
                 if r.adapter == key and r.first_scheduled is None:
@@ -298,7 +299,6 @@ class Engine:
                            if r.adapter is not None])  # fmt: skip
         sampled = self.runner.execute(plan.scheduled, self.pages, self.loader.resident)
         self.steps += 1
-        in_batch = {r.adapter for r, _ in plan.scheduled if r.adapter is not None}
         self.adapter_bytes_read += self.pool.element_size() * sum(
             self.loader.resident[key].layout.useful_elements for key in in_batch
         )

@@ -46,19 +46,6 @@ def main(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.torch_threads)
     try:
-        try:
-            engine = Engine(args.model, engine_config_from_args(args))
-            if args.metrics_port:
-                from prometheus_client import REGISTRY
-
-                from loraserve.worker.metrics import WorkerCollector
-
-                service: WorkerService | None = None
-                REGISTRY.register(WorkerCollector(lambda: service.last_snapshot if service else None))
-                serve_metrics(args, "worker")
-        except LoraserveError as e:  # a bad model directory, flag or port: a message, not a traceback
-            log.error("worker %s: %s", worker_id, e)
-            return 1
         config = WorkerConfig(
             worker_id=worker_id,
             scheduler_address=args.scheduler_address,
@@ -66,7 +53,18 @@ def main(args: argparse.Namespace) -> int:
             report_interval_s=args.report_interval,
             fetch_timeout_s=args.fetch_timeout,
         )
-        service = WorkerService(engine, config)
+        try:
+            service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
+            if args.metrics_port:
+                from prometheus_client import REGISTRY
+
+                from loraserve.worker.metrics import WorkerCollector
+
+                REGISTRY.register(WorkerCollector(lambda: service.last_report, service.engine.loader.stats))
+                serve_metrics(args, "worker")
+        except LoraserveError as e:  # a bad model directory, flag or port: a message, not a traceback
+            log.error("worker %s: %s", worker_id, e)
+            return 1
         service.run(stop)
     finally:
         telemetry.shutdown_tracing()

@@ -1,8 +1,8 @@
 """The worker's Prometheus metrics (served when it runs with --metrics-port).
 
-Pool and adapter-cache figures are read at scrape time from the last report the worker sent the
-scheduler (it builds one after every step), so the engine loop pays nothing for them and the
-scrape thread never touches the engine. Step times are observed in the loop.
+Pool figures are read at scrape time from the last report the worker sent the scheduler (it
+builds one after every step) and the adapter cache's counters from its stats object (plain ints),
+so the engine loop pays nothing for them. Step times are observed in the loop.
 """
 
 from __future__ import annotations
@@ -30,18 +30,16 @@ ADAPTER_COUNTERS = (
     ("loraserve_worker_prefetch_late", "Adapters needed while their prefetch was still copying", "prefetch_late"),
 )
 
-Snapshot = tuple[WorkerReport, dict[str, float]]  # the last report and the loader's counters
-
 
 class WorkerCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Snapshot | None]):
-        self.snapshot = snapshot
+    def __init__(self, last_report: Callable[[], WorkerReport | None], adapter_stats: object):
+        self.last_report, self.adapter_stats = last_report, adapter_stats
 
     def collect(self) -> Iterator:
-        snap = self.snapshot()
-        if snap is None:
+        report = self.last_report()
+        if report is None:
             return
-        report, counters = snap
+        counters = dict(vars(self.adapter_stats))
         worker = [report.worker_id]
         pages = GaugeMetricFamily("loraserve_worker_pool_pages", "Unified pool pages by use", labels=["worker", "use"])
         for use, value in (("kv", report.kv_pages), ("adapter", report.adapter_pages), ("free", report.free_pages)):

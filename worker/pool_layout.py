@@ -29,6 +29,7 @@ Llama-3-8B) waste nothing; otherwise only the last chunk of each rank vector is 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from loraserve.worker.model_config import LORA_MODULES, ModelConfig
@@ -64,12 +65,12 @@ class AdapterLayout:
     def block(self, module: str) -> ModuleBlock | None:
         return next((b for b in self.blocks if b.module == module), None)
 
-    @property
+    @functools.cached_property  # read for every step's batch metadata
     def a_offsets(self) -> tuple[int, ...]:
         """First logical row of each module's A block, in LORA_MODULES order; -1 where not targeted."""
         return tuple(b.a_offset if b else -1 for b in map(self.block, LORA_MODULES))
 
-    @property
+    @functools.cached_property
     def b_offsets(self) -> tuple[int, ...]:
         return tuple(b.b_offset if b else -1 for b in map(self.block, LORA_MODULES))
 

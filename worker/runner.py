@@ -111,8 +111,8 @@ class ModelRunner:
             start += n
         if not segments:
             return None
-        a_offsets = [r.a_offsets for r in adapters]
-        b_offsets = [r.b_offsets for r in adapters]
+        a_offsets = [r.layout.a_offsets for r in adapters]
+        b_offsets = [r.layout.b_offsets for r in adapters]
         layers = [r.layer_flags for r in adapters]
         max_pages = max(len(r.pages) for r in adapters)
         device = self.device

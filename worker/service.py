@@ -83,7 +83,7 @@ class WorkerService:
         self._fetch_pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="adapter-fetch")
         self._fetchers = threading.local()
         self._last_report = 0.0
-        self.last_snapshot: metrics.Snapshot | None = None  # read by the metrics endpoint
+        self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
 
     # ---- main loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -350,7 +350,7 @@ class WorkerService:
             fatal=fatal,
         )
         send(self.scheduler, report)
-        self.last_snapshot = (report, dict(vars(stats)))  # one reference swap: safe for the scrape thread
+        self.last_report = report  # one reference swap: safe for the scrape thread
         self.finished_since_report = []
         self._last_report = time.monotonic()
 
