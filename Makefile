@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: run test lint setup clean-venv demo-assets protos
+.PHONY: run test lint setup clean-venv demo-assets protos gpu-check
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ test: lint
 
 run: $(STAMP)
 	$(VENV)/bin/loraserve up --show-demo
+
+# The GPU suite (tests, kernel benchmark, 7B-shaped engine, stack) on a CUDA machine, into out/gpu-check.
+# Set TORCH to a CUDA build of torch there. On a bare GPU machine without a venv: deploy/gpu-check.sh.
+gpu-check: $(STAMP)
+	$(PY) -m loraserve.bench.gpu_check --out out/gpu-check $(GPU_CHECK_ARGS)
 
 # Regenerate the embedded demo model and adapters (minutes of CPU; refuses to overwrite without FORCE=1).
 demo-assets: $(STAMP)

@@ -93,8 +93,8 @@ def generate_batch(model, batch: list[TraceRequest], replay: Replay) -> None:
         ids[i, width - r.prompt_len :] = torch.tensor(r.prompt_ids)
         mask[i, width - r.prompt_len :] = 1
     model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         max_new_tokens=max(r.max_new_tokens for r in batch),
         do_sample=False,
         eos_token_id=None,
@@ -104,15 +104,15 @@ def generate_batch(model, batch: list[TraceRequest], replay: Replay) -> None:
     )
 
 
-def load_base_model(model_dir):
+def load_base_model(model_dir, device: str = "cpu", dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def warm_up(model) -> None:
     """One tiny generate before the clock starts (first-call costs are not the trace's)."""
-    ids = torch.tensor([[5, 6, 7, 8]])
+    ids = torch.tensor([[5, 6, 7, 8]], device=model.device)
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
                        eos_token_id=None, pad_token_id=PAD_ID)  # fmt: skip

@@ -46,7 +46,7 @@ class MergedModel:
         for module, ab in pairs.items():
             weight = self.modules[module].weight
             self.base.setdefault(module, weight.detach().clone())
-            weight.add_(ab["B"] @ ab["A"], alpha=scale)
+            weight.add_(ab["B"].to(weight) @ ab["A"].to(weight), alpha=scale)
         self.merged, self.active = tuple(pairs), name
 
 
@@ -56,10 +56,12 @@ class MergeSwapSystem:
     max_batch_size: int = 32
     limits: ReplayLimits = field(default_factory=ReplayLimits)
     name: str = "merge-and-swap"
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
-        model = load_base_model(self.adapters.model_dir)
+        model = load_base_model(self.adapters.model_dir, self.device, self.dtype)
         warm_up(model)
         merged = MergedModel(model)
         # Adapters wait in host memory, as in S-LoRA; a switch only computes and adds B·A.

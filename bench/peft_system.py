@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from loraserve.bench.hf_batching import load_base_model, serve_one_adapter_at_a_time, warm_up
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import Replay, ReplayLimits, RequestRecord
@@ -26,6 +28,8 @@ class PeftSystem:
     max_batch_size: int = 32
     limits: ReplayLimits = field(default_factory=ReplayLimits)
     name: str = "peft"
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
     _stats: dict = field(default_factory=dict, init=False, repr=False)
     _loaded: tuple = field(default=(), init=False, repr=False)  # (adapters, model) kept for the next trace
 
@@ -48,7 +52,9 @@ class PeftSystem:
         for name, rank in trace.adapters.items():
             path = self.adapters.write(name, rank, root)
             if model is None:
-                model = PeftModel.from_pretrained(load_base_model(self.adapters.model_dir), path, adapter_name=name)
+                model = PeftModel.from_pretrained(
+                    load_base_model(self.adapters.model_dir, self.device, self.dtype), path, adapter_name=name
+                )
             else:
                 model.load_adapter(path, adapter_name=name)
         model.eval()

@@ -32,6 +32,7 @@ class StackSystem:
     limits: ReplayLimits = field(default_factory=ReplayLimits)
     torch_threads: int = 1  # the worker's, as the in-process systems get --threads
     name: str = "loraserve-stack"
+    device: str = "cpu"  # the worker's
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
@@ -40,6 +41,7 @@ class StackSystem:
             pool_pages=self.pool_pages,
             max_batch_size=self.max_batch_size,
             torch_threads=self.torch_threads,
+            device=self.device,
         ).start()
         try:
             return asyncio.run(self._run(stack, trace))

@@ -35,6 +35,7 @@ class SyntheticAdapters:
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     seed: int = 0
     std: float = 0.05
+    dtype: torch.dtype = torch.float32  # of the saved tensors (float16 for GPU-sized benchmarks)
 
     @cached_property
     def model(self) -> ModelConfig:
@@ -44,6 +45,8 @@ class SyntheticAdapters:
     def fingerprint(self) -> str:
         """Names the cache folder: changes with the base model's shape, the targets, the std, the seed."""
         key = f"{(Path(self.model_dir) / 'config.json').read_text()}/{self.target_modules}/{self.std}/{self.seed}"
+        if self.dtype != torch.float32:
+            key += f"/{self.dtype}"
         return f"{zlib.crc32(key.encode()):08x}"
 
     def config(self, rank: int) -> dict:
@@ -70,8 +73,8 @@ class SyntheticAdapters:
             for module in self.target_modules:
                 d_in, d_out = model.module_shape(module)
                 prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
-                out[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) * self.std
-                out[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * self.std
+                out[f"{prefix}.lora_A.weight"] = (torch.randn(rank, d_in, generator=g) * self.std).to(self.dtype)
+                out[f"{prefix}.lora_B.weight"] = (torch.randn(d_out, rank, generator=g) * self.std).to(self.dtype)
         return out
 
     def files(self, name: str, rank: int) -> tuple[bytes, bytes]:

@@ -293,3 +293,130 @@ def make_attention_case(
     return AttentionCase(
         pool.to(device), batch, q.to(device), torch.cat(new_k).to(device), torch.cat(new_v).to(device), keys, values
     )
+
+
+def make_bench_lora_pool(
+    geometry: LoraGeometry,
+    ranks: list[int],
+    modules: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    spare_pages: int = 3,
+    keep_weights: bool = False,
+) -> tuple[torch.Tensor, list[SyntheticAdapter]]:
+    """`make_lora_pool`'s layout, generated on `device`: fast at benchmark sizes (hundreds of adapters).
+
+    Every adapter targets `modules` in every layer. Weights are N(0, 1/d_in) for A and N(0, 1/r) for B,
+    drawn on the device in `dtype`; the pool's unused rows are noise. The adapters' float32 weights are
+    kept only with keep_weights (tests); otherwise SyntheticAdapter.weights is empty.
+    """
+    dev = torch.device(device)
+    g_host = torch.Generator().manual_seed(seed)
+    g_dev = torch.Generator(device=dev).manual_seed(seed)
+    w, rpp, num_layers = geometry.row_width, geometry.rows_per_page, geometry.num_layers
+    c_in, c_out = geometry.c_in, geometry.c_out
+    layouts = []
+    for r in ranks:
+        a_offsets, b_offsets, off = [-1] * len(MODULES), [-1] * len(MODULES), 0
+        for m in sorted(modules):
+            a_offsets[m], b_offsets[m] = off, off + r * c_in[m]
+            off += r * (c_in[m] + c_out[m])
+        layouts.append((a_offsets, b_offsets, max(off, 1)))
+    need = [_ceil_div(rows, rpp) for _, _, rows in layouts]
+    num_pages = sum(need) + spare_pages
+    order = torch.randperm(num_pages, generator=g_host).tolist()
+    pool = torch.randn(num_layers, num_pages * rpp, w, generator=g_dev, device=dev, dtype=dtype)
+
+    def chunked(matrix: torch.Tensor, chunks: int) -> torch.Tensor:
+        padded = matrix.new_zeros(matrix.shape[0], chunks * w)
+        padded[:, : matrix.shape[1]] = matrix
+        return padded.view(matrix.shape[0] * chunks, w)
+
+    adapters = []
+    for i, (r, (a_offsets, b_offsets, rows), n) in enumerate(zip(ranks, layouts, need, strict=True)):
+        pages, order = order[:n], order[n:]
+        logical = torch.arange(rows)
+        row_index = (torch.tensor(pages, dtype=torch.int64)[logical // rpp] * rpp + logical % rpp).to(dev)
+        weights = {}
+        for layer in range(num_layers):
+            for m in sorted(modules):
+                d_in, d_out = geometry.d_in[m], geometry.d_out[m]
+                a = (torch.randn(r, d_in, generator=g_dev, device=dev) / math.sqrt(d_in)).to(dtype)
+                b = (torch.randn(r, d_out, generator=g_dev, device=dev) / math.sqrt(r)).to(dtype)
+                a_rows = row_index[a_offsets[m] : a_offsets[m] + r * c_in[m]]
+                b_rows = row_index[b_offsets[m] : b_offsets[m] + r * c_out[m]]
+                pool[layer].index_copy_(0, a_rows, chunked(a, c_in[m]))
+                pool[layer].index_copy_(0, b_rows, chunked(b, c_out[m]))
+                if keep_weights:
+                    weights[(layer, m)] = (a.float(), b.float())
+        scale = 0.5 * (1 + i % 4)
+        adapters.append(
+            SyntheticAdapter(r, scale, weights, [True] * num_layers, a_offsets, b_offsets, pages, row_index)
+        )
+    return pool, adapters
+
+
+@dataclass
+class UniformAttentionCase:
+    """Sequences of one length, every token's K and V already in the pool, and the same K/V dense."""
+
+    pool_layer: torch.Tensor  # [pages * 2tp, H_kv * D]
+    batch: AttentionBatch
+    q: torch.Tensor  # [B * query_len, H, D]: sequence b's queries are rows b*query_len ...
+    keys: torch.Tensor  # [B, context_len, H_kv, D] (pool dtype): what the pool holds, contiguous
+    values: torch.Tensor
+
+
+def make_uniform_attention_case(
+    num_seqs: int,
+    context_len: int,
+    query_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tokens_per_page: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    spare_pages: int = 2,
+) -> UniformAttentionCase:
+    """`make_attention_case`'s layout for num_seqs sequences of (context_len, query_len), built on `device`.
+
+    Unlike make_attention_case, the new tokens' K/V are written too (the step after write_kv), the
+    keys and values come back dense in the pool's dtype (for a dense reference such as
+    scaled_dot_product_attention), and nothing is built on the host: GiBs of K/V take milliseconds.
+        K row of token p of sequence b = page_table[b, p // tp] * 2tp + p % tp,  V row = K row + tp
+    """
+    if not 1 <= query_len <= context_len:
+        raise ValueError(f"query_len {query_len} must lie in [1, context_len {context_len}]")
+    dev = torch.device(device)
+    g_host = torch.Generator().manual_seed(seed)
+    g_dev = torch.Generator(device=dev).manual_seed(seed)
+    tp, width = tokens_per_page, num_kv_heads * head_dim
+    per_seq = _ceil_div(context_len, tp)
+    num_pages = num_seqs * per_seq + spare_pages
+    table = torch.randperm(num_pages, generator=g_host)[: num_seqs * per_seq].view(num_seqs, per_seq).to(dev)
+    pos = torch.arange(context_len, device=dev)
+    k_rows = table[:, pos // tp].long() * (2 * tp) + pos % tp  # [B, context_len]
+    pool = torch.randn(num_pages * 2 * tp, width, generator=g_dev, device=dev, dtype=dtype)
+    shape = (num_seqs, context_len, num_kv_heads, head_dim)
+    keys = torch.randn(shape, generator=g_dev, device=dev, dtype=dtype)
+    values = torch.randn(shape, generator=g_dev, device=dev, dtype=dtype)
+    pool.index_copy_(0, k_rows.view(-1), keys.view(-1, width))
+    pool.index_copy_(0, k_rows.view(-1) + tp, values.view(-1, width))
+    q = torch.randn(num_seqs * query_len, num_heads, head_dim, generator=g_dev, device=dev, dtype=dtype)
+    starts = [b * query_len for b in range(num_seqs + 1)]
+    batch = AttentionBatch(
+        query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
+        context_len=torch.full((num_seqs,), context_len, dtype=torch.int32, device=dev),
+        page_table=table.to(torch.int32).contiguous(),
+        new_rows=k_rows[:, context_len - query_len :].reshape(-1),
+        tokens_per_page=tp,
+        max_query_len=query_len,
+        max_context_len=context_len,
+        query_starts=starts,
+        query_lens=[query_len] * num_seqs,
+        context_lens=[context_len] * num_seqs,
+    )
+    return UniformAttentionCase(pool, batch, q, keys, values)

@@ -1,4 +1,8 @@
-"""Shared fixtures. Sets TRITON_INTERPRET=1 on machines without CUDA, before anything imports triton."""
+"""Shared fixtures. Sets TRITON_INTERPRET=1 on machines without CUDA, before anything imports triton.
+
+Tests that run Triton kernels take `kernel_device`: "cpu" (interpreted) without CUDA, "cuda"
+(compiled, marked `gpu`) with it; see helpers.KERNEL_DEVICES.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +18,15 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers as `helpers`
 
 import pytest
-from helpers import TinySpec, make_adapter, make_model
+from helpers import KERNEL_DEVICES, TinySpec, make_adapter, make_model
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="module", params=KERNEL_DEVICES)
+def kernel_device(request) -> str:
+    """The device a test runs Triton kernels on: cpu under the interpreter, or cuda (the `gpu` suite)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# Where tests that run Triton kernels put their tensors (the `kernel_device` fixture's params).
+# conftest sets TRITON_INTERPRET=1 before triton is imported on machines without CUDA, so the
+# kernels run in the interpreter on CPU tensors; with CUDA they are compiled for the GPU, which
+# cannot read CPU tensors, and run on cuda. `pytest -m gpu` on a GPU machine is then the whole
+# kernel suite on the GPU; `pytest` on CPU runs the cpu variants and skips the cuda ones.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+KERNEL_DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not TRITON_INTERPRETED,
+            reason="Triton compiles the kernels for the GPU here (CUDA present, TRITON_INTERPRET not 1) "
+            "and compiled kernels cannot read CPU tensors; the cuda variant runs instead",
+        ),
+        id="cpu",
+    ),
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda], id="cuda"),
+]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@
 On CPU the kernels run in Triton's interpreter, so the run is short: a mixed batch of a base-only
 request and adapters of ranks 4, 16 (all modules, rsLoRA) and 64 (MLP, whose width 88 is not a
 multiple of the KV row width), with small pages and a small token budget so that prompts are
-prefilled in chunks over several pages while other requests decode.
+prefilled in chunks over several pages while other requests decode. With CUDA the same comparison
+runs on the GPU (`kernel_device`, marked `gpu`), both backends in float32: the Triton kernels use
+IEEE float32 products (no TF32) and torch keeps TF32 off for matmuls by default, so the greedy
+tokens must match exactly there too.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ ADAPTERS = [None, "r4-qv", "r16-all-rslora", "r64-mlp"]
 GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
-def _generate(model, adapters, backend: str) -> list[list[int]]:
+def _generate(model, adapters, backend: str, device: str) -> list[list[int]]:
     # 8-row pages (4 tokens): the rank-64 MLP adapter takes 120, all four requests together ~200.
-    config = EngineConfig(device="cpu", backend=backend, pool_pages=208, rows_per_page=8, max_batched_tokens=8)
+    config = EngineConfig(
+        device=device, dtype="float32", backend=backend, pool_pages=208, rows_per_page=8, max_batched_tokens=8
+    )
     engine = Engine(model, config)
     assert engine.runner.backend.name == backend
     for name in ADAPTERS[1:]:
@@ -36,9 +41,9 @@ def _generate(model, adapters, backend: str) -> list[list[int]]:
     return [r.token_ids for r in results]
 
 
-def test_triton_backend_matches_torch(tiny_model, tiny_adapters):
-    expected = _generate(tiny_model, tiny_adapters, "torch")
-    assert _generate(tiny_model, tiny_adapters, "triton") == expected
+def test_triton_backend_matches_torch(tiny_model, tiny_adapters, kernel_device: str):
+    expected = _generate(tiny_model, tiny_adapters, "torch", kernel_device)
+    assert _generate(tiny_model, tiny_adapters, "triton", kernel_device) == expected
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):

@@ -6,6 +6,11 @@ steps, with chunked prefill (query_len > 1 after earlier cached context) and one
 with and without a sliding window. The dense reference attends each query over its sequence's
 keys in plain float32, from the K/V vectors as the pool stores them.
 
+Every test that runs a kernel takes `kernel_device` (conftest): on a machine without CUDA the
+kernels run in Triton's interpreter on CPU tensors; with CUDA the same tests run compiled on the
+GPU (marked `gpu`, with the GPU's tile sizes), and `test_gpu_real_sizes` adds head_dim 128 and
+contexts up to 2048.
+
 Tolerance (absolute and relative, on the attention output, |out| <= ~2): see TOL below.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import needs_cuda
 
 from loraserve.kernels.attention_torch import attention_torch, write_kv_torch
 from loraserve.kernels.attention_triton import attention_triton, write_kv_triton
@@ -29,7 +35,6 @@ MIXED = [(7, 1), (1, 1), (21, 21), (30, 9), (12, 2), (40, 1)]
 HEADS = {"mha": (2, 2, 32), "gqa2": (4, 2, 16), "gqa3": (6, 2, 16), "gqa8": (8, 1, 16)}  # (H, H_kv, D)
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def dense_reference(case: AttentionCase, num_heads: int, num_kv_heads: int, scale: float) -> torch.Tensor:
@@ -67,9 +72,11 @@ def _check(case: AttentionCase, num_heads: int, num_kv_heads: int, dtype: torch.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("window", [None, 5])
-def test_mixed_step(dtype: torch.dtype, heads: str, window: int | None):
+def test_mixed_step(dtype: torch.dtype, heads: str, window: int | None, kernel_device: str):
     num_heads, num_kv_heads, head_dim = HEADS[heads]
-    case = make_attention_case(MIXED, num_heads, num_kv_heads, head_dim, 3, dtype, sliding_window=window)
+    case = make_attention_case(
+        MIXED, num_heads, num_kv_heads, head_dim, 3, dtype, device=kernel_device, sliding_window=window
+    )
     _check(case, num_heads, num_kv_heads, dtype)
 
 
@@ -78,18 +85,20 @@ def test_mixed_step(dtype: torch.dtype, heads: str, window: int | None):
     [[(9, 1), (17, 1), (4, 1), (33, 1)], [(16, 16), (5, 5), (26, 8)]],
     ids=["decode-only", "prefill-only"],
 )
-def test_decode_only_and_prefill_only(seqs: list[tuple[int, int]]):
-    case = make_attention_case(seqs, 4, 2, 16, 4, torch.float32, seed=1)
+def test_decode_only_and_prefill_only(seqs: list[tuple[int, int]], kernel_device: str):
+    case = make_attention_case(seqs, 4, 2, 16, 4, torch.float32, device=kernel_device, seed=1)
     _check(case, 4, 2, torch.float32)
 
 
-def test_window_longer_than_context_and_one_token_pages():
-    case = make_attention_case([(6, 3), (3, 1)], 2, 1, 16, 1, torch.float32, sliding_window=100, seed=2)
+def test_window_longer_than_context_and_one_token_pages(kernel_device: str):
+    case = make_attention_case(
+        [(6, 3), (3, 1)], 2, 1, 16, 1, torch.float32, device=kernel_device, sliding_window=100, seed=2
+    )
     _check(case, 2, 1, torch.float32)
 
 
-def test_rejects_bad_arguments():
-    case = make_attention_case([(4, 2)], 4, 2, 16, 2, torch.float32)
+def test_rejects_bad_arguments(kernel_device: str):
+    case = make_attention_case([(4, 2)], 4, 2, 16, 2, torch.float32, device=kernel_device)
     with pytest.raises(ValueError, match="share a dtype"):
         attention_triton(case.q.half(), case.pool_layer, case.batch, 2, 0.25)
     with pytest.raises(ValueError, match="groups"):
@@ -98,6 +107,9 @@ def test_rejects_bad_arguments():
         attention_triton(case.q, case.pool_layer[:, :16], case.batch, 2, 0.25)
     with pytest.raises(ValueError, match="tokens"):
         attention_triton(case.q[:1], case.pool_layer, case.batch, 2, 0.25)
+    if kernel_device == "cuda":  # CPU tensors are refused before they reach a kernel compiled for the GPU
+        with pytest.raises(ValueError, match="one device"):
+            attention_triton(case.q.cpu(), case.pool_layer.cpu(), case.batch, 2, 0.25)
 
 
 @gpu

@@ -5,8 +5,10 @@ distinct / uniform / zipf / identical; tokens without adapter; pages in random o
 are not multiples of the row width nor of the block; decode steps, prefill steps and mixed steps;
 both kernel paths (token = MBGMV/BGMV, segment = MBGMM/SGMV) and split reductions.
 
-On CPU the kernels run in Triton's interpreter (milliseconds per program), so shapes are small;
-the `gpu` tests repeat the sweep at h = 4096 in float16 and bfloat16.
+Every test that runs a kernel takes `kernel_device` (conftest): on a machine without CUDA the
+kernels run in Triton's interpreter on CPU tensors (milliseconds per program), so shapes are small;
+with CUDA the same tests run compiled on the GPU (marked `gpu`), and `test_gpu_sweep_h4096` repeats
+the sweep at h = 4096 in float16 and bfloat16.
 
 Tolerance (absolute and relative, on y after the update; the dense reference computes in float32
 from the weights as the pool stores them): see TOL below. float16 / bfloat16 carry the rounding of
@@ -19,6 +21,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import needs_cuda
 
 from loraserve.kernels.lora_torch import lora_apply_torch
 from loraserve.kernels.lora_triton import lora_apply_triton
@@ -46,7 +49,6 @@ SMALL = LoraGeometry.uniform(48, 80, row_width=32, rows_per_page=4, num_layers=2
 ODD_ROW = LoraGeometry.uniform(80, 40, row_width=48, rows_per_page=6, num_layers=2)
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -113,8 +115,8 @@ def _run_both(
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.float16], ids=["fp32", "fp16"])
-def small_pool(request):
-    pool, adapters = make_lora_pool(SMALL, RANKS, [ALL] * len(RANKS), request.param, seed=1)
+def small_pool(request, kernel_device: str):
+    pool, adapters = make_lora_pool(SMALL, RANKS, [ALL] * len(RANKS), request.param, device=kernel_device, seed=1)
     return request.param, pool, adapters
 
 
@@ -128,13 +130,13 @@ def test_popularity_sweep(small_pool, popularity: str, phase: str):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_row_width_not_a_power_of_two(dtype: torch.dtype):
-    pool, adapters = make_lora_pool(ODD_ROW, RANKS[:6], [ALL] * 6, dtype, seed=2)
+def test_row_width_not_a_power_of_two(dtype: torch.dtype, kernel_device: str):
+    pool, adapters = make_lora_pool(ODD_ROW, RANKS[:6], [ALL] * 6, dtype, device=kernel_device, seed=2)
     requests = [(5, 3), (None, 2), (0, 1), (1, 1), (4, 17), (2, 1), (3, 2), (5, 1)]
     _run_both(ODD_ROW, pool, adapters, requests, dtype, layer=0, module=MODULES.index("down_proj"))
 
 
-def test_modules_not_targeted_and_inactive_layers():
+def test_modules_not_targeted_and_inactive_layers(kernel_device: str):
     """Each module: only adapters that target it, in layers where they have weights, change y."""
     geometry = LoraGeometry(
         d_in=(48, 48, 48, 64, 48, 48, 88),
@@ -145,7 +147,9 @@ def test_modules_not_targeted_and_inactive_layers():
     )
     targets = [(0, 2), ALL, (1, 3, 6), (4, 5, 6)]
     inactive = [(), (0,), (), (1,)]
-    pool, adapters = make_lora_pool(geometry, [4, 16, 8, 64], targets, torch.float32, inactive_layers=inactive)
+    pool, adapters = make_lora_pool(
+        geometry, [4, 16, 8, 64], targets, torch.float32, device=kernel_device, inactive_layers=inactive
+    )
     requests = [(0, 2), (1, 1), (None, 1), (2, 3), (3, 1), (1, 2)]
     for module in range(len(MODULES)):
         for layer in (0, 1):
@@ -153,50 +157,57 @@ def test_modules_not_targeted_and_inactive_layers():
 
 
 @pytest.mark.parametrize("path", ["token", "segment"])
-def test_split_reduction(path: str):
-    pool, adapters = make_lora_pool(ODD_ROW, [8, 128, 1], [ALL] * 3, torch.float32, seed=3)
+def test_split_reduction(path: str, kernel_device: str):
+    pool, adapters = make_lora_pool(ODD_ROW, [8, 128, 1], [ALL] * 3, torch.float32, device=kernel_device, seed=3)
     requests = [(1, 2), (0, 1), (2, 4), (None, 1), (1, 1)]
     _run_both(ODD_ROW, pool, adapters, requests, torch.float32, 0, 2, paths=(path,), splits=2)
 
 
-def test_nothing_to_do_leaves_y_untouched():
-    pool, adapters = make_lora_pool(SMALL, [4, 8], [(0,), (0,)], torch.float32, inactive_layers=[(1,), ()])
-    batch = make_lora_batch(SMALL, adapters, [(0, 2), (None, 1)])
+def test_nothing_to_do_leaves_y_untouched(kernel_device: str):
+    device = kernel_device
+    pool, adapters = make_lora_pool(
+        SMALL, [4, 8], [(0,), (0,)], torch.float32, device=device, inactive_layers=[(1,), ()]
+    )
+    batch = make_lora_batch(SMALL, adapters, [(0, 2), (None, 1)], device=device)
     assert batch is not None
-    x, y0 = torch.randn(3, 48), torch.randn(3, 80)
+    x, y0 = torch.randn(3, 48, device=device), torch.randn(3, 80, device=device)
     y = y0.clone()
     lora_apply_triton(y, x, pool[1], batch, 1, 0)  # adapter 0 has no weights in layer 1
     lora_apply_triton(y, x, pool[0], batch, 0, 3)  # no adapter targets o_proj
     assert torch.equal(y, y0)
-    empty_i32 = torch.zeros(0, dtype=torch.int32)
+    empty_i32 = torch.zeros(0, dtype=torch.int32, device=device)
     empty = dataclasses.replace(
         batch, seg_start=empty_i32, seg_len=empty_i32, seg_adapter=empty_i32, token_adapter=empty_i32,
         segments=[], max_seg_len=0,
     )  # fmt: skip
-    y = torch.zeros(0, 80)
-    lora_apply_triton(y, torch.zeros(0, 48), pool[0], empty, 0, 0)  # an empty step
-    assert make_lora_batch(SMALL, adapters, [(None, 3)]) is None  # the runner passes no batch then
+    y = torch.zeros(0, 80, device=device)
+    lora_apply_triton(y, torch.zeros(0, 48, device=device), pool[0], empty, 0, 0)  # an empty step
+    assert make_lora_batch(SMALL, adapters, [(None, 3)], device=device) is None  # the runner passes none then
 
 
-def test_rejects_bad_arguments():
-    pool, adapters = make_lora_pool(SMALL, [4], [ALL], torch.float32)
-    batch = make_lora_batch(SMALL, adapters, [(0, 2)])
+def test_rejects_bad_arguments(kernel_device: str):
+    device = kernel_device
+    pool, adapters = make_lora_pool(SMALL, [4], [ALL], torch.float32, device=device)
+    batch = make_lora_batch(SMALL, adapters, [(0, 2)], device=device)
     assert batch is not None
-    x, y = torch.randn(2, 48), torch.randn(2, 80)
+    x, y = torch.randn(2, 48, device=device), torch.randn(2, 80, device=device)
     with pytest.raises(ValueError, match="share a dtype"):
         lora_apply_triton(y.half(), x, pool[0], batch, 0, 0)
     with pytest.raises(ValueError, match=r"expected x \[T, 48\]"):
-        lora_apply_triton(y, torch.randn(2, 40), pool[0], batch, 0, 0)
+        lora_apply_triton(y, torch.randn(2, 40, device=device), pool[0], batch, 0, 0)
     with pytest.raises(ValueError, match="tokens"):
-        lora_apply_triton(torch.randn(3, 80), torch.randn(3, 48), pool[0], batch, 0, 0)
+        lora_apply_triton(torch.randn(3, 80, device=device), torch.randn(3, 48, device=device), pool[0], batch, 0, 0)
     with pytest.raises(ValueError, match="contiguous"):
         lora_apply_triton(y, x, pool[0].t().contiguous().t(), batch, 0, 0)
     with pytest.raises(ValueError, match="unit stride"):
-        lora_apply_triton(y, torch.randn(48, 2).t(), pool[0], batch, 0, 0)
+        lora_apply_triton(y, torch.randn(48, 2, device=device).t(), pool[0], batch, 0, 0)
     with pytest.raises(ValueError, match="module index"):
         lora_apply_triton(y, x, pool[0], batch, 0, 7)
     with pytest.raises(ValueError, match="unknown path"):
         lora_apply_triton(y, x, pool[0], batch, 0, 0, path="bgmv")
+    if device == "cuda":  # CPU tensors are refused before they reach a kernel compiled for the GPU
+        with pytest.raises(ValueError, match="one device"):
+            lora_apply_triton(y.cpu(), x.cpu(), pool[0], batch, 0, 0)
 
 
 # ---- on a GPU: the same sweep at real sizes ------------------------------------------------------

@@ -1,0 +1,193 @@
+"""The GPU suite in one command: GPU tests, kernel benchmark, engine at 7B shapes, stack overheads.
+
+    python -m loraserve.bench.gpu_check [--out out/gpu-check] [--parts tests kernels engine stack]
+    python -m loraserve.bench.gpu_check --dry-run      # the same driver on CPU at tiny shapes
+    make gpu-check                                     # the same, from the repo's venv
+
+Parts (each in its own process, under its own time limit, so one that fails or hangs loses
+nothing of the others; GPU memory is returned between them):
+
+    tests    every `gpu`-marked test (`pytest -m gpu`), counted from its JUnit XML
+    kernels  batched LoRA shrink/expand and paged attention against torch baselines and the
+             memory-bandwidth roofline (bench/kernels.py, bench/attention_bench.py)
+    engine   the engine on a 7B-shaped random model: n = 1, 100, 1000 adapters, the base model
+             alone, PEFT and merge-and-swap (bench/gpu_engine.py)
+    stack    gateway + scheduler + store + one worker against the in-process engine; adapter
+             fetch and host-to-device copy at 7B shapes (bench/gpu_stack.py)
+
+Writes --out/results.json (environment, every part's figures, the targets) and --out/results.md
+(the same as Markdown tables), parts/<part>.json and logs/<part>.log. On a bare GPU machine with
+no venv, `deploy/gpu-check.sh` installs the carried wheels and the project, then runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from loraserve.bench import gpu_report
+from loraserve.bench.gpu_preset import DRY_RUN, GPU, Preset
+
+PARTS = ("tests", "kernels", "engine", "stack")
+# Seconds each part may take on the GPU (together under 9 minutes on one H100); dry runs get more
+# per part, as a shared 2-core CPU is slow.
+GPU_LIMITS_S = {"tests": 100, "kernels": 130, "engine": 230, "stack": 80}
+DRY_RUN_LIMIT_S = 300
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loraserve.bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("out/gpu-check"), help="results folder (created)")
+    p.add_argument("--work", type=Path, default=None, help="scratch folder for the random model (default: --out/work)")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: exercises the whole driver")
+    p.add_argument("--tests-dir", type=Path, default=Path("tests"), help="the test suite (for the tests part)")
+    p.add_argument("--scale-limits", type=float, default=1.0, help="multiply every part's time limit")
+    p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
+    return p.parse_args(argv)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env |= {"device": props.name, "cuda": torch.version.cuda, "sms": props.multi_processor_count,
+                "memory_gib": round(props.total_memory / 2**30, 1), "driver": _driver_version()}  # fmt: skip
+    else:
+        env |= {"device": f"CPU ({platform.processor() or platform.machine()})", "cuda": None, "driver": None}
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True)  # fmt: skip
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+# ---- one part, in this process ---------------------------------------------------------------------
+def run_tests(args: argparse.Namespace, out: Path) -> dict:
+    """`pytest -m gpu` in a child process; counts and failures from its JUnit XML."""
+    junit = out / "junit.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit),
+               str(args.tests_dir)]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
+    print(done.stdout[-20000:], done.stderr[-5000:], sep="\n", flush=True)
+    result = gpu_report.junit_counts(junit) if junit.is_file() else {"error": "pytest wrote no JUnit XML"}
+    return result | {"exit_code": done.returncode, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def run_part(name: str, args: argparse.Namespace, preset: Preset, out: Path, work: Path) -> dict:
+    if name == "tests":
+        return run_tests(args, out)
+    if name == "kernels":
+        from loraserve.bench.kernels import run_suite
+
+        return run_suite(dry_run=args.dry_run)
+    if name == "engine":
+        from loraserve.bench import gpu_engine
+
+        return gpu_engine.run(preset, work, log=lambda line: print(line, flush=True))
+    from loraserve.bench import gpu_stack
+
+    return gpu_stack.run(preset, work, log=lambda line: print(line, flush=True))
+
+
+def part_main(args: argparse.Namespace) -> int:
+    preset = DRY_RUN if args.dry_run else GPU
+    out, work = args.out, args.work or args.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        record = {"status": "ok", "data": run_part(args.part, args, preset, out, work)}
+    except Exception as e:
+        traceback.print_exc()
+        record = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    (out / "parts" / f"{args.part}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return 0 if record["status"] == "ok" else 1
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+def spawn_part(name: str, args: argparse.Namespace, limit_s: float) -> dict:
+    """Run one part in a child process under `limit_s`; its record (or why there is none)."""
+    command = [sys.executable, "-m", "loraserve.bench.gpu_check", "--part", name, "--out", str(args.out),
+               "--tests-dir", str(args.tests_dir)]  # fmt: skip
+    if args.work:
+        command += ["--work", str(args.work)]
+    if args.dry_run:
+        command.append("--dry-run")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.dry_run:
+        env["TRITON_INTERPRET"] = "1"  # Triton on CPU runs only interpreted; set before triton is imported
+    record_path = args.out / "parts" / f"{name}.json"
+    record_path.unlink(missing_ok=True)
+    start = time.perf_counter()
+    with (args.out / "logs" / f"{name}.log").open("w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            child.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "error": f"cut after {limit_s:.0f} s", "seconds": round(limit_s, 1)}
+        finally:
+            if child.poll() is None:  # over its limit, or the driver itself is stopped (SIGTERM, Ctrl-C)
+                os.killpg(child.pid, signal.SIGKILL)  # the part and whatever it started (a stack's processes)
+                child.wait()
+    if record_path.is_file():
+        return json.loads(record_path.read_text())
+    return {"status": "failed", "error": f"exited with {child.returncode} and no record",
+            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+
+
+def drive(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict:
+    for folder in ("parts", "logs"):
+        (args.out / folder).mkdir(parents=True, exist_ok=True)
+    results = {"preset": "dry-run" if args.dry_run else "gpu", "environment": environment(), "parts": {}}
+    say(f"gpu-check on {results['environment']['device']}: parts {' '.join(args.parts)}")
+    for name in args.parts:
+        limit = (DRY_RUN_LIMIT_S if args.dry_run else GPU_LIMITS_S[name]) * args.scale_limits
+        record = spawn_part(name, args, limit)
+        results["parts"][name] = record
+        say(f"  {name}: {record['status']} in {record.get('seconds', '?')} s {record.get('error', '')}".rstrip())
+        gpu_report.write(results, args.out)  # after every part: a later hang loses nothing
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.part:
+        return part_main(args)
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu-check needs a CUDA device; on CPU use --dry-run", file=sys.stderr)
+            return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds spawn_part, which stops its part
+    results = drive(args)
+    print(gpu_report.markdown(results))
+    return 0 if all(p["status"] == "ok" for p in results["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

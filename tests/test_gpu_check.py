@@ -1,0 +1,109 @@
+"""The GPU suite's driver, run for real on CPU at tiny shapes (`--dry-run`), so it cannot rot between
+the rare runs on a GPU; its report's pieces against hand-made inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraserve.bench import gpu_check, gpu_report
+from loraserve.bench.gpu_preset import DRY_RUN
+from loraserve.bench.random_model import LlamaShape, write_llama_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("gpu-check")
+    command = [sys.executable, "-m", "loraserve.bench.gpu_check", "--dry-run", "--out", str(out),
+               "--tests-dir", str(ROOT / "tests")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+    return done, out
+
+
+def test_dry_run_runs_every_part(dry_run):
+    done, out = dry_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["preset"] == "dry-run" and results["environment"]["torch"] == torch.__version__
+    parts = results["parts"]
+    assert list(parts) == list(gpu_check.PARTS)
+    assert all(p["status"] == "ok" for p in parts.values()), {k: p.get("error") for k, p in parts.items()}
+    for name in gpu_check.PARTS:
+        assert (out / "parts" / f"{name}.json").is_file() and (out / "logs" / f"{name}.log").is_file()
+
+    tests = parts["tests"]["data"]  # on CPU every gpu-marked test is collected and skipped
+    assert tests["failed"] == 0 and tests["passed"] == 0 and tests["skipped"] > 10
+
+    engine = parts["engine"]["data"]
+    systems = {(r["system"], r["n_adapters"]) for r in engine["rows"]}
+    expected = {("base", 0), ("peft", DRY_RUN.baseline_adapters), ("merge-and-swap", DRY_RUN.baseline_adapters)}
+    expected |= {("loraserve", n) for n in (*DRY_RUN.adapter_counts, DRY_RUN.baseline_adapters)}
+    assert systems == expected
+    for row in engine["rows"]:
+        assert "error" not in row and row["finished"] == row["requests"] > 0 and row["tokens_per_s"] > 0, row
+    assert all(engine["ratios"][k] is not None for k in ("high_over_low", "lora_overhead", "over_peft"))
+    assert [p["n_adapters"] for p in engine["decode_profile"]] == [0, max(DRY_RUN.adapter_counts)]
+
+    stack = parts["stack"]["data"]
+    assert stack["stack_vs_engine"]["added_tpot_p50_ms"] is not None
+    assert {r["phase"] for r in stack["adapter_fetch"]["results"]} == {"transfer", "transfer+parse"}
+    assert stack["host_to_device"]["worker_load_ms"] > 0
+
+    kernels = parts["kernels"]["data"]
+    assert kernels["lora"] and kernels["attention"] and "summary" in kernels
+
+    assert len(results["targets"]) == len(gpu_report.TARGETS)
+    report = (out / "results.md").read_text()
+    assert "## Targets" in report and all(f"## {name} (ok" in report for name in gpu_check.PARTS)
+
+
+def test_a_part_over_its_limit_is_cut_and_reported(tmp_path):
+    args = gpu_check.parse_args(["--dry-run", "--out", str(tmp_path), "--parts", "engine", "--scale-limits", "0.001"])
+    results = gpu_check.drive(args, say=lambda _: None)
+    assert results["parts"]["engine"]["status"] == "timeout"
+    assert "cut after" in results["parts"]["engine"]["error"]
+    assert "Error: cut after" in (tmp_path / "results.md").read_text()
+
+
+def test_junit_counts(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.a" name="ok"/>'
+        '<testcase classname="tests.a" name="bad"><failure message="assert 1 == 2">trace</failure></testcase>'
+        '<testcase classname="tests.b" name="broken"><error message="fixture failed"/></testcase>'
+        '<testcase classname="tests.b" name="nogpu"><skipped message="needs a CUDA device"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    counts = gpu_report.junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 2, 1)
+    assert counts["failures"][0] == {"test": "tests.a::bad", "message": "assert 1 == 2"}
+
+
+def test_targets_read_only_parts_that_succeeded():
+    ratios = {"high_over_low": 0.95, "lora_overhead": 0.2, "over_peft": None}
+    results = {"parts": {"engine": {"status": "ok", "data": {"ratios": ratios}}, "stack": {"status": "failed"}}}
+    by_name = {t["target"]: t for t in gpu_report.targets(results)}
+    assert by_name["engine throughput n=1000 / n=1"]["met"] is True
+    assert by_name["LoRA overhead vs the base model"]["met"] is False
+    assert by_name["loraserve / PEFT throughput (same trace)"]["met"] is None
+    assert all(t["met"] is None for t in by_name.values() if t["target"].startswith(("stack", "LoRA decode")))
+
+
+def test_random_checkpoint_loads_in_transformers(tmp_path):
+    """The checkpoint writer's output is a valid Llama for an independent reader, with the counted size."""
+    from transformers import AutoModelForCausalLM
+
+    shape = LlamaShape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48, vocab=1100)
+    written = write_llama_checkpoint(tmp_path / "m", shape, dtype=torch.float16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float16)
+    assert sum(p.numel() for p in model.parameters()) == shape.parameters
+    assert written == 2 * shape.parameters
+    assert model.config.vocab_size == 1100 and model.config.num_key_value_heads == 2
