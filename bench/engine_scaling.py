@@ -47,7 +47,7 @@ def measure(
         for name, rank in names:
             engine.add_adapter(name, bank.get(name, rank))
         sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True, seed=0)
-        warm_up(engine, names[0][0])
+        warm_up(engine, dict(names))
         counters0, steps0, read0 = adapter_counters(engine), engine.steps, engine.adapter_bytes_read
         waste, batch = [], []  # per step
         start = time.perf_counter()

@@ -57,7 +57,7 @@ class EngineSystem:
         try:
             for name, rank in trace.adapters.items():
                 engine.add_adapter(name, self.bank.get(name, rank))
-            warm_up(engine, next(iter(trace.adapters), None))
+            warm_up(engine, trace.adapters)
             return self._replay(engine, trace)
         finally:
             engine.close()
@@ -101,11 +101,24 @@ class EngineSystem:
         return dict(self._stats)
 
 
-def warm_up(engine: Engine, adapter: str | None) -> None:
-    """One short request before the clock starts, so first-call costs are not charged to the trace."""
-    engine.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=2, ignore_eos=True), adapter, "warm-up")
-    while engine.has_unfinished():
-        engine.step()
+def warm_up(engine: Engine, adapters: dict[str, int]) -> None:
+    """Short requests before the clock starts, so first-call costs are not charged to the trace.
+
+    One adapter of each rank alone, then all of them in one batch (or the base model alone when
+    there are none): on a GPU that compiles the kernel variant of each rank block, prefill and decode.
+    """
+    one_per_rank = warm_up_adapters(adapters) or [None]
+    sampling = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    for batch in [[name] for name in one_per_rank] + ([one_per_rank] if len(one_per_rank) > 1 else []):
+        for i, name in enumerate(batch):
+            engine.add_request([5, 6, 7, 8], sampling, name, f"warm-up-{i}")
+        while engine.has_unfinished():
+            engine.step()
+
+
+def warm_up_adapters(adapters: dict[str, int]) -> list[str]:
+    """The adapters `warm_up` runs: the last one named of each rank."""
+    return list({rank: name for name, rank in adapters.items()}.values())
 
 
 ADAPTER_COUNTERS = ("loads", "misses", "evictions", "prefetches", "prefetch_hits", "prefetch_late", "load_seconds")

@@ -40,7 +40,7 @@ from loraserve.bench.gpu_preset import DRY_RUN, GPU, Preset
 PARTS = ("tests", "kernels", "engine", "stack")
 # Seconds each part may take on the GPU (together under 9 minutes on one H100); dry runs get more
 # per part, as a shared 2-core CPU is slow.
-GPU_LIMITS_S = {"tests": 100, "kernels": 130, "engine": 230, "stack": 80}
+GPU_LIMITS_S = {"tests": 110, "kernels": 70, "engine": 260, "stack": 100}
 DRY_RUN_LIMIT_S = 300
 
 
@@ -86,18 +86,23 @@ def _driver_version() -> str | None:
 
 # ---- one part, in this process ---------------------------------------------------------------------
 def run_tests(args: argparse.Namespace, out: Path) -> dict:
-    """`pytest -m gpu` in a child process; counts and failures from its JUnit XML."""
+    """`pytest -m gpu` in a child process; counts and failures from its JUnit XML.
+
+    pytest writes straight into this part's log, one line per test, so a run cut at its limit
+    still shows how far it got and what each test took.
+    """
     junit = out / "junit.xml"
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit),
-               str(args.tests_dir)]  # fmt: skip
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--durations=15", "-p", "no:cacheprovider",
+               "--junitxml", str(junit), str(args.tests_dir)]  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(command, check=False, capture_output=True, text=True)
-    print(done.stdout[-20000:], done.stderr[-5000:], sep="\n", flush=True)
+    sys.stdout.flush()
+    done = subprocess.run(command, check=False)
     result = gpu_report.junit_counts(junit) if junit.is_file() else {"error": "pytest wrote no JUnit XML"}
     return result | {"exit_code": done.returncode, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_part(name: str, args: argparse.Namespace, preset: Preset, out: Path, work: Path) -> dict:
+def run_part(name: str, args: argparse.Namespace, preset: Preset, out: Path, work: Path,
+             partial: Callable[[dict], None]) -> dict:  # fmt: skip
     if name == "tests":
         return run_tests(args, out)
     if name == "kernels":
@@ -107,10 +112,10 @@ def run_part(name: str, args: argparse.Namespace, preset: Preset, out: Path, wor
     if name == "engine":
         from loraserve.bench import gpu_engine
 
-        return gpu_engine.run(preset, work, log=lambda line: print(line, flush=True))
+        return gpu_engine.run(preset, work, log=lambda line: print(line, flush=True), partial=partial)
     from loraserve.bench import gpu_stack
 
-    return gpu_stack.run(preset, work, log=lambda line: print(line, flush=True))
+    return gpu_stack.run(preset, work, log=lambda line: print(line, flush=True), partial=partial)
 
 
 def part_main(args: argparse.Namespace) -> int:
@@ -118,13 +123,23 @@ def part_main(args: argparse.Namespace) -> int:
     out, work = args.out, args.work or args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    record_path = out / "parts" / f"{args.part}.json"
+
+    def save(record: dict) -> None:
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        tmp = record_path.with_suffix(".tmp")  # renamed into place: a cut never leaves half a record
+        tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        tmp.rename(record_path)
+
+    def partial(data: dict) -> None:
+        save({"status": "partial", "data": data})
+
     try:
-        record = {"status": "ok", "data": run_part(args.part, args, preset, out, work)}
+        record = {"status": "ok", "data": run_part(args.part, args, preset, out, work, partial)}
     except Exception as e:
         traceback.print_exc()
         record = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-    record["seconds"] = round(time.perf_counter() - start, 1)
-    (out / "parts" / f"{args.part}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    save(record)
     return 0 if record["status"] == "ok" else 1
 
 
@@ -148,7 +163,10 @@ def spawn_part(name: str, args: argparse.Namespace, limit_s: float) -> dict:
         try:
             child.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            return {"status": "timeout", "error": f"cut after {limit_s:.0f} s", "seconds": round(limit_s, 1)}
+            cut = {"status": "timeout", "error": f"cut after {limit_s:.0f} s", "seconds": round(limit_s, 1)}
+            if record_path.is_file():  # the figures it had when it was cut
+                cut["data"] = json.loads(record_path.read_text()).get("data")
+            return cut
         finally:
             if child.poll() is None:  # over its limit, or the driver itself is stopped (SIGTERM, Ctrl-C)
                 os.killpg(child.pid, signal.SIGKILL)  # the part and whatever it started (a stack's processes)

@@ -113,19 +113,32 @@ def measure(system, trace: Trace, label: str, n_adapters: int) -> dict:
     return row | {"wall_s": round(time.perf_counter() - start, 2)}
 
 
-def run(preset: Preset, work: Path, log=print) -> dict:
-    """Every system on its trace; returns {"model": ..., "rows": [...], "ratios": {...}}."""
+def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dict:
+    """Every system on its trace; returns {"model", "workload", "rows", "ratios", "decode_profile"}.
+
+    `partial(data)` gets the figures so far after every row, so a run cut at its time limit keeps them.
+    """
     path, write_s = model_dir(preset, work)
     log(f"model {path} ({preset.shape.parameters / 1e9:.2f}B parameters, written in {write_s:.1f} s)")
     adapters = SyntheticAdapters(path, dtype=preset.torch_dtype)
     bank = SharedWeightsBank(adapters, preset.distinct_weights)
     engine_limits = ReplayLimits(drain_s=preset.engine_cap_s, progress=False)
     loraserve = EngineSystem("loraserve", path, engine_config(preset), bank, engine_limits)
-    rows = []
+    data = {
+        "model": {"path": str(path), "shape": dataclasses.asdict(preset.shape), "dtype": preset.dtype,
+                  "parameters": preset.shape.parameters, "write_s": round(write_s, 1)},
+        "workload": {"requests": preset.requests, "input_len": preset.input_len, "output_len": preset.output_len,
+                     "alpha": 1.0, "ranks": preset.ranks, "max_batch_size": preset.max_batch_size},
+        "rows": [],
+        "ratios": ratios([], preset),
+        "decode_profile": [],
+    }  # fmt: skip
 
     def record(row: dict) -> None:
-        rows.append(row)
+        data["rows"].append(row)
+        data["ratios"] = ratios(data["rows"], preset)
         log(" ".join(f"{k}={v}" for k, v in row.items()))
+        partial(data)
 
     traces = {n: offline_trace(preset, n) for n in {*preset.adapter_counts, preset.baseline_adapters}}
     first = min(preset.adapter_counts)
@@ -146,23 +159,16 @@ def run(preset: Preset, work: Path, log=print) -> dict:
     record(measure(merge, traces[n], "merge-and-swap", n))
     del merge
     free_device_memory()
-    profiles = []
     for count in (0, max(preset.adapter_counts)):
         try:
-            profiles.append(profile_decode(path, engine_config(preset), bank, count, preset.ranks))
+            profile = profile_decode(path, engine_config(preset), bank, count, preset.ranks)
         except Exception as e:  # the profile explains the figures; its failure must not lose them
-            profiles.append({"n_adapters": count, "error": f"{type(e).__name__}: {e}"})
+            profile = {"n_adapters": count, "error": f"{type(e).__name__}: {e}"}
+        data["decode_profile"].append(profile)
         free_device_memory()
-        log(f"decode-step profile: {profiles[-1]}")
-    return {
-        "model": {"path": str(path), "shape": dataclasses.asdict(preset.shape), "dtype": preset.dtype,
-                  "parameters": preset.shape.parameters, "write_s": round(write_s, 1)},
-        "workload": {"requests": preset.requests, "input_len": preset.input_len, "output_len": preset.output_len,
-                     "alpha": 1.0, "ranks": preset.ranks, "max_batch_size": preset.max_batch_size},
-        "rows": rows,
-        "ratios": ratios(rows, preset),
-        "decode_profile": profiles,
-    }  # fmt: skip
+        log(f"decode-step profile: {profile}")
+        partial(data)
+    return data
 
 
 def _throughput(rows: list[dict], system: str, n: int) -> float | None:

@@ -45,9 +45,9 @@ class Preset:
 
 GPU = Preset(
     name="gpu", device="cuda", dtype="float16", backend="triton", shape=LLAMA_7B,
-    requests=200, input_len=(8, 256), output_len=(8, 128), max_batch_size=64,
+    requests=128, input_len=(8, 256), output_len=(8, 128), max_batch_size=64,
     adapter_counts=(1, 100, 1000), baseline_adapters=10, ranks=(64, 32, 16, 8), distinct_weights=2,
-    engine_cap_s=60.0, baseline_cap_s=30.0,
+    engine_cap_s=30.0, baseline_cap_s=20.0,
     stack_adapters=4, stack_rate=8.0, stack_duration_s=8.0, stack_output_len=(32, 96), fetch_iterations=20,
 )  # fmt: skip
 

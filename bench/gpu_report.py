@@ -45,7 +45,7 @@ def junit_counts(path: Path) -> dict:
 
 def _lookup(results: dict, path: tuple[str, ...]):
     part = results["parts"].get(path[0], {})
-    value = part.get("data") if part.get("status") == "ok" else None
+    value = part.get("data")  # a part cut at its limit keeps the figures it had
     for key in path[1:]:
         if not isinstance(value, dict):
             return None
@@ -147,8 +147,10 @@ def markdown(results: dict) -> str:
     for name, part in results["parts"].items():
         lines += ["", f"## {name} ({part['status']}, {part.get('seconds')} s)", ""]
         data = part.get("data")
-        if part["status"] != "ok" or data is None:
-            lines.append(f"Error: {part.get('error')}")
+        if part["status"] != "ok":
+            lines.append(f"Error: {part.get('error')}" + (" (the figures below are those it had)" if data else ""))
+            lines.append("")
+        if data is None:
             continue
         if name == "tests":
             lines.append(f"passed {data['passed']}, failed {data['failed']}, skipped {data['skipped']} "

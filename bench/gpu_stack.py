@@ -131,7 +131,9 @@ def host_to_device(preset: Preset, path: Path) -> dict:
     return out
 
 
-def run(preset: Preset, work: Path, log=print) -> dict:
+def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dict:
+    """Adapter fetch, host-to-device copies, then the stack against the in-process engine;
+    `partial(data)` gets the figures so far after each, so a run cut at its time limit keeps them."""
     path, _ = model_dir(preset, work)
     out: dict = {}
     measurements = {
@@ -146,4 +148,5 @@ def run(preset: Preset, work: Path, log=print) -> dict:
         except Exception as e:  # one measurement failing must not lose the others
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         log(f"{name} ({time.perf_counter() - start:.1f} s): {out[name]}")
+        partial(out)
     return out

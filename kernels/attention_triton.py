@@ -48,7 +48,8 @@ def write_kv_triton(pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     write_kv_torch(pool_layer, k, v, batch)
 
 
-@triton.jit
+# The page table's row stride changes with every step's longest sequence: no variant per value.
+@triton.jit(do_not_specialize=["stride_pt"])
 def _attention_kernel(
     q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, pool_ptr, stride_row,
     seq_index_ptr, query_start_ptr, context_len_ptr, page_table_ptr, stride_pt,

@@ -37,11 +37,26 @@ tokens then reads its adapter once per tile rather than n times.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
 
 from loraserve.kernels.metadata import MODULES, LoraBatch
+
+# Integer arguments that change from step to step, layer to layer or module to module. Triton would
+# otherwise compile a variant of a kernel for each pattern of them (value 1, multiple of 16, other):
+# hundreds of compilations of about a second each, spread over the first minutes of serving.
+# Only the constexpr block sizes (and dtypes) select a compiled variant.
+PER_STEP_ARGS = ("stride_pt", "module", "layer", "num_tokens", "d_in", "d_out", "c_in", "c_out", "splits")
+
+
+def _jit_per_step(fn):
+    """triton.jit, with no specialization on the PER_STEP_ARGS among fn's parameters."""
+    params = inspect.signature(fn).parameters
+    return triton.jit(fn, do_not_specialize=[name for name in PER_STEP_ARGS if name in params])
+
 
 # Largest segment length for which the token path is chosen (see the module docstring).
 TOKEN_PATH_MAX_SEG_LEN = 1
@@ -63,12 +78,12 @@ def _block_offset(a, module, layer, offset_ptr, layer_active_ptr, stride_la):
     return offset, (offset < 0) | (active == 0)
 
 
-@triton.jit
+@_jit_per_step
 def _shrink_token_kernel(
     x_ptr, stride_xt, pool_ptr, v_ptr,
     token_adapter_ptr, rank_ptr, page_table_ptr, stride_pt, a_offset_ptr, layer_active_ptr, stride_la,
-    module, layer, num_tokens, d_in, c_in,
-    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+    module, layer, num_tokens, d_in, c_in, splits,
+    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """v[split, t, j] = sum over this split's k of x[t, k] * A_a[j, k]   (a = token_adapter[t])"""
     t = tl.program_id(0)
@@ -84,7 +99,7 @@ def _shrink_token_kernel(
     cols = tl.arange(0, BLOCK_K)
     blocks_per_chunk = (W + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for kb in range(split, c_in * blocks_per_chunk, SPLITS):
+    for kb in range(split, c_in * blocks_per_chunk, splits):
         c = kb // blocks_per_chunk
         col = (kb % blocks_per_chunk) * BLOCK_K + cols
         k_ok = (col < W) & (c * W + col < d_in)
@@ -95,12 +110,12 @@ def _shrink_token_kernel(
     tl.store(v_ptr + (split * num_tokens + t) * BLOCK_R + j, acc)
 
 
-@triton.jit
+@_jit_per_step
 def _expand_token_kernel(
     y_ptr, stride_yt, pool_ptr, v_ptr,
     token_adapter_ptr, rank_ptr, scale_ptr, page_table_ptr, stride_pt, b_offset_ptr, layer_active_ptr,
-    stride_la, module, layer, num_tokens, d_out, c_out,
-    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    stride_la, module, layer, num_tokens, d_out, c_out, splits,
+    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """y[t, n] += (sum_split v[split, t, :]) @ B_a[:, n] * scale[a], for the BLOCK_N columns n of this program."""
     t = tl.program_id(0)
@@ -113,7 +128,7 @@ def _expand_token_kernel(
     j = tl.arange(0, BLOCK_R)
     j_ok = j < tl.load(rank_ptr + a)
     v = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for split in range(SPLITS):
+    for split in range(splits):
         v += tl.load(v_ptr + (split * num_tokens + t) * BLOCK_R + j)
     blocks_per_chunk = (W + BLOCK_N - 1) // BLOCK_N
     nb = tl.program_id(1)
@@ -128,13 +143,13 @@ def _expand_token_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
 
 
-@triton.jit
+@_jit_per_step
 def _shrink_segment_kernel(
     x_ptr, stride_xt, pool_ptr, v_ptr,
     seg_start_ptr, seg_len_ptr, seg_adapter_ptr, rank_ptr, page_table_ptr, stride_pt, a_offset_ptr,
-    layer_active_ptr, stride_la, module, layer, num_tokens, d_in, c_in,
+    layer_active_ptr, stride_la, module, layer, num_tokens, d_in, c_in, splits,
     W: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """v[split, tile, :] = x[tile, this split's k] @ A_a[:, k]^T   (tile: BLOCK_M tokens of segment s)"""
     s = tl.program_id(0)
@@ -155,7 +170,7 @@ def _shrink_segment_kernel(
     cols = tl.arange(0, BLOCK_K)
     blocks_per_chunk = (W + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for kb in range(split, c_in * blocks_per_chunk, SPLITS):
+    for kb in range(split, c_in * blocks_per_chunk, splits):
         c = kb // blocks_per_chunk
         col = (kb % blocks_per_chunk) * BLOCK_K + cols
         k_ok = (col < W) & (c * W + col < d_in)
@@ -173,13 +188,13 @@ def _shrink_segment_kernel(
     tl.store(v_ptrs, acc, mask=m_ok[:, None])
 
 
-@triton.jit
+@_jit_per_step
 def _expand_segment_kernel(
     y_ptr, stride_yt, pool_ptr, v_ptr,
     seg_start_ptr, seg_len_ptr, seg_adapter_ptr, rank_ptr, scale_ptr, page_table_ptr, stride_pt,
-    b_offset_ptr, layer_active_ptr, stride_la, module, layer, num_tokens, d_out, c_out,
+    b_offset_ptr, layer_active_ptr, stride_la, module, layer, num_tokens, d_out, c_out, splits,
     W: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """y[tile, n] += (sum_split v[split, tile, :]) @ B_a[:, n] * scale[a], for this program's BLOCK_N columns."""
     s = tl.program_id(0)
@@ -197,7 +212,7 @@ def _expand_segment_kernel(
     j = tl.arange(0, BLOCK_R)
     j_ok = j < tl.load(rank_ptr + a)
     v = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for split in range(SPLITS):
+    for split in range(splits):
         v += tl.load(v_ptr + (split * num_tokens + tokens[:, None]) * BLOCK_R + j[None, :], mask=m_ok[:, None])
     blocks_per_chunk = (W + BLOCK_N - 1) // BLOCK_N
     nb = tl.program_id(2)
@@ -299,12 +314,12 @@ def lora_apply_triton(
         v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
         _shrink_token_kernel[(num_tokens, splits)](
             x, x.stride(0), pool_layer, v, batch.token_adapter, batch.rank, *common, batch.a_offset, *active,
-            batch.d_in[module], c_in, W=w, R=rpp, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=splits,
+            batch.d_in[module], c_in, splits, W=w, R=rpp, BLOCK_R=block_r, BLOCK_K=block_k,
         )  # fmt: skip
         _expand_token_kernel[(num_tokens, c_out * triton.cdiv(w, block_n))](
             y, y.stride(0), pool_layer, v, batch.token_adapter, batch.rank, batch.scale, *common,
-            batch.b_offset, *active, batch.d_out[module], c_out,
-            W=w, R=rpp, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=splits,
+            batch.b_offset, *active, batch.d_out[module], c_out, splits,
+            W=w, R=rpp, BLOCK_R=block_r, BLOCK_N=block_n,
         )  # fmt: skip
         return
 
@@ -317,11 +332,11 @@ def lora_apply_triton(
     v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
     segs = (batch.seg_start, batch.seg_len, batch.seg_adapter, batch.rank)
     _shrink_segment_kernel[(num_segments, tiles, splits)](
-        x, x.stride(0), pool_layer, v, *segs, *common, batch.a_offset, *active, batch.d_in[module], c_in,
-        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLITS=splits, PRECISION=precision,
+        x, x.stride(0), pool_layer, v, *segs, *common, batch.a_offset, *active, batch.d_in[module], c_in, splits,
+        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
     )  # fmt: skip
     _expand_segment_kernel[(num_segments, tiles, c_out * triton.cdiv(w, block_n))](
         y, y.stride(0), pool_layer, v, *segs, batch.scale, *common, batch.b_offset, *active,
-        batch.d_out[module], c_out,
-        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, SPLITS=splits, PRECISION=precision,
+        batch.d_out[module], c_out, splits,
+        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, PRECISION=precision,
     )  # fmt: skip

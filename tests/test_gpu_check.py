@@ -72,6 +72,34 @@ def test_a_part_over_its_limit_is_cut_and_reported(tmp_path):
     assert "Error: cut after" in (tmp_path / "results.md").read_text()
 
 
+def test_a_part_keeps_its_figures_so_far(tmp_path, monkeypatch):
+    """part_main saves each partial result as it comes; a part cut at its limit reports what it saved."""
+    seen = []
+
+    def fake_part(name, args, preset, out, work, partial):
+        partial({"rows": [{"system": "base"}]})
+        seen.append(json.loads((out / "parts" / "engine.json").read_text()))
+        return {"rows": [{"system": "base"}, {"system": "loraserve"}]}
+
+    monkeypatch.setattr(gpu_check, "run_part", fake_part)
+    (tmp_path / "parts").mkdir()
+    args = gpu_check.parse_args(["--dry-run", "--out", str(tmp_path), "--part", "engine"])
+    assert gpu_check.part_main(args) == 0
+    assert seen[0]["status"] == "partial" and seen[0]["data"] == {"rows": [{"system": "base"}]}
+    final = json.loads((tmp_path / "parts" / "engine.json").read_text())
+    assert final["status"] == "ok" and len(final["data"]["rows"]) == 2
+
+    # A part that saved figures and then hangs (a stand-in interpreter that writes a partial record).
+    hang = tmp_path / "hanging-part"
+    record = json.dumps({"status": "partial", "data": {"rows": [{"system": "base"}]}})
+    hang.write_text(f"#!/bin/sh\necho '{record}' > {tmp_path}/parts/engine.json\nexec sleep 60\n")
+    hang.chmod(0o755)
+    monkeypatch.setattr(gpu_check.sys, "executable", str(hang))
+    (tmp_path / "logs").mkdir()
+    cut = gpu_check.spawn_part("engine", args, limit_s=2)
+    assert cut["status"] == "timeout" and cut["data"] == {"rows": [{"system": "base"}]}
+
+
 def test_junit_counts(tmp_path):
     xml = tmp_path / "junit.xml"
     xml.write_text(
