@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from helpers import needs_cuda
 
 from loraserve.kernels.attention_torch import attention_torch, write_kv_torch
-from loraserve.kernels.attention_triton import attention_triton, write_kv_triton
+from loraserve.kernels.attention_triton import MIN_SPLIT_KEYS, attention_triton, decode_splits, write_kv_triton
 from loraserve.kernels.synthetic import AttentionCase, make_attention_case
 
 TOL = {  # dtype -> (atol, rtol)
@@ -120,3 +121,35 @@ def test_gpu_real_sizes(dtype: torch.dtype, window: int | None):
     seqs = [(700, 1), (1, 1), (1500, 1), (513, 513), (2048, 300), (90, 2)] + [(n, 1) for n in range(20, 400, 37)]
     case = make_attention_case(seqs, 32, 8, 128, 16, dtype, device="cuda", sliding_window=window, seed=3)
     _check(case, 32, 8, dtype)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 50])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("heads", ["gqa3", "mha"])
+def test_split_decode(splits: int, window: int | None, heads: str, kernel_device: str):
+    """Flash-decoding: keys cut into ranges, one program each, then combined; a mixed step (the
+    prefill chunks are not split), contexts shorter than a range (empty ranges) and windows."""
+    num_heads, num_kv_heads, head_dim = HEADS[heads]
+    seqs = [(70, 1), (1, 1), (45, 1), (16, 1), (30, 9), (17, 1)]
+    case = make_attention_case(
+        seqs, num_heads, num_kv_heads, head_dim, 3, torch.float32, device=kernel_device, sliding_window=window, seed=4
+    )
+    scale = head_dim**-0.5
+    write_kv_triton(case.pool_layer, case.k, case.v, case.batch)
+    out = attention_triton(case.q, case.pool_layer, case.batch, num_kv_heads, scale, splits=splits)
+    atol, rtol = TOL[torch.float32]
+    expected = attention_torch(case.q, case.pool_layer, case.batch, num_kv_heads, scale)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    dense = dense_reference(case, num_heads, num_kv_heads, scale)
+    torch.testing.assert_close(out.cpu(), dense, atol=atol, rtol=rtol)
+
+
+def test_decode_splits_policy():
+    """No split on CPU or when the sequences fill the GPU; ranges of at least MIN_SPLIT_KEYS keys."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decode_splits(8, 4096, 64, cpu) == 1
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(cuda).multi_processor_count
+        assert decode_splits(8, 4096, 64, cuda) == min(triton.cdiv(2 * sms, 8), 4096 // MIN_SPLIT_KEYS)
+        assert decode_splits(4 * sms, 4096, 64, cuda) == 1
+        assert decode_splits(8, MIN_SPLIT_KEYS - 1, 64, cuda) == 1
