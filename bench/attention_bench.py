@@ -9,7 +9,10 @@ sequence of a case has the same length, its K/V in random pages of one pool
 (`kernels.synthetic.make_uniform_attention_case`). Measured:
 
     triton    attention_triton on the paged pool (its index tensors built once before timing, as
-              the engine builds them once per step for every layer)
+              the engine builds them once per step for every layer); decode splits long contexts
+              when few sequences leave SMs idle (flash-decoding)
+    unsplit   decode only: the same kernel with the split turned off (splits=1), in a CUDA graph:
+              what the split gains
     sdpa      torch.nn.functional.scaled_dot_product_attention on contiguous K/V [B, H_kv, S, D]
               with enable_gqa: the same attention without paging (is_causal for prefill)
     roofline  bytes that must move / measured bandwidth:
@@ -81,6 +84,7 @@ class AttentionResult:
     tokens: int = 0
     triton_us: float | None = None
     triton_graph_us: float | None = None
+    unsplit_graph_us: float | None = None  # decode with splits=1
     sdpa_us: float | None = None
     sdpa_graph_us: float | None = None
     roofline_us: float | None = None
@@ -175,6 +179,10 @@ def run_case(case: AttentionCase, config: AttentionConfig, device: torch.device,
         result.max_abs_err, result.rel_err, result.ok = _errors(out, ref)
     result.triton_us = timed(result, "triton", timers.eager, triton_call)
     result.triton_graph_us = timed(result, "triton graph", timers.graph, triton_call)
+    if case.phase == "decode":
+        unsplit = lambda: attention_triton(data.q, data.pool_layer, data.batch, h_kv, scale, splits=1)  # noqa: E731
+        unsplit()  # compiles before any capture
+        result.unsplit_graph_us = timed(result, "unsplit graph", timers.graph, unsplit)
     result.sdpa_us = timed(result, "sdpa", timers.eager, sdpa_call)
     result.sdpa_graph_us = timed(result, "sdpa graph", timers.graph, sdpa_call)
     result.roofline_us = roofline_us(case, config, torch.finfo(dtype).bits // 8)
@@ -221,17 +229,18 @@ def _progress_line(r: AttentionResult) -> str:
 
 def attention_markdown(results: list[AttentionResult]) -> str:
     headers = [
-        "phase", "seqs × new", "context", "triton µs", "graph µs", "sdpa µs", "sdpa graph µs",
+        "phase", "seqs × new", "context", "triton µs", "graph µs", "unsplit graph µs", "sdpa µs", "sdpa graph µs",
         "roofline µs", "compute µs", "graph/floor", "sdpa/triton", "max err",
     ]  # fmt: skip
     rows = []
     for r in results:
         shape = f"{r.seqs} × {r.query_len}"
         if r.error is not None:
-            rows.append([r.phase, shape, str(r.context), *["-"] * 8, r.error])
+            rows.append([r.phase, shape, str(r.context), *["-"] * 9, r.error])
             continue
         rows.append([
-            r.phase, shape, str(r.context), fmt(r.triton_us), fmt(r.triton_graph_us), fmt(r.sdpa_us),
+            r.phase, shape, str(r.context), fmt(r.triton_us), fmt(r.triton_graph_us), fmt(r.unsplit_graph_us),
+            fmt(r.sdpa_us),
             fmt(r.sdpa_graph_us), fmt(r.roofline_us), fmt(r.compute_us), fmt(r.x_roofline),
             fmt(r.sdpa_x), fmt(r.max_abs_err, ".1e"),
         ])  # fmt: skip
@@ -249,6 +258,7 @@ def attention_summary(results: list[AttentionResult]) -> dict[str, Any]:
     if head is not None:
         headline = {
             "case": head.label, "triton_us": head.triton_us, "triton_graph_us": head.triton_graph_us,
+            "unsplit_graph_us": head.unsplit_graph_us,
             "sdpa_us": head.sdpa_us, "sdpa_graph_us": head.sdpa_graph_us, "roofline_us": head.roofline_us,
             "x_roofline": head.x_roofline,
         }  # fmt: skip
