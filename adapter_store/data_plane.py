@@ -7,12 +7,15 @@ validated never delays a fetch; the store's lock is the only thing the two share
 zero-copy: the store's immutable bytes objects go straight into send_multipart(copy=False), and
 ZMQ's I/O thread reads them from there (they stay alive while queued even if purged meanwhile).
 
-A malformed message is logged and dropped; a peer that cannot take a reply (gone, or its queue
-full) loses that reply and the worker times out and retries. Nothing here raises out of the loop.
+A malformed message is logged (rate-limited per peer and kind) and dropped; a peer that cannot
+take a reply (gone, or its queue full) loses that reply and the worker times out and retries. An
+unexpected error that still ends the thread is kept in `failure`, and `watch()` — supervised by
+the store's main — raises it, so the store exits non-zero instead of living on without a data plane.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 
@@ -21,7 +24,9 @@ import zmq
 from loraserve import telemetry
 from loraserve.adapter_store.store import AdapterStore
 from loraserve.errors import LoraserveError
+from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket, send
+from loraserve.supervise import RoleFailed, watch_thread
 from loraserve.wire import AdapterFiles, FetchAdapter, FetchFailed, Message, WireError, decode
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,8 @@ class DataPlane:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adapter-data-plane", daemon=True)
         self.served = 0  # replies with files, for logs and tests
+        self.failure: BaseException | None = None  # what ended the thread, if anything did
+        self._dropped = RateLimitedLog(log)
 
     def start(self) -> None:
         self._thread.start()
@@ -53,13 +60,21 @@ class DataPlane:
         else:  # never started: the socket is still ours to close
             self._close()
 
+    async def watch(self) -> None:
+        """Runs while the thread serves; raises when it ended without being asked to stop."""
+        await watch_thread(self._thread, lambda: self.failure)
+        if not self._stop.is_set():
+            raise RoleFailed("the adapter data plane thread ended")
+        await asyncio.Event().wait()  # stopping on purpose: wait to be cancelled
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 if self._sock.poll(POLL_MS, zmq.POLLIN):
                     self._serve_one(self._sock.recv_multipart(copy=False))
-        except Exception:
+        except Exception as e:
             log.exception("adapter data plane stopped on an unexpected error")
+            self.failure = e
         finally:
             self._close()
 
@@ -72,20 +87,16 @@ class DataPlane:
         try:
             message = decode(frames[1:])
         except WireError as e:
-            log.warning("dropped a malformed message from peer %r: %s", peer[:32], e)
+            self._dropped.warning(peer[:32], "malformed message", "dropped: %s", e)
             return
         if not isinstance(message, FetchAdapter):
-            log.warning(
-                "dropped a %s message from peer %r: the store only answers FetchAdapter",
-                type(message).__name__,
-                peer[:32],
-            )
+            self._dropped.warning(peer[:32], type(message).__name__, "dropped: the store only answers FetchAdapter")
             return
         reply = self._answer(message)
         try:
             send(self._sock, reply, to=peer, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone, ROUTER_MANDATORY) or EAGAIN (its queue is full)
-            log.warning("could not reply to peer %r for %s v%d: %s", peer[:32], message.name, message.version, e)
+            self._dropped.warning(peer[:32], "reply", "could not send %s v%d: %s", message.name, message.version, e)
 
     def _answer(self, fetch: FetchAdapter) -> Message:
         trace = {k: v for k, v in fetch.trace.items() if isinstance(k, str) and isinstance(v, str)}

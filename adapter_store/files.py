@@ -1,14 +1,18 @@
 """Reading a PEFT adapter directory from disk, confined to the store's adapter root when asked.
 
 `resolve_under_root` is the only gate between a client-supplied path and the filesystem: it
-refuses absolute paths and '..' outright, then resolves symlinks and refuses anything that lands
-outside the root. Files inside the directory are resolved and checked again (a symlinked
-adapter_model.safetensors pointing at /etc/shadow is refused too), and their sizes are checked
-before a byte is read.
+refuses absolute paths, '..' and names the filesystem cannot hold (a component over NAME_MAX
+bytes, a path over PATH_MAX) outright, then resolves symlinks and refuses anything that lands
+outside the root. Any other OSError on the way (a symlink loop, a component that is a file) is
+the path's fault too: INVALID_ARGUMENT naming it, never INTERNAL. Files inside the directory are
+resolved and checked again (a symlinked adapter_model.safetensors pointing at /etc/shadow is
+refused too), and their sizes are checked before a byte is read.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -19,6 +23,8 @@ CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 BIN_FILE = "adapter_model.bin"
 WEIGHTS_FILES = {SAFETENSORS_FILE: "safetensors", BIN_FILE: "bin"}  # file name -> weights format
+NAME_MAX = 255  # bytes in one path component (Linux, macOS)
+PATH_MAX = 4096  # bytes in a whole path
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,27 @@ def resolve_under_root(root: Path, relative: str) -> Path:
         raise InvalidRequestError("path", "must not contain NUL characters")
     if PurePosixPath(relative).is_absolute() or PureWindowsPath(relative).is_absolute() or relative.startswith("\\"):
         raise InvalidRequestError("path", f"{relative!r} is absolute; give a path relative to the adapter root")
-    if ".." in PurePosixPath(relative.replace("\\", "/")).parts:
+    parts = PurePosixPath(relative.replace("\\", "/")).parts
+    if ".." in parts:
         raise InvalidRequestError("path", f"{relative!r} contains '..'; paths may not leave the adapter root")
+    check_path_lengths(parts)
     base = root.resolve(strict=True)
+    try:
+        return _existing_dir_below(base, relative)
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, on Python < 3.13
+        raise InvalidRequestError("path", f"{relative[:100]!r} cannot be read: {_reason(e)}") from None
+
+
+def check_path_lengths(parts: tuple[str, ...]) -> None:
+    """Refuse names the filesystem would refuse with ENAMETOOLONG (an OSError, not the caller's fault to the OS)."""
+    long = next((p for p in parts if len(os.fsencode(p)) > NAME_MAX), None)
+    if long is not None:
+        raise InvalidRequestError("path", f"component {long[:40]!r}... is longer than {NAME_MAX} bytes")
+    if sum(len(os.fsencode(p)) + 1 for p in parts) > PATH_MAX:
+        raise InvalidRequestError("path", f"is longer than {PATH_MAX} bytes")
+
+
+def _existing_dir_below(base: Path, relative: str) -> Path:
     target = (base / relative).resolve(strict=False)
     if not target.is_relative_to(base):
         raise PermissionDeniedError(f"path {relative!r} resolves outside the adapter root (through a symlink)")
@@ -49,6 +73,12 @@ def resolve_under_root(root: Path, relative: str) -> Path:
     if not target.is_dir():
         raise InvalidRequestError("path", f"{relative!r} is not a directory")
     return target
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.strerror or errno.errorcode.get(e.errno, str(e.errno))
+    return str(e) or type(e).__name__
 
 
 def read_adapter_dir(directory: Path, max_weights_bytes: int, confine_to: Path | None = None) -> AdapterFiles:

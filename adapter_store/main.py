@@ -3,6 +3,8 @@
 Start-up: read the base model's config.json, bind the data plane (its own thread, see
 data_plane.py), start gRPC with health NOT_SERVING, register the preloads, then SERVING. Stops on
 SIGTERM/SIGINT: gRPC drains for a grace period, the data-plane thread closes its socket, exit 0.
+If the data-plane thread or the purge task dies, health goes NOT_SERVING and the store exits 1
+(`loraserve/supervise.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
 from loraserve.metrics import add_metrics_arguments
-from loraserve.process import run_service, until_stopped
+from loraserve.process import run_service
+from loraserve.supervise import health_off, supervise
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 from loraserve.worker.model_config import ModelConfig
 
@@ -126,7 +129,7 @@ async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
     await set_serving(health, [SERVICE], False)
     data_plane.start()
     await server.start()
-    purger = asyncio.create_task(_purge_periodically(store, config.purge_interval_s))
+    tasks = {"purge": _purge_periodically(store, config.purge_interval_s), "data plane": data_plane.watch()}
     try:
         await asyncio.to_thread(_preload, store, config)
         await set_serving(health, [SERVICE], True)
@@ -139,10 +142,11 @@ async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
             config.limits.budget_bytes // MIB,
             config.adapter_root or "(none: RegisterFromPath refused)",
         )
-        await until_stopped(stop_event)
+        await supervise("adapter store", tasks, stop_event, health_off(health, [SERVICE]))
         log.info("adapter store: stopping")
     finally:
-        purger.cancel()
+        for coroutine in tasks.values():
+            coroutine.close()  # never started when preloading failed; a no-op otherwise
         await set_serving(health, [SERVICE], False)
         await server.stop(grace=GRACE_S)
         data_plane.stop()

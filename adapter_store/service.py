@@ -16,7 +16,8 @@ from opentelemetry import trace
 from loraserve import telemetry
 from loraserve.adapter_store.store import AdapterRecord, AdapterStore, StoreStats, check_name
 from loraserve.adapter_store.upload import UploadAssembler
-from loraserve.errors import InvalidRequestError
+from loraserve.errors import InvalidRequestError, LoraserveError
+from loraserve.grpc_utils import refuse_stream
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2, gateway_pb2
 
 
@@ -54,15 +55,12 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Upload(self, request_iterator, context):
         upload = UploadAssembler(self.store.limits.max_adapter_bytes)
-        async for request in request_iterator:
-            part = request.WhichOneof("part")
-            if part == "header":
-                upload.header(request.header.name)
-            elif part == "chunk":
-                upload.chunk(request.chunk.file, request.chunk.data)
-                self.store.check_fits(upload.weights_bytes)  # refuse over-budget uploads mid-stream
-            else:
-                raise InvalidRequestError("part", "an upload message must carry a header or a chunk")
+        try:
+            async for request in request_iterator:
+                self._take(upload, request)
+        except LoraserveError:
+            await refuse_stream(request_iterator, context)  # refused mid-stream: let the client stop first
+            raise
         files = upload.finish()
         with _span("adapter_store.register", context, files.name) as span:
             record = await asyncio.to_thread(
@@ -70,6 +68,16 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
             )
             span.set_attribute("loraserve.adapter.version", record.version)
         return record_to_pb(record)
+
+    def _take(self, upload: UploadAssembler, request: gateway_pb2.UploadAdapterRequest) -> None:
+        part = request.WhichOneof("part")
+        if part == "header":
+            upload.header(request.header.name)
+        elif part == "chunk":
+            upload.chunk(request.chunk.file, request.chunk.data)
+            self.store.check_fits(upload.weights_bytes)  # refuse over-budget uploads mid-stream
+        else:
+            raise InvalidRequestError("part", "an upload message must carry a header or a chunk")
 
     async def RegisterFromPath(self, request: gateway_pb2.RegisterAdapterFromPathRequest, context):
         check_name(request.name)

@@ -190,7 +190,11 @@ class AdapterStore:
         if self.adapter_root is None:
             raise NoAdapterRootError("no --adapter-root configured: this store does not register adapters from paths")
         directory = resolve_under_root(self.adapter_root, relative_path)
-        files = read_adapter_dir(directory, self.limits.max_adapter_bytes, confine_to=self.adapter_root)
+        try:
+            files = read_adapter_dir(directory, self.limits.max_adapter_bytes, confine_to=self.adapter_root)
+        except OSError as e:  # unreadable files are the path's problem (INVALID_ARGUMENT), not an internal error
+            why = f"{relative_path[:100]!r}: its files cannot be read ({e.strerror})"
+            raise InvalidRequestError("path", why) from None
         return self.register(name, files.config_json, files.weights, files.weights_format, source=relative_path)
 
     def register_dir(self, name: str, directory: Path) -> AdapterRecord:

@@ -17,7 +17,8 @@ from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
 from loraserve.metrics import add_metrics_arguments
-from loraserve.process import run_service, until_stopped
+from loraserve.process import run_service
+from loraserve.supervise import health_off, supervise
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import (
     adapter_store_pb2_grpc,
@@ -99,13 +100,11 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     await set_serving(health, [SERVICE], False)
     await server.start()
     log.info("gateway: gRPC on %s (port %d), token sink %s", args.bind, port, sink.address)
-    tasks = [asyncio.create_task(sink.run()), asyncio.create_task(_watch_cluster(service, scheduler, health))]
+    tasks = {"token sink": sink.run(), "cluster watch": _watch_cluster(service, scheduler, health)}
     try:
-        await until_stopped(stop_event)
+        await supervise("gateway", tasks, stop_event, health_off(health, [SERVICE]))
     finally:
         await server.stop(grace=2.0)
-        for task in tasks:
-            task.cancel()
         sink.shutdown()
 
 

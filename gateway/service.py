@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from loraserve.gateway.auth import Authenticator, Principal
 from loraserve.gateway.stops import StopFilter
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits, ValidRequest, check_context, validate_generate
-from loraserve.grpc_utils import internal_call
+from loraserve.grpc_utils import forward_stream, internal_call, refuse_stream
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
@@ -43,6 +44,7 @@ class GatewayConfig:
     max_lora_rank: int
     internal_timeout_s: float = 5.0  # calls to the scheduler and the store
     inactivity_timeout_s: float = 60.0  # no token for this long: the request failed somewhere
+    upload_timeout_s: float = 120.0  # an upload's relay to the store (or the client's deadline, if sooner)
 
 
 class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
@@ -293,7 +295,15 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
     async def UploadAdapter(self, request_iterator, context):
         self._admin(context)
-        return await internal_call("the adapter store", lambda: self.store.Upload(request_iterator, timeout=600))
+        remaining = context.time_remaining()
+        timeout = min(self.config.upload_timeout_s, remaining if remaining is not None else math.inf)
+        try:
+            return await internal_call("the adapter store", lambda: forward_stream(
+                self.store.Upload, request_iterator, timeout, telemetry.grpc_metadata()
+            ))  # fmt: skip
+        except LoraserveError:
+            await refuse_stream(request_iterator, context)  # the client may still be sending
+            raise
 
     async def RegisterAdapterFromPath(self, request, context):
         self._admin(context)

@@ -1,7 +1,8 @@
 """The gateway's ZMQ token sink: workers (and the scheduler, for failures) push TOKENS here.
 
 One PULL socket per gateway; messages are dispatched to the per-request queue of the RPC that
-waits for them. Messages for requests nobody waits for any more (cancelled) are dropped.
+waits for them. Messages for requests nobody waits for any more (cancelled) are dropped, and so
+are malformed or unexpected ones (logged rate-limited: a flood must not flood the log).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import zmq
 import zmq.asyncio
 
+from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket
 from loraserve.wire import Tokens, WireError, decode
 
@@ -24,6 +26,7 @@ class TokenSink:
         self.socket = make_socket(self.ctx, zmq.PULL, bind=address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._streams: dict[str, asyncio.Queue[Tokens]] = {}
+        self._dropped = RateLimitedLog(log)
 
     def open(self, request_id: str) -> asyncio.Queue[Tokens]:
         stream: asyncio.Queue[Tokens] = asyncio.Queue()
@@ -38,11 +41,11 @@ class TokenSink:
             frames = await self.socket.recv_multipart()
             try:
                 message = decode(frames)
-            except WireError as e:
-                log.warning("dropping a malformed message on the token sink: %s", e)
+            except WireError as e:  # PUSH/PULL carries no peer identity: one window for all senders
+                self._dropped.warning("token sink", "malformed message", "dropped: %s", e)
                 continue
             if not isinstance(message, Tokens):
-                log.warning("dropping unexpected %s on the token sink", type(message).__name__)
+                self._dropped.warning("token sink", type(message).__name__, "dropped: not a Tokens message")
                 continue
             stream = self._streams.get(message.request_id)
             if stream is not None:

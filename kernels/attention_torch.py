@@ -32,6 +32,7 @@ class _Group:
     query_index: torch.Tensor  # int64 [G, Qmax]: token of each (sequence, query slot)
     query_valid: torch.Tensor  # bool  [G, Qmax]
     key_rows: torch.Tensor  # int64 [G, Smax]: K row of each key position
+    key_invalid: torch.Tensor  # bool [G, Smax, 1]: past the sequence's context (padding or a page's stale rows)
     mask: torch.Tensor  # bool  [G, 1, Qmax, Smax]: True where a query may attend a key
 
 
@@ -66,7 +67,8 @@ def _build_group(batch: AttentionBatch, seqs: list[int]) -> _Group:
         mask &= key_pos[None, None, :] > query_pos[:, :, None] - batch.sliding_window
     mask &= query_valid[:, :, None]
     mask[:, :, 0] |= ~query_valid  # padded query slots attend key 0 rather than nothing (no NaN)
-    return _Group(query_index, query_valid, key_rows, mask[:, None])
+    key_invalid = (key_pos[None, :] >= ctx[:, None])[..., None]
+    return _Group(query_index, query_valid, key_rows, key_invalid, mask[:, None])
 
 
 def attention_torch(
@@ -76,8 +78,12 @@ def attention_torch(
     out = torch.empty_like(q)
     for group in _groups(batch):
         g, s_max = group.key_rows.shape
-        k = pool_layer[group.key_rows].view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
-        v = pool_layer[group.key_rows + batch.tokens_per_page].view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
+        # Rows past a sequence's context hold whatever the page held before (another request's
+        # values, NaN included): zeroed, since a masked weight of 0 times NaN is still NaN.
+        k = pool_layer[group.key_rows].masked_fill(group.key_invalid, 0)
+        v = pool_layer[group.key_rows + batch.tokens_per_page].masked_fill(group.key_invalid, 0)
+        k = k.view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
         queries = q[group.query_index].transpose(1, 2)  # [G, H, Qmax, D]
         attended = F.scaled_dot_product_attention(
             queries, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_kv_heads != num_heads

@@ -2,17 +2,21 @@
 
 Inner code raises `loraserve.errors` exceptions; `ErrorInterceptor` (one per server) turns them
 into the status they name, and anything unexpected into INTERNAL with an id that points at the
-logged traceback. Calls to another role go through `internal_call`, which turns that role's
-status back into the same exception (or UNAVAILABLE when it cannot be reached), so a failure
-crosses hops unchanged.
+logged traceback. It also wraps every request deserializer: a message that is not valid protobuf
+(corrupt wire format, invalid UTF-8 in a string field) is the caller's mistake, so it becomes
+INVALID_ARGUMENT naming the message type, not the UNKNOWN grpc picks for a deserializer that raises.
+Calls to another role go through `internal_call`, which turns that role's status back into the
+same exception (or UNAVAILABLE when it cannot be reached), so a failure crosses hops unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -20,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from loraserve import errors
+from loraserve.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,34 +61,79 @@ def _code_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the server log)"
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """What the wrapped deserializer returns for bytes that are not a valid request message.
+
+    grpc's server answers a deserializer that raises with a status of its own choosing (UNKNOWN);
+    returning this marker instead lets the wrapped handler refuse the request with INVALID_ARGUMENT.
+    """
+
+    error: InvalidRequestError
+
+
+def safe_deserializer(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer`, but returning an `Undecodable` instead of raising on malformed bytes."""
+    if deserializer is None:
+        return None
+    message_type = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    what = message_type.full_name if message_type is not None else "the request message"
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # DecodeError, UnicodeDecodeError, ...: the bytes are at fault
+            reason = str(e).rsplit("': ", 1)[-1] or type(e).__name__  # drop protobuf's "Error parsing ... '<type>'"
+            return Undecodable(InvalidRequestError("request", f"is not a valid {what} message ({reason})"))
+
+    return deserialize
+
+
+def _check_decoded(request: Any) -> Any:
+    if isinstance(request, Undecodable):
+        raise request.error
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The client's stream, raising InvalidRequestError at the first undecodable message."""
+    async for request in requests:
+        yield _check_decoded(request)
+
+
+def _checked_request(request: Any, streaming: bool) -> Any:
+    return _checked_stream(request) if streaming else _check_decoded(request)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions raised by handlers to gRPC statuses, for all four kinds of RPC."""
+    """Maps exceptions raised by handlers (and undecodable requests) to gRPC statuses, for all four kinds of RPC."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        deserializer = safe_deserializer(handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                _wrap_unary(handler.unary_unary, False), deserializer, handler.response_serializer
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+                _wrap_stream(handler.unary_stream, False), deserializer, handler.response_serializer
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+                _wrap_unary(handler.stream_unary, True), deserializer, handler.response_serializer
             )
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            _wrap_stream(handler.stream_stream, True), deserializer, handler.response_serializer
         )
 
 
-def _wrap_unary(behavior):
+def _wrap_unary(behavior, streaming: bool):
     async def wrapper(request, context):
         try:
-            return await behavior(request, context)
+            return await behavior(_checked_request(request, streaming), context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
@@ -93,10 +143,13 @@ def _wrap_unary(behavior):
     return wrapper
 
 
-def _wrap_stream(behavior):
+def _wrap_stream(behavior, streaming: bool):
+    if not inspect.isasyncgenfunction(behavior):  # it writes with context.write (grpc_health's Watch)
+        return _wrap_unary(behavior, streaming)
+
     async def wrapper(request, context):
         try:
-            async for item in behavior(request, context):
+            async for item in behavior(_checked_request(request, streaming), context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -121,6 +174,74 @@ async def internal_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
         exc = cls.__new__(cls)
         Exception.__init__(exc, e.details() or f"{what} failed with {code.name}")
         raise exc from None
+
+
+REFUSED_KEY = "loraserve-refused"  # initial metadata a server sends the moment it refuses a request stream
+REFUSAL_DRAIN_S = 0.5  # how long a refusing server keeps reading, waiting for the client to stop...
+REFUSAL_DRAIN_BYTES = 4 * 2**20  # ...and how much it reads at most
+
+
+async def refuse_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    """Before failing a client-streaming call mid-stream: say so, and let the client stop sending.
+
+    A server that ends a call while the client is still writing races with that write, and when
+    the write loses, grpc.aio clients (our gateway among them) replace the server's status with
+    INTERNAL "Internal error from Core". So the refusing handler first sends initial metadata
+    (`forward_stream` stops relaying when it arrives), then reads and drops what is still coming
+    until the client half-closes, for a bounded time and size, and only then raises its error.
+    """
+    try:
+        await context.send_initial_metadata(((REFUSED_KEY, "1"),))
+        await asyncio.wait_for(_drain(requests, REFUSAL_DRAIN_BYTES), REFUSAL_DRAIN_S)
+    except (TimeoutError, errors.LoraserveError, grpc.aio.AbortError):
+        pass  # a client that keeps sending (or sends garbage) gets the status now regardless
+    except Exception as e:  # never let the courtesy hide the real error
+        log.debug("draining a refused stream failed: %r", e)
+
+
+async def _drain(requests: AsyncIterator[Any], max_bytes: int) -> None:
+    seen = 0
+    async for request in requests:
+        seen += request.ByteSize() if hasattr(request, "ByteSize") else len(request)
+        if seen > max_bytes:
+            return
+
+
+async def forward_stream(
+    method: grpc.aio.StreamUnaryMultiCallable,
+    requests: AsyncIterator[Any],
+    timeout: float,
+    metadata: Any = None,
+) -> Any:
+    """Relay a client's request stream to another role's stream-unary RPC; returns its response.
+
+    The relay reads the client's stream itself rather than handing the iterator to grpc: when the
+    client's stream fails (an undecodable message, a cancel), grpc's own pump would swallow the
+    error and leave the upstream call waiting for messages until its timeout; here the upstream
+    call is cancelled at once and the client's error raised. When the upstream refuses (initial
+    metadata before any response, see `refuse_stream`), relaying stops and its status is raised.
+    """
+    call = method(timeout=timeout, metadata=metadata)
+    answered = asyncio.ensure_future(call.initial_metadata())  # only a refusal answers mid-stream
+    try:
+        await _relay(requests, call, answered)
+    except BaseException:
+        call.cancel()
+        raise
+    finally:
+        answered.cancel()
+    return await call
+
+
+async def _relay(requests: AsyncIterator[Any], call: grpc.aio.StreamUnaryCall, answered: asyncio.Future) -> None:
+    try:
+        async for request in requests:
+            if answered.done() or call.done():
+                break
+            await call.write(request)
+        await call.done_writing()
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        pass  # the upstream call ended while we wrote: awaiting it gives its status
 
 
 def internal_channel(address: str) -> grpc.aio.Channel:

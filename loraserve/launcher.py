@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-pages", type=int, default=None, help="pages of each worker's unified pool")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument(
+        "--adapter-cache-gb", type=float, default=None,
+        help="host RAM for adapters on each worker, GiB (default: the worker's own default)",
+    )  # fmt: skip
+    parser.add_argument(
         "--torch-threads", type=int, default=None, help="torch threads per CPU worker (default: spare cores / workers)"
     )
     parser.add_argument("--worker-timeout", type=float, default=3.0, help="seconds before a silent worker is dropped")
@@ -114,6 +118,8 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
                   *tracing]  # fmt: skip
         if args.pool_pages:
             worker += ["--pool-pages", str(args.pool_pages)]
+        if args.adapter_cache_gb is not None:
+            worker += ["--adapter-cache-gb", str(args.adapter_cache_gb)]
         if devices[i % len(devices)] == "cpu":
             worker += ["--torch-threads", str(args.torch_threads or _default_cpu_threads(args.workers))]
         commands[f"worker-{i}"] = worker

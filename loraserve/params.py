@@ -7,6 +7,12 @@ from dataclasses import dataclass
 
 from loraserve.errors import InvalidRequestError
 
+# Below these the arithmetic stops meaning anything: logits / 1e-45 overflow float32 to infinity.
+# A temperature is 0 (greedy) or at least MIN_TEMPERATURE; a repetition penalty divides or
+# multiplies logits, so it stays within [MIN_REPETITION_PENALTY, 10].
+MIN_TEMPERATURE = 1e-3
+MIN_REPETITION_PENALTY = 1e-2
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,14 +33,17 @@ class SamplingParams:
 
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             bad("max_new_tokens", "must be a positive integer")
-        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0):
-            bad("temperature", "must be in [0, 100] (0 means greedy)")
+        if not (
+            math.isfinite(self.temperature)
+            and (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0)
+        ):
+            bad("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be >= 0 (0 turns it off)")
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             bad("top_p", "must be in (0, 1]")
-        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
-            bad("repetition_penalty", "must be in (0, 10] (1 turns it off)")
+        if not (math.isfinite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0):
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 10] (1 turns it off)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (math.isfinite(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
                 bad(name, "must be in [-2, 2]")

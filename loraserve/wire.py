@@ -6,8 +6,13 @@ A message is a multipart ZMQ message:
     frame 1: msgpack map of the message's fields
     frame 2...: raw buffers (adapter files), sent and received without copies
 
-Decoding rejects unknown types, malformed maps, missing fields and wrong field types with a
-WireError. Nothing is ever pickled: a peer can send only data.
+Every field's type hint is its schema, and `decode` checks a message against it completely
+before any role sees it: element types of lists and maps, the shape of tuples, string and list
+lengths, numeric ranges (`Limit`), finite floats, endpoint addresses, the keys of sampling maps,
+and per-message invariants (`Message.check`). Anything else — an unknown type, a field too many
+or missing, a wrong type anywhere inside — is a WireError, the only exception `decode` raises.
+Roles log it (rate-limited, `loraserve/log_limit.py`) and drop the message: a peer can make a
+role ignore a message, never crash or corrupt it. Nothing is ever pickled: a peer sends only data.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgpack
+
+from loraserve.endpoints import BadEndpointError, check_endpoint
+from loraserve.params import SamplingParams
 
 
 class WireError(ValueError):
@@ -38,81 +47,137 @@ class MsgType(enum.IntEnum):
     FETCH_FAILED = 8  # adapter store -> worker: could not serve a fetch
 
 
+# ---- the schema vocabulary --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Limit:
+    """Bounds beyond a field's type: a number in [lo, hi]; a string, list or map at most max_len long."""
+
+    lo: float | None = None
+    hi: float | None = None
+    max_len: int | None = None
+
+
+@dataclass(frozen=True)
+class Keys:
+    """A map whose keys must all be among `allowed` (a map splatted into a constructor later)."""
+
+    allowed: frozenset[str]
+
+
+class EndpointForm:
+    """A string that must be a connectable tcp:// or ipc:// endpoint (`loraserve/endpoints.py`)."""
+
+
+# Defaults where a hint sets no Limit: nothing on the wire is unbounded.
+MAX_TEXT = 64 * 1024  # characters of an error message or reason
+MAX_LIST = 1 << 20  # elements of any list (a 1M-token prompt)
+INT64 = Limit(-(2**63), 2**63 - 1)
+
+MAX_ID = 256  # request ids, worker ids, adapter names
+MAX_IDS = 1 << 16  # request ids in one report or cancel
+MAX_ADAPTERS = 1 << 16  # adapters resident in one worker's pool
+
+Id = Annotated[str, Limit(max_len=MAX_ID)]
+Text = Annotated[str, Limit(max_len=MAX_TEXT)]
+Count = Annotated[int, Limit(0, 2**63 - 1)]
+TokenId = Annotated[int, Limit(0, 2**32 - 1)]
+Version = Annotated[int, Limit(0, 2**32 - 1)]  # uint32 in the protos
+Seconds = float  # finite, any sign (clocks of two hosts may disagree a little)
+AdapterRef = tuple[Id, Version]  # (name, version)
+Ids = Annotated[list[Id], Limit(max_len=MAX_IDS)]
+TraceCarrier = Annotated[dict[Id, Annotated[str, Limit(max_len=1024)]], Limit(max_len=16)]  # W3C trace context
+Endpoint = Annotated[str, EndpointForm()]
+SamplingMap = Annotated[
+    dict[str, bool | int | float | Annotated[list[TokenId], Limit(max_len=1024)] | None],
+    Keys(frozenset(f.name for f in dataclasses.fields(SamplingParams))),
+]
+
+
 @dataclass
 class Message:
     TYPE: ClassVar[MsgType]
 
+    def check(self) -> None:
+        """Invariants across fields, run by `decode` after every field matched its hint."""
 
+
+# ---- the messages -----------------------------------------------------------------------------
 @dataclass
 class WorkerReport(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_REPORT
-    worker_id: str
+    worker_id: Id
     ready: bool
-    max_batch_size: int
-    total_pages: int
-    free_pages: int
-    kv_pages: int
-    adapter_pages: int
-    running: list[str]  # request ids in the running batch
-    waiting: list[str]  # request ids assigned but not yet running
-    resident: list[list]  # [[adapter name, version], ...]
-    finished: list[str] = field(default_factory=list)  # request ids that ended since the last report
-    evictable_pages: int = 0  # pages of cached adapters no request uses (reclaimable for KV)
-    tokens_per_page: int = 16
-    steps: int = 0
-    prefetch_hits: int = 0
-    prefetch_misses: int = 0
-    waste_fraction: float = 0.0
-    fatal: str | None = None  # set on the last report of a worker that is dying
+    max_batch_size: Count
+    total_pages: Count
+    free_pages: Count
+    kv_pages: Count
+    adapter_pages: Count
+    running: Ids  # request ids in the running batch
+    waiting: Ids  # request ids assigned but not yet running
+    resident: Annotated[list[AdapterRef], Limit(max_len=MAX_ADAPTERS)]  # [(adapter name, version), ...]
+    finished: Ids = field(default_factory=list)  # request ids that ended since the last report
+    evictable_pages: Count = 0  # pages of cached adapters no request uses (reclaimable for KV)
+    tokens_per_page: Annotated[int, Limit(1, 1 << 20)] = 16
+    steps: Count = 0
+    prefetch_hits: Count = 0
+    prefetch_misses: Count = 0
+    waste_fraction: Annotated[float, Limit(0.0, 1.0)] = 0.0
+    fatal: Text | None = None  # set on the last report of a worker that is dying
+
+    def check(self) -> None:
+        for name in ("free_pages", "kv_pages", "adapter_pages", "evictable_pages"):
+            if getattr(self, name) > self.total_pages:
+                raise WireError(f"WorkerReport.{name}: more than total_pages ({self.total_pages})")
 
 
 @dataclass
 class Assign(Message):
     TYPE: ClassVar[MsgType] = MsgType.ASSIGN
-    request_id: str
-    prompt_ids: list[int]
-    adapter: str | None
-    adapter_version: int
-    sampling: dict  # SamplingParams fields
-    reply_to: str  # the gateway's token sink
-    arrival: float  # unix seconds at the gateway
-    deadline: float | None = None  # unix seconds
-    queued_s: float = 0.0  # time spent in the scheduler's queue
-    trace: dict[str, str] = field(default_factory=dict)  # W3C trace context carrier
+    request_id: Id
+    prompt_ids: list[TokenId]
+    adapter: Id | None
+    adapter_version: Version
+    sampling: SamplingMap  # SamplingParams fields
+    reply_to: Endpoint  # the gateway's token sink
+    arrival: Seconds  # unix seconds at the gateway
+    deadline: Seconds | None = None  # unix seconds
+    queued_s: Seconds = 0.0  # time spent in the scheduler's queue
+    trace: TraceCarrier = field(default_factory=dict)  # W3C trace context carrier
 
 
 @dataclass
 class Cancel(Message):
     TYPE: ClassVar[MsgType] = MsgType.CANCEL
-    request_ids: list[str]
-    reason: str = ""
+    request_ids: Ids
+    reason: Text = ""
 
 
 @dataclass
 class Prefetch(Message):
     TYPE: ClassVar[MsgType] = MsgType.PREFETCH
-    adapters: list[list]  # [[name, version], ...], most urgent first
+    adapters: Annotated[list[AdapterRef], Limit(max_len=1024)]  # [(name, version), ...], most urgent first
 
 
 @dataclass
 class Tokens(Message):
     TYPE: ClassVar[MsgType] = MsgType.TOKENS
-    request_id: str
-    token_ids: list[int]
-    worker_id: str = ""
+    request_id: Id
+    token_ids: list[TokenId]
+    worker_id: Id = ""
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" when finished normally
-    error_status: str | None = None  # a grpc.StatusCode name when it failed
-    error: str | None = None
-    timings: dict = field(default_factory=dict)  # worker-side: queue_s, adapter_load_s, prefill_s, decode_s
+    finish_reason: Annotated[str, Limit(max_len=32)] | None = None  # "stop" | "length" when finished normally
+    error_status: Annotated[str, Limit(max_len=32)] | None = None  # a grpc.StatusCode name when it failed
+    error: Text | None = None
+    # worker-side: queue_s, adapter_load_s, prefill_s, decode_s, ...
+    timings: Annotated[dict[Id, Seconds], Limit(max_len=32)] = field(default_factory=dict)
 
 
 @dataclass
 class FetchAdapter(Message):
     TYPE: ClassVar[MsgType] = MsgType.FETCH_ADAPTER
-    name: str
-    version: int
-    trace: dict[str, str] = field(default_factory=dict)
+    name: Id
+    version: Version
+    trace: TraceCarrier = field(default_factory=dict)
 
 
 @dataclass
@@ -120,9 +185,9 @@ class AdapterFiles(Message):
     """Header in the map; the files' bytes in frames 2 (adapter_config.json) and 3 (weights)."""
 
     TYPE: ClassVar[MsgType] = MsgType.ADAPTER
-    name: str
-    version: int
-    weights_format: str  # "safetensors"
+    name: Id
+    version: Version
+    weights_format: Annotated[str, Limit(max_len=32)]  # "safetensors"
     config_json: bytes | memoryview = b""  # carried as a raw frame
     weights: bytes | memoryview = b""  # carried as a raw frame
     BUFFERS: ClassVar[tuple[str, ...]] = ("config_json", "weights")
@@ -131,10 +196,10 @@ class AdapterFiles(Message):
 @dataclass
 class FetchFailed(Message):
     TYPE: ClassVar[MsgType] = MsgType.FETCH_FAILED
-    name: str
-    version: int
-    status: str  # a grpc.StatusCode name
-    error: str
+    name: Id
+    version: Version
+    status: Annotated[str, Limit(max_len=32)]  # a grpc.StatusCode name
+    error: Text
 
 
 _TYPES: dict[int, type[Message]] = {
@@ -142,6 +207,7 @@ _TYPES: dict[int, type[Message]] = {
 }
 
 
+# ---- encoding and decoding --------------------------------------------------------------------
 def encode(message: Message) -> list[bytes | memoryview]:
     """Frames for `message`; send with send_multipart(frames, copy=False) to avoid copying buffers."""
     buffers = getattr(message, "BUFFERS", ())
@@ -154,35 +220,44 @@ def encode(message: Message) -> list[bytes | memoryview]:
 
 
 def decode(frames: list) -> Message:
-    """Parse frames (bytes, or zmq.Frame when received with copy=False) into a message."""
-    if len(frames) < 2:
-        raise WireError(f"a message needs at least 2 frames, got {len(frames)}")
-    kind = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+    """Parse frames (bytes, or zmq.Frame when received with copy=False) into a checked message.
+
+    Raises WireError, and nothing else, for anything that is not a valid message.
+    """
+    if not isinstance(frames, list | tuple) or len(frames) < 2:
+        raise WireError(f"a message needs at least 2 frames, got {len(frames) if isinstance(frames, list) else '?'}")
+    kind = _bytes(frames[0])
     if len(kind) != 1 or kind[0] not in _TYPES:
-        raise WireError(f"unknown message type {kind!r}")
+        raise WireError(f"unknown message type {kind[:8]!r}")
     cls = _TYPES[kind[0]]
-    try:
-        body = msgpack.unpackb(_bytes(frames[1]), raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated exception types
-        raise WireError(f"{cls.__name__}: body is not msgpack: {e}") from None
-    if not isinstance(body, dict):
-        raise WireError(f"{cls.__name__}: body must be a map")
     buffers = getattr(cls, "BUFFERS", ())
     if len(frames) != 2 + len(buffers):
         raise WireError(f"{cls.__name__}: expected {2 + len(buffers)} frames, got {len(frames)}")
+    try:
+        body = msgpack.unpackb(_bytes(frames[1]), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise WireError(f"{cls.__name__}: body is not msgpack: {type(e).__name__}") from None
+    if not isinstance(body, dict):
+        raise WireError(f"{cls.__name__}: body must be a map")
+    if any(name in body for name in buffers):
+        raise WireError(f"{cls.__name__}: buffers travel as frames, not in the map")
     for name, frame in zip(buffers, frames[2:], strict=True):
         body[name] = frame.buffer if hasattr(frame, "buffer") else frame
     return _build(cls, body)
 
 
-def _bytes(frame) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+def _bytes(frame: Any) -> bytes:
+    if hasattr(frame, "bytes"):
+        return frame.bytes
+    if isinstance(frame, bytes | bytearray | memoryview):
+        return bytes(frame)
+    raise WireError(f"a frame must be bytes, got {type(frame).__name__}")
 
 
 @functools.cache
 def _fields(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
     """(name, type hint, required) of every field; resolved once per message class."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     return tuple(
         (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
@@ -190,35 +265,154 @@ def _fields(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
 
 
 def _build(cls: type[Message], body: dict[str, Any]) -> Message:
+    fields = _fields(cls)
+    unknown = body.keys() - {name for name, _, _ in fields}
+    if unknown:
+        raise WireError(f"{cls.__name__}: unknown field {str(sorted(map(str, unknown))[0])[:64]!r}")
     values = {}
-    for name, hint, required in _fields(cls):
-        if name not in body:
-            if required:
-                raise WireError(f"{cls.__name__}: missing field {name!r}")
-            continue
-        value = body[name]
-        if not _matches(value, hint):
-            raise WireError(f"{cls.__name__}.{name}: unexpected {type(value).__name__} value")
-        values[name] = value
-    return cls(**values)
+    for name, hint, required in fields:
+        if name in body:
+            values[name] = _check(body[name], hint, f"{cls.__name__}.{name}")
+        elif required:
+            raise WireError(f"{cls.__name__}: missing field {name!r}")
+    message = cls(**values)
+    message.check()
+    return message
 
 
-def _matches(value: Any, hint: Any) -> bool:  # noqa: PLR0911 - one return per kind of type hint
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """`value` as the field will hold it (lists become tuples where the hint says tuple), or WireError."""
+    constraints: tuple[Any, ...] = ()
+    if typing.get_origin(hint) is Annotated:
+        hint, *extra = typing.get_args(hint)
+        constraints = tuple(extra)
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is memoryview:
-        return isinstance(value, memoryview)
-    base = origin or hint
-    if not isinstance(value, base):
-        return False
-    if origin is dict and typing.get_args(hint):  # parametrized maps are checked item by item
-        key_type, value_type = typing.get_args(hint)
-        return all(_matches(k, key_type) and _matches(v, value_type) for k, v in value.items())
-    return True
+        return _check_union(value, hint, constraints, where)
+    checker = _CHECKERS.get(origin or hint)
+    if checker is None:
+        raise TypeError(f"{where}: no wire check for {hint!r}")  # a bug in a message class, not in a peer
+    value = checker(value, hint, where)
+    for constraint in constraints:
+        _apply(constraint, value, where)
+    return value
+
+
+def _check_union(value: Any, hint: Any, constraints: tuple[Any, ...], where: str) -> Any:
+    for arm in typing.get_args(hint):
+        try:
+            checked = _check(value, arm, where)
+        except WireError:
+            continue
+        for constraint in constraints:
+            _apply(constraint, checked, where)
+        return checked
+    raise WireError(f"{where}: unexpected {type(value).__name__} value")
+
+
+def _apply(constraint: Any, value: Any, where: str) -> None:
+    if isinstance(constraint, Limit):
+        _within(value, constraint, where)
+    elif isinstance(constraint, Keys):
+        stray = next((k for k in value if k not in constraint.allowed), None)
+        if stray is not None:
+            raise WireError(f"{where}: unknown key {stray[:64]!r}")
+    elif isinstance(constraint, EndpointForm):
+        try:
+            check_endpoint(value)
+        except BadEndpointError as e:
+            raise WireError(f"{where}: {e}") from None
+
+
+def _within(value: Any, limit: Limit, where: str) -> None:
+    if isinstance(value, str | list | tuple | dict):
+        if limit.max_len is not None and len(value) > limit.max_len:
+            raise WireError(f"{where}: longer than {limit.max_len}")
+        return
+    if (limit.lo is not None and value < limit.lo) or (limit.hi is not None and value > limit.hi):
+        raise WireError(f"{where}: {value!r} is outside [{limit.lo}, {limit.hi}]")
+
+
+def _expect(value: Any, kinds: type | tuple[type, ...], where: str) -> None:
+    if not isinstance(value, kinds):
+        raise WireError(f"{where}: unexpected {type(value).__name__} value")
+
+
+def _check_none(value: Any, hint: Any, where: str) -> None:
+    if value is not None:
+        raise WireError(f"{where}: unexpected {type(value).__name__} value")
+
+
+def _check_bool(value: Any, hint: Any, where: str) -> bool:
+    _expect(value, bool, where)
+    return value
+
+
+def _check_int(value: Any, hint: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise WireError(f"{where}: unexpected bool value")
+    _expect(value, int, where)
+    _within(value, INT64, where)
+    return value
+
+
+def _check_float(value: Any, hint: Any, where: str) -> float:
+    if isinstance(value, bool):
+        raise WireError(f"{where}: unexpected bool value")
+    _expect(value, int | float, where)
+    value = float(value)  # msgpack ints fit a float's range (|x| < 2**64)
+    if not math.isfinite(value):
+        raise WireError(f"{where}: not a finite number")
+    return value
+
+
+def _check_str(value: Any, hint: Any, where: str) -> str:
+    _expect(value, str, where)
+    _within(value, Limit(max_len=MAX_TEXT), where)
+    return value
+
+
+def _check_buffer(value: Any, hint: Any, where: str) -> Any:
+    _expect(value, hint, where)
+    return value
+
+
+def _check_list(value: Any, hint: Any, where: str) -> list:
+    _expect(value, list, where)
+    _within(value, Limit(max_len=MAX_LIST), where)
+    (item,) = typing.get_args(hint) or (Any,)
+    return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _check_tuple(value: Any, hint: Any, where: str) -> tuple:
+    _expect(value, list | tuple, where)  # msgpack arrays decode as lists
+    items = typing.get_args(hint)
+    if len(items) == 2 and items[1] is Ellipsis:
+        items = (items[0],) * len(value)
+    if len(value) != len(items):
+        raise WireError(f"{where}: expected {len(items)} items, got {len(value)}")
+    return tuple(_check(v, h, f"{where}[{i}]") for i, (v, h) in enumerate(zip(value, items, strict=True)))
+
+
+def _check_dict(value: Any, hint: Any, where: str) -> dict:
+    _expect(value, dict, where)
+    _within(value, Limit(max_len=MAX_LIST), where)
+    key_hint, value_hint = typing.get_args(hint) or (str, Any)
+    return {
+        _check(k, key_hint, f"{where} key"): _check(v, value_hint, f"{where}[{str(k)[:32]!r}]")
+        for k, v in value.items()
+    }
+
+
+_CHECKERS: dict[Any, Any] = {
+    type(None): _check_none,
+    bool: _check_bool,
+    int: _check_int,
+    float: _check_float,
+    str: _check_str,
+    bytes: _check_buffer,
+    memoryview: _check_buffer,
+    list: _check_list,
+    tuple: _check_tuple,
+    dict: _check_dict,
+}

@@ -4,6 +4,12 @@ All state changes happen on one asyncio loop: a gRPC call or a worker message up
 policy, then `_run_round` executes the policy's decisions (send ASSIGN / CANCEL / PREFETCH to
 workers, tell gateways about failures). A timer runs a round every `tick_s` even when nothing
 arrives, so dead workers and expired deadlines are noticed.
+
+Nothing from outside reaches the policy unchecked: a Submit is validated here (INVALID_ARGUMENT
+naming the field) against the same limits a worker's decoder will apply to the ASSIGN built
+from it, and worker messages are checked by `wire.decode`; a bad one is logged (rate-limited per
+peer and kind) and dropped. The receive task and the round task run under
+`loraserve.supervise.run_tasks`: if either dies, `run` raises instead of leaving a zombie.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,7 +28,9 @@ from opentelemetry import trace
 
 from loraserve import telemetry
 from loraserve.convert import sampling_from_pb
+from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
+from loraserve.log_limit import RateLimitedLog
 from loraserve.scheduler import metrics
 from loraserve.scheduler.policy import (
     AssignTo,
@@ -32,9 +42,10 @@ from loraserve.scheduler.policy import (
     SchedulerPolicy,
     WorkerGone,
 )
-from loraserve.sockets import make_socket, send
+from loraserve.sockets import PushSockets, make_socket, send
+from loraserve.supervise import run_tasks
 from loraserve.v1 import scheduler_pb2
-from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
+from loraserve.wire import MAX_ID, MAX_LIST, Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,7 @@ class _Pending:
 
     submit: scheduler_pb2.SubmitRequest
     span: trace.Span  # "scheduler.queue", ended at placement
+    sampling: dict  # SamplingParams fields, validated at Submit
 
 
 class SchedulerLoop:
@@ -52,15 +64,18 @@ class SchedulerLoop:
         self.policy = policy
         self.ctx = zmq.asyncio.Context()
         self.workers = make_socket(self.ctx, zmq.ROUTER, bind=worker_address)
-        self.gateways: dict[str, zmq.asyncio.Socket] = {}
+        self.gateways = PushSockets(self.ctx)
         self.pending: dict[str, _Pending] = {}
         self.tick_s = tick_s
         self._wake = asyncio.Event()
+        self._dropped = RateLimitedLog(log)
 
     # ---- gRPC entry points (called by service.py) ----------------------------------------------
     def submit(self, request: scheduler_pb2.SubmitRequest, metadata) -> int:
-        if not request.request_id or request.request_id in self.pending or request.request_id in self.policy.placed:
-            raise InvalidRequestError("request_id", f"{request.request_id!r} is empty or already in use")
+        _check_submit(request)
+        if request.request_id in self.pending or request.request_id in self.policy.placed:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        sampling = asdict(sampling_from_pb(request.sampling, request.max_new_tokens, list(request.stop_token_ids)))
         now = time.time()
         queued = QueuedRequest(
             request_id=request.request_id,
@@ -80,7 +95,7 @@ class SchedulerLoop:
             span.end()
             raise
         span.set_attribute("loraserve.queue_position", position)
-        self.pending[request.request_id] = _Pending(request, span)
+        self.pending[request.request_id] = _Pending(request, span, sampling)
         self._wake.set()
         return position
 
@@ -94,17 +109,19 @@ class SchedulerLoop:
         return found
 
     # ---- the loop ------------------------------------------------------------------------------
-    async def run(self, stop: asyncio.Event) -> None:
-        receiver = asyncio.create_task(self._receive())
+    async def run(self, stop: asyncio.Event | threading.Event | None = None) -> None:
+        """Receive and schedule until `stop` is set (or cancelled); raises RoleFailed if either task dies."""
         try:
-            while not stop.is_set():
-                self._run_round()
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            await run_tasks({"receive worker messages": self._receive(), "scheduling rounds": self._rounds()}, stop)
         finally:
-            receiver.cancel()
             self.close()
+
+    async def _rounds(self) -> None:
+        while True:
+            self._run_round()
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
 
     async def _receive(self) -> None:
         while True:
@@ -113,10 +130,10 @@ class SchedulerLoop:
             try:
                 message = decode(body)
             except WireError as e:
-                log.warning("dropping a malformed message from %r: %s", identity, e)
+                self._dropped.warning(identity, "malformed message", "dropped: %s", e)
                 continue
             if not isinstance(message, WorkerReport) or message.worker_id.encode() != identity:
-                log.warning("dropping unexpected %s from %r", type(message).__name__, identity)
+                self._dropped.warning(identity, type(message).__name__, "dropped: workers send only their own reports")
                 continue
             known = message.worker_id in self.policy.workers
             self._execute(self.policy.on_report(message, time.time()))
@@ -163,7 +180,7 @@ class SchedulerLoop:
                 prompt_ids=list(submit.prompt_ids),
                 adapter=submit.adapter or None,
                 adapter_version=submit.adapter_version,
-                sampling=asdict(sampling_from_pb(submit.sampling, submit.max_new_tokens, list(submit.stop_token_ids))),
+                sampling=pending.sampling,
                 reply_to=submit.reply_to,
                 arrival=request.arrival,
                 deadline=request.deadline,
@@ -189,18 +206,13 @@ class SchedulerLoop:
         if pending is not None:
             pending.span.set_attribute("loraserve.failed", status)
             pending.span.end()
-        self.policy.placed.pop(request.request_id, None)
-        sock = self.gateways.get(request.reply_to)
-        if sock is None:
-            sock = self.gateways[request.reply_to] = make_socket(self.ctx, zmq.PUSH, connect=request.reply_to)
+        self.policy.forget(request.request_id)
         try:
             failure = Tokens(request.request_id, [], finished=True, error_status=status, error=message)
-            send(sock, failure, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning(
-                "gateway %s is not taking messages; dropped the failure of %s",
-                request.reply_to,
-                request.request_id,
+            send(self.gateways.get(request.reply_to), failure, flags=zmq.NOBLOCK)
+        except (zmq.ZMQError, BadEndpointError) as e:  # zmq.Again: the gateway is not taking messages
+            self._dropped.warning(
+                request.reply_to, "failure", "could not tell the gateway that %s failed: %s", request.request_id, e
             )
 
     def cluster_state(self) -> scheduler_pb2.ClusterState:
@@ -234,6 +246,24 @@ class SchedulerLoop:
         )
 
     def close(self) -> None:
-        for sock in [self.workers, *self.gateways.values()]:
-            sock.close(linger=0)
+        self.workers.close(linger=0)
+        self.gateways.close(linger_ms=0)
         self.ctx.term()
+
+
+def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
+    """Refuse what a worker's decoder would refuse in the ASSIGN, or what could not be delivered."""
+    if not request.request_id or len(request.request_id) > MAX_ID:
+        raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
+    if len(request.adapter) > MAX_ID:
+        raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
+    if len(request.prompt_ids) > MAX_LIST:
+        raise InvalidRequestError("prompt_ids", f"at most {MAX_LIST} tokens")
+    try:
+        check_endpoint(request.reply_to)
+    except BadEndpointError as e:
+        raise InvalidRequestError("reply_to", str(e)) from None
+    for name in ("deadline_unix", "arrival_unix"):
+        value = getattr(request, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidRequestError(name, f"must be a finite time in unix seconds (0: unset), got {value}")

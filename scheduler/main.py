@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 from loraserve import telemetry
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
 from loraserve.metrics import add_metrics_arguments
-from loraserve.process import run_service, until_stopped
+from loraserve.process import run_service
 from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
 from loraserve.scheduler.service import SchedulerService
+from loraserve.supervise import health_off, supervise
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
+    """Serve until `stop_event`; if the loop dies, health goes NOT_SERVING and RoleFailed (exit 1) follows."""
     policy = SchedulerPolicy(PolicyConfig(args.max_queue_length, args.worker_timeout, args.prefetch_depth))
     loop = SchedulerLoop(policy, args.worker_address)
     server, _ = new_server(args.bind)
@@ -43,13 +44,9 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     await server.start()
     await set_serving(health, [SERVICE], True)
     log.info("scheduler: gRPC on %s, workers on %s", args.bind, args.worker_address)
-    stop = asyncio.Event()
-    watcher = asyncio.create_task(until_stopped(stop_event))
-    watcher.add_done_callback(lambda _: stop.set())
     try:
-        await loop.run(stop)
+        await supervise("scheduler", {"scheduler loop": loop.run()}, stop_event, health_off(health, [SERVICE]))
     finally:
-        watcher.cancel()
         await server.stop(grace=1.0)
 
 

@@ -141,6 +141,13 @@ class SchedulerPolicy:
             return False, []
         return True, [CancelOn(placed[0], (request_id,), reason)]
 
+    def forget(self, request_id: str) -> None:
+        """A placed request ended outside the policy (its ASSIGN could not be sent): drop it from
+        `placed` and from its worker's assignments together, so neither keeps a dangling id."""
+        placed = self.placed.pop(request_id, None)
+        if placed is not None and placed[0] in self.workers:
+            self.workers[placed[0]].assigned.discard(request_id)
+
     def on_report(self, report: WorkerReport, now: float) -> list[Decision]:
         view = self.workers.get(report.worker_id)
         if view is None:
@@ -169,8 +176,9 @@ class SchedulerPolicy:
         self._prefetch_sent.pop(view.worker_id, None)
         decisions: list[Decision] = [WorkerGone(view.worker_id, reason)]
         for request_id in sorted(view.assigned):
-            _, request = self.placed.pop(request_id)
-            decisions.append(Fail(request, "UNAVAILABLE", f"{reason}; the request was lost, retry it"))
+            placed = self.placed.pop(request_id, None)
+            if placed is not None:
+                decisions.append(Fail(placed[1], "UNAVAILABLE", f"{reason}; the request was lost, retry it"))
         return decisions
 
     def _expire(self, now: float) -> list[Decision]:

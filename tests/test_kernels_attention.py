@@ -153,3 +153,21 @@ def test_decode_splits_policy():
         assert decode_splits(8, 4096, 64, cuda) == min(triton.cdiv(2 * sms, 8), 4096 // MIN_SPLIT_KEYS)
         assert decode_splits(4 * sms, 4096, 64, cuda) == 1
         assert decode_splits(8, MIN_SPLIT_KEYS - 1, 64, cuda) == 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stale_rows_past_the_context_do_not_leak(backend: str, kernel_device: str):
+    """A page's rows past its sequence's context hold what the page held before — another request's
+    values, NaN included (a request that broke down). They must not reach any output: a masked
+    weight of 0 times NaN is NaN, so masking the scores alone is not enough."""
+    case = make_attention_case(MIXED, 4, 2, 16, 4, torch.float32, device=kernel_device, seed=5)
+    write_kv_triton(case.pool_layer, case.k, case.v, case.batch)
+    attend = attention_torch if backend == "torch" else attention_triton
+    clean = attend(case.q, case.pool_layer, case.batch, 2, 0.25)
+    tp, table = case.batch.tokens_per_page, case.batch.page_table.cpu()
+    for b, ctx in enumerate(case.batch.context_lens):
+        for pos in range(ctx, triton.cdiv(ctx, tp) * tp):  # the rest of the sequence's last page
+            row = int(table[b, pos // tp]) * 2 * tp + pos % tp
+            case.pool_layer[row] = float("nan")  # K
+            case.pool_layer[row + tp] = float("nan")  # V
+    assert torch.equal(attend(case.q, case.pool_layer, case.batch, 2, 0.25), clean)

@@ -163,3 +163,17 @@ def test_prefetch_predictions_from_the_queue():
     [hint] = [d for d in policy.schedule(0.0) if isinstance(d, PrefetchOn)]
     assert hint == PrefetchOn("w", (("y", 2),))
     assert not [d for d in policy.schedule(0.1) if isinstance(d, PrefetchOn)], "unchanged hints are not resent"
+
+
+def test_a_request_whose_assign_failed_is_forgotten_by_its_worker_too():
+    """The loop could not send an ASSIGN and failed the request itself; when that worker is dropped
+    later, the policy must neither fail the request a second time nor crash on its missing entry."""
+    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+    policy.on_report(report("w"), 0.0)
+    policy.add(request("a"), 0.0)
+    assert assigned(policy.schedule(0.0)) == [("w", "a")]
+    policy.forget("a")  # what SchedulerLoop._fail does after the failed send
+    assert "a" not in policy.placed and "a" not in policy.workers["w"].assigned
+    decisions = policy.schedule(5.0)  # "w" went silent: dropped
+    assert [d.worker_id for d in decisions if isinstance(d, WorkerGone)] == ["w"]
+    assert not [d for d in decisions if isinstance(d, Fail)]

@@ -2,7 +2,8 @@
 
 `AdapterRegistry` holds validated adapters by name. Registering a name again makes a new
 version; requests keep the version they started with, and an old version is dropped once no
-request holds it.
+request holds it. On a worker it is an LRU cache with a byte budget (`--adapter-cache-gb`):
+versions no request holds are evicted past it, and fetched from the adapter store again.
 
 `AdapterLoader` copies an adapter's packed rows into the pages the step scheduler gave it,
 either right away (a miss: the step waits) or in the background (a prefetch, on its own CUDA
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -32,13 +34,29 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Entry:
     adapter: LoraAdapter
+    nbytes: int
     holders: int = 0  # requests that hold this version
 
 
 class AdapterRegistry:
-    def __init__(self) -> None:
-        self._versions: dict[AdapterKey, _Entry] = {}
+    """Validated adapters in host RAM, by (name, version), within an optional byte budget.
+
+    With `budget_bytes` set (a worker: the adapter store is the source of truth) the registry is
+    an LRU cache: registering past the budget drops the least recently used versions no request
+    holds, oldest first, and a dropped version is simply fetched again when next needed. Held
+    versions are never dropped, so while every cached version is held the registry may run over
+    its budget; it comes back under as requests release them. Without a budget (the offline
+    engine, whose adapters have nowhere to be fetched back from) nothing is ever evicted.
+    """
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._versions: OrderedDict[AdapterKey, _Entry] = OrderedDict()  # least recently used first
         self._latest: dict[str, int] = {}
+        self._bytes = 0
+        self.evictions = 0
         self._lock = threading.Lock()
 
     def register(self, name: str, adapter: LoraAdapter, version: int | None = None) -> AdapterKey:
@@ -46,11 +64,15 @@ class AdapterRegistry:
         with self._lock:
             version = version if version is not None else self._latest.get(name, 0) + 1
             key = (name, version)
-            self._versions[key] = _Entry(adapter)
+            replaced = self._versions.get(key)
+            self._remove(key)
+            self._versions[key] = _Entry(adapter, adapter.nbytes, replaced.holders if replaced else 0)
+            self._bytes += adapter.nbytes
             previous = self._latest.get(name)
             self._latest[name] = version
             if previous is not None and previous != version:
                 self._drop_if_unused((name, previous))
+            self._evict_over_budget(keep=key)
             return key
 
     def unregister(self, name: str) -> None:
@@ -63,7 +85,30 @@ class AdapterRegistry:
     def _drop_if_unused(self, key: AdapterKey) -> None:
         entry = self._versions.get(key)
         if entry is not None and entry.holders == 0 and self._latest.get(key[0]) != key[1]:
-            del self._versions[key]
+            self._remove(key)
+
+    def _remove(self, key: AdapterKey) -> None:
+        entry = self._versions.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+
+    def _evict_over_budget(self, keep: AdapterKey | None = None) -> None:
+        """Drop unheld versions, least recently used first, until the cache fits its budget."""
+        if self.budget_bytes is None:
+            return
+        for key in [k for k, e in self._versions.items() if e.holders == 0 and k != keep]:
+            if self._bytes <= self.budget_bytes:
+                return
+            self._remove(key)
+            if self._latest.get(key[0]) == key[1]:
+                del self._latest[key[0]]  # the name is unknown here until fetched again
+            self.evictions += 1
+            log.info("adapter cache: evicted %s v%d (over the %d-byte budget)", key[0], key[1], self.budget_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Host RAM held by cached adapter weights."""
+        return self._bytes
 
     def latest(self, name: str) -> AdapterKey:
         version = self._latest.get(name)
@@ -78,13 +123,16 @@ class AdapterRegistry:
         return self._versions[key].adapter
 
     def hold(self, key: AdapterKey) -> None:
+        """Pin a version for a request (and mark it most recently used) until `release`."""
         with self._lock:
             self._versions[key].holders += 1
+            self._versions.move_to_end(key)
 
     def release(self, key: AdapterKey) -> None:
         with self._lock:
             self._versions[key].holders -= 1
             self._drop_if_unused(key)
+            self._evict_over_budget()
 
     def is_current(self, key: AdapterKey) -> bool:
         return self._latest.get(key[0]) == key[1]
@@ -146,8 +194,9 @@ class AdapterLoader:
             layer_flags=[layer in adapter.layers for layer in range(self.layout.num_layers)],
         )  # fmt: skip
 
-    def _copy(self, resident: Resident) -> None:
-        rows = self.registry.get(resident.key).pack(self.layout, self.model, self.pool.dtype)
+    def _copy(self, resident: Resident, adapter: LoraAdapter) -> None:
+        """Pack and copy; takes the adapter itself, as a prefetch's copy may outlive its registry entry."""
+        rows = adapter.pack(self.layout, self.model, self.pool.dtype)
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         self.pool.index_copy_(1, resident.row_index, rows)
@@ -156,7 +205,7 @@ class AdapterLoader:
         """Copy an adapter into its freshly allocated pages before this step runs (a miss)."""
         start = time.perf_counter()
         resident = self._resident(key, pages)
-        self._copy(resident)
+        self._copy(resident, self.registry.get(key))
         self.resident[key] = resident
         self.stats.misses += 1
         self.stats.loads += 1
@@ -166,14 +215,15 @@ class AdapterLoader:
         """Start copying an adapter into its pages in the background."""
         resident = self._resident(key, pages)
         resident.prefetched = True
+        adapter = self.registry.get(key)  # the copy keeps this reference: evicting the entry cannot break it
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                self._copy(resident)
+                self._copy(resident, adapter)
                 resident.ready = torch.cuda.Event()
                 resident.ready.record(self._stream)
         else:
-            resident.ready = self._executor.submit(self._copy, resident)
+            resident.ready = self._executor.submit(self._copy, resident, adapter)
         self.resident[key] = resident
         self.stats.prefetches += 1
         self.stats.loads += 1

@@ -13,8 +13,14 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.sampling import SamplingParams
 
+WORKER_ADAPTER_CACHE_GB = 4.0  # a worker's default: thousands of typical adapters, bounded all the same
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, adapter_cache_gb: float | None = WORKER_ADAPTER_CACHE_GB
+) -> None:
+    """The engine's flags. `adapter_cache_gb=None` leaves out --adapter-cache-gb: an engine without an
+    adapter store to fetch evicted adapters back from (`loraserve generate`) must keep them all."""
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model",
@@ -37,6 +43,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefetch", action=argparse.BooleanOptionalAction, default=True, help="prefetch predicted adapters"
     )
+    if adapter_cache_gb is not None:
+        g.add_argument(
+            "--adapter-cache-gb", type=float, default=adapter_cache_gb,
+            help="host RAM for fetched adapters, GiB; least recently used ones no request holds are evicted past it "
+            "and fetched from the adapter store again when needed",
+        )  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -54,7 +66,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_pool_memory_gb=args.cpu_pool_memory_gb,
         prefetch=args.prefetch,
+        adapter_cache_bytes=_gib_to_bytes(getattr(args, "adapter_cache_gb", None)),
     )
+
+
+def _gib_to_bytes(gib: float | None) -> int | None:
+    return None if gib is None else int(gib * 2**30)
 
 
 def parse_adapter_specs(specs: list[str]) -> dict[str, Path]:
@@ -69,7 +86,7 @@ def parse_adapter_specs(specs: list[str]) -> dict[str, Path]:
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, adapter_cache_gb=None)
     parser.add_argument("prompt", help="prompt text ('-' reads standard input)")
     parser.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
     parser.add_argument(

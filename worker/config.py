@@ -30,6 +30,7 @@ class EngineConfig:
     prefetch_depth: int = 16  # waiting requests looked at when predicting adapters
     prefetch_reserve: float = 0.10  # share of pages prefetch leaves free for KV growth
     seed: int = 0  # seeds requests that carry no seed of their own, in arrival order
+    adapter_cache_bytes: int | None = None  # host RAM for adapter weights (LRU); None: keep every adapter
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -56,6 +57,8 @@ class EngineConfig:
             bad("prefetch_reserve", "must be in [0, 1)")
         if self.max_model_len is not None and self.max_model_len < 2:
             bad("max_model_len", "must be >= 2")
+        if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:
+            bad("adapter_cache_bytes", "must be >= 0, or unset to keep every adapter")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -49,6 +49,15 @@ class StepOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_status: str = "RESOURCE_EXHAUSTED"  # the grpc.StatusCode name for an ERROR finish
+
+
+# A request whose logits are NaN or infinite (or whose probabilities are not a distribution) ends
+# with this; the others in its batch go on.
+NON_FINITE_ERROR = (
+    "the model produced non-finite logits for this request (NaN or infinity), so no token can be "
+    "sampled; its adapter's weights are the likely cause: check them, or run without the adapter"
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class Engine:
         )
         fraction = config.adapter_pool_fraction
         self.pages = PagePool(self.layout, max(1, int(self.layout.num_pages * fraction)) if fraction else None)
-        self.registry = AdapterRegistry()
+        self.registry = AdapterRegistry(budget_bytes=config.adapter_cache_bytes)
         self.loader = AdapterLoader(self.registry, self.pool, self.layout, self.model_config)
         self.scheduler = StepScheduler(
             self.pages, self.loader.footprint, config.max_batch_size, config.max_batched_tokens
@@ -304,8 +313,14 @@ class Engine:
         )
         now = time.monotonic()
         for request, _ in plan.scheduled:
-            token = sampled.get(request.request_id)
+            if request.request_id not in sampled:
+                continue  # a prefill chunk that does not end its prompt
+            token = sampled[request.request_id]
             if token is None:
+                log.warning("request %s (adapter %s): non-finite logits, ended", request.request_id, request.adapter)
+                outputs.append(
+                    self._finish(request.request_id, FinishReason.ERROR, NON_FINITE_ERROR, status="FAILED_PRECONDITION")
+                )
                 continue
             request.output_ids.append(token)
             request.first_token = request.first_token or now
@@ -324,14 +339,17 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request_id: str, reason: FinishReason, error: str | None, tokens=()) -> StepOutput:
+    def _finish(
+        self, request_id: str, reason: FinishReason, error: str | None, tokens=(), status: str = "RESOURCE_EXHAUSTED"
+    ) -> StepOutput:
+        """End a request and free what it holds; `status` is the gRPC status of an ERROR finish."""
         request = self.requests.pop(request_id)
         self.scheduler.finish(request, reason, error)
         request.finished_at = time.monotonic()
         if request.adapter is not None:
             self.registry.release(request.adapter)
             self._drop_if_stale(request.adapter)
-        return StepOutput(request_id, list(tokens), True, reason, error)
+        return StepOutput(request_id, list(tokens), True, reason, error, status)
 
     def _settle_prefetches(self) -> None:
         for key in [k for k in self._prefetching if self.loader.copy_done(k)]:

@@ -65,7 +65,11 @@ def main(args: argparse.Namespace) -> int:
         except LoraserveError as e:  # a bad model directory, flag or port: a message, not a traceback
             log.error("worker %s: %s", worker_id, e)
             return 1
-        service.run(stop)
+        try:
+            service.run(stop)
+        except Exception:  # logged with its traceback by service.run, which also told the scheduler
+            log.critical("worker %s stopped on an unexpected error", worker_id)
+            return 1
     finally:
         telemetry.shutdown_tracing()
     return 0

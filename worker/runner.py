@@ -31,8 +31,11 @@ class ModelRunner:
         self._c_out = tuple(ceil_div(d, w) for d in self._d_out)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], page_pool: PagePool, residents: dict) -> dict[str, int]:
-        """Run the step; returns the sampled token of every request whose known tokens are now all computed."""
+    def execute(
+        self, scheduled: list[tuple[Request, int]], page_pool: PagePool, residents: dict
+    ) -> dict[str, int | None]:
+        """Run the step; returns the sampled token of every request whose known tokens are now all
+        computed (None where its logits were not finite: see `sample`)."""
         ids: list[int] = []
         positions: list[int] = []
         for request, n in scheduled:

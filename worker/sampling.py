@@ -55,20 +55,37 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     history: list[tuple[list[int], list[int]]],
-) -> list[int]:
-    """One token per row. logits: float32 [N, vocab]; history[i] = (prompt ids, output ids so far)."""
+) -> list[int | None]:
+    """One token per row; None for a row whose numbers broke down, which raises nothing, so the
+    other rows are sampled as if it were not there.
+
+    A row breaks down when its logits are not all finite (NaN or ±inf: e.g. under a corrupt
+    adapter) or when its probabilities are not a distribution (finite logits so large that
+    logits / temperature overflows). Validation keeps sampling values where that cannot happen
+    for sane logits; this is the guard for everything else, because torch.multinomial raises on
+    such a row and would take the whole batch, and the worker, down with it.
+
+    logits: float32 [N, vocab]; history[i] = (prompt ids, output ids so far).
+    """
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if penalized:
         logits = logits.clone()
         _apply_penalties(logits, penalized, params, history)
-    tokens = logits.argmax(-1).tolist()
+    finite = torch.isfinite(logits).all(-1).tolist()
+    tokens: list[int | None] = logits.argmax(-1).tolist()
     for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        filtered = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(filtered, -1)
-        gen = generators[row]
-        if gen is not None and gen.device != probs.device:
-            probs = probs.to(gen.device)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        if not finite[row]:
+            tokens[row] = None
+        elif not p.greedy:
+            tokens[row] = _draw(logits[row], p, generators[row])
     return tokens
+
+
+def _draw(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int | None:
+    """A token drawn from one row's filtered distribution; None if it is not a distribution."""
+    probs = torch.softmax(_filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p), -1)
+    if not (torch.isfinite(probs).all() and probs.sum() > 0):
+        return None
+    if gen is not None and gen.device != probs.device:
+        probs = probs.to(gen.device)
+    return int(torch.multinomial(probs, 1, generator=gen).item())

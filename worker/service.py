@@ -6,6 +6,11 @@ from the adapter store, aborts requests whose deadline passed, runs a step, stre
 tokens to each request's gateway and reports its state to the scheduler. Fetching (network +
 validation) never happens on the step loop; prefetched adapters are copied into the pool in the
 background by the engine.
+
+Scheduler messages are checked by `wire.decode` (types, lengths, ranges, the reply_to endpoint)
+before they touch anything; a bad one is logged (rate-limited) and dropped, and an ASSIGN whose
+sampling values SamplingParams refuses ends that request with INVALID_ARGUMENT. A gateway
+address that cannot be connected to loses that request's tokens, never the worker.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from opentelemetry import trace
 
 from loraserve import telemetry
 from loraserve.adapter_store.client import AdapterFetcher
-from loraserve.errors import LoraserveError
+from loraserve.errors import InvalidRequestError, LoraserveError
+from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
-from loraserve.sockets import make_socket, send
+from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
 from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
 from loraserve.worker import metrics
 from loraserve.worker.adapters import load_adapter_bytes
@@ -73,7 +79,8 @@ class WorkerService:
         self.engine, self.config = engine, config
         self.ctx = zmq.Context()
         self.scheduler = make_socket(self.ctx, zmq.DEALER, connect=config.scheduler_address, identity=config.worker_id)
-        self.gateways: dict[str, zmq.Socket] = {}
+        self.gateways = PushSockets(self.ctx)
+        self._dropped = RateLimitedLog(log)
         self.tracked: dict[str, _Tracked] = {}
         self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
         self.fetched: queue.Queue[_Fetched] = queue.Queue()
@@ -132,7 +139,7 @@ class WorkerService:
             try:
                 message = decode(frames)
             except WireError as e:
-                log.warning("dropping a malformed scheduler message: %s", e)
+                self._dropped.warning("scheduler", "malformed message", "dropped: %s", e)
                 continue
             if isinstance(message, Assign):
                 self._on_assign(message)
@@ -140,11 +147,14 @@ class WorkerService:
                 for request_id in message.request_ids:
                     self._cancel(request_id, message.reason)
             elif isinstance(message, Prefetch):
-                self._on_prefetch([(str(n), int(v)) for n, v in message.adapters])
+                self._on_prefetch(list(message.adapters))
             else:
-                log.warning("dropping unexpected %s from the scheduler", type(message).__name__)
+                self._dropped.warning("scheduler", type(message).__name__, "dropped: not a scheduler message")
 
     def _on_assign(self, assign: Assign) -> None:
+        if assign.request_id in self.tracked:
+            self._dropped.warning("scheduler", "Assign", "dropped: %s is already assigned here", assign.request_id)
+            return
         tracked = _Tracked(assign, time.time(), telemetry.context_from(assign.trace))
         self.tracked[assign.request_id] = tracked
         key = (assign.adapter, assign.adapter_version) if assign.adapter else None
@@ -162,7 +172,7 @@ class WorkerService:
     def _start(self, tracked: _Tracked) -> None:
         a = tracked.assign
         try:
-            sampling = SamplingParams(**{**a.sampling, "stop_token_ids": tuple(a.sampling.get("stop_token_ids", ()))})
+            sampling = _sampling(a.sampling)
             key = (a.adapter, a.adapter_version) if a.adapter else None
             tracked.request = self.engine.add_request(a.prompt_ids, sampling, key, a.request_id)
         except LoraserveError as e:
@@ -261,7 +271,7 @@ class WorkerService:
             elif out.finish_reason is FinishReason.CANCELLED:
                 self._end(out.request_id, error_status="CANCELLED", error="cancelled")
             else:
-                self._end(out.request_id, error_status="RESOURCE_EXHAUSTED", error=out.error or "failed")
+                self._end(out.request_id, error_status=out.error_status, error=out.error or "failed")
 
     def _end(self, request_id: str, tokens=(), finish_reason=None, error_status=None, error=None) -> None:
         tracked = self.tracked.pop(request_id, None)
@@ -277,14 +287,11 @@ class WorkerService:
 
     def _send(self, tracked: _Tracked, message: Tokens) -> None:
         address = tracked.assign.reply_to
-        sock = self.gateways.get(address)
-        if sock is None:
-            sock = self.gateways[address] = make_socket(self.ctx, zmq.PUSH, connect=address)
         try:
-            send(sock, message, flags=zmq.NOBLOCK)
+            send(self.gateways.get(address), message, flags=zmq.NOBLOCK)
             tracked.sent_tokens += len(message.token_ids)
-        except zmq.Again:  # the gateway is gone or stuck: stop spending compute on it
-            log.warning("gateway %s is not taking tokens; aborting %s", address, message.request_id)
+        except (zmq.ZMQError, BadEndpointError) as e:  # gone, stuck or unreachable: stop spending compute on it
+            self._dropped.warning(address, "tokens", "not taken (%s); aborting %s", e, message.request_id)
             if tracked.request is not None and not message.finished:
                 self.engine.abort(message.request_id)
 
@@ -360,7 +367,15 @@ class WorkerService:
 
     def close(self) -> None:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
-        for sock in [self.scheduler, *self.gateways.values()]:
-            sock.close(linger=200)
+        self.scheduler.close(linger=200)
+        self.gateways.close(linger_ms=200)
         self.ctx.term()
         self.engine.close()
+
+
+def _sampling(fields: dict) -> SamplingParams:
+    """SamplingParams from an ASSIGN's map (keys checked by the decoder; values by SamplingParams)."""
+    try:
+        return SamplingParams(**{**fields, "stop_token_ids": tuple(fields.get("stop_token_ids") or ())})
+    except (TypeError, ValueError) as e:  # a None or list where a number belongs
+        raise InvalidRequestError("sampling", f"malformed sampling parameters: {e}") from None

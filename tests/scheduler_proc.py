@@ -1,0 +1,131 @@
+"""A real scheduler process and a fake worker on a real ZMQ DEALER, for robustness tests.
+
+The fake worker speaks the protocol exactly (a heartbeat WorkerReport every 0.1 s, ASSIGN
+messages collected), so a test can check that the scheduler still places requests after it was
+sent malicious messages, without paying for a model.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loraserve.launcher import free_port_block
+from loraserve.sockets import make_socket, send
+from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from loraserve.wire import Assign, WireError, WorkerReport, decode
+
+
+def report(worker_id: str, **changes) -> WorkerReport:
+    fields = dict(worker_id=worker_id, ready=True, max_batch_size=64, total_pages=10_000, free_pages=10_000,
+                  kv_pages=0, adapter_pages=0, running=[], waiting=[], resident=[])  # fmt: skip
+    return WorkerReport(**{**fields, **changes})
+
+
+class SchedulerProcess:
+    """`loraserve scheduler` as a child process on free loopback ports."""
+
+    def __init__(self, worker_timeout: float = 1.0, prelude: str = ""):
+        base = free_port_block(2)
+        self.grpc_address = f"127.0.0.1:{base}"
+        self.worker_address = f"tcp://127.0.0.1:{base + 1}"
+        args = ["--log-level", "WARNING", "scheduler", "--bind", self.grpc_address,
+                "--worker-address", self.worker_address, "--worker-timeout", str(worker_timeout)]  # fmt: skip
+        # `prelude` runs first in the child (a test's fault injection), then the real CLI.
+        code = f"import sys\n{prelude}\nfrom loraserve.cli import main\nsys.exit(main({args!r}))"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.channel = grpc.insecure_channel(self.grpc_address)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def status(self, timeout: float = 2.0):
+        return self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+
+    def wait_serving(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()
+            try:
+                if self.status() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the scheduler did not become SERVING")
+
+    def submit(self, request_id: str, reply_to: str, adapter: str = "", **fields) -> scheduler_pb2.SubmitResponse:
+        request = scheduler_pb2.SubmitRequest(request_id=request_id, prompt_ids=[1, 2, 3], max_new_tokens=4,
+                                              reply_to=reply_to, adapter=adapter, adapter_version=1 if adapter else 0,
+                                              arrival_unix=time.time(), **fields)  # fmt: skip
+        return self.stub.Submit(request, timeout=5)
+
+    def wait_worker(self, worker_id: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = self.stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=5)
+            if any(w.worker_id == worker_id and w.ready for w in state.workers):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"worker {worker_id} did not register")
+
+    def output(self) -> str:
+        if self.process.poll() is None:
+            return "(still running)"
+        return self.process.stdout.read()
+
+    def stop(self) -> None:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class FakeWorker:
+    """A DEALER with a worker identity: heartbeats a ready report, collects the ASSIGNs it gets."""
+
+    def __init__(self, address: str, worker_id: str = "w1"):
+        self.ctx = zmq.Context()
+        self.worker_id = worker_id
+        self.sock = make_socket(self.ctx, zmq.DEALER, connect=address, identity=worker_id)
+        self.assigned: list[Assign] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            send(self.sock, report(self.worker_id))
+            while self.sock.poll(100):
+                try:
+                    message = decode(self.sock.recv_multipart())
+                except WireError:
+                    continue
+                if isinstance(message, Assign):
+                    self.assigned.append(message)
+
+    def wait_assigned(self, request_id: str, timeout_s: float = 5.0) -> Assign:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [a for a in self.assigned if a.request_id == request_id]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise TimeoutError(f"{request_id} was not assigned to {self.worker_id}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,111 @@
+"""Sampling values that pass as numbers but break the arithmetic are refused; the sampler never raises.
+
+A float32 subnormal temperature (1.4e-45 and anything up to ~1e-38) used to pass validation and
+then overflow logits / temperature to infinity, so torch.multinomial raised and the worker died.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loraserve.errors import InvalidRequestError
+from loraserve.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
+from loraserve.worker.sampling import SamplingParams, sample
+
+
+@pytest.mark.parametrize("temperature", [1.4e-45, 1e-38, 1e-10, MIN_TEMPERATURE / 2, -1.0, float("nan"), 101.0])
+def test_meaningless_temperatures_are_refused(temperature: float):
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=temperature)
+
+
+@pytest.mark.parametrize("penalty", [1.4e-45, 1e-30, MIN_REPETITION_PENALTY / 2, 0.0, 11.0])
+def test_meaningless_repetition_penalties_are_refused(penalty: float):
+    with pytest.raises(InvalidRequestError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=penalty)
+
+
+@given(
+    temperature=st.one_of(st.just(0.0), st.floats(MIN_TEMPERATURE, 100.0)),
+    penalty=st.floats(MIN_REPETITION_PENALTY, 10.0),
+    scale=st.floats(1e-3, 1e4),
+)
+def test_every_accepted_value_samples_a_token(temperature: float, penalty: float, scale: float):
+    """Any accepted setting on logits of any realistic size gives a token, never an error."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * scale
+    params = [SamplingParams(temperature=temperature, repetition_penalty=penalty, top_p=0.9, seed=1)] * 2
+    history = [([1, 2, 3], [4]), ([5], [])]
+    tokens = sample(logits, params, [torch.Generator().manual_seed(1), None], history)
+    assert all(isinstance(t, int) and 0 <= t < 50 for t in tokens)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison: float):
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.7, seed=4), SamplingParams()]
+    history = [([1], []), ([2], []), ([3], [])]
+
+    def run(x: torch.Tensor) -> list:
+        gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4), None]
+        return sample(x, params, gens, history)
+
+    expected = run(logits)
+    poisoned = logits.clone()
+    poisoned[1, 7] = poison
+    tokens = run(poisoned)
+    assert tokens[1] is None
+    assert tokens[0] == expected[0] and tokens[2] == expected[2]
+
+
+def test_a_subnormal_temperature_from_the_wire_is_invalid_argument():
+    """The gateway's path: the proto's float32 field holds 1.4e-45 exactly; it must not get past conversion."""
+    from loraserve.convert import sampling_from_pb
+    from loraserve.v1 import common_pb2
+
+    pb = common_pb2.SamplingParameters(temperature=1.4e-45)
+    assert 0.0 < pb.temperature < 1e-38  # the value really reaches the server as a subnormal
+    with pytest.raises(InvalidRequestError, match="temperature") as caught:
+        sampling_from_pb(pb, max_new_tokens=4, stop_token_ids=[])
+    assert caught.value.status == "INVALID_ARGUMENT"
+
+
+def _unchecked(params: SamplingParams, **values) -> SamplingParams:
+    """`params` with fields set past validation, as a bug or a future field could let through."""
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": 1.4e-45},
+        {"temperature": 1.4e-45, "top_k": 5, "top_p": 0.5},
+        {"temperature": 0.7, "repetition_penalty": 1e-45},
+    ],
+    ids=["subnormal-temperature", "subnormal-temperature-top-k-top-p", "subnormal-repetition-penalty"],
+)
+def test_the_engine_survives_sampling_values_past_validation(tiny_model, bad: dict):
+    """The sampler is the last guard: a request whose numbers overflow ends alone with an error;
+    the worker does not die and the other requests' tokens are those of a run without it."""
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine, FinishReason, GenerateRequest
+
+    engine = Engine(tiny_model, EngineConfig(device="cpu", dtype="float32", pool_pages=128, rows_per_page=8))
+    good = [
+        GenerateRequest(prompt_ids=[1, 5, 9], sampling=SamplingParams(max_new_tokens=4, ignore_eos=True)),
+        GenerateRequest(
+            prompt_ids=[1, 7], sampling=SamplingParams(max_new_tokens=4, temperature=0.8, seed=5, ignore_eos=True)
+        ),
+    ]
+    alone = engine.generate(good)
+    poisoned = GenerateRequest(
+        prompt_ids=[1, 2, 3], sampling=_unchecked(SamplingParams(max_new_tokens=4, seed=6, ignore_eos=True), **bad)
+    )
+    mixed = engine.generate([good[0], poisoned, good[1]])
+    assert mixed[1].finish_reason == FinishReason.ERROR and "non-finite" in (mixed[1].error or "")
+    assert [r.token_ids for r in (mixed[0], mixed[2])] == [r.token_ids for r in alone]
+    assert all(r.error is None for r in (mixed[0], mixed[2]))
