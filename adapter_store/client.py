@@ -14,6 +14,7 @@ import time
 import zmq
 
 from loraserve import errors
+from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket, send
 from loraserve.wire import AdapterFiles, FetchAdapter, FetchFailed, WireError, decode
 
@@ -40,6 +41,7 @@ class AdapterFetcher:
         self.address, self.timeout_s = address, timeout_s
         self._ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._dropped = RateLimitedLog(log)  # a store sending garbage must not flood the worker's log
 
     def fetch(self, name: str, version: int, trace: dict[str, str] | None = None) -> tuple[bytes, memoryview, str]:
         """(adapter_config.json bytes, weights, weights format) of one adapter version.
@@ -62,7 +64,7 @@ class AdapterFetcher:
             try:
                 reply = decode(sock.recv_multipart(copy=False))
             except WireError as e:
-                log.warning("dropped a malformed reply from the adapter store: %s", e)
+                self._dropped.warning(self.address, "malformed reply", "dropped: %s", e)
                 continue
             if not isinstance(reply, AdapterFiles | FetchFailed) or (reply.name, reply.version) != (name, version):
                 log.debug("dropped a late or unexpected %s reply", type(reply).__name__)

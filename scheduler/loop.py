@@ -257,8 +257,8 @@ def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
     if len(request.adapter) > MAX_ID:
         raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
-    if len(request.prompt_ids) > MAX_LIST:
-        raise InvalidRequestError("prompt_ids", f"at most {MAX_LIST} tokens")
+    if not 1 <= len(request.prompt_ids) <= MAX_LIST:
+        raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {len(request.prompt_ids)}")
     try:
         check_endpoint(request.reply_to)
     except BadEndpointError as e:

@@ -100,6 +100,7 @@ class FakeWorker:
         self.worker_id = worker_id
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=address, identity=worker_id)
         self.assigned: list[Assign] = []
+        self.malformed = 0  # messages from the scheduler that wire.decode refused
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -111,6 +112,7 @@ class FakeWorker:
                 try:
                     message = decode(self.sock.recv_multipart())
                 except WireError:
+                    self.malformed += 1
                     continue
                 if isinstance(message, Assign):
                     self.assigned.append(message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import hashlib
 import io
 import json
@@ -344,3 +345,28 @@ def test_fetcher_times_out_and_never_takes_a_late_reply_for_the_next_fetch():
     finally:
         fetcher.close()
         router.close()
+
+
+def test_a_store_flooding_malformed_replies_cannot_flood_the_fetchers_log(caplog):
+    ctx = zmq.Context.instance()
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    fetcher = AdapterFetcher(router.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=5)
+
+    def answer():
+        peer, *frames = router.recv_multipart()
+        request = decode(frames)
+        for i in range(200):
+            router.send_multipart([peer, b"\xff", b"garbage %d" % i])
+        send(router, AdapterFiles(request.name, request.version, "safetensors", b"{}", b"real"), to=peer)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="loraserve.adapter_store.client"):
+            assert bytes(fetcher.fetch("a", 1)[1]) == b"real"
+    finally:
+        thread.join()
+        fetcher.close()
+        router.close()
+    dropped = [r for r in caplog.records if "malformed reply" in r.getMessage()]
+    assert 1 <= len(dropped) <= 5, f"{len(dropped)} log lines for 200 malformed replies"

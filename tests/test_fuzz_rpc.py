@@ -21,10 +21,12 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scheduler_proc import FakeWorker, SchedulerProcess
 from stack import LocalStack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.v1 import gateway_pb2
+from loraserve.params import SamplingParams
+from loraserve.v1 import gateway_pb2, scheduler_pb2
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "25"))
@@ -123,18 +125,18 @@ def stack():
     stack.stop()
 
 
-def _call(stack, method, request: bytes, streaming_request: bool = False) -> None:
+def _call(channel: grpc.Channel, method, request: bytes, service=SERVICE) -> None:
     """One raw call; asserts the properties on its outcome."""
-    path = f"/{SERVICE.full_name}/{method.name}"
+    path = f"/{service.full_name}/{method.name}"
     started = time.monotonic()
     try:
         if method.client_streaming:
-            stack.channel.stream_unary(path)(iter([request]), timeout=DEADLINE_S)
+            channel.stream_unary(path)(iter([request]), timeout=DEADLINE_S)
         elif method.server_streaming:
-            for _ in stack.channel.unary_stream(path)(request, timeout=DEADLINE_S):
+            for _ in channel.unary_stream(path)(request, timeout=DEADLINE_S):
                 pass
         else:
-            stack.channel.unary_unary(path)(request, timeout=DEADLINE_S)
+            channel.unary_unary(path)(request, timeout=DEADLINE_S)
     except grpc.RpcError as e:
         assert e.code() not in FORBIDDEN, f"{method.name}({request[:200]!r}) -> {e.code().name}: {e.details()}"
     assert time.monotonic() - started < DEADLINE_S + 2, f"{method.name} outlived its deadline"
@@ -145,7 +147,7 @@ def test_random_valid_typed_requests_never_fail_internally(stack, method):
     @FUZZ
     @given(messages(method.input_type))
     def check(message):
-        _call(stack, method, message.SerializeToString())
+        _call(stack.channel, method, message.SerializeToString())
 
     check()
 
@@ -162,7 +164,7 @@ def test_raw_bytes_never_fail_internally(stack, method):
     @FUZZ
     @given(_RAW)
     def check(raw):
-        _call(stack, method, raw)
+        _call(stack.channel, method, raw)
 
     check()
 
@@ -173,3 +175,88 @@ def test_the_gateway_still_serves_afterwards(stack):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     request = gateway_pb2.GenerateRequest(text="the quiet king", max_new_tokens=4)  # the fuzz may delete adapters
     assert stack.api.Generate(request, timeout=30).usage.completion_tokens > 0
+
+
+SCHEDULER = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"]
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    process = SchedulerProcess(worker_timeout=5.0)
+    worker = None
+    try:
+        process.wait_serving()
+        worker = FakeWorker(process.worker_address)
+        process.wait_worker(worker.worker_id)
+        yield process, worker
+    finally:
+        if worker is not None:
+            worker.close()
+        process.stop()
+
+
+@st.composite
+def near_valid_submits(draw) -> scheduler_pb2.SubmitRequest:
+    """A Submit the scheduler would accept, with one field (or a sampling field) taken from a random one."""
+    submit = scheduler_pb2.SubmitRequest(
+        request_id=f"fuzz-{draw(st.integers(0, 2**62))}", prompt_ids=[1, 2, 3], max_new_tokens=4,
+        reply_to="tcp://127.0.0.1:9", arrival_unix=time.time(),
+    )  # fmt: skip
+    donor = draw(messages(scheduler_pb2.SubmitRequest.DESCRIPTOR))
+    target, source = (submit, donor)
+    if draw(st.booleans()):
+        target, source = submit.sampling, donor.sampling
+    name = draw(st.sampled_from([f.name for f in target.DESCRIPTOR.fields]))
+    target.ClearField(name)
+    value = getattr(source, name)
+    if target.DESCRIPTOR.fields_by_name[name].is_repeated:
+        getattr(target, name).extend(value)
+    elif hasattr(value, "CopyFrom"):
+        getattr(target, name).CopyFrom(value)
+    else:
+        setattr(target, name, value)
+    return submit
+
+
+def test_fuzzed_submits_never_fail_internally_and_pass_nothing_invalid_to_a_worker(scheduler):
+    process, worker = scheduler
+    submit = SCHEDULER.methods_by_name["Submit"]
+
+    @FUZZ
+    @given(near_valid_submits() | messages(submit.input_type) | _RAW)
+    def check(message):
+        raw = message if isinstance(message, bytes) else message.SerializeToString()
+        _call(process.channel, submit, raw, SCHEDULER)
+
+    check()
+    time.sleep(0.3)  # ASSIGNs in flight reach the fake worker
+    assert process.process.poll() is None, process.output()
+    assert worker.malformed == 0, "the scheduler sent a worker something wire.decode refuses"
+    assert worker.assigned, "no fuzzed Submit was accepted: the property was not exercised"
+    for assign in worker.assigned:  # what a worker would run: sampling values it accepts, a prompt
+        SamplingParams(**{**assign.sampling, "stop_token_ids": tuple(assign.sampling.get("stop_token_ids") or ())})
+        assert assign.prompt_ids
+
+
+@pytest.mark.parametrize("method", ["Cancel", "GetClusterState"])
+def test_the_schedulers_other_rpcs_never_fail_internally(scheduler, method):
+    process, _ = scheduler
+    descriptor = SCHEDULER.methods_by_name[method]
+
+    @FUZZ
+    @given(messages(descriptor.input_type) | _RAW)
+    def check(message):
+        raw = message if isinstance(message, bytes) else message.SerializeToString()
+        _call(process.channel, descriptor, raw, SCHEDULER)
+
+    check()
+    assert process.process.poll() is None, process.output()
+
+
+def test_a_submit_without_a_prompt_is_refused_before_any_worker_sees_it(scheduler):
+    process, worker = scheduler
+    with pytest.raises(grpc.RpcError) as refused:
+        process.stub.Submit(scheduler_pb2.SubmitRequest(request_id="empty", reply_to="tcp://127.0.0.1:9"), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("prompt_ids: must hold 1-")
+    assert "empty" not in [a.request_id for a in worker.assigned]

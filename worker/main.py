@@ -60,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
 
                 from loraserve.worker.metrics import WorkerCollector
 
-                REGISTRY.register(WorkerCollector(lambda: service.last_report, service.engine.loader.stats))
+                engine = service.engine
+                REGISTRY.register(WorkerCollector(lambda: service.last_report, engine.loader.stats, engine.registry))
                 serve_metrics(args, "worker")
         except LoraserveError as e:  # a bad model directory, flag or port: a message, not a traceback
             log.error("worker %s: %s", worker_id, e)

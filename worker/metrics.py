@@ -1,13 +1,15 @@
 """The worker's Prometheus metrics (served when it runs with --metrics-port).
 
 Pool figures are read at scrape time from the last report the worker sent the scheduler (it
-builds one after every step) and the adapter cache's counters from its stats object (plain ints),
-so the engine loop pays nothing for them. Step times are observed in the loop.
+builds one after every step), the pool's adapter counters from its stats object and the host-RAM
+adapter cache's size and evictions from the cache itself (plain ints), so the engine loop pays
+nothing for them. Step times are observed in the loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -31,9 +33,19 @@ ADAPTER_COUNTERS = (
 )
 
 
+class HostCache(Protocol):
+    """What the collector reads of the worker's host-RAM adapter cache (an AdapterRegistry)."""
+
+    evictions: int
+    budget_bytes: int | None
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class WorkerCollector(Collector):
-    def __init__(self, last_report: Callable[[], WorkerReport | None], adapter_stats: object):
-        self.last_report, self.adapter_stats = last_report, adapter_stats
+    def __init__(self, last_report: Callable[[], WorkerReport | None], adapter_stats: object, host_cache: HostCache):
+        self.last_report, self.adapter_stats, self.host_cache = last_report, adapter_stats, host_cache
 
     def collect(self) -> Iterator:
         report = self.last_report()
@@ -51,6 +63,7 @@ class WorkerCollector(Collector):
             ("loraserve_worker_waiting_requests", "Requests assigned but not running yet", len(report.waiting)),
             ("loraserve_worker_resident_adapters", "Adapters in the pool", len(report.resident)),
             ("loraserve_worker_ready", "1 when the worker accepts requests", int(report.ready)),
+            ("loraserve_worker_host_cache_bytes", "Host RAM held by cached adapter weights", self.host_cache.nbytes),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["worker"])
             gauge.add_metric(worker, value)
@@ -58,6 +71,11 @@ class WorkerCollector(Collector):
         steps = CounterMetricFamily("loraserve_worker_steps", "Engine steps run", labels=["worker"])
         steps.add_metric(worker, report.steps)
         yield steps
+        evictions = CounterMetricFamily(
+            "loraserve_worker_host_cache_evictions", "Adapters dropped from host RAM over its budget", labels=["worker"]
+        )
+        evictions.add_metric(worker, self.host_cache.evictions)
+        yield evictions
         for name, doc, key in ADAPTER_COUNTERS:
             counter = CounterMetricFamily(name, doc, labels=["worker"])
             counter.add_metric(worker, counters.get(key, 0))
