@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import hashlib
 import io
 import json
+import logging
 import threading
 from pathlib import Path
 
