@@ -9,7 +9,7 @@ adapter fetch         a rank-16 q/k/v/o adapter at 7B shapes (33.6 MB in fp16) f
                       (bench/adapter_fetch.py)
 host to device        the same adapter: packing it into pool rows on the host, pinning, the copy
                       from pageable and from pinned memory, and the worker's whole load path
-                      (AdapterLoader.load_now: pack + pin + copy + scatter into its pages)
+                      (UnifiedPool.ensure on a miss: pack + pin + copy + scatter into its pages)
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from loraserve.bench.stack_system import StackSystem
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import ReplayLimits
 from loraserve.bench.workload import WorkloadSpec, synthetic_trace
-from loraserve.worker.adapter_cache import AdapterLoader, AdapterRegistry
+from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.pool_layout import PoolLayout
+from loraserve.worker.unified_pool import UnifiedPool
 
 FETCH_RANK = 16
 FETCH_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -101,17 +102,16 @@ def host_to_device(preset: Preset, path: Path) -> dict:
     probe = PoolLayout.for_model(model, 32, 1)
     pages = adapter.layout(probe, model).num_pages
     layout = PoolLayout.for_model(model, 32, pages)
-    pool = torch.zeros(layout.num_layers, layout.rows_per_layer, layout.row_width, dtype=dtype, device=device)
     registry = AdapterRegistry()
     key = registry.register("h2d", adapter)
-    loader = AdapterLoader(registry, pool, layout, model)
+    pool = UnifiedPool(layout, model, registry, dtype, device)
     rows = adapter.pack(layout, model, dtype)
     on_gpu = device.type == "cuda"
     n = preset.fetch_iterations
 
     def load() -> None:
-        loader.load_now(key, list(range(pages)))
-        loader.evicted(key)
+        pool.ensure(key)  # a miss: copied in now
+        pool.make_room(pages)  # evicts it again: the pool holds nothing else
 
     out = {
         "weights_mb": round(sum(a.numel() + b.numel() for a, b in adapter.weights.values()) * dtype.itemsize / 1e6, 2),
@@ -127,7 +127,7 @@ def host_to_device(preset: Preset, path: Path) -> dict:
             "h2d_pinned_ms": _median_ms(lambda: pinned.to(device, non_blocking=True), n, sync=True),
         }
         out["h2d_pinned_gbps"] = round(rows.nbytes / out["h2d_pinned_ms"] / 1e6, 2)
-    loader.close()
+    pool.close()
     return out
 
 

@@ -388,7 +388,7 @@ def run_case(case: Case, config: LoraConfig, device: torch.device, timers: Timer
     y = torch.zeros(num_tokens, config.hidden, device=device, dtype=dtype)
     layer = pool[0]
     result = Result(case.phase, case.rank, case.batch_size, case.popularity, num_tokens, per_request)
-    result.adapters, result.max_rank = len(batch.ranks), batch.max_rank
+    result.adapters, result.max_rank = len(batch.ranks), max(batch.ranks)
     result.path = "token" if batch.max_seg_len <= TOKEN_PATH_MAX_SEG_LEN else "segment"
     if case.phase == "prefill" and per_request < config.prefill_len:
         result.note = f"prefill cut to {per_request} tokens/request ({config.max_prefill_tokens} tokens at most)"

@@ -49,7 +49,6 @@ class LoraBatch:
     d_out: tuple[int, ...]  # [7]
     rows_per_page: int
     row_width: int
-    max_rank: int
     max_seg_len: int
     # Host mirrors, so torch code and grid sizing never synchronize with the device.
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (start, length, adapter)

@@ -20,38 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_batch
+from loraserve.kernels.batch import ceil_div as _ceil_div
 from loraserve.kernels.metadata import MODULES, AttentionBatch, LoraBatch
 
 POPULARITIES = ("distinct", "uniform", "zipf", "identical")
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class LoraGeometry:
-    """Widths of the 7 projections (MODULES order) and the pool's row/page shape."""
-
-    d_in: tuple[int, ...]
-    d_out: tuple[int, ...]
-    row_width: int
-    rows_per_page: int
-    num_layers: int = 1
-
-    @classmethod
-    def uniform(cls, d_in: int, d_out: int, row_width: int, rows_per_page: int, num_layers: int = 1):
-        """Every module maps d_in -> d_out (enough for kernel tests, which run one module at a time)."""
-        n = len(MODULES)
-        return cls((d_in,) * n, (d_out,) * n, row_width, rows_per_page, num_layers)
-
-    @property
-    def c_in(self) -> tuple[int, ...]:
-        return tuple(_ceil_div(d, self.row_width) for d in self.d_in)
-
-    @property
-    def c_out(self) -> tuple[int, ...]:
-        return tuple(_ceil_div(d, self.row_width) for d in self.d_out)
 
 
 @dataclass
@@ -166,63 +139,12 @@ def make_lora_batch(
     requests: list[tuple[int | None, int]],
     device: torch.device | str = "cpu",
 ) -> LoraBatch | None:
-    """Metadata for a step whose requests are (adapter index or None, tokens), as the runner builds it.
+    """Metadata for a step whose requests are (adapter index or None, tokens): the runner's own builder.
 
     Consecutive requests of one adapter merge into one segment; only adapters some request uses are
     in the per-adapter tables (renumbered in order of first use). None when no token uses an adapter.
     """
-    used = {adapter: a for a, adapter in enumerate(adapters_used(requests))}
-    segments: list[tuple[int, int, int]] = []
-    token_adapter: list[int] = []
-    start = 0
-    for adapter, n in requests:
-        if n == 0:
-            continue
-        if adapter is None:
-            token_adapter += [-1] * n
-        else:
-            a = used[adapter]
-            if segments and segments[-1][2] == a and segments[-1][0] + segments[-1][1] == start:
-                segments[-1] = (segments[-1][0], segments[-1][1] + n, a)
-            else:
-                segments.append((start, n, a))
-            token_adapter += [a] * n
-        start += n
-    if not segments:
-        return None
-    chosen = [adapters[i] for i in used]
-
-    def i32(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    max_pages = max(len(a.pages) for a in chosen)
-    return LoraBatch(
-        seg_start=i32([s for s, _, _ in segments]),
-        seg_len=i32([n for _, n, _ in segments]),
-        seg_adapter=i32([a for _, _, a in segments]),
-        token_adapter=i32(token_adapter),
-        rank=i32([a.rank for a in chosen]),
-        scale=torch.tensor([a.scale for a in chosen], dtype=torch.float32, device=device),
-        page_table=i32([a.pages + [0] * (max_pages - len(a.pages)) for a in chosen]),
-        a_offset=i32([a.a_offsets for a in chosen]),
-        b_offset=i32([a.b_offsets for a in chosen]),
-        layer_active=i32([[int(x) for x in a.layers] for a in chosen]),
-        c_in=geometry.c_in,
-        c_out=geometry.c_out,
-        d_in=geometry.d_in,
-        d_out=geometry.d_out,
-        rows_per_page=geometry.rows_per_page,
-        row_width=geometry.row_width,
-        max_rank=max(a.rank for a in chosen),
-        max_seg_len=max(n for _, n, _ in segments),
-        segments=segments,
-        ranks=[a.rank for a in chosen],
-        scales=[a.scale for a in chosen],
-        a_offsets=[list(a.a_offsets) for a in chosen],
-        b_offsets=[list(a.b_offsets) for a in chosen],
-        layers_active=[list(a.layers) for a in chosen],
-        row_index=[a.row_index for a in chosen],
-    )
+    return build_lora_batch(geometry, [(None if a is None else adapters[a], n) for a, n in requests], device)
 
 
 @dataclass
@@ -257,7 +179,7 @@ def make_attention_case(
     num_pages = sum(need) + spare_pages
     order = torch.randperm(num_pages, generator=g).tolist()
     pool = torch.randn(num_pages * 2 * tp, width, generator=g).to(dtype)  # noise in unused rows
-    tables, keys, values, new_rows, new_k, new_v, query_start = [], [], [], [], [], [], [0]
+    tables, keys, values, new_k, new_v, query_start = [], [], [], [], [], [0]
     for (ctx, q_len), n in zip(seqs, need, strict=True):
         if not 0 <= q_len <= ctx:
             raise ValueError(f"query_len {q_len} must lie in [0, context_len {ctx}]")
@@ -270,26 +192,12 @@ def make_attention_case(
         tables.append(table)
         keys.append(k.float().view(ctx, num_kv_heads, head_dim))
         values.append(v.float().view(ctx, num_kv_heads, head_dim))
-        new_rows.append(rows[old:])
         new_k.append(k[old:])
         new_v.append(v[old:])
         query_start.append(query_start[-1] + q_len)
-    width_pages = max(need)
-    num_tokens = query_start[-1]
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
-    batch = AttentionBatch(
-        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
-        context_len=torch.tensor([c for c, _ in seqs], dtype=torch.int32, device=device),
-        page_table=torch.tensor([t + [0] * (width_pages - len(t)) for t in tables], dtype=torch.int32, device=device),
-        new_rows=torch.cat(new_rows).to(device),
-        tokens_per_page=tp,
-        max_query_len=max(n for _, n in seqs),
-        max_context_len=max(c for c, _ in seqs),
-        sliding_window=sliding_window,
-        query_starts=query_start,
-        query_lens=[n for _, n in seqs],
-        context_lens=[c for c, _ in seqs],
-    )
+    q = torch.randn(query_start[-1], num_heads, head_dim, generator=g).to(dtype)
+    starts = [(table, ctx - q_len, q_len) for table, (ctx, q_len) in zip(tables, seqs, strict=True)]
+    batch = build_attention_batch(starts, tp, sliding_window, device)
     return AttentionCase(
         pool.to(device), batch, q.to(device), torch.cat(new_k).to(device), torch.cat(new_v).to(device), keys, values
     )

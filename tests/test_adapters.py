@@ -47,12 +47,12 @@ def _edit_tensors(path: Path, edit) -> None:
 
 
 def _assert_refused(engine: Engine, path: Path, message: str) -> None:
-    pool_before = engine.pool.clone()
+    pool_before = engine.pool.tensor.clone()
     stats_before = engine.stats()
     names_before = engine.adapter_names()
     with pytest.raises(InvalidAdapterError, match=message):
         engine.register_adapter("bad", path)
-    assert torch.equal(engine.pool, pool_before)
+    assert torch.equal(engine.pool.tensor, pool_before)
     assert engine.stats() == stats_before
     assert engine.adapter_names() == names_before
 

@@ -106,7 +106,7 @@ def test_preemption_keeps_greedy_outputs(tiny_model, tiny_adapters, oracle):
     for request, result in zip(requests * 2, results, strict=True):
         assert result.finish_reason is FinishReason.LENGTH, result.error
         assert result.token_ids == oracle(request.prompt_ids, request.adapter)
-    engine.pages.check_invariants()
+    engine.pool.check_invariants()
     assert engine.stats()["pool"]["kv_pages"] == 0
 
 
@@ -131,12 +131,12 @@ def test_cancel_frees_pages_at_next_step(tiny_model, tiny_adapters):
     engine.step()
     engine.step()
     before = engine.stats()["pool"]
-    assert engine.pages.kv_page_table(gone.request_id)
+    assert engine.pool.kv_page_table(gone.request_id)
     engine.abort(gone.request_id)
     outputs = engine.step()
     cancelled = [o for o in outputs if o.request_id == gone.request_id]
     assert cancelled and cancelled[0].finish_reason is FinishReason.CANCELLED
-    assert engine.pages.kv_page_table(gone.request_id) == []
+    assert engine.pool.kv_page_table(gone.request_id) == []
     after = engine.stats()["pool"]
     assert after["kv_pages"] < before["kv_pages"]
     assert after["pinned_adapters"] == 1  # r64-mlp unpinned (still cached), r4-qv in use

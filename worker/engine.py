@@ -4,10 +4,19 @@
     engine.register_adapter("upper", "path/to/adapter")
     results = engine.generate([GenerateRequest(prompt="the quiet king", adapter="upper")])
 
-Each `step()` is schedule → load adapters → execute → update: the step scheduler decides which
-requests run (and preempts when the pool is full), adapters given pages are copied in (or were
-prefetched in the background), the runner runs one forward pass over all scheduled tokens and
-samples, and finished requests release their pages.
+Each `step()` is three calls on plain data, as in nano-vllm and vLLM v1:
+
+    plan = step_scheduler.schedule()        # which requests run, how many tokens each (StepPlan)
+    output = runner.execute(plan.batch)     # one forward pass over all their tokens, then sampling
+    outputs = self._update(plan, output)    # the only place request state changes
+
+The step scheduler also makes each request's adapter resident through the unified pool (copying it
+in unless a prefetch did) and preempts when the pool is full; `_update` appends tokens, checks
+stops, sets timestamps and finishes requests, whose pages go back to the pool.
+
+Who owns what: the engine owns the requests (`requests`, aborts), the step scheduler the waiting
+and running queues, `UnifiedPool` the pool tensor, its pages, resident adapters and copies, and
+`AdapterRegistry` the validated adapters in host RAM.
 """
 
 from __future__ import annotations
@@ -25,17 +34,17 @@ import torch
 from loraserve.errors import AdapterNotFoundError, InvalidRequestError, ResourceExhaustedError
 from loraserve.kernels.backend import select_backend
 from loraserve.tokenizer import Tokenizer
-from loraserve.worker.adapter_cache import AdapterLoader, AdapterRegistry
+from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes, load_adapter_dir
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model import load_model
 from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.page_pool import PagePool
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.request import AdapterKey, FinishReason, Request
-from loraserve.worker.runner import ModelRunner
+from loraserve.worker.runner import ModelRunner, RunnerOutput
 from loraserve.worker.sampling import SamplingParams
-from loraserve.worker.step_scheduler import StepScheduler
+from loraserve.worker.step_scheduler import StepPlan, StepScheduler
+from loraserve.worker.unified_pool import UnifiedPool
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +93,8 @@ class GenerateResult:
 
 
 class Engine:
+    """One model, many adapters, continuous batching over one unified pool (see the module docstring)."""
+
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.model_dir = Path(model_dir)
@@ -94,25 +105,16 @@ class Engine:
         self.model = load_model(model_dir, self.model_config, self.device, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.layout = PoolLayout.for_model(self.model_config, config.rows_per_page, self._pool_pages())
-        # The unified pool: ONE buffer for KV cache and adapter weights (see pool_layout.py).
-        self.pool = torch.zeros(
-            self.layout.num_layers,
-            self.layout.rows_per_layer,
-            self.layout.row_width,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.registry = AdapterRegistry(budget_bytes=config.adapter_cache_bytes)  # adapters in host RAM
         fraction = config.adapter_pool_fraction
-        self.pages = PagePool(self.layout, max(1, int(self.layout.num_pages * fraction)) if fraction else None)
-        self.registry = AdapterRegistry(budget_bytes=config.adapter_cache_bytes)
-        self.loader = AdapterLoader(self.registry, self.pool, self.layout, self.model_config)
-        self.scheduler = StepScheduler(
-            self.pages, self.loader.footprint, config.max_batch_size, config.max_batched_tokens
-        )
-        self.runner = ModelRunner(self.model, self.pool, self.layout, select_backend(config.backend, self.device))
+        adapter_pages = max(1, int(self.layout.num_pages * fraction)) if fraction else None
+        # The unified pool: ONE buffer for KV cache and adapter weights (see pool_layout.py).
+        self.pool = UnifiedPool(self.layout, self.model_config, self.registry, self.dtype, self.device, adapter_pages)
+        self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
+        backend = select_backend(config.backend, self.device)
+        self.runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend)
         self.requests: dict[str, Request] = {}
-        self._aborted: dict[str, str | None] = {}
-        self._prefetching: set[AdapterKey] = set()  # pinned while their background copy runs
+        self._aborted: dict[str, str | None] = {}  # request id -> error (None: cancelled), ended next step
         self._seeds = itertools.count(config.seed)
         self.steps = 0
         # Bytes a step must read: every weight of the base model once (embeddings aside, unless tied
@@ -126,7 +128,7 @@ class Engine:
         log.info(
             "unified pool: %d pages x %d rows x %d wide x %d layers (%.1f MiB, %d tokens per KV page)",
             self.layout.num_pages, self.layout.rows_per_page, self.layout.row_width, self.layout.num_layers,
-            self.pool.numel() * self.pool.element_size() / 2**20, self.layout.tokens_per_page,
+            self.pool.tensor.numel() * self.pool.tensor.element_size() / 2**20, self.layout.tokens_per_page,
         )  # fmt: skip
 
     def _pool_pages(self) -> int:
@@ -179,24 +181,17 @@ class Engine:
         previous = self.registry.latest(name) if name in self.registry.names() else None
         key = self.registry.register(name, adapter, version)
         if previous is not None and previous != key:
-            self._drop_if_stale(previous)
+            self.pool.discard_stale(previous)
         log.info("adapter %s v%d: rank %d on %s", name, key[1], adapter.rank, ",".join(adapter.modules))
         return key
 
     def unregister_adapter(self, name: str) -> None:
         key = self.registry.latest(name)
         self.registry.unregister(name)
-        self._drop_if_stale(key)
+        self.pool.discard_stale(key)
 
     def adapter_names(self) -> list[str]:
         return self.registry.names()
-
-    def _drop_if_stale(self, key: AdapterKey) -> None:
-        """Free the pool pages of an adapter version no request can use any more."""
-        if self.registry.is_current(key) or not self.pages.is_resident(key) or self.pages.is_pinned(key):
-            return
-        self.pages.free_adapter(key)
-        self.loader.evicted(key)
 
     def prefetch(self, adapters: Iterable[str | AdapterKey]) -> list[AdapterKey]:
         """Start copying these adapters (names mean their latest version) into free pool pages."""
@@ -205,15 +200,7 @@ class Engine:
             key = self.registry.latest(a) if isinstance(a, str) else a
             if self.registry.has(key):
                 keys.append(key)
-        reserve = 0 if self.pages.split else int(self.layout.num_pages * self.config.prefetch_reserve)
-        started, evicted = self.scheduler.plan_prefetch(keys, reserve)
-        for key in evicted:
-            self.loader.evicted(key)
-        for key in started:
-            self.pages.pin(key)  # a page being written must not be handed to anyone else
-            self._prefetching.add(key)
-            self.loader.prefetch(key, self.pages.adapter_pages(key))
-        return started
+        return self.pool.prefetch(keys, int(self.layout.num_pages * self.config.prefetch_reserve))
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -239,7 +226,7 @@ class Engine:
         if key is not None:
             self.registry.hold(key)
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        self.step_scheduler.add(request)
         return request
 
     def _check_prompt(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -278,44 +265,44 @@ class Engine:
             self._aborted[request_id] = error
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborted)
+        return self.step_scheduler.has_work() or bool(self._aborted)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs = [self._finish(rid, FinishReason.ERROR if err else FinishReason.CANCELLED, err)
                    for rid, err in self._aborted.items() if rid in self.requests]  # fmt: skip
         self._aborted.clear()
-        self._settle_prefetches()
-        plan = self.scheduler.schedule()
-        for key in plan.evicted:
-            self.loader.evicted(key)
-        for key in plan.adapter_loads:
-            self.loader.load_now(key, self.pages.adapter_pages(key))
+        self.pool.settle()
+        plan = self.step_scheduler.schedule()
         if not plan.scheduled:
             self._fail_unschedulable(outputs)
             return outputs
-        now = time.monotonic()
-        in_batch = {r.adapter for r, _ in plan.scheduled if r.adapter is not None}
-        for key in in_batch:
-            waited = self.loader.wait(key)
-            for r, _ in plan.scheduled:
-                if r.adapter == key and r.first_scheduled is None:
-                    r.adapter_wait_s += waited
-        for r, _ in plan.scheduled:
-            r.first_scheduled = r.first_scheduled or now
+        scheduled_at = time.monotonic()
+        waited = {key: self.pool.wait_ready(key) for key in plan.adapters}
         if self.config.prefetch:
-            self.prefetch([r.adapter for r in itertools.islice(self.scheduler.waiting, self.config.prefetch_depth)
+            self.prefetch([r.adapter for r in itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
                            if r.adapter is not None])  # fmt: skip
-        sampled = self.runner.execute(plan.scheduled, self.pages, self.loader.resident)
+        output = self.runner.execute(plan.batch)
+        return outputs + self._update(plan, output, scheduled_at, waited)
+
+    def _update(
+        self, plan: StepPlan, output: RunnerOutput, scheduled_at: float, waited: dict[AdapterKey, float]
+    ) -> list[StepOutput]:
+        """Apply a step's results: the only place request state changes after scheduling."""
         self.steps += 1
-        self.adapter_bytes_read += self.pool.element_size() * sum(
-            self.loader.resident[key].layout.useful_elements for key in in_batch
+        self.adapter_bytes_read += self.pool.tensor.element_size() * sum(
+            self.pool.slot(key).useful_elements for key in plan.adapters
         )
         now = time.monotonic()
-        for request, _ in plan.scheduled:
-            if request.request_id not in sampled:
+        outputs = []
+        for request, n in plan.scheduled:
+            if request.first_scheduled is None:
+                request.first_scheduled = scheduled_at
+                request.adapter_wait_s += waited.get(request.adapter, 0.0)
+            request.num_computed += n
+            if request.request_id not in output.sampled:
                 continue  # a prefill chunk that does not end its prompt
-            token = sampled[request.request_id]
+            token = output.sampled[request.request_id]
             if token is None:
                 log.warning("request %s (adapter %s): non-finite logits, ended", request.request_id, request.adapter)
                 outputs.append(
@@ -344,23 +331,18 @@ class Engine:
     ) -> StepOutput:
         """End a request and free what it holds; `status` is the gRPC status of an ERROR finish."""
         request = self.requests.pop(request_id)
-        self.scheduler.finish(request, reason, error)
+        self.step_scheduler.finish(request, reason, error)
         request.finished_at = time.monotonic()
         if request.adapter is not None:
             self.registry.release(request.adapter)
-            self._drop_if_stale(request.adapter)
+            self.pool.discard_stale(request.adapter)
         return StepOutput(request_id, list(tokens), True, reason, error, status)
-
-    def _settle_prefetches(self) -> None:
-        for key in [k for k in self._prefetching if self.loader.copy_done(k)]:
-            self._prefetching.discard(key)
-            self.pages.unpin(key)
 
     def _fail_unschedulable(self, outputs: list[StepOutput]) -> None:
         """Nothing could run: if nothing is running either, the queue's head can never fit."""
-        if self.scheduler.running or not self.scheduler.waiting or self._prefetching:
+        if self.step_scheduler.running or not self.step_scheduler.waiting or self.pool.copying():
             return
-        head = self.scheduler.waiting[0]
+        head = self.step_scheduler.waiting[0]
         outputs.append(self._finish(
             head.request_id, FinishReason.ERROR,
             "the request does not fit in the page pool even when it runs alone (adapter + KV pages)",
@@ -393,14 +375,14 @@ class Engine:
 
     def stats(self) -> dict:
         return {
-            "pool": self.pages.stats().as_dict(),
-            "adapters": vars(self.loader.stats).copy(),
+            "pool": self.pool.page_stats().as_dict(),
+            "adapters": vars(self.pool.stats).copy(),
             "base_bytes": self.base_bytes,
             "adapter_bytes_read": self.adapter_bytes_read,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "running": len(self.step_scheduler.running),
+            "waiting": len(self.step_scheduler.waiting),
             "steps": self.steps,
         }
 
     def close(self) -> None:
-        self.loader.close()
+        self.pool.close()

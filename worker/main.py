@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
                 from loraserve.worker.metrics import WorkerCollector
 
                 engine = service.engine
-                REGISTRY.register(WorkerCollector(lambda: service.last_report, engine.loader.stats, engine.registry))
+                REGISTRY.register(WorkerCollector(lambda: service.last_report, engine.pool.stats, engine.registry))
                 serve_metrics(args, "worker")
         except LoraserveError as e:  # a bad model directory, flag or port: a message, not a traceback
             log.error("worker %s: %s", worker_id, e)

@@ -1,16 +1,18 @@
 """Who owns which page of the unified pool: sequences' KV cache and resident adapters.
 
-A pure bookkeeping object (no tensors): the engine asks it for pages and copies data itself.
-There is no static split between KV and adapters — both draw from one free list. Adapters stay
-resident while unused and are evicted least-recently-used, only when someone needs their pages;
-an adapter pinned by a running request is never evicted.
+A pure bookkeeping object (no tensors), private to `UnifiedPool` (unified_pool.py), which owns the
+tensor and copies the data. There is no static split between KV and adapters — both draw from one
+free list. Adapters stay resident while unused and are evicted only when someone needs their
+pages, in the order an `EvictionPolicy` chooses (least recently used by default); an adapter
+pinned by a running request or an in-flight copy is never evicted.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from loraserve.worker.pool_layout import PoolLayout
 
@@ -29,6 +31,17 @@ class PoolStats:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+class EvictionPolicy(Protocol):
+    def victims(self, candidates: list[Hashable]) -> Iterable[Hashable]:
+        """The order to evict `candidates` in (given least recently used first; all unpinned)."""
+        ...
+
+
+class LeastRecentlyUsed:
+    def victims(self, candidates: list[Hashable]) -> Iterable[Hashable]:
+        return candidates
+
+
 @dataclass
 class _Adapter:
     pages: list[int]
@@ -40,8 +53,11 @@ class PagePool:
     """Page ownership. With `adapter_pages` set, the pool is *split* instead of unified: adapters may
     use at most that many pages and KV the rest (the S-LoRA ablation the benchmark measures)."""
 
-    def __init__(self, layout: PoolLayout, adapter_pages: int | None = None):
+    def __init__(
+        self, layout: PoolLayout, adapter_pages: int | None = None, policy: EvictionPolicy | None = None
+    ) -> None:
         self.layout = layout
+        self.policy = policy or LeastRecentlyUsed()
         if adapter_pages is not None and not 0 < adapter_pages < layout.num_pages:
             raise ValueError(f"adapter_pages must be in (0, {layout.num_pages}), got {adapter_pages}")
         self.adapter_cap = adapter_pages
@@ -51,15 +67,8 @@ class PagePool:
         self._adapters: OrderedDict[Hashable, _Adapter] = OrderedDict()  # least recently used first
 
     # ---- queries ------------------------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def kv_page_table(self, seq: Hashable) -> list[int]:
         return self._kv.get(seq, [])
-
-    def kv_capacity(self, seq: Hashable) -> int:
-        return len(self._kv.get(seq, ())) * self.layout.tokens_per_page
 
     def adapter_pages(self, key: Hashable) -> list[int] | None:
         entry = self._adapters.get(key)
@@ -166,14 +175,13 @@ class PagePool:
         if self.evictable_pages(keep) < short:
             return None
         evicted = []
-        for key, entry in list(self._adapters.items()):
+        candidates = [k for k, entry in self._adapters.items() if not entry.pins and k not in keep]
+        for key in self.policy.victims(candidates):
             if short <= 0:
                 break
-            if entry.pins or key in keep:
-                continue
+            short -= len(self._adapters[key].pages)
             self.free_adapter(key)
             evicted.append(key)
-            short -= len(entry.pages)
         return evicted
 
     # ---- accounting ----------------------------------------------------------------------------

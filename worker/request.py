@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,11 +27,14 @@ class FinishReason(enum.StrEnum):
 
 @dataclass
 class Request:
+    """A request's whole state in the engine. Owned by the engine: `Engine._update` changes its tokens,
+    positions and timestamps; the step scheduler only its status, what it holds in the pool, and
+    its KV on preemption (num_computed back to 0)."""
+
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     adapter: AdapterKey | None = None
-    arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     status: Status = Status.WAITING

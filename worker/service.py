@@ -160,7 +160,7 @@ class WorkerService:
         key = (assign.adapter, assign.adapter_version) if assign.adapter else None
         if key is None or self.engine.registry.has(key):
             if key is not None:
-                tracked.adapter_source = "hit" if self.engine.pages.is_resident(key) else "prefetched"
+                tracked.adapter_source = "hit" if self.engine.pool.is_resident(key) else "prefetched"
             self._start(tracked)
             return
         tracked.adapter_source = "cold"
@@ -333,8 +333,8 @@ class WorkerService:
     # ---- reports -------------------------------------------------------------------------------
     def _report(self, fatal: str | None = None) -> None:
         e = self.engine
-        pool = e.pages.stats()
-        stats = e.loader.stats
+        pool = e.pool.page_stats()
+        stats = e.pool.stats
         parked = [rid for waiting in self.awaiting.values() for rid in waiting]
         report = WorkerReport(
             worker_id=self.config.worker_id,
@@ -344,11 +344,11 @@ class WorkerService:
             free_pages=pool.free_pages,
             kv_pages=pool.kv_pages,
             adapter_pages=pool.adapter_pages,
-            running=[r.request_id for r in e.scheduler.running],
-            waiting=[r.request_id for r in e.scheduler.waiting] + parked,
-            resident=[list(k) for k in e.pages.resident_adapters()],
+            running=[r.request_id for r in e.step_scheduler.running],
+            waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
+            resident=[list(k) for k in e.pool.resident_adapters()],
             finished=self.finished_since_report,
-            evictable_pages=e.pages.evictable_pages(),
+            evictable_pages=e.pool.evictable_pages(),
             tokens_per_page=e.layout.tokens_per_page,
             steps=e.steps,
             prefetch_hits=stats.prefetch_hits,

@@ -12,40 +12,63 @@ directly. Each `schedule()`:
    others to get in, and the queue's head is not overtaken.
 
 The scheduled requests are ordered so that requests of one adapter are consecutive (Punica's
-segments); the plan lists adapters given pages this step, whose rows must be copied in before
-the forward pass.
+segments). An adapter a request needs is made resident through the unified pool, which copies it
+in if no prefetch did. The plan is plain data: `scheduled` for the engine's update, and `batch`,
+one `SeqChunk` per scheduled request, all the runner reads.
+
+Only the engine's update changes a request's tokens, positions and timestamps; this scheduler
+changes only its status (waiting / running) and what it holds in the pool.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loraserve.worker.page_pool import PagePool
+import torch
+
 from loraserve.worker.request import AdapterKey, FinishReason, Request, Status
+from loraserve.worker.sampling import SamplingParams
+from loraserve.worker.unified_pool import AdapterSlot, UnifiedPool
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to choose a sequence's next token: its parameters, its random stream, its history (penalties)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a step, as plain data: what the runner computes for it."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start: int  # the position of the first of them (= tokens already in the KV cache)
+    kv_pages: list[int]  # the sequence's KV page table, covering start + len(token_ids) tokens
+    adapter: AdapterSlot | None
+    sample: SampleSpec | None  # set when this chunk ends the known tokens: sample the next one
 
 
 @dataclass
 class StepPlan:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
-    adapter_loads: list[AdapterKey] = field(default_factory=list)
-    evicted: list[AdapterKey] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    batch: list[SeqChunk] = field(default_factory=list)  # `scheduled` as the runner sees it, same order
 
     @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-
-# (pages, useful elements) an adapter takes in the pool
-Footprint = Callable[[AdapterKey], tuple[int, int]]
+    def adapters(self) -> list[AdapterKey]:
+        """The distinct adapters of the step, in batch order."""
+        return list(dict.fromkeys(r.adapter for r, _ in self.scheduled if r.adapter is not None))
 
 
 class StepScheduler:
-    def __init__(self, pool: PagePool, footprint: Footprint, max_batch_size: int, max_batched_tokens: int):
+    def __init__(self, pool: UnifiedPool, max_batch_size: int, max_batched_tokens: int):
         self.pool = pool
-        self.footprint = footprint
         self.max_batch_size = max_batch_size
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -97,15 +120,23 @@ class StepScheduler:
         if not plan.preempted:  # after a preemption the pool is tight: let the running batch drain first
             self._admit(plan, budget)
         plan.scheduled.sort(key=lambda item: (item[0].adapter is None, item[0].adapter or ("", 0)))
+        plan.batch = [self._chunk(request, n) for request, n in plan.scheduled]
         return plan
+
+    def _chunk(self, request: Request, n: int) -> SeqChunk:
+        start = request.num_computed
+        sample = None
+        if start + n == request.num_tokens:
+            sample = SampleSpec(request.sampling, request.generator, request.prompt_ids, request.output_ids)
+        adapter = self.pool.slot(request.adapter) if request.adapter is not None else None
+        kv_pages = self.pool.kv_page_table(request.request_id)
+        return SeqChunk(request.request_id, request.token_ids(start, start + n), start, kv_pages, adapter, sample)
 
     def _room_for_running(self, request: Request, n: int, plan: StepPlan) -> bool:
         target = request.num_computed + n
         while not self.pool.grow_kv(request.request_id, target):
             need = self.pool.kv_pages_to_grow(request.request_id, target)
-            evicted = self.pool.evict_for(need, for_kv=True)
-            if evicted is not None:
-                plan.evicted.extend(evicted)
+            if self.pool.make_room(need, for_kv=True):
                 continue
             victim = self.running[-1]
             if victim is request:
@@ -119,16 +150,16 @@ class StepScheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
             keep = frozenset(r.adapter for r in self.running if r.adapter is not None)
-            if request.adapter is not None and not self._adapter_room(request.adapter, keep, plan):
+            if request.adapter is not None and not self.pool.ensure(request.adapter, keep):
                 return
             n = min(request.num_tokens - request.num_computed, budget)
             target = request.num_computed + n
             need = self.pool.kv_pages_to_grow(request.request_id, target)
             keep_with_own = keep | ({request.adapter} if request.adapter else set())
-            evicted = self.pool.evict_for(need, keep=frozenset(keep_with_own), for_kv=True)
-            if evicted is None or not self.pool.grow_kv(request.request_id, target):
+            if not self.pool.make_room(need, keep=frozenset(keep_with_own), for_kv=True):
                 return
-            plan.evicted.extend(evicted)
+            if not self.pool.grow_kv(request.request_id, target):
+                return
             self.waiting.popleft()
             if request.adapter is not None:
                 self.pool.pin(request.adapter)
@@ -136,40 +167,3 @@ class StepScheduler:
             self.running.append(request)
             plan.scheduled.append((request, n))
             budget -= n
-
-    def _adapter_room(self, key: AdapterKey, keep: frozenset, plan: StepPlan) -> bool:
-        """Make `key` resident (pages only; the engine copies the data). False if it cannot fit now."""
-        if self.pool.is_resident(key):
-            return True
-        pages, useful = self.footprint(key)
-        evicted = self.pool.evict_for(pages, keep=keep)
-        if evicted is None:
-            return False
-        plan.evicted.extend(evicted)
-        self.pool.allocate_adapter(key, pages, useful)
-        plan.adapter_loads.append(key)
-        return True
-
-    # ---- prefetch ------------------------------------------------------------------------------
-    def plan_prefetch(self, keys: list[AdapterKey], reserve_pages: int) -> tuple[list[AdapterKey], list[AdapterKey]]:
-        """Give pages to predicted adapters that are not resident, most urgent first.
-
-        A predicted adapter is worth more than an idle cached one, so idle adapters that are not
-        predicted may be evicted (LRU first) to make room; pinned ones never are, and
-        `reserve_pages` stay free for KV growth. Returns (adapters given pages, whose data the
-        engine then copies in the background; adapters evicted for them).
-        """
-        wanted = frozenset(keys)
-        started: list[AdapterKey] = []
-        evicted: list[AdapterKey] = []
-        for key in dict.fromkeys(keys):
-            if self.pool.is_resident(key):
-                continue
-            pages, useful = self.footprint(key)
-            made_room = self.pool.evict_for(pages + reserve_pages, keep=wanted)
-            if made_room is None:
-                break
-            evicted += made_room
-            self.pool.allocate_adapter(key, pages, useful)
-            started.append(key)
-        return started, evicted

@@ -1,0 +1,272 @@
+"""The unified pool: one tensor for KV cache and adapter weights, and the one object that owns it.
+
+`UnifiedPool` owns everything about the pool: the tensor, which page belongs to which sequence or
+adapter (a private `PagePool`), where each resident adapter's rows are (its `AdapterSlot`, the
+form the kernels index), pins, and background copies. The step scheduler asks it for room; the
+engine asks it to prefetch and to drop stale versions; the runner reads slots and page tables.
+Nothing else keeps a copy of any of this, so nothing has to be kept in step by hand: evicting an
+adapter frees its pages, forgets its slot and settles its copy in one call.
+
+    pool = UnifiedPool(layout, model_config, host_cache, dtype, device)
+    pool.ensure(key, keep)            # resident now (copied in if it was not): a miss
+    pool.prefetch(keys, reserve)      # copy these in the background, ahead of need
+    pool.make_room(pages, keep, for_kv=True)   # evict idle adapters until pages are free
+    pool.wait_ready(key)              # before a step reads the adapter's rows
+
+Adapter weights come from the host cache (`AdapterRegistry`): an adapter's footprint and packed
+rows are computed from its validated weights there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from loraserve.worker.adapter_cache import AdapterRegistry
+from loraserve.worker.adapters import LoraAdapter
+from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.page_pool import EvictionPolicy, PagePool, PoolStats
+from loraserve.worker.pool_layout import PoolLayout
+from loraserve.worker.request import AdapterKey
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterSlot:
+    """A resident adapter's place in the pool, as the LoRA kernels index it (`kernels.batch.PooledAdapter`)."""
+
+    key: AdapterKey
+    rank: int
+    scale: float
+    a_offsets: tuple[int, ...]  # [7]: first logical row of each module's A block, -1 if not targeted
+    b_offsets: tuple[int, ...]
+    layers: list[bool]  # [L]: has weights in that layer
+    pages: torch.Tensor  # int32 [num_pages] on the compute device
+    row_index: torch.Tensor  # int64 [num_rows]: physical row of each logical row
+    useful_elements: int  # weights stored, over all layers (what a step reads)
+    ready: torch.cuda.Event | Future | None = field(default=None, repr=False)  # a pending background copy
+
+
+@dataclass
+class LoadStats:
+    prefetch_hits: int = 0  # needed by a step and already copied in by a prefetch
+    prefetch_late: int = 0  # prefetch still in flight when needed (the step waited for the rest)
+    misses: int = 0  # copied in on demand (the step waited for all of it)
+    loads: int = 0
+    prefetches: int = 0
+    evictions: int = 0
+    load_seconds: float = 0.0
+
+
+class UnifiedPool:
+    def __init__(
+        self,
+        layout: PoolLayout,
+        model: ModelConfig,
+        host: AdapterRegistry,
+        dtype: torch.dtype,
+        device: torch.device,
+        adapter_pages: int | None = None,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
+        self.layout, self.model, self.host = layout, model, host
+        shape = (layout.num_layers, layout.rows_per_layer, layout.row_width)
+        self.tensor = torch.zeros(shape, dtype=dtype, device=device)  # [L, pages * R, W]: KV and adapters
+        self.device = device
+        self._pages = PagePool(layout, adapter_pages, policy)
+        self._slots: dict[AdapterKey, AdapterSlot] = {}
+        self._prefetching: set[AdapterKey] = set()  # pinned while their background copy runs
+        self.stats = LoadStats()
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._executor = None if self._stream else ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def split(self) -> bool:
+        """True when adapters may use only a fixed share of the pages (the no-unified-pool ablation)."""
+        return self._pages.split
+
+    def page_stats(self) -> PoolStats:
+        return self._pages.stats()
+
+    def is_resident(self, key: AdapterKey) -> bool:
+        return self._pages.is_resident(key)
+
+    def resident_adapters(self) -> list[AdapterKey]:
+        """Resident adapters, least recently used first."""
+        return self._pages.resident_adapters()
+
+    def evictable_pages(self) -> int:
+        return self._pages.evictable_pages()
+
+    def slot(self, key: AdapterKey) -> AdapterSlot:
+        return self._slots[key]
+
+    def copying(self) -> bool:
+        """True while a prefetch's background copy is in flight."""
+        return bool(self._prefetching)
+
+    def check_invariants(self) -> None:
+        """Pages owned once each, and a slot exactly for every resident adapter (tests use it)."""
+        self._pages.check_invariants()
+        if set(self._slots) != set(self._pages.resident_adapters()):
+            raise AssertionError("resident adapters and slots disagree")
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    def kv_page_table(self, seq: Hashable) -> list[int]:
+        return self._pages.kv_page_table(seq)
+
+    def kv_pages_to_grow(self, seq: Hashable, num_tokens: int) -> int:
+        return self._pages.kv_pages_to_grow(seq, num_tokens)
+
+    def grow_kv(self, seq: Hashable, num_tokens: int) -> bool:
+        """Room for `num_tokens` tokens of `seq` from free pages (never evicts); False if there is none."""
+        return self._pages.grow_kv(seq, num_tokens)
+
+    def free_kv(self, seq: Hashable) -> None:
+        self._pages.free_kv(seq)
+
+    # ---- adapters ------------------------------------------------------------------------------
+    def make_room(self, num_pages: int, keep: frozenset = frozenset(), for_kv: bool = False) -> bool:
+        """Evict idle adapters (never pinned ones or those in `keep`) until `num_pages` are free for KV
+        (`for_kv`) or for an adapter; evicts nothing and returns False when that cannot be done."""
+        evicted = self._pages.evict_for(num_pages, keep=keep, for_kv=for_kv)
+        if evicted is None:
+            return False
+        for key in evicted:
+            self._forget(key)
+        return True
+
+    def ensure(self, key: AdapterKey, keep: frozenset = frozenset()) -> bool:
+        """Make `key` resident, copying it in now if it is not (a miss). False if it cannot fit now."""
+        if self.is_resident(key):
+            return True
+        if not self._allocate(key, keep):
+            return False
+        start = time.perf_counter()
+        slot = self._slots[key]
+        self._copy(slot, self.host.get(key))
+        self.stats.misses += 1
+        self.stats.loads += 1
+        self.stats.load_seconds += time.perf_counter() - start
+        return True
+
+    def prefetch(self, keys: list[AdapterKey], reserve_pages: int) -> list[AdapterKey]:
+        """Start copying predicted adapters into the pool in the background, most urgent first.
+
+        A predicted adapter is worth more than an idle cached one, so idle adapters that are not
+        predicted may be evicted to make room; pinned ones never are, and `reserve_pages` stay free
+        for KV growth (ignored in a split pool, where adapters cannot take KV pages anyway).
+        Returns the adapters whose copy started; each stays pinned until its copy is done.
+        """
+        reserve = 0 if self.split else reserve_pages
+        wanted = frozenset(keys)
+        started = []
+        for key in dict.fromkeys(keys):
+            if self.is_resident(key):
+                continue
+            if not self._allocate(key, wanted, extra_pages=reserve):
+                break
+            self._pages.pin(key)  # a page being written must not be handed to anyone else
+            self._prefetching.add(key)
+            self._copy_in_background(self._slots[key], self.host.get(key))
+            started.append(key)
+        return started
+
+    def settle(self) -> None:
+        """Unpin the prefetches whose copy finished (called once per step)."""
+        for key in [k for k in self._prefetching if self._copy_done(self._slots[k])]:
+            self._prefetching.discard(key)
+            self._pages.unpin(key)
+
+    def wait_ready(self, key: AdapterKey) -> float:
+        """Make sure a step can read `key`'s rows; returns seconds waited. Counts prefetch hits."""
+        slot = self._slots[key]
+        if slot.ready is None:
+            return 0.0
+        start = time.perf_counter()
+        if self._copy_done(slot):
+            self.stats.prefetch_hits += 1
+        else:
+            self.stats.prefetch_late += 1
+        if isinstance(slot.ready, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        else:
+            slot.ready.result()
+        slot.ready = None
+        return time.perf_counter() - start
+
+    def pin(self, key: AdapterKey) -> None:
+        """A running request uses `key`: it cannot be evicted until `unpin`."""
+        self._pages.pin(key)
+
+    def unpin(self, key: AdapterKey) -> None:
+        self._pages.unpin(key)
+
+    def discard_stale(self, key: AdapterKey) -> None:
+        """Free the pages of a version no request can use any more (superseded and not pinned)."""
+        if self.host.is_current(key) or not self.is_resident(key) or self._pages.is_pinned(key):
+            return
+        self._pages.free_adapter(key)
+        self._forget(key)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _allocate(self, key: AdapterKey, keep: frozenset, extra_pages: int = 0) -> bool:
+        """Pages and a slot for `key`, evicting idle adapters not in `keep`; the data is not copied yet."""
+        adapter = self.host.get(key)
+        layout = adapter.layout(self.layout, self.model)
+        if not self.make_room(layout.num_pages + extra_pages, keep=keep):
+            return False
+        pages = self._pages.allocate_adapter(key, layout.num_pages, layout.useful_elements)
+        rpp = self.layout.rows_per_page
+        logical = torch.arange(layout.num_rows)
+        page_tensor = torch.tensor(pages, dtype=torch.int64)
+        self._slots[key] = AdapterSlot(
+            key, layout.rank, adapter.scale, layout.a_offsets, layout.b_offsets,
+            [layer in adapter.layers for layer in range(self.layout.num_layers)],
+            page_tensor.to(device=self.device, dtype=torch.int32),
+            (page_tensor[logical // rpp] * rpp + logical % rpp).to(self.device), layout.useful_elements,
+        )  # fmt: skip
+        return True
+
+    def _copy(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
+        """Pack and copy; takes the adapter itself, as a prefetch's copy may outlive its host-cache entry."""
+        rows = adapter.pack(self.layout, self.model, self.tensor.dtype)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        self.tensor.index_copy_(1, slot.row_index, rows)
+
+    def _copy_in_background(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self._copy(slot, adapter)
+                slot.ready = torch.cuda.Event()
+                slot.ready.record(self._stream)
+        else:
+            slot.ready = self._executor.submit(self._copy, slot, adapter)
+        self.stats.prefetches += 1
+        self.stats.loads += 1
+
+    @staticmethod
+    def _copy_done(slot: AdapterSlot) -> bool:
+        if slot.ready is None:
+            return True
+        return slot.ready.query() if isinstance(slot.ready, torch.cuda.Event) else slot.ready.done()
+
+    def _forget(self, key: AdapterKey) -> None:
+        """The pages of `key` were freed: drop its slot, never letting a background copy outlive them."""
+        slot = self._slots.pop(key)
+        self.stats.evictions += 1
+        if slot.ready is not None and not isinstance(slot.ready, torch.cuda.Event):
+            slot.ready.result()
