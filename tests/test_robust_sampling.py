@@ -38,7 +38,7 @@ def test_every_accepted_value_samples_a_token(temperature: float, penalty: float
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * scale
     params = [SamplingParams(temperature=temperature, repetition_penalty=penalty, top_p=0.9, seed=1)] * 2
     history = [([1, 2, 3], [4]), ([5], [])]
-    tokens = sample(logits, params, [torch.Generator().manual_seed(1), None], history)
+    tokens = sample(logits, params, [1, 1], history)
     assert all(isinstance(t, int) and 0 <= t < 50 for t in tokens)
 
 
@@ -49,8 +49,7 @@ def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison: flo
     history = [([1], []), ([2], []), ([3], [])]
 
     def run(x: torch.Tensor) -> list:
-        gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4), None]
-        return sample(x, params, gens, history)
+        return sample(x, params, [3, 4, 0], history)
 
     expected = run(logits)
     poisoned = logits.clone()

@@ -220,9 +220,8 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self._check_prompt(prompt_ids, sampling)
         key = self._resolve(adapter)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(sampling.seed if sampling.seed is not None else next(self._seeds))
-        request = Request(request_id, list(prompt_ids), sampling, key, generator=generator)
+        seed = sampling.seed if sampling.seed is not None else next(self._seeds)
+        request = Request(request_id, list(prompt_ids), sampling, key, seed=seed)
         if key is not None:
             self.registry.hold(key)
         self.requests[request_id] = request

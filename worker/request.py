@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from loraserve.worker.sampling import SamplingParams
 
 AdapterKey = tuple[str, int]  # (name, version): requests keep the version they started with
@@ -40,7 +38,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0  # each sampled token's draw is keyed by (seed, its position): see sampling.py
     num_preemptions: int = 0
     # Timestamps (monotonic seconds) for latency breakdowns.
     first_scheduled: float | None = None

@@ -63,7 +63,7 @@ class ModelRunner:
         tokens = sample(
             logits,
             [s.params for s in specs],
-            [s.generator for s in specs],
+            [s.seed for s in specs],
             [(s.prompt_ids, s.output_ids) for s in specs],
         )
         return RunnerOutput({c.request_id: t for (_, c), t in zip(sampling, tokens, strict=True)})

@@ -3,8 +3,12 @@
 Penalties follow the usual definitions: repetition_penalty as in Hugging Face (positive logits of
 tokens already in the prompt or output are divided by it, negative ones multiplied); presence and
 frequency penalties as in OpenAI's API (subtracted, counting output tokens only). Then greedy
-(temperature 0) or temperature → top-k → top-p → a draw from the request's own generator, so the
-same seed gives the same tokens whatever else shares the batch.
+(temperature 0) or temperature → top-k → top-p → a draw.
+
+Each draw is keyed by (the request's seed, the position of the token drawn): its random number
+comes from a generator seeded with a mix of the two, not from a stream the request carries. So
+the same seed gives the same tokens whatever else shares the batch, and a request continued
+elsewhere from a prefix of its output (a failover, a preemption) draws exactly what it would have.
 """
 
 from __future__ import annotations
@@ -50,10 +54,21 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def draw_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for the token at `position` of a request seeded `seed` (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+_MASK64 = (1 << 64) - 1
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    seeds: list[int],
     history: list[tuple[list[int], list[int]]],
 ) -> list[int | None]:
     """One token per row; None for a row whose numbers broke down, which raises nothing, so the
@@ -65,7 +80,8 @@ def sample(
     for sane logits; this is the guard for everything else, because torch.multinomial raises on
     such a row and would take the whole batch, and the worker, down with it.
 
-    logits: float32 [N, vocab]; history[i] = (prompt ids, output ids so far).
+    logits: float32 [N, vocab]; seeds[i]: row i's request seed; history[i] = (prompt ids, output
+    ids so far), whose total length is the position of the token drawn.
     """
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if penalized:
@@ -77,15 +93,15 @@ def sample(
         if not finite[row]:
             tokens[row] = None
         elif not p.greedy:
-            tokens[row] = _draw(logits[row], p, generators[row])
+            position = len(history[row][0]) + len(history[row][1])
+            tokens[row] = _draw(logits[row], p, draw_seed(seeds[row], position))
     return tokens
 
 
-def _draw(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int | None:
+def _draw(logits: torch.Tensor, p: SamplingParams, seed: int) -> int | None:
     """A token drawn from one row's filtered distribution; None if it is not a distribution."""
     probs = torch.softmax(_filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p), -1)
     if not (torch.isfinite(probs).all() and probs.sum() > 0):
         return None
-    if gen is not None and gen.device != probs.device:
-        probs = probs.to(gen.device)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # on the CPU: the same draw on any device
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())

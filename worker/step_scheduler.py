@@ -25,8 +25,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from loraserve.worker.request import AdapterKey, FinishReason, Request, Status
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.unified_pool import AdapterSlot, UnifiedPool
@@ -34,10 +32,10 @@ from loraserve.worker.unified_pool import AdapterSlot, UnifiedPool
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """How to choose a sequence's next token: its parameters, its random stream, its history (penalties)."""
+    """How to choose a sequence's next token: its parameters, its seed, its history (penalties, position)."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
     prompt_ids: list[int]
     output_ids: list[int]
 
@@ -127,7 +125,7 @@ class StepScheduler:
         start = request.num_computed
         sample = None
         if start + n == request.num_tokens:
-            sample = SampleSpec(request.sampling, request.generator, request.prompt_ids, request.output_ids)
+            sample = SampleSpec(request.sampling, request.seed, request.prompt_ids, request.output_ids)
         adapter = self.pool.slot(request.adapter) if request.adapter is not None else None
         kv_pages = self.pool.kv_page_table(request.request_id)
         return SeqChunk(request.request_id, request.token_ids(start, start + n), start, kv_pages, adapter, sample)
