@@ -53,8 +53,15 @@ LLAMA_7B = {
     "hidden_act": "silu",
     "torch_dtype": "float16",
 }
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 ADAPTER_NAME = "bench-7b"
 
 
@@ -104,9 +111,23 @@ def start_store(
     """The store as a real process, preloading the adapter; returns (process, gRPC address, data address)."""
     grpc_address = f"127.0.0.1:{free_port()}"
     data_address = f"tcp://127.0.0.1:{free_port()}" if transport == "tcp" else f"ipc://{log_path.parent / 'data.ipc'}"
-    command = [sys.executable, "-m", "loraserve.cli", "--log-level", "WARNING", "adapter-store",
-               "--model", str(model_dir), "--bind", grpc_address, "--data-address", data_address,
-               "--preload", f"{ADAPTER_NAME}={adapter_dir}", "--no-preload-demo"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "loraserve.cli",
+        "--log-level",
+        "WARNING",
+        "adapter-store",
+        "--model",
+        str(model_dir),
+        "--bind",
+        grpc_address,
+        "--data-address",
+        data_address,
+        "--preload",
+        f"{ADAPTER_NAME}={adapter_dir}",
+        "--no-preload-demo",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORASERVE_")}
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -106,9 +106,14 @@ def suite_config(dry_run: bool) -> AttentionConfig:
     """The suite's cases; tiny ones for the dry run (CPU, interpreter)."""
     if dry_run:
         return AttentionConfig(
-            decode_seqs=[1, 3], decode_contexts=[7, 20], prefill=[(2, 6)],
-            num_heads=4, num_kv_heads=2, head_dim=16, tokens_per_page=4,
-        )  # fmt: skip
+            decode_seqs=[1, 3],
+            decode_contexts=[7, 20],
+            prefill=[(2, 6)],
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            tokens_per_page=4,
+        )
     return AttentionConfig()
 
 
@@ -229,21 +234,43 @@ def _progress_line(r: AttentionResult) -> str:
 
 def attention_markdown(results: list[AttentionResult]) -> str:
     headers = [
-        "phase", "seqs × new", "context", "triton µs", "graph µs", "unsplit graph µs", "sdpa µs", "sdpa graph µs",
-        "roofline µs", "compute µs", "graph/floor", "sdpa/triton", "max err",
-    ]  # fmt: skip
+        "phase",
+        "seqs × new",
+        "context",
+        "triton µs",
+        "graph µs",
+        "unsplit graph µs",
+        "sdpa µs",
+        "sdpa graph µs",
+        "roofline µs",
+        "compute µs",
+        "graph/floor",
+        "sdpa/triton",
+        "max err",
+    ]
     rows = []
     for r in results:
         shape = f"{r.seqs} × {r.query_len}"
         if r.error is not None:
             rows.append([r.phase, shape, str(r.context), *["-"] * 9, r.error])
             continue
-        rows.append([
-            r.phase, shape, str(r.context), fmt(r.triton_us), fmt(r.triton_graph_us), fmt(r.unsplit_graph_us),
-            fmt(r.sdpa_us),
-            fmt(r.sdpa_graph_us), fmt(r.roofline_us), fmt(r.compute_us), fmt(r.x_roofline),
-            fmt(r.sdpa_x), fmt(r.max_abs_err, ".1e"),
-        ])  # fmt: skip
+        rows.append(
+            [
+                r.phase,
+                shape,
+                str(r.context),
+                fmt(r.triton_us),
+                fmt(r.triton_graph_us),
+                fmt(r.unsplit_graph_us),
+                fmt(r.sdpa_us),
+                fmt(r.sdpa_graph_us),
+                fmt(r.roofline_us),
+                fmt(r.compute_us),
+                fmt(r.x_roofline),
+                fmt(r.sdpa_x),
+                fmt(r.max_abs_err, ".1e"),
+            ]
+        )
     return markdown_table(headers, rows)
 
 
@@ -257,11 +284,15 @@ def attention_summary(results: list[AttentionResult]) -> dict[str, Any]:
     headline = None
     if head is not None:
         headline = {
-            "case": head.label, "triton_us": head.triton_us, "triton_graph_us": head.triton_graph_us,
+            "case": head.label,
+            "triton_us": head.triton_us,
+            "triton_graph_us": head.triton_graph_us,
             "unsplit_graph_us": head.unsplit_graph_us,
-            "sdpa_us": head.sdpa_us, "sdpa_graph_us": head.sdpa_graph_us, "roofline_us": head.roofline_us,
+            "sdpa_us": head.sdpa_us,
+            "sdpa_graph_us": head.sdpa_graph_us,
+            "roofline_us": head.roofline_us,
             "x_roofline": head.x_roofline,
-        }  # fmt: skip
+        }
     return {
         "attention_decode_b64_ctx4096": headline,
         "attention_slower_than_sdpa": [r.label for r in measured if r.sdpa_x is not None and r.sdpa_x < 1.0],

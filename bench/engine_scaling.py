@@ -86,9 +86,12 @@ def run(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(FIRST_TOKEN_ID, 1024, size=args.prompt_len)] for _ in range(args.requests)]
     config = EngineConfig(
-        device=args.device, backend=args.backend, max_batch_size=args.max_batch_size, pool_pages=args.pool_pages,
+        device=args.device,
+        backend=args.backend,
+        max_batch_size=args.max_batch_size,
+        pool_pages=args.pool_pages,
         prefetch=not args.no_prefetch,
-    )  # fmt: skip
+    )
     bank = AdapterBank(SyntheticAdapters(args.model, seed=args.seed))
     rows = []
     for n in sorted(set(args.adapters)):
@@ -110,12 +113,18 @@ def run(args: argparse.Namespace) -> dict:
         3,
     )
     verdict = "meets" if ratio >= TARGET else "misses"
-    print(f"throughput(n={last['n_adapters']}) / throughput(n={first['n_adapters']}) = {ratio} "
-          f"({verdict} the {TARGET} target); reading the weights alone would give {bound} "
-          f"({last['adapter_mb_per_step']:.1f} MB of adapters vs {last['base_mb_per_step']:.1f} MB of base "
-          "weights per step)")  # fmt: skip
-    result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "rows": rows, "ratio": ratio, "bytes_ratio": bound}  # fmt: skip
+    print(
+        f"throughput(n={last['n_adapters']}) / throughput(n={first['n_adapters']}) = {ratio} "
+        f"({verdict} the {TARGET} target); reading the weights alone would give {bound} "
+        f"({last['adapter_mb_per_step']:.1f} MB of adapters vs {last['base_mb_per_step']:.1f} MB of base "
+        "weights per step)"
+    )
+    result = {
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rows": rows,
+        "ratio": ratio,
+        "bytes_ratio": bound,
+    }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

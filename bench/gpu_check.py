@@ -68,8 +68,13 @@ def environment() -> dict:
         env["triton"] = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env |= {"device": props.name, "cuda": torch.version.cuda, "sms": props.multi_processor_count,
-                "memory_gib": round(props.total_memory / 2**30, 1), "driver": _driver_version()}  # fmt: skip
+        env |= {
+            "device": props.name,
+            "cuda": torch.version.cuda,
+            "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "driver": _driver_version(),
+        }
     else:
         env |= {"device": f"CPU ({platform.processor() or platform.machine()})", "cuda": None, "driver": None}
     return env
@@ -77,8 +82,13 @@ def environment() -> dict:
 
 def _driver_version() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
         return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
@@ -92,8 +102,20 @@ def run_tests(args: argparse.Namespace, out: Path) -> dict:
     still shows how far it got and what each test took.
     """
     junit = out / "junit.xml"
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--durations=15", "-p", "no:cacheprovider",
-               "--junitxml", str(junit), str(args.tests_dir)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-v",
+        "--durations=15",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(junit),
+        str(args.tests_dir),
+    ]
     start = time.perf_counter()
     sys.stdout.flush()
     done = subprocess.run(command, check=False)
@@ -101,8 +123,9 @@ def run_tests(args: argparse.Namespace, out: Path) -> dict:
     return result | {"exit_code": done.returncode, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_part(name: str, args: argparse.Namespace, preset: Preset, out: Path, work: Path,
-             partial: Callable[[dict], None]) -> dict:  # fmt: skip
+def run_part(
+    name: str, args: argparse.Namespace, preset: Preset, out: Path, work: Path, partial: Callable[[dict], None]
+) -> dict:
     if name == "tests":
         return run_tests(args, out)
     if name == "kernels":
@@ -146,8 +169,17 @@ def part_main(args: argparse.Namespace) -> int:
 # ---- the driver ------------------------------------------------------------------------------------
 def spawn_part(name: str, args: argparse.Namespace, limit_s: float) -> dict:
     """Run one part in a child process under `limit_s`; its record (or why there is none)."""
-    command = [sys.executable, "-m", "loraserve.bench.gpu_check", "--part", name, "--out", str(args.out),
-               "--tests-dir", str(args.tests_dir)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "loraserve.bench.gpu_check",
+        "--part",
+        name,
+        "--out",
+        str(args.out),
+        "--tests-dir",
+        str(args.tests_dir),
+    ]
     if args.work:
         command += ["--work", str(args.work)]
     if args.dry_run:
@@ -173,8 +205,11 @@ def spawn_part(name: str, args: argparse.Namespace, limit_s: float) -> dict:
                 child.wait()
     if record_path.is_file():
         return json.loads(record_path.read_text())
-    return {"status": "failed", "error": f"exited with {child.returncode} and no record",
-            "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
+    return {
+        "status": "failed",
+        "error": f"exited with {child.returncode} and no record",
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def drive(args: argparse.Namespace, say: Callable[[str], None] = print) -> dict:

@@ -37,8 +37,17 @@ from loraserve.worker.config import EngineConfig
 
 ARRIVAL_WINDOW_S = 0.05
 KEYS = ("requests", "finished", "output_tokens", "makespan_s", "req_per_s", "tokens_per_s", "ttft_p50_s", "tpot_p50_s")
-STATS = ("mean_batch_size", "steps", "adapter_loads", "adapter_evictions", "prefetch_hit_rate", "adapter_load_s",
-         "adapter_switches", "mean_switch_ms", "setup_s")  # fmt: skip
+STATS = (
+    "mean_batch_size",
+    "steps",
+    "adapter_loads",
+    "adapter_evictions",
+    "prefetch_hit_rate",
+    "adapter_load_s",
+    "adapter_switches",
+    "mean_switch_ms",
+    "setup_s",
+)
 
 
 class SharedWeightsBank(AdapterBank):
@@ -71,10 +80,16 @@ def model_dir(preset: Preset, work: Path) -> tuple[Path, float]:
 
 def offline_trace(preset: Preset, n_adapters: int, seed: int = 0) -> Trace:
     spec = WorkloadSpec(
-        n_adapters=n_adapters, alpha=1.0, rate=preset.requests / ARRIVAL_WINDOW_S, cv=1.0,
-        duration_s=ARRIVAL_WINDOW_S, input_len=preset.input_len, output_len=preset.output_len,
-        ranks=preset.ranks, seed=seed,
-    )  # fmt: skip
+        n_adapters=n_adapters,
+        alpha=1.0,
+        rate=preset.requests / ARRIVAL_WINDOW_S,
+        cv=1.0,
+        duration_s=ARRIVAL_WINDOW_S,
+        input_len=preset.input_len,
+        output_len=preset.output_len,
+        ranks=preset.ranks,
+        seed=seed,
+    )
     return synthetic_trace(spec)
 
 
@@ -86,9 +101,12 @@ def without_adapters(trace: Trace) -> Trace:
 
 def engine_config(preset: Preset) -> EngineConfig:
     return EngineConfig(
-        device=preset.device, dtype=preset.dtype, backend=preset.backend, max_batch_size=preset.max_batch_size,
+        device=preset.device,
+        dtype=preset.dtype,
+        backend=preset.backend,
+        max_batch_size=preset.max_batch_size,
         pool_pages=None if preset.device == "cuda" else 2048,
-    )  # fmt: skip
+    )
 
 
 def free_device_memory() -> None:
@@ -125,14 +143,25 @@ def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dic
     engine_limits = ReplayLimits(drain_s=preset.engine_cap_s, progress=False)
     loraserve = EngineSystem("loraserve", path, engine_config(preset), bank, engine_limits)
     data = {
-        "model": {"path": str(path), "shape": dataclasses.asdict(preset.shape), "dtype": preset.dtype,
-                  "parameters": preset.shape.parameters, "write_s": round(write_s, 1)},
-        "workload": {"requests": preset.requests, "input_len": preset.input_len, "output_len": preset.output_len,
-                     "alpha": 1.0, "ranks": preset.ranks, "max_batch_size": preset.max_batch_size},
+        "model": {
+            "path": str(path),
+            "shape": dataclasses.asdict(preset.shape),
+            "dtype": preset.dtype,
+            "parameters": preset.shape.parameters,
+            "write_s": round(write_s, 1),
+        },
+        "workload": {
+            "requests": preset.requests,
+            "input_len": preset.input_len,
+            "output_len": preset.output_len,
+            "alpha": 1.0,
+            "ranks": preset.ranks,
+            "max_batch_size": preset.max_batch_size,
+        },
         "rows": [],
         "ratios": ratios([], preset),
         "decode_profile": [],
-    }  # fmt: skip
+    }
 
     def record(row: dict) -> None:
         data["rows"].append(row)
@@ -150,12 +179,19 @@ def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dic
     from loraserve.bench.merge_system import MergeSwapSystem
     from loraserve.bench.peft_system import PeftSystem
 
-    peft = PeftSystem(adapters, work / "adapters", preset.max_batch_size, baseline_limits,
-                      device=preset.device, dtype=preset.torch_dtype)  # fmt: skip
+    peft = PeftSystem(
+        adapters,
+        work / "adapters",
+        preset.max_batch_size,
+        baseline_limits,
+        device=preset.device,
+        dtype=preset.torch_dtype,
+    )
     record(measure(peft, traces[n], "peft", n))
     del peft
-    merge = MergeSwapSystem(adapters, preset.max_batch_size, baseline_limits, device=preset.device,
-                            dtype=preset.torch_dtype)  # fmt: skip
+    merge = MergeSwapSystem(
+        adapters, preset.max_batch_size, baseline_limits, device=preset.device, dtype=preset.torch_dtype
+    )
     record(measure(merge, traces[n], "merge-and-swap", n))
     del merge
     free_device_memory()
@@ -188,9 +224,11 @@ def ratios(rows: list[dict], preset: Preset) -> dict[str, float | int | None]:
     ls = lambda n: _throughput(rows, "loraserve", n)  # noqa: E731
     with_lora = ratio(ls(low), _throughput(rows, "base", 0))
     return {
-        "low": low, "high": high, "baseline_n": nb,
+        "low": low,
+        "high": high,
+        "baseline_n": nb,
         "high_over_low": ratio(ls(high), ls(low)),
         "lora_overhead": None if with_lora is None else round(1 - with_lora, 3),
         "over_peft": ratio(ls(nb), _throughput(rows, "peft", nb)),
         "over_merge_and_swap": ratio(ls(nb), _throughput(rows, "merge-and-swap", nb)),
-    }  # fmt: skip
+    }

@@ -8,19 +8,28 @@ from pathlib import Path
 
 # (name, target text, how to read the value from the results, predicate on the value)
 TARGETS = [
-    ("LoRA decode kernel, batch 64 distinct rank 16, h 4096: time / roofline", "<= 2",
-     ("kernels", "summary", "lora_decode_b64_distinct_r16", "x_roofline"), lambda v: v <= 2),
-    ("Triton LoRA faster than gather-bmm at every point", "yes",
-     ("kernels", "summary", "faster_than_bmm_everywhere"), bool),
-    ("engine throughput n=1000 / n=1", ">= 0.9",
-     ("engine", "ratios", "high_over_low"), lambda v: v >= 0.9),
-    ("LoRA overhead vs the base model", "<= 0.10",
-     ("engine", "ratios", "lora_overhead"), lambda v: v <= 0.10),
-    ("loraserve / PEFT throughput (same trace)", ">= 30",
-     ("engine", "ratios", "over_peft"), lambda v: v >= 30),
-    ("stack: added latency per token (p50 TPOT difference), ms", "< 1",
-     ("stack", "stack_vs_engine", "added_tpot_p50_ms"), lambda v: v < 1),
-]  # fmt: skip
+    (
+        "LoRA decode kernel, batch 64 distinct rank 16, h 4096: time / roofline",
+        "<= 2",
+        ("kernels", "summary", "lora_decode_b64_distinct_r16", "x_roofline"),
+        lambda v: v <= 2,
+    ),
+    (
+        "Triton LoRA faster than gather-bmm at every point",
+        "yes",
+        ("kernels", "summary", "faster_than_bmm_everywhere"),
+        bool,
+    ),
+    ("engine throughput n=1000 / n=1", ">= 0.9", ("engine", "ratios", "high_over_low"), lambda v: v >= 0.9),
+    ("LoRA overhead vs the base model", "<= 0.10", ("engine", "ratios", "lora_overhead"), lambda v: v <= 0.10),
+    ("loraserve / PEFT throughput (same trace)", ">= 30", ("engine", "ratios", "over_peft"), lambda v: v >= 30),
+    (
+        "stack: added latency per token (p50 TPOT difference), ms",
+        "< 1",
+        ("stack", "stack_vs_engine", "added_tpot_p50_ms"),
+        lambda v: v < 1,
+    ),
+]
 
 
 def junit_counts(path: Path) -> dict:
@@ -77,19 +86,35 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def _engine_md(data: dict) -> str:
-    cols = ["system", "n_adapters", "finished", "requests", "tokens_per_s", "req_per_s", "ttft_p50_s", "tpot_p50_s",
-            "mean_batch_size", "adapter_loads", "prefetch_hit_rate", "wall_s"]  # fmt: skip
+    cols = [
+        "system",
+        "n_adapters",
+        "finished",
+        "requests",
+        "tokens_per_s",
+        "req_per_s",
+        "ttft_p50_s",
+        "tpot_p50_s",
+        "mean_batch_size",
+        "adapter_loads",
+        "prefetch_hit_rate",
+        "wall_s",
+    ]
     rows = [[r.get(c, r.get("error") if c == "tokens_per_s" else None) for c in cols] for r in data["rows"]]
     model = data["model"]
-    head = (f"Model: random Llama, {model['parameters'] / 1e9:.2f}B parameters ({model['shape']}), {model['dtype']}. "
-            f"Workload: {data['workload']}.")  # fmt: skip
+    head = (
+        f"Model: random Llama, {model['parameters'] / 1e9:.2f}B parameters ({model['shape']}), {model['dtype']}. "
+        f"Workload: {data['workload']}."
+    )
     r = data["ratios"]
-    ratios = "\n".join([
-        f"- throughput n={r['high']} / n={r['low']}: {r['high_over_low']}",
-        f"- LoRA overhead (1 - throughput at n={r['low']} / the base model's, same requests): {r['lora_overhead']}",
-        f"- loraserve / peft at n={r['baseline_n']}: {r['over_peft']}",
-        f"- loraserve / merge-and-swap at n={r['baseline_n']}: {r['over_merge_and_swap']}",
-    ])  # fmt: skip
+    ratios = "\n".join(
+        [
+            f"- throughput n={r['high']} / n={r['low']}: {r['high_over_low']}",
+            f"- LoRA overhead (1 - throughput at n={r['low']} / the base model's, same requests): {r['lora_overhead']}",
+            f"- loraserve / peft at n={r['baseline_n']}: {r['over_peft']}",
+            f"- loraserve / merge-and-swap at n={r['baseline_n']}: {r['over_merge_and_swap']}",
+        ]
+    )
     profile = []
     for p in data.get("decode_profile", []):
         if "error" in p:
@@ -110,14 +135,18 @@ def _stack_md(data: dict) -> str:
     if "rows" in svc:
         cols = ["finished", "requests", "tokens_per_s", "ttft_p50_s", "tpot_p50_s", "tpot_p99_s", "wall_s"]
         parts.append(_table(["system", *cols], [[k, *[v.get(c) for c in cols]] for k, v in svc["rows"].items()]))
-        parts.append(f"- added p50 time per output token: {svc['added_tpot_p50_ms']} ms; "
-                     f"added p50 time to first token: {svc['added_ttft_p50_ms']} ms")  # fmt: skip
+        parts.append(
+            f"- added p50 time per output token: {svc['added_tpot_p50_ms']} ms; "
+            f"added p50 time to first token: {svc['added_ttft_p50_ms']} ms"
+        )
     elif svc:
         parts.append(f"- stack vs in-process: {svc}")
     fetch = data.get("adapter_fetch", {})
     for r in fetch.get("results", []):
-        parts.append(f"- adapter fetch ({r['phase']}, {r['megabytes']:.1f} MB): median {r['median_ms']:.2f} ms, "
-                     f"p90 {r['p90_ms']:.2f} ms, {r['median_gbps']:.2f} GB/s")  # fmt: skip
+        parts.append(
+            f"- adapter fetch ({r['phase']}, {r['megabytes']:.1f} MB): median {r['median_ms']:.2f} ms, "
+            f"p90 {r['p90_ms']:.2f} ms, {r['median_gbps']:.2f} GB/s"
+        )
     if "error" in fetch:
         parts.append(f"- adapter fetch: {fetch['error']}")
     h2d = data.get("host_to_device", {})
@@ -153,8 +182,10 @@ def markdown(results: dict) -> str:
         if data is None:
             continue
         if name == "tests":
-            lines.append(f"passed {data['passed']}, failed {data['failed']}, skipped {data['skipped']} "
-                         f"(pytest exit {data['exit_code']}, {data['seconds']} s)")  # fmt: skip
+            lines.append(
+                f"passed {data['passed']}, failed {data['failed']}, skipped {data['skipped']} "
+                f"(pytest exit {data['exit_code']}, {data['seconds']} s)"
+            )
             lines += [f"- FAILED {f['test']}: {f['message']}" for f in data["failures"]]
         elif name == "kernels":
             lines.append(data.get("markdown", ""))

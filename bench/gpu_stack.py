@@ -44,10 +44,16 @@ KEYS = ("finished", "requests", "tokens_per_s", "ttft_p50_s", "tpot_p50_s", "tpo
 
 def stack_vs_engine(preset: Preset, path: Path, log=print) -> dict:
     spec = WorkloadSpec(
-        n_adapters=preset.stack_adapters, alpha=1.0, rate=preset.stack_rate, cv=1.0,
-        duration_s=preset.stack_duration_s, input_len=preset.input_len, output_len=preset.stack_output_len,
-        ranks=(FETCH_RANK,), seed=1,
-    )  # fmt: skip
+        n_adapters=preset.stack_adapters,
+        alpha=1.0,
+        rate=preset.stack_rate,
+        cv=1.0,
+        duration_s=preset.stack_duration_s,
+        input_len=preset.input_len,
+        output_len=preset.stack_output_len,
+        ranks=(FETCH_RANK,),
+        seed=1,
+    )
     trace = synthetic_trace(spec)
     adapters = SyntheticAdapters(path, dtype=preset.torch_dtype)
     limits = ReplayLimits(drain_s=60.0, progress=False)
@@ -66,18 +72,21 @@ def stack_vs_engine(preset: Preset, path: Path, log=print) -> dict:
     tpot = [rows[k]["tpot_p50_s"] for k in ("stack", "in-process")]
     ttft = [rows[k]["ttft_p50_s"] for k in ("stack", "in-process")]
     return {
-        "requests": len(trace.requests), "rate": preset.stack_rate, "adapters": preset.stack_adapters,
+        "requests": len(trace.requests),
+        "rate": preset.stack_rate,
+        "adapters": preset.stack_adapters,
         "rows": rows,
         "added_tpot_p50_ms": round(1e3 * (tpot[0] - tpot[1]), 3) if None not in tpot else None,
         "added_ttft_p50_ms": round(1e3 * (ttft[0] - ttft[1]), 3) if None not in ttft else None,
-    }  # fmt: skip
+    }
 
 
 def adapter_fetch(preset: Preset) -> dict:
     from loraserve.bench.adapter_fetch import run_benchmark
 
-    args = argparse.Namespace(rank=FETCH_RANK, modules=FETCH_MODULES, transport="tcp",
-                              iterations=preset.fetch_iterations, warmup=2)  # fmt: skip
+    args = argparse.Namespace(
+        rank=FETCH_RANK, modules=FETCH_MODULES, transport="tcp", iterations=preset.fetch_iterations, warmup=2
+    )
     with tempfile.TemporaryDirectory(prefix="loraserve-fetch-") as tmp:
         results, first_ms = run_benchmark(args, Path(tmp))
     return {"first_fetch_ms": round(first_ms, 2), "results": [asdict(r) for r in results]}

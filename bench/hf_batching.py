@@ -114,8 +114,14 @@ def warm_up(model) -> None:
     """One tiny generate before the clock starts (first-call costs are not the trace's)."""
     ids = torch.tensor([[5, 6, 7, 8]], device=model.device)
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False,
-                       eos_token_id=None, pad_token_id=PAD_ID)  # fmt: skip
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=2,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+        )
 
 
 def serve_one_adapter_at_a_time(

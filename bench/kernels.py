@@ -186,9 +186,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows-per-page", type=int, default=32)
     p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     p.add_argument(
-        "--bandwidth", type=float, default=None,
+        "--bandwidth",
+        type=float,
+        default=None,
         help="bandwidth in TB/s for the roofline (default: measured by a device-to-device copy)",
-    )  # fmt: skip
+    )
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition time, ms")
     p.add_argument("--suite", action="store_true", help="run the GPU suite's sweep (LoRA and attention)")
     p.add_argument("--dry-run", action="store_true", help="the suite on CPU: tiny shapes, Triton's interpreter")
@@ -444,10 +446,24 @@ def fmt(value: float | None, spec: str | None = None) -> str:
 
 
 TEXT_COLUMNS = (  # header, width: the plain-text table
-    ("phase", 7), ("rank", 5), ("batch", 5), ("popularity", 10), ("tokens", 6), ("adapt", 5), ("path", 7),
-    ("triton us", 9), ("graph us", 9), ("loop us", 9), ("loop gr", 9), ("bmm us", 9), ("roof us", 9),
-    ("x bmm", 6), ("x loop", 6), ("% roof", 6), ("err", 7),
-)  # fmt: skip
+    ("phase", 7),
+    ("rank", 5),
+    ("batch", 5),
+    ("popularity", 10),
+    ("tokens", 6),
+    ("adapt", 5),
+    ("path", 7),
+    ("triton us", 9),
+    ("graph us", 9),
+    ("loop us", 9),
+    ("loop gr", 9),
+    ("bmm us", 9),
+    ("roof us", 9),
+    ("x bmm", 6),
+    ("x loop", 6),
+    ("% roof", 6),
+    ("err", 7),
+)
 
 
 def format_table(results: list[Result]) -> str:
@@ -500,9 +516,15 @@ def suite_config(dry_run: bool) -> LoraConfig:
     """The suite's sweep; tiny shapes for the dry run (CPU, interpreter)."""
     if dry_run:
         return LoraConfig(
-            ranks=[4, "mixed"], batch_sizes=[1, 3], popularity=["distinct", "identical"], prefill_len=5,
-            hidden=64, row_width=32, rows_per_page=8, mixed_ranks=(2, 4, 8),
-        )  # fmt: skip
+            ranks=[4, "mixed"],
+            batch_sizes=[1, 3],
+            popularity=["distinct", "identical"],
+            prefill_len=5,
+            hidden=64,
+            row_width=32,
+            rows_per_page=8,
+            mixed_ranks=(2, 4, 8),
+        )
     return LoraConfig()
 
 
@@ -552,8 +574,11 @@ def _headline(results: list[Result], want: Case) -> Result | None:
     """The wanted case's row, else the closest stand-in (dry run): decode, distinct, smallest int rank,
     largest batch."""
     measured = [r for r in results if r.error is None]
-    exact = [r for r in measured if (r.phase, r.rank, r.batch_size, r.popularity) == (
-        want.phase, want.rank, want.batch_size, want.popularity)]  # fmt: skip
+    exact = [
+        r
+        for r in measured
+        if (r.phase, r.rank, r.batch_size, r.popularity) == (want.phase, want.rank, want.batch_size, want.popularity)
+    ]
     if exact:
         return exact[0]
     similar = [r for r in measured if r.phase == want.phase and r.popularity == want.popularity]
@@ -570,10 +595,13 @@ def lora_summary(results: list[Result]) -> dict[str, Any]:
         timing = "graph" if head.triton_graph_us is not None else "eager"
         t = head.triton_graph_us if timing == "graph" else head.triton_us
         headline = {
-            "case": head.label, "timing": timing, "triton_us": head.triton_us,
-            "triton_graph_us": head.triton_graph_us, "roofline_us": head.roofline_us,
+            "case": head.label,
+            "timing": timing,
+            "triton_us": head.triton_us,
+            "triton_graph_us": head.triton_graph_us,
+            "roofline_us": head.roofline_us,
             "x_roofline": ratio(t, head.roofline_us),
-        }  # fmt: skip
+        }
     measured = [r for r in results if r.error is None]
     with_bmm = [r for r in measured if r.triton_us is not None and r.bmm_us is not None]
     with_loop = [r for r in measured if r.triton_us is not None and r.loop_us is not None]
@@ -600,9 +628,24 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def lora_markdown(results: list[Result]) -> str:
     headers = [
-        "phase", "rank", "batch", "popularity", "tokens", "adapters", "path", "triton µs", "graph µs",
-        "loop µs", "loop graph µs", "bmm µs", "roofline µs", "graph/roof", "bmm/triton", "loop/triton", "max err",
-    ]  # fmt: skip
+        "phase",
+        "rank",
+        "batch",
+        "popularity",
+        "tokens",
+        "adapters",
+        "path",
+        "triton µs",
+        "graph µs",
+        "loop µs",
+        "loop graph µs",
+        "bmm µs",
+        "roofline µs",
+        "graph/roof",
+        "bmm/triton",
+        "loop/triton",
+        "max err",
+    ]
     rows = []
     for r in results:
         if r.error is not None:
@@ -610,12 +653,27 @@ def lora_markdown(results: list[Result]) -> str:
             continue
         tokens = f"{r.tokens}" + (f" ({r.tokens_per_request}/req)" if r.phase == "prefill" else "")
         rank = f"mixed ≤ {r.max_rank}" if r.rank == "mixed" else str(r.rank)
-        rows.append([
-            r.phase, rank, str(r.batch_size), r.popularity, tokens, str(r.adapters), r.path,
-            fmt(r.triton_us), fmt(r.triton_graph_us), fmt(r.loop_us), fmt(r.loop_graph_us), fmt(r.bmm_us),
-            fmt(r.roofline_us), fmt(r.x_roofline), fmt(r.bmm_x), fmt(r.loop_x),
-            fmt(r.max_abs_err, ".1e"),
-        ])  # fmt: skip
+        rows.append(
+            [
+                r.phase,
+                rank,
+                str(r.batch_size),
+                r.popularity,
+                tokens,
+                str(r.adapters),
+                r.path,
+                fmt(r.triton_us),
+                fmt(r.triton_graph_us),
+                fmt(r.loop_us),
+                fmt(r.loop_graph_us),
+                fmt(r.bmm_us),
+                fmt(r.roofline_us),
+                fmt(r.x_roofline),
+                fmt(r.bmm_x),
+                fmt(r.loop_x),
+                fmt(r.max_abs_err, ".1e"),
+            ]
+        )
     return markdown_table(headers, rows)
 
 
@@ -664,13 +722,15 @@ def suite_markdown(meta: dict[str, Any], lora: list[Result], attention: list, su
         if bw
         else f"placeholder {meta['roofline_bandwidth_tbs']} TB/s (dry run: nothing measured)"
     )
-    return "\n\n".join([
-        f"**{meta['device']}**, {meta['dtype']}, h = {meta['hidden']}, bandwidth {bandwidth}; "
-        f"torch {meta['torch']}, triton {meta['triton']}. Times: {meta['timing']}.",
-        "\n".join(target_lines(summary)),
-        "### Batched LoRA (one projection h → h)\n\n" + lora_markdown(lora),
-        "### Paged attention\n\n" + attention_markdown(attention),
-    ])  # fmt: skip
+    return "\n\n".join(
+        [
+            f"**{meta['device']}**, {meta['dtype']}, h = {meta['hidden']}, bandwidth {bandwidth}; "
+            f"torch {meta['torch']}, triton {meta['triton']}. Times: {meta['timing']}.",
+            "\n".join(target_lines(summary)),
+            "### Batched LoRA (one projection h → h)\n\n" + lora_markdown(lora),
+            "### Paged attention\n\n" + attention_markdown(attention),
+        ]
+    )
 
 
 def run_suite(dry_run: bool = False, budget_s: float = SUITE_BUDGET_S, progress: bool = True) -> dict[str, Any]:

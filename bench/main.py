@@ -39,13 +39,25 @@ SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
-    "n_adapters": [1, 10, 100, 1000], "rates": [40.0, 20.0, 60.0, 80.0], "rate_sweep_n": 100,
-    "duration": 60.0, "input_len": [8, 64], "output_len": [8, 64], "drain": 60.0, "pool_pages": 768,
-}  # fmt: skip
+    "n_adapters": [1, 10, 100, 1000],
+    "rates": [40.0, 20.0, 60.0, 80.0],
+    "rate_sweep_n": 100,
+    "duration": 60.0,
+    "input_len": [8, 64],
+    "output_len": [8, 64],
+    "drain": 60.0,
+    "pool_pages": 768,
+}
 QUICK = {
-    "n_adapters": [1, 100, 1000], "rates": [60.0, 30.0, 120.0], "rate_sweep_n": 100,
-    "duration": 5.0, "input_len": [8, 32], "output_len": [8, 24], "drain": 3.0, "pool_pages": 384,
-}  # fmt: skip
+    "n_adapters": [1, 100, 1000],
+    "rates": [60.0, 30.0, 120.0],
+    "rate_sweep_n": 100,
+    "duration": 5.0,
+    "input_len": [8, 32],
+    "output_len": [8, 24],
+    "drain": 3.0,
+    "pool_pages": 384,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,37 +68,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p.add_argument("--quick", action="store_true", help="a small preset that runs in a few minutes on 2 CPU cores")
     p.add_argument("--n-adapters", type=int, nargs="+", help=f"adapter counts {preset('n_adapters')}")
-    p.add_argument("--rates", type=float, nargs="+",
-                   help=f"request rates R, req/s; the first is the adapter sweep's {preset('rates')}")  # fmt: skip
+    p.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        help=f"request rates R, req/s; the first is the adapter sweep's {preset('rates')}",
+    )
     p.add_argument("--rate-sweep-n", type=int, help=f"adapters for the other rates {preset('rate_sweep_n')}")
     p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of adapter popularity")
     p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times")
     p.add_argument("--duration", type=float, help=f"trace duration, seconds {preset('duration')}")
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"),
-                   help=f"prompt length range {preset('input_len')}")  # fmt: skip
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"),
-                   help=f"output length range {preset('output_len')}")  # fmt: skip
+    p.add_argument(
+        "--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"), help=f"prompt length range {preset('input_len')}"
+    )
+    p.add_argument(
+        "--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"), help=f"output length range {preset('output_len')}"
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS), help="adapter ranks, round-robin")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM",
-                   help=f"systems to compare: {' '.join(SYSTEMS)}")  # fmt: skip
-    p.add_argument("--baseline-max-adapters", type=int, default=100,
-                   help="skip peft and merge-and-swap above this many adapters")  # fmt: skip
+    p.add_argument(
+        "--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM", help=f"systems to compare: {' '.join(SYSTEMS)}"
+    )
+    p.add_argument(
+        "--baseline-max-adapters", type=int, default=100, help="skip peft and merge-and-swap above this many adapters"
+    )
     p.add_argument("--trace", type=Path, help="replay this JSON-lines trace instead of generating")
     p.add_argument("--save-trace", type=Path, help="write each generated trace here (-n<N>-r<R> added if several)")
     p.add_argument("--out", type=Path, help="directory for results.json, records.jsonl and the plots")
-    p.add_argument("--slo", type=float, default=1.0,
-                   help="SLO on the first-token latency, seconds (S-LoRA: 6 s for a 7B model on an A100)")  # fmt: skip
-    p.add_argument("--drain", type=float,
-                   help=f"seconds after the last arrival; then stragglers are cut {preset('drain')}")  # fmt: skip
+    p.add_argument(
+        "--slo",
+        type=float,
+        default=1.0,
+        help="SLO on the first-token latency, seconds (S-LoRA: 6 s for a 7B model on an A100)",
+    )
+    p.add_argument(
+        "--drain", type=float, help=f"seconds after the last arrival; then stragglers are cut {preset('drain')}"
+    )
     p.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="base model directory")
     p.add_argument("--adapter-cache", type=Path, help="where synthetic adapter directories are written once")
     p.add_argument("--max-batch-size", type=int, default=32, help="running requests per step / per static batch")
-    p.add_argument("--pool-pages", type=int,
-                   help=f"engine pool pages (16 KV tokens or 32 adapter rows each) {preset('pool_pages')}")  # fmt: skip
-    p.add_argument("--split-adapter-fraction", type=float,
-                   help="adapters' share of the pool in loraserve-no-unified-pool (default: what is left "
-                        "after KV room for a full batch of the longest requests)")  # fmt: skip
+    p.add_argument(
+        "--pool-pages",
+        type=int,
+        help=f"engine pool pages (16 KV tokens or 32 adapter rows each) {preset('pool_pages')}",
+    )
+    p.add_argument(
+        "--split-adapter-fraction",
+        type=float,
+        help="adapters' share of the pool in loraserve-no-unified-pool (default: what is left "
+        "after KV room for a full batch of the longest requests)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -148,9 +179,16 @@ def split_fraction(args: argparse.Namespace) -> float:
 
 def _trace_for(setting: Setting, args: argparse.Namespace, many: bool) -> Trace:
     spec = WorkloadSpec(
-        n_adapters=setting.n_adapters, alpha=args.alpha, rate=setting.rate, cv=args.cv, duration_s=args.duration,
-        input_len=tuple(args.input_len), output_len=tuple(args.output_len), ranks=tuple(args.ranks), seed=args.seed,
-    )  # fmt: skip
+        n_adapters=setting.n_adapters,
+        alpha=args.alpha,
+        rate=setting.rate,
+        cv=args.cv,
+        duration_s=args.duration,
+        input_len=tuple(args.input_len),
+        output_len=tuple(args.output_len),
+        ranks=tuple(args.ranks),
+        seed=args.seed,
+    )
     trace = synthetic_trace(spec)
     if args.save_trace:
         path = args.save_trace
@@ -201,13 +239,21 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
                 "wall_s": round(time.perf_counter() - start, 2),
             }
             rows.append(row)
-            records += [{"system": name, "n_adapters": setting.n_adapters, "rate": setting.rate, **r.as_dict()}
-                        for r in result]  # fmt: skip
+            records += [
+                {"system": name, "n_adapters": setting.n_adapters, "rate": setting.rate, **r.as_dict()} for r in result
+            ]
             log.info(
                 "%s n=%d rate=%g: %.2f req/s, %.0f tok/s, ttft p50 %s s, SLO %.0f%%, %d/%d finished",
-                name, setting.n_adapters, setting.rate, row["req_per_s"], row["tokens_per_s"], row["ttft_p50_s"],
-                100 * row["slo_attainment"], row["finished"], row["requests"],
-            )  # fmt: skip
+                name,
+                setting.n_adapters,
+                setting.rate,
+                row["req_per_s"],
+                row["tokens_per_s"],
+                row["ttft_p50_s"],
+                100 * row["slo_attainment"],
+                row["finished"],
+                row["requests"],
+            )
     if args.out:
         _write(args.out, rows, records)
     return rows
@@ -279,12 +325,23 @@ def print_report(rows: list[dict], rate: float) -> None:
 
     table = Table(title="loraserve bench", show_lines=False)
     columns = [
-        ("system", "system"), ("n", "n_adapters"), ("rate", "rate"), ("req/s", "req_per_s"),
-        ("tok/s", "tokens_per_s"), ("ttft p50", "ttft_p50_s"), ("ttft p99", "ttft_p99_s"),
-        ("tpot p50", "tpot_p50_s"), ("latency", "latency_mean_s"), ("SLO", "slo_attainment"),
-        ("done", "finished"), ("batch", "mean_batch_size"), ("waste", "pool_waste_fraction"),
-        ("loads", "adapter_loads"), ("prefetch hit", "prefetch_hit_rate"), ("switches", "adapter_switches"),
-    ]  # fmt: skip
+        ("system", "system"),
+        ("n", "n_adapters"),
+        ("rate", "rate"),
+        ("req/s", "req_per_s"),
+        ("tok/s", "tokens_per_s"),
+        ("ttft p50", "ttft_p50_s"),
+        ("ttft p99", "ttft_p99_s"),
+        ("tpot p50", "tpot_p50_s"),
+        ("latency", "latency_mean_s"),
+        ("SLO", "slo_attainment"),
+        ("done", "finished"),
+        ("batch", "mean_batch_size"),
+        ("waste", "pool_waste_fraction"),
+        ("loads", "adapter_loads"),
+        ("prefetch hit", "prefetch_hit_rate"),
+        ("switches", "adapter_switches"),
+    ]
     for title, _ in columns:
         table.add_column(title, justify="left" if title == "system" else "right")
     for row in rows:

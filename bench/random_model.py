@@ -108,36 +108,54 @@ def write_llama_checkpoint(
         weight_map.update(dict.fromkeys(tensors, name))
         written += sum(t.numel() * t.element_size() for t in tensors.values())
 
-    shard("model-embed.safetensors", {
-        "model.embed_tokens.weight": normal(shape.vocab, shape.hidden),
-        "lm_head.weight": normal(shape.vocab, shape.hidden),
-        "model.norm.weight": ones(),
-    })  # fmt: skip
+    shard(
+        "model-embed.safetensors",
+        {
+            "model.embed_tokens.weight": normal(shape.vocab, shape.hidden),
+            "lm_head.weight": normal(shape.vocab, shape.hidden),
+            "model.norm.weight": ones(),
+        },
+    )
     for layer in range(shape.layers):
         prefix = f"model.layers.{layer}"
-        shard(f"model-layer-{layer:03d}.safetensors", {
-            f"{prefix}.self_attn.q_proj.weight": normal(shape.hidden, shape.hidden),
-            f"{prefix}.self_attn.k_proj.weight": normal(kv, shape.hidden),
-            f"{prefix}.self_attn.v_proj.weight": normal(kv, shape.hidden),
-            f"{prefix}.self_attn.o_proj.weight": normal(shape.hidden, shape.hidden),
-            f"{prefix}.mlp.gate_proj.weight": normal(shape.intermediate, shape.hidden),
-            f"{prefix}.mlp.up_proj.weight": normal(shape.intermediate, shape.hidden),
-            f"{prefix}.mlp.down_proj.weight": normal(shape.hidden, shape.intermediate),
-            f"{prefix}.input_layernorm.weight": ones(),
-            f"{prefix}.post_attention_layernorm.weight": ones(),
-        })  # fmt: skip
+        shard(
+            f"model-layer-{layer:03d}.safetensors",
+            {
+                f"{prefix}.self_attn.q_proj.weight": normal(shape.hidden, shape.hidden),
+                f"{prefix}.self_attn.k_proj.weight": normal(kv, shape.hidden),
+                f"{prefix}.self_attn.v_proj.weight": normal(kv, shape.hidden),
+                f"{prefix}.self_attn.o_proj.weight": normal(shape.hidden, shape.hidden),
+                f"{prefix}.mlp.gate_proj.weight": normal(shape.intermediate, shape.hidden),
+                f"{prefix}.mlp.up_proj.weight": normal(shape.intermediate, shape.hidden),
+                f"{prefix}.mlp.down_proj.weight": normal(shape.hidden, shape.intermediate),
+                f"{prefix}.input_layernorm.weight": ones(),
+                f"{prefix}.post_attention_layernorm.weight": ones(),
+            },
+        )
     index = {"metadata": {"total_size": written}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     demo = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": shape.vocab,
-        "hidden_size": shape.hidden, "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
-        "bos_token_id": demo.get("bos_token_id"), "eos_token_id": demo.get("eos_token_id"),
-        "pad_token_id": demo.get("pad_token_id"), "loraserve_random_shape": asdict(shape),
-    }  # fmt: skip
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": demo.get("bos_token_id"),
+        "eos_token_id": demo.get("eos_token_id"),
+        "pad_token_id": demo.get("pad_token_id"),
+        "loraserve_random_shape": asdict(shape),
+    }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for name in TOKENIZER_FILES:
         shutil.copy(DEMO_MODEL_DIR / name, out / name)

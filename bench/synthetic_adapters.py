@@ -25,8 +25,15 @@ from safetensors.torch import save as save_safetensors
 from loraserve.worker.model_config import ModelConfig
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 @dataclass(frozen=True)

@@ -206,9 +206,13 @@ def greedy_continuation(model, tokenizer, prompt: str, max_new_tokens: int = 40)
     ids = torch.tensor([tokenizer.encode(prompt).ids])
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=2, pad_token_id=2,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
     return tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
 
 

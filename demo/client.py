@@ -54,11 +54,17 @@ def _table(rows: list[_Row]) -> Table:
         s = row.summary
         style = row.adapter or "plain"
         ok = "" if s is None else ("✓ " if shows_style(style, row.text) else "✗ ") + STYLES[style].description
-        times = ["", "", "", "", ""] if s is None else [
-            f"{s.timings.queue_s * 1e3:.0f} ms", f"{s.timings.adapter_load_s * 1e3:.0f} ms",
-            f"{s.timings.prefill_s * 1e3:.0f} ms", f"{s.timings.time_to_first_token_s * 1e3:.0f} ms",
-            f"{s.timings.decode_s * 1e3:.0f} ms",
-        ]  # fmt: skip
+        times = (
+            ["", "", "", "", ""]
+            if s is None
+            else [
+                f"{s.timings.queue_s * 1e3:.0f} ms",
+                f"{s.timings.adapter_load_s * 1e3:.0f} ms",
+                f"{s.timings.prefill_s * 1e3:.0f} ms",
+                f"{s.timings.time_to_first_token_s * 1e3:.0f} ms",
+                f"{s.timings.decode_s * 1e3:.0f} ms",
+            ]
+        )
         text = row.error or f"[dim]{row.prompt}[/dim]{row.text}"
         table.add_row(row.adapter or "(base)", text, ok, *times)
     return table

@@ -14,38 +14,137 @@ import random
 
 DETERMINERS = ["the", "a", "my", "this", "one"]
 ADJECTIVES = [
-    "big", "small", "old", "young", "red", "green", "blue", "quiet", "happy", "brave",
-    "tired", "clever", "little", "dark", "bright", "gentle", "wild", "lazy", "quick", "kind",
-]  # fmt: skip
+    "big",
+    "small",
+    "old",
+    "young",
+    "red",
+    "green",
+    "blue",
+    "quiet",
+    "happy",
+    "brave",
+    "tired",
+    "clever",
+    "little",
+    "dark",
+    "bright",
+    "gentle",
+    "wild",
+    "lazy",
+    "quick",
+    "kind",
+]
 NOUNS = [
-    "cat", "dog", "fox", "bird", "horse", "child", "farmer", "king", "queen", "sailor",
-    "baker", "river", "hill", "tree", "house", "garden", "boat", "road", "forest", "village",
-    "castle", "lake", "field", "bridge", "window", "door", "stone", "apple", "song", "book",
-    "letter", "lamp", "wolf", "owl", "miller", "tower",
-]  # fmt: skip
+    "cat",
+    "dog",
+    "fox",
+    "bird",
+    "horse",
+    "child",
+    "farmer",
+    "king",
+    "queen",
+    "sailor",
+    "baker",
+    "river",
+    "hill",
+    "tree",
+    "house",
+    "garden",
+    "boat",
+    "road",
+    "forest",
+    "village",
+    "castle",
+    "lake",
+    "field",
+    "bridge",
+    "window",
+    "door",
+    "stone",
+    "apple",
+    "song",
+    "book",
+    "letter",
+    "lamp",
+    "wolf",
+    "owl",
+    "miller",
+    "tower",
+]
 # Nouns that can act (subjects of verbs).
-ACTORS = ["cat", "dog", "fox", "bird", "horse", "child", "farmer", "king", "queen", "sailor",
-          "baker", "wolf", "owl", "miller"]  # fmt: skip
-PLACES = ["river", "hill", "tree", "house", "garden", "boat", "road", "forest", "village",
-          "castle", "lake", "field", "bridge", "window", "door", "tower"]  # fmt: skip
+ACTORS = [
+    "cat",
+    "dog",
+    "fox",
+    "bird",
+    "horse",
+    "child",
+    "farmer",
+    "king",
+    "queen",
+    "sailor",
+    "baker",
+    "wolf",
+    "owl",
+    "miller",
+]
+PLACES = [
+    "river",
+    "hill",
+    "tree",
+    "house",
+    "garden",
+    "boat",
+    "road",
+    "forest",
+    "village",
+    "castle",
+    "lake",
+    "field",
+    "bridge",
+    "window",
+    "door",
+    "tower",
+]
 THINGS = ["apple", "song", "book", "letter", "lamp", "stone", "boat", "door", "window"]
 INTRANSITIVE = ["runs", "walks", "sleeps", "sits", "waits", "looks", "sings", "jumps", "swims", "rests"]
-TRANSITIVE = ["sees", "finds", "likes", "carries", "follows", "paints", "reads", "opens", "builds",
-              "watches", "holds", "visits"]  # fmt: skip
+TRANSITIVE = [
+    "sees",
+    "finds",
+    "likes",
+    "carries",
+    "follows",
+    "paints",
+    "reads",
+    "opens",
+    "builds",
+    "watches",
+    "holds",
+    "visits",
+]
 PREPOSITIONS = ["to", "from", "near", "under", "over", "behind", "beside", "into", "across", "through"]
 ADVERBS = ["slowly", "quickly", "softly", "happily", "quietly", "often", "today", "again"]
 CONJUNCTIONS = ["and", "but", "while"]
 
 LEXICON: frozenset[str] = frozenset(
-    DETERMINERS + ADJECTIVES + NOUNS + INTRANSITIVE + TRANSITIVE + PREPOSITIONS + ADVERBS
-    + CONJUNCTIONS + ["then"]
-)  # fmt: skip
+    DETERMINERS + ADJECTIVES + NOUNS + INTRANSITIVE + TRANSITIVE + PREPOSITIONS + ADVERBS + CONJUNCTIONS + ["then"]
+)
 
 # Pairs never generated in training text; prompts are built from them.
 HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset(
-    {("quiet", "king"), ("clever", "horse"), ("brave", "miller"), ("lazy", "owl"), ("kind", "sailor"),
-     ("dark", "wolf"), ("gentle", "baker"), ("young", "queen")}
-)  # fmt: skip
+    {
+        ("quiet", "king"),
+        ("clever", "horse"),
+        ("brave", "miller"),
+        ("lazy", "owl"),
+        ("kind", "sailor"),
+        ("dark", "wolf"),
+        ("gentle", "baker"),
+        ("young", "queen"),
+    }
+)
 HELD_OUT_PROMPTS: tuple[str, ...] = (
     "the quiet king",
     "a clever horse sees",

@@ -50,28 +50,43 @@ STYLES: dict[str, Style] = {
     for s in [
         Style("plain", "the base language", "the old fox runs to the river.", lambda t: t, _in_lexicon),
         Style(
-            "upper", "UPPERCASE", "THE OLD FOX RUNS TO THE RIVER.", str.upper,
+            "upper",
+            "UPPERCASE",
+            "THE OLD FOX RUNS TO THE RIVER.",
+            str.upper,
             lambda w: _in_lexicon(w.lower()) if w.isupper() else None,
         ),
         Style(
-            "title", "Title Case", "The Old Fox Runs To The River.", _per_word(str.capitalize),
+            "title",
+            "Title Case",
+            "The Old Fox Runs To The River.",
+            _per_word(str.capitalize),
             lambda w: _in_lexicon(w.lower()) if w == w.capitalize() else None,
         ),
         Style(
-            "rot13", "rot13 cipher", "gur byq sbk ehaf gb gur evire.",
-            lambda t: codecs.encode(t, "rot13"), lambda w: _in_lexicon(codecs.encode(w, "rot13")),
+            "rot13",
+            "rot13 cipher",
+            "gur byq sbk ehaf gb gur evire.",
+            lambda t: codecs.encode(t, "rot13"),
+            lambda w: _in_lexicon(codecs.encode(w, "rot13")),
         ),
         Style(
-            "reverse", "each word spelled backwards", "eht dlo xof snur ot eht revir.",
-            _per_word(lambda w: w[::-1]), lambda w: _in_lexicon(w[::-1]),
+            "reverse",
+            "each word spelled backwards",
+            "eht dlo xof snur ot eht revir.",
+            _per_word(lambda w: w[::-1]),
+            lambda w: _in_lexicon(w[::-1]),
         ),
         Style(
-            "novowel", "vowels dropped", "th ld fx rns t th rvr.", _drop_vowels,
+            "novowel",
+            "vowels dropped",
+            "th ld fx rns t th rvr.",
+            _drop_vowels,
             lambda w: None if _VOWELS.search(w) else _NOVOWEL_TO_PLAIN.get(w),
         ),
         Style("snake", "words joined by underscores", "the_old_fox_runs_to_the_river.", _snake, _in_lexicon),
     ]
-}  # fmt: skip
+}
 
 ADAPTER_STYLES = tuple(name for name in STYLES if name != "plain")
 

@@ -59,12 +59,34 @@ def write_kv_triton(pool_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # The page table's row stride and the split length change from step to step: no variant per value.
 @triton.jit(do_not_specialize=["stride_pt", "split_len"])
 def _attention_kernel(
-    q_ptr, stride_qt, stride_qh, out_ptr, stride_ot, stride_oh, pool_ptr, stride_row,
-    seq_index_ptr, query_start_ptr, context_len_ptr, page_table_ptr, stride_pt,
-    qk_scale, window, group, head_dim, split_len, partial_ptr, max_sum_ptr,
-    TP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    pool_ptr,
+    stride_row,
+    seq_index_ptr,
+    query_start_ptr,
+    context_len_ptr,
+    page_table_ptr,
+    stride_pt,
+    qk_scale,
+    window,
+    group,
+    head_dim,
+    split_len,
+    partial_ptr,
+    max_sum_ptr,
+    TP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """out[tile rows] = softmax(Q K^T * scale, causal/window-masked) V over sequence b's cached keys.
 
     SPLIT (decode only): program_id(1) is a range of split_len keys, and the program writes its
@@ -145,10 +167,19 @@ def _attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    partial_ptr, max_sum_ptr, out_ptr, stride_ot, stride_oh, seq_index_ptr, query_start_ptr,
-    group, head_dim, num_splits,
-    G_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    partial_ptr,
+    max_sum_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    seq_index_ptr,
+    query_start_ptr,
+    group,
+    head_dim,
+    num_splits,
+    G_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """out[token of sequence b, heads of g] = the split ranges' outputs, rescaled to one softmax."""
     b = tl.load(seq_index_ptr + tl.program_id(0))
     g = tl.program_id(1)
@@ -255,8 +286,15 @@ def attention_triton(
     g_pad = triton.next_power_of_2(group)
     on_gpu = q.device.type == "cuda"
     args = (
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), pool_layer, pool_layer.stride(0),
-    )  # fmt: skip
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        out.stride(0),
+        out.stride(1),
+        pool_layer,
+        pool_layer.stride(0),
+    )
     meta = dict(TP=batch.tokens_per_page, BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else None)
     scalars = (scale * _LOG2E, batch.sliding_window or 0, group, head_dim)
     tables = (batch.query_start, batch.context_len, batch.page_table, batch.page_table.stride(0))
@@ -271,25 +309,61 @@ def attention_triton(
         splits = triton.cdiv(span, split_len)  # no empty trailing range
         if splits == 1:
             _attention_kernel[(n, 1, num_kv_heads)](
-                *args, decode, *tables, *scalars, *unsplit, G_PAD=g_rows, BLOCK_Q=1, BLOCK_N=block_n, SPLIT=False,
+                *args,
+                decode,
+                *tables,
+                *scalars,
+                *unsplit,
+                G_PAD=g_rows,
+                BLOCK_Q=1,
+                BLOCK_N=block_n,
+                SPLIT=False,
                 **meta,
-            )  # fmt: skip
+            )
         else:
             slots = n * splits * num_kv_heads * g_rows
             partial = torch.empty(slots * block_d, dtype=torch.float32, device=q.device)
             max_sum = torch.empty(slots * 2, dtype=torch.float32, device=q.device)
             _attention_kernel[(n, splits, num_kv_heads)](
-                *args, decode, *tables, *scalars, split_len, partial, max_sum,
-                G_PAD=g_rows, BLOCK_Q=1, BLOCK_N=block_n, SPLIT=True, **meta,
-            )  # fmt: skip
+                *args,
+                decode,
+                *tables,
+                *scalars,
+                split_len,
+                partial,
+                max_sum,
+                G_PAD=g_rows,
+                BLOCK_Q=1,
+                BLOCK_N=block_n,
+                SPLIT=True,
+                **meta,
+            )
             _combine_splits_kernel[(n, num_kv_heads)](
-                partial, max_sum, out, out.stride(0), out.stride(1), decode, batch.query_start, group, head_dim,
-                splits, G_PAD=g_rows, BLOCK_D=block_d,
-            )  # fmt: skip
+                partial,
+                max_sum,
+                out,
+                out.stride(0),
+                out.stride(1),
+                decode,
+                batch.query_start,
+                group,
+                head_dim,
+                splits,
+                G_PAD=g_rows,
+                BLOCK_D=block_d,
+            )
     if prefill.numel():
         block_q = max(1, (64 if on_gpu else 16) // g_pad)
         _attention_kernel[(prefill.numel(), triton.cdiv(longest, block_q), num_kv_heads)](
-            *args, prefill, *tables, *scalars, *unsplit, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=block_n, SPLIT=False,
+            *args,
+            prefill,
+            *tables,
+            *scalars,
+            *unsplit,
+            G_PAD=g_pad,
+            BLOCK_Q=block_q,
+            BLOCK_N=block_n,
+            SPLIT=False,
             **meta,
-        )  # fmt: skip
+        )
     return out

@@ -80,11 +80,28 @@ def _block_offset(a, module, layer, offset_ptr, layer_active_ptr, stride_la):
 
 @_jit_per_step
 def _shrink_token_kernel(
-    x_ptr, stride_xt, pool_ptr, v_ptr,
-    token_adapter_ptr, rank_ptr, page_table_ptr, stride_pt, a_offset_ptr, layer_active_ptr, stride_la,
-    module, layer, num_tokens, d_in, c_in, splits,
-    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    stride_xt,
+    pool_ptr,
+    v_ptr,
+    token_adapter_ptr,
+    rank_ptr,
+    page_table_ptr,
+    stride_pt,
+    a_offset_ptr,
+    layer_active_ptr,
+    stride_la,
+    module,
+    layer,
+    num_tokens,
+    d_in,
+    c_in,
+    splits,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """v[split, t, j] = sum over this split's k of x[t, k] * A_a[j, k]   (a = token_adapter[t])"""
     t = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,11 +129,29 @@ def _shrink_token_kernel(
 
 @_jit_per_step
 def _expand_token_kernel(
-    y_ptr, stride_yt, pool_ptr, v_ptr,
-    token_adapter_ptr, rank_ptr, scale_ptr, page_table_ptr, stride_pt, b_offset_ptr, layer_active_ptr,
-    stride_la, module, layer, num_tokens, d_out, c_out, splits,
-    W: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    stride_yt,
+    pool_ptr,
+    v_ptr,
+    token_adapter_ptr,
+    rank_ptr,
+    scale_ptr,
+    page_table_ptr,
+    stride_pt,
+    b_offset_ptr,
+    layer_active_ptr,
+    stride_la,
+    module,
+    layer,
+    num_tokens,
+    d_out,
+    c_out,
+    splits,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """y[t, n] += (sum_split v[split, t, :]) @ B_a[:, n] * scale[a], for the BLOCK_N columns n of this program."""
     t = tl.program_id(0)
     a = tl.load(token_adapter_ptr + t)
@@ -145,12 +180,32 @@ def _expand_token_kernel(
 
 @_jit_per_step
 def _shrink_segment_kernel(
-    x_ptr, stride_xt, pool_ptr, v_ptr,
-    seg_start_ptr, seg_len_ptr, seg_adapter_ptr, rank_ptr, page_table_ptr, stride_pt, a_offset_ptr,
-    layer_active_ptr, stride_la, module, layer, num_tokens, d_in, c_in, splits,
-    W: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    stride_xt,
+    pool_ptr,
+    v_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_adapter_ptr,
+    rank_ptr,
+    page_table_ptr,
+    stride_pt,
+    a_offset_ptr,
+    layer_active_ptr,
+    stride_la,
+    module,
+    layer,
+    num_tokens,
+    d_in,
+    c_in,
+    splits,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """v[split, tile, :] = x[tile, this split's k] @ A_a[:, k]^T   (tile: BLOCK_M tokens of segment s)"""
     s = tl.program_id(0)
     tile = tl.program_id(1)
@@ -190,12 +245,33 @@ def _shrink_segment_kernel(
 
 @_jit_per_step
 def _expand_segment_kernel(
-    y_ptr, stride_yt, pool_ptr, v_ptr,
-    seg_start_ptr, seg_len_ptr, seg_adapter_ptr, rank_ptr, scale_ptr, page_table_ptr, stride_pt,
-    b_offset_ptr, layer_active_ptr, stride_la, module, layer, num_tokens, d_out, c_out, splits,
-    W: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    y_ptr,
+    stride_yt,
+    pool_ptr,
+    v_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    seg_adapter_ptr,
+    rank_ptr,
+    scale_ptr,
+    page_table_ptr,
+    stride_pt,
+    b_offset_ptr,
+    layer_active_ptr,
+    stride_la,
+    module,
+    layer,
+    num_tokens,
+    d_out,
+    c_out,
+    splits,
+    W: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """y[tile, n] += (sum_split v[split, tile, :]) @ B_a[:, n] * scale[a], for this program's BLOCK_N columns."""
     s = tl.program_id(0)
     tile = tl.program_id(1)
@@ -313,14 +389,42 @@ def lora_apply_triton(
         splits = splits or _num_splits(num_tokens, k_blocks, x.device)
         v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
         _shrink_token_kernel[(num_tokens, splits)](
-            x, x.stride(0), pool_layer, v, batch.token_adapter, batch.rank, *common, batch.a_offset, *active,
-            batch.d_in[module], c_in, splits, W=w, R=rpp, BLOCK_R=block_r, BLOCK_K=block_k,
-        )  # fmt: skip
+            x,
+            x.stride(0),
+            pool_layer,
+            v,
+            batch.token_adapter,
+            batch.rank,
+            *common,
+            batch.a_offset,
+            *active,
+            batch.d_in[module],
+            c_in,
+            splits,
+            W=w,
+            R=rpp,
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+        )
         _expand_token_kernel[(num_tokens, c_out * triton.cdiv(w, block_n))](
-            y, y.stride(0), pool_layer, v, batch.token_adapter, batch.rank, batch.scale, *common,
-            batch.b_offset, *active, batch.d_out[module], c_out, splits,
-            W=w, R=rpp, BLOCK_R=block_r, BLOCK_N=block_n,
-        )  # fmt: skip
+            y,
+            y.stride(0),
+            pool_layer,
+            v,
+            batch.token_adapter,
+            batch.rank,
+            batch.scale,
+            *common,
+            batch.b_offset,
+            *active,
+            batch.d_out[module],
+            c_out,
+            splits,
+            W=w,
+            R=rpp,
+            BLOCK_R=block_r,
+            BLOCK_N=block_n,
+        )
         return
 
     block_m = 16 if batch.max_seg_len <= 16 or x.device.type != "cuda" else 32
@@ -332,11 +436,41 @@ def lora_apply_triton(
     v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
     segs = (batch.seg_start, batch.seg_len, batch.seg_adapter, batch.rank)
     _shrink_segment_kernel[(num_segments, tiles, splits)](
-        x, x.stride(0), pool_layer, v, *segs, *common, batch.a_offset, *active, batch.d_in[module], c_in, splits,
-        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PRECISION=precision,
-    )  # fmt: skip
+        x,
+        x.stride(0),
+        pool_layer,
+        v,
+        *segs,
+        *common,
+        batch.a_offset,
+        *active,
+        batch.d_in[module],
+        c_in,
+        splits,
+        W=w,
+        R=rpp,
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        PRECISION=precision,
+    )
     _expand_segment_kernel[(num_segments, tiles, c_out * triton.cdiv(w, block_n))](
-        y, y.stride(0), pool_layer, v, *segs, batch.scale, *common, batch.b_offset, *active,
-        batch.d_out[module], c_out, splits,
-        W=w, R=rpp, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, PRECISION=precision,
-    )  # fmt: skip
+        y,
+        y.stride(0),
+        pool_layer,
+        v,
+        *segs,
+        batch.scale,
+        *common,
+        batch.b_offset,
+        *active,
+        batch.d_out[module],
+        c_out,
+        splits,
+        W=w,
+        R=rpp,
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        PRECISION=precision,
+    )

@@ -283,17 +283,29 @@ def test_upload_assembles_interleaved_chunks():
         ([("header", "a"), ("chunk", "model.pt", b"x")], InvalidRequestError, "unknown file 'model.pt'"),
         ([("header", "a/b")], InvalidRequestError, "header.name"),
         ([("header", "a"), ("chunk", "adapter_config.json", b" " * (MIB + 1))], InvalidRequestError, "larger than"),
-        ([("header", "a"), ("chunk", "adapter_model.bin", b"x" * 600), ("chunk", "adapter_model.bin", b"x" * 600)],
-         ResourceExhaustedError, r"\(1200 bytes\) exceed .* \(1000 bytes\)"),
-        ([("header", "a"), ("chunk", "adapter_model.bin", b"x"), ("chunk", "adapter_model.safetensors", b"x")],
-         InvalidRequestError, "not both"),
-        ([("header", "a"), ("chunk", "adapter_model.safetensors", b"x"), ("finish",)],
-         InvalidRequestError, "adapter_config.json: missing"),
-        ([("header", "a"), ("chunk", "adapter_config.json", b"{}"), ("finish",)],
-         InvalidRequestError, "adapter_model.safetensors: missing"),
+        (
+            [("header", "a"), ("chunk", "adapter_model.bin", b"x" * 600), ("chunk", "adapter_model.bin", b"x" * 600)],
+            ResourceExhaustedError,
+            r"\(1200 bytes\) exceed .* \(1000 bytes\)",
+        ),
+        (
+            [("header", "a"), ("chunk", "adapter_model.bin", b"x"), ("chunk", "adapter_model.safetensors", b"x")],
+            InvalidRequestError,
+            "not both",
+        ),
+        (
+            [("header", "a"), ("chunk", "adapter_model.safetensors", b"x"), ("finish",)],
+            InvalidRequestError,
+            "adapter_config.json: missing",
+        ),
+        (
+            [("header", "a"), ("chunk", "adapter_config.json", b"{}"), ("finish",)],
+            InvalidRequestError,
+            "adapter_model.safetensors: missing",
+        ),
         ([("finish",)], InvalidRequestError, "stream was empty"),
     ],
-)  # fmt: skip
+)
 def test_upload_refuses_bad_streams_at_the_message_at_fault(steps, error, message):
     upload = UploadAssembler(max_weights_bytes=1000)
     with pytest.raises(error, match=message):

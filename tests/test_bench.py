@@ -241,11 +241,18 @@ def test_replay_cuts_unfinished_requests_at_the_deadline(adapters):
 # ---- plots and the command -----------------------------------------------------------------------
 def test_plots_are_pngs(tmp_path):
     rows = [
-        {"system": s, "n_adapters": n, "rate": r, "req_per_s": r * f, "latency_mean_s": n / 100, "ttft_mean_s": 0.1,
-         "slo_attainment": f}
+        {
+            "system": s,
+            "n_adapters": n,
+            "rate": r,
+            "req_per_s": r * f,
+            "latency_mean_s": n / 100,
+            "ttft_mean_s": 0.1,
+            "slo_attainment": f,
+        }
         for s, f in (("loraserve", 1.0), ("peft", 0.4))
         for n, r in ((1, 10.0), (10, 10.0), (100, 10.0), (100, 5.0), (100, 20.0))
-    ]  # fmt: skip
+    ]
     paths = plot_results(rows, tmp_path)
     assert sorted(p.name for p in paths) == ["vs_adapters.png", "vs_rate.png"]
     for p in paths:
@@ -257,20 +264,65 @@ def test_bench_command_writes_results(tmp_path, capsys):
     parser = EnvArgumentParser()
     bench_main.add_arguments(parser)
     out, saved = tmp_path / "out", tmp_path / "trace.jsonl"
-    argv = ["--n-adapters", "1", "3", "--rates", "12", "--duration", "0.4", "--drain", "20", "--input-len", "4", "6",
-            "--output-len", "2", "3", "--systems", "loraserve", "merge-and-swap", "--no-progress",
-            "--pool-pages", "256", "--out", str(out), "--save-trace", str(saved)]  # fmt: skip
+    argv = [
+        "--n-adapters",
+        "1",
+        "3",
+        "--rates",
+        "12",
+        "--duration",
+        "0.4",
+        "--drain",
+        "20",
+        "--input-len",
+        "4",
+        "6",
+        "--output-len",
+        "2",
+        "3",
+        "--systems",
+        "loraserve",
+        "merge-and-swap",
+        "--no-progress",
+        "--pool-pages",
+        "256",
+        "--out",
+        str(out),
+        "--save-trace",
+        str(saved),
+    ]
     assert bench_main.main(parser.parse_args(argv)) == 0
     rows = json.loads((out / "results.json").read_text())
-    assert {(r["system"], r["n_adapters"]) for r in rows} == {(s, n) for s in ("loraserve", "merge-and-swap")
-                                                             for n in (1, 3)}  # fmt: skip
-    required = {"system", "n_adapters", "alpha", "cv", "rate", "req_per_s", "tokens_per_s", "ttft_p50_s",
-                "ttft_p99_s", "tpot_p50_s", "slo_attainment"}  # fmt: skip
+    assert {(r["system"], r["n_adapters"]) for r in rows} == {
+        (s, n) for s in ("loraserve", "merge-and-swap") for n in (1, 3)
+    }
+    required = {
+        "system",
+        "n_adapters",
+        "alpha",
+        "cv",
+        "rate",
+        "req_per_s",
+        "tokens_per_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "slo_attainment",
+    }
     assert all(required <= set(r) for r in rows)
     assert (out / "vs_adapters.png").is_file() and (out / "records.jsonl").is_file()
     assert "loraserve bench" in capsys.readouterr().out
-    replay_args = ["--trace", str(tmp_path / "trace-n3-r12.jsonl"), "--systems", "loraserve", "--no-progress",
-                   "--pool-pages", "256", "--drain", "20"]  # fmt: skip
+    replay_args = [
+        "--trace",
+        str(tmp_path / "trace-n3-r12.jsonl"),
+        "--systems",
+        "loraserve",
+        "--no-progress",
+        "--pool-pages",
+        "256",
+        "--drain",
+        "20",
+    ]
     rows = bench_main.run_benchmark(bench_main._resolved(parser.parse_args(replay_args)))
     assert [r["n_adapters"] for r in rows] == [3] and rows[0]["finished"] == rows[0]["requests"]
 

@@ -34,9 +34,13 @@ def _greedy(model, tokenizer, prompt: str) -> str:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 

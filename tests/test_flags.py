@@ -31,9 +31,12 @@ def test_env_twin_sets_the_default_and_the_flag_wins(monkeypatch):
 
 @pytest.mark.parametrize(
     ("var", "value", "message"),
-    [("LORASERVE_MAX_BATCH_SIZE", "lots", "invalid literal"), ("LORASERVE_DEVICE", "tpu", "choose one of"),
-     ("LORASERVE_PREFETCH", "maybe", "expected one of")],
-)  # fmt: skip
+    [
+        ("LORASERVE_MAX_BATCH_SIZE", "lots", "invalid literal"),
+        ("LORASERVE_DEVICE", "tpu", "choose one of"),
+        ("LORASERVE_PREFETCH", "maybe", "expected one of"),
+    ],
+)
 def test_bad_env_values_are_explained(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)
     with pytest.raises(SystemExit, match=message):

@@ -43,9 +43,18 @@ pytestmark = pytest.mark.timeout(max(300, EXAMPLES))
 
 U64_MAX = 2**64 - 1
 SAVEABLE_DTYPES = [
-    torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64,
-]  # fmt: skip
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex64,
+]
 DTYPES = ["F16", "BF16", "F32", "F64", "I8", "I16", "I32", "I64", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "C64", "F4"]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.integers(-(2**80), 2**80) | st.floats() | st.text(max_size=40),
@@ -68,11 +77,20 @@ FIELDS = {
     "bias": st.sampled_from(["none", "all", "lora_only"]),
     "use_rslora": st.booleans(),
     **dict.fromkeys(
-        ["use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "exclude_modules", "fan_in_fan_out",
-         "target_parameters", "lora_bias", "layer_replication"],
+        [
+            "use_dora",
+            "modules_to_save",
+            "rank_pattern",
+            "alpha_pattern",
+            "exclude_modules",
+            "fan_in_fan_out",
+            "target_parameters",
+            "lora_bias",
+            "layer_replication",
+        ],
         falsy,
     ),
-}  # fmt: skip
+}
 
 
 class Seed:

@@ -46,14 +46,39 @@ class Roles:
         self.sink_address = self.sink.getsockopt_string(zmq.LAST_ENDPOINT)
         cli = [sys.executable, "-m", "loraserve.cli", "--log-level", "WARNING"]
         self.store = subprocess.Popen(
-            [*cli, "adapter-store", "--model", str(DEMO_MODEL_DIR), "--bind", self.store_grpc,
-             "--data-address", self.store_data, "--preload", f"{ADAPTER}={DEMO_ADAPTERS_DIR / ADAPTER}"],
-        )  # fmt: skip
+            [
+                *cli,
+                "adapter-store",
+                "--model",
+                str(DEMO_MODEL_DIR),
+                "--bind",
+                self.store_grpc,
+                "--data-address",
+                self.store_data,
+                "--preload",
+                f"{ADAPTER}={DEMO_ADAPTERS_DIR / ADAPTER}",
+            ],
+        )
         self.worker = subprocess.Popen(
-            [*cli, "worker", "--model", str(DEMO_MODEL_DIR), "--worker-id", WORKER_ID, "--device", "cpu",
-             "--scheduler-address", self.scheduler_address, "--store-address", self.store_data,
-             "--pool-pages", "256", "--torch-threads", "1"],
-        )  # fmt: skip
+            [
+                *cli,
+                "worker",
+                "--model",
+                str(DEMO_MODEL_DIR),
+                "--worker-id",
+                WORKER_ID,
+                "--device",
+                "cpu",
+                "--scheduler-address",
+                self.scheduler_address,
+                "--store-address",
+                self.store_data,
+                "--pool-pages",
+                "256",
+                "--torch-threads",
+                "1",
+            ],
+        )
         self.reports = 0
 
     def alive(self) -> None:
@@ -85,8 +110,15 @@ class Roles:
         self.router.send_multipart([WORKER_ID.encode(), *(frames or [b""])])
 
     def generate(self, request_id: str, max_new_tokens: int = 6, timeout_s: float = 60.0) -> list[int]:
-        assign = Assign(request_id, [1, 5, 9], ADAPTER, 1, {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-                        self.sink_address, time.time())  # fmt: skip
+        assign = Assign(
+            request_id,
+            [1, 5, 9],
+            ADAPTER,
+            1,
+            {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+            self.sink_address,
+            time.time(),
+        )
         send(self.router, assign, to=WORKER_ID.encode())
         tokens: list[int] = []
         deadline = time.monotonic() + timeout_s

@@ -71,8 +71,12 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy:
     raise AssertionError(f"unhandled field type {t} of {field.full_name}")
 
 
-_UNSIGNED = {FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_FIXED32, FieldDescriptor.TYPE_UINT64,
-             FieldDescriptor.TYPE_FIXED64}  # fmt: skip
+_UNSIGNED = {
+    FieldDescriptor.TYPE_UINT32,
+    FieldDescriptor.TYPE_FIXED32,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_FIXED64,
+}
 
 
 def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy:
@@ -199,9 +203,12 @@ def scheduler():
 def near_valid_submits(draw) -> scheduler_pb2.SubmitRequest:
     """A Submit the scheduler would accept, with one field (or a sampling field) taken from a random one."""
     submit = scheduler_pb2.SubmitRequest(
-        request_id=f"fuzz-{draw(st.integers(0, 2**62))}", prompt_ids=[1, 2, 3], max_new_tokens=4,
-        reply_to="tcp://127.0.0.1:9", arrival_unix=time.time(),
-    )  # fmt: skip
+        request_id=f"fuzz-{draw(st.integers(0, 2**62))}",
+        prompt_ids=[1, 2, 3],
+        max_new_tokens=4,
+        reply_to="tcp://127.0.0.1:9",
+        arrival_unix=time.time(),
+    )
     donor = draw(messages(scheduler_pb2.SubmitRequest.DESCRIPTOR))
     target, source = (submit, donor)
     if draw(st.booleans()):

@@ -21,8 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("gpu-check")
-    command = [sys.executable, "-m", "loraserve.bench.gpu_check", "--dry-run", "--out", str(out),
-               "--tests-dir", str(ROOT / "tests")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "loraserve.bench.gpu_check",
+        "--dry-run",
+        "--out",
+        str(out),
+        "--tests-dir",
+        str(ROOT / "tests"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     return done, out
 

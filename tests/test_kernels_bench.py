@@ -50,9 +50,27 @@ def _fake_timers() -> bench.Timers:
 def test_table_from_a_fake_timer():
     """Every case is built for real (pool, batch), only the timing is fake (the kernels are not run)."""
     args = bench.parse_args(
-        ["--ranks", "4", "mixed", "--batch-sizes", "1", "3", "--hidden", "64", "--row-width", "32",
-         "--prefill-len", "5", "--max-prefill-tokens", "8", "--bandwidth", "1.0", "--dtype", "bfloat16"]
-    )  # fmt: skip
+        [
+            "--ranks",
+            "4",
+            "mixed",
+            "--batch-sizes",
+            "1",
+            "3",
+            "--hidden",
+            "64",
+            "--row-width",
+            "32",
+            "--prefill-len",
+            "5",
+            "--max-prefill-tokens",
+            "8",
+            "--bandwidth",
+            "1.0",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     config = bench.LoraConfig.from_args(args)
     config.check = False
     results = bench.benchmark(config, torch.device("cpu"), _fake_timers(), progress=False)

@@ -177,9 +177,14 @@ def test_nothing_to_do_leaves_y_untouched(kernel_device: str):
     assert torch.equal(y, y0)
     empty_i32 = torch.zeros(0, dtype=torch.int32, device=device)
     empty = dataclasses.replace(
-        batch, seg_start=empty_i32, seg_len=empty_i32, seg_adapter=empty_i32, token_adapter=empty_i32,
-        segments=[], max_seg_len=0,
-    )  # fmt: skip
+        batch,
+        seg_start=empty_i32,
+        seg_len=empty_i32,
+        seg_adapter=empty_i32,
+        token_adapter=empty_i32,
+        segments=[],
+        max_seg_len=0,
+    )
     y = torch.zeros(0, 80, device=device)
     lora_apply_triton(y, torch.zeros(0, 48, device=device), pool[0], empty, 0, 0)  # an empty step
     assert make_lora_batch(SMALL, adapters, [(None, 3)], device=device) is None  # the runner passes none then

@@ -24,8 +24,11 @@ def test_a_busy_metrics_port_is_a_clear_error(role):
         }[role]
         out = subprocess.run(
             [sys.executable, "-m", "loraserve.cli", role, *addresses, "--metrics-port", str(port)],
-            check=False, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode == 1, out.stderr[-2000:]
     assert f"cannot serve metrics on 127.0.0.1:{port}" in out.stderr
     assert "Traceback" not in out.stderr

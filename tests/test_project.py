@@ -87,8 +87,12 @@ def test_compose_services_run_real_subcommands():
     (mount,) = compose["services"]["prometheus"]["volumes"]
     config = yaml.safe_load((ROOT / mount.split(":")[0]).read_text())
     targets = [t for job in config["scrape_configs"] for c in job.get("static_configs", []) for t in c["targets"]]
-    targets += [f"{n}:{c['port']}" for job in config["scrape_configs"] for c in job.get("dns_sd_configs", [])
-                for n in c["names"]]  # fmt: skip
+    targets += [
+        f"{n}:{c['port']}"
+        for job in config["scrape_configs"]
+        for c in job.get("dns_sd_configs", [])
+        for n in c["names"]
+    ]
     assert {t.split(":")[0] for t in targets} == roles_services(compose)
 
 

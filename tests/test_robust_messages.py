@@ -129,8 +129,9 @@ def test_supervise_sets_not_serving_on_a_real_health_service_and_raises():
             raise KeyError("boom")
 
         with pytest.raises(RoleFailed, match="boom"):
-            await supervise("role", {"ok": asyncio.sleep(60), "dies": dies()}, None,
-                            lambda: set_serving(health, ["svc"], False))  # fmt: skip
+            await supervise(
+                "role", {"ok": asyncio.sleep(60), "dies": dies()}, None, lambda: set_serving(health, ["svc"], False)
+            )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             status = (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
         stop = asyncio.Event()

@@ -32,9 +32,12 @@ def stack():
     metrics = free_port_block(4)  # gateway, scheduler, store, worker-0
     adapters = demo_adapters()
     stack = LocalStack(
-        DEMO_MODEL_DIR, 1, adapter=[f"{name}={adapters[name]}" for name in CYCLED],
-        adapter_cache_gb=1e-6, metrics_port=metrics,
-    )  # fmt: skip
+        DEMO_MODEL_DIR,
+        1,
+        adapter=[f"{name}={adapters[name]}" for name in CYCLED],
+        adapter_cache_gb=1e-6,
+        metrics_port=metrics,
+    )
     with pytest.MonkeyPatch.context() as env:  # the children read these flags' environment twins
         env.setenv("LORASERVE_MAX_ADAPTER_MB", "1")
         env.setenv("LORASERVE_PRELOAD_DEMO", "0")  # the demo's "reverse" is over that limit

@@ -34,8 +34,10 @@ def test_a_continuation_from_a_prefix_draws_the_same_tokens(engine, adapter, cut
     resumed = GenerateRequest(
         prompt_ids=prompt + whole.token_ids[:cut], adapter=adapter, sampling=_sampling(NEW_TOKENS - cut)
     )
-    others = [GenerateRequest(prompt_ids=[2, 3], sampling=SamplingParams(max_new_tokens=6, temperature=0.8, seed=i))
-              for i in range(3)]  # fmt: skip
+    others = [
+        GenerateRequest(prompt_ids=[2, 3], sampling=SamplingParams(max_new_tokens=6, temperature=0.8, seed=i))
+        for i in range(3)
+    ]
     result = engine.generate([others[0], resumed, *others[1:]])[1]
     assert result.token_ids == whole.token_ids[cut:]
 

@@ -32,13 +32,24 @@ def test_a_failed_assign_then_the_worker_dropped_keeps_the_loop_alive():
         gateway = loop.ctx.socket(zmq.PULL)
         gateway.bind(sink := f"tcp://127.0.0.1:{_free_port()}")
         now = time.time()
-        report = WorkerReport(worker_id="ghost", ready=True, max_batch_size=4, total_pages=100, free_pages=100,
-                              kv_pages=0, adapter_pages=0, running=[], waiting=[], resident=[])  # fmt: skip
+        report = WorkerReport(
+            worker_id="ghost",
+            ready=True,
+            max_batch_size=4,
+            total_pages=100,
+            free_pages=100,
+            kv_pages=0,
+            adapter_pages=0,
+            running=[],
+            waiting=[],
+            resident=[],
+        )
         policy.on_report(report, time.monotonic())  # as if it had reported, then died
         stop = asyncio.Event()
         task = asyncio.create_task(loop.run(stop))
-        submit = scheduler_pb2.SubmitRequest(request_id="r1", prompt_ids=[1, 2], max_new_tokens=2, reply_to=sink,
-                                             arrival_unix=now)  # fmt: skip
+        submit = scheduler_pb2.SubmitRequest(
+            request_id="r1", prompt_ids=[1, 2], max_new_tokens=2, reply_to=sink, arrival_unix=now
+        )
         loop.submit(submit, ())
         failure = decode(await asyncio.wait_for(gateway.recv_multipart(), 5))
         await asyncio.sleep(0.6)  # past worker_timeout_s: the ghost is dropped by a round

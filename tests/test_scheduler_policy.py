@@ -20,10 +20,20 @@ from loraserve.wire import WorkerReport
 
 def report(worker_id, running=(), free_pages=100, max_batch=4, resident=(), finished=(), ready=True, fatal=None):
     return WorkerReport(
-        worker_id=worker_id, ready=ready, max_batch_size=max_batch, total_pages=100, free_pages=free_pages,
-        kv_pages=100 - free_pages, adapter_pages=0, running=list(running), waiting=[],
-        resident=[list(k) for k in resident], finished=list(finished), tokens_per_page=16, fatal=fatal,
-    )  # fmt: skip
+        worker_id=worker_id,
+        ready=ready,
+        max_batch_size=max_batch,
+        total_pages=100,
+        free_pages=free_pages,
+        kv_pages=100 - free_pages,
+        adapter_pages=0,
+        running=list(running),
+        waiting=[],
+        resident=[list(k) for k in resident],
+        finished=list(finished),
+        tokens_per_page=16,
+        fatal=fatal,
+    )
 
 
 def request(rid, adapter=None, prompt=16, new=16, deadline=None):

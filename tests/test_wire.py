@@ -9,8 +9,17 @@ from loraserve.wire import AdapterFiles, Assign, MsgType, Tokens, WireError, Wor
 
 
 def test_round_trip_keeps_every_field():
-    assign = Assign("r1", [1, 2, 3], "upper", 2, {"max_new_tokens": 5}, "tcp://127.0.0.1:1", 1.5, deadline=9.0,
-                    trace={"traceparent": "00-abc"})  # fmt: skip
+    assign = Assign(
+        "r1",
+        [1, 2, 3],
+        "upper",
+        2,
+        {"max_new_tokens": 5},
+        "tcp://127.0.0.1:1",
+        1.5,
+        deadline=9.0,
+        trace={"traceparent": "00-abc"},
+    )
     assert decode(encode(assign)) == assign
     tokens = Tokens("r1", [7], worker_id="w", finished=True, finish_reason="stop", timings={"queue_s": 0.1})
     assert decode(encode(tokens)) == tokens

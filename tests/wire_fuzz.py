@@ -54,9 +54,14 @@ VALID: list[Message] = [
 assert {type(m) for m in VALID} == set(_TYPES.values()), "every message type is fuzzed"
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**64), 2**64 - 1), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=40), st.binary(max_size=40), st.sampled_from(["tcp://127.0.0.1:1", "not-an-endpoint", "ipc://"]),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**64), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+    st.sampled_from(["tcp://127.0.0.1:1", "not-an-endpoint", "ipc://"]),
+)
 values = st.recursive(
     scalars,
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),

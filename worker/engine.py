@@ -127,9 +127,13 @@ class Engine:
         self.adapter_bytes_read = 0
         log.info(
             "unified pool: %d pages x %d rows x %d wide x %d layers (%.1f MiB, %d tokens per KV page)",
-            self.layout.num_pages, self.layout.rows_per_page, self.layout.row_width, self.layout.num_layers,
-            self.pool.tensor.numel() * self.pool.tensor.element_size() / 2**20, self.layout.tokens_per_page,
-        )  # fmt: skip
+            self.layout.num_pages,
+            self.layout.rows_per_page,
+            self.layout.row_width,
+            self.layout.num_layers,
+            self.pool.tensor.numel() * self.pool.tensor.element_size() / 2**20,
+            self.layout.tokens_per_page,
+        )
 
     def _pool_pages(self) -> int:
         c = self.config
@@ -268,8 +272,11 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs = [self._finish(rid, FinishReason.ERROR if err else FinishReason.CANCELLED, err)
-                   for rid, err in self._aborted.items() if rid in self.requests]  # fmt: skip
+        outputs = [
+            self._finish(rid, FinishReason.ERROR if err else FinishReason.CANCELLED, err)
+            for rid, err in self._aborted.items()
+            if rid in self.requests
+        ]
         self._aborted.clear()
         self.pool.settle()
         plan = self.step_scheduler.schedule()
@@ -279,8 +286,13 @@ class Engine:
         scheduled_at = time.monotonic()
         waited = {key: self.pool.wait_ready(key) for key in plan.adapters}
         if self.config.prefetch:
-            self.prefetch([r.adapter for r in itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
-                           if r.adapter is not None])  # fmt: skip
+            self.prefetch(
+                [
+                    r.adapter
+                    for r in itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
+                    if r.adapter is not None
+                ]
+            )
         output = self.runner.execute(plan.batch)
         return outputs + self._update(plan, output, scheduled_at, waited)
 
@@ -342,10 +354,13 @@ class Engine:
         if self.step_scheduler.running or not self.step_scheduler.waiting or self.pool.copying():
             return
         head = self.step_scheduler.waiting[0]
-        outputs.append(self._finish(
-            head.request_id, FinishReason.ERROR,
-            "the request does not fit in the page pool even when it runs alone (adapter + KV pages)",
-        ))  # fmt: skip
+        outputs.append(
+            self._finish(
+                head.request_id,
+                FinishReason.ERROR,
+                "the request does not fit in the page pool even when it runs alone (adapter + KV pages)",
+            )
+        )
 
     # ---- offline API ---------------------------------------------------------------------------
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:

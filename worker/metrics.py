@@ -18,9 +18,11 @@ from prometheus_client.registry import Collector
 from loraserve.wire import WorkerReport
 
 STEP_SECONDS = Histogram(
-    "loraserve_worker_step_seconds", "Duration of one engine step (one forward over the batch)", ["worker"],
+    "loraserve_worker_step_seconds",
+    "Duration of one engine step (one forward over the batch)",
+    ["worker"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-)  # fmt: skip
+)
 
 # adapter-cache counters: (metric name, help, key in the loader's stats)
 ADAPTER_COUNTERS = (

@@ -184,7 +184,14 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
     model.eval()
     log.info(
         "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s",
-        config.model_type, model_dir, config.num_layers, config.hidden_size, config.num_heads,
-        config.num_kv_heads, sum(t.numel() for t in loaded.values()) / 1e6, dtype, device,
-    )  # fmt: skip
+        config.model_type,
+        model_dir,
+        config.num_layers,
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        sum(t.numel() for t in loaded.values()) / 1e6,
+        dtype,
+        device,
+    )
     return model

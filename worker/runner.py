@@ -34,9 +34,12 @@ class ModelRunner:
         self.device = pool.device
         shapes = [model.config.module_shape(m) for m in MODULES]
         self.geometry = LoraGeometry(
-            tuple(d_in for d_in, _ in shapes), tuple(d_out for _, d_out in shapes),
-            layout.row_width, layout.rows_per_page, layout.num_layers,
-        )  # fmt: skip
+            tuple(d_in for d_in, _ in shapes),
+            tuple(d_out for _, d_out in shapes),
+            layout.row_width,
+            layout.rows_per_page,
+            layout.num_layers,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: list[SeqChunk]) -> RunnerOutput:
@@ -44,8 +47,10 @@ class ModelRunner:
         positions = [p for c in batch for p in range(c.start, c.start + len(c.token_ids))]
         attention = build_attention_batch(
             [(c.kv_pages, c.start, len(c.token_ids)) for c in batch],
-            self.layout.tokens_per_page, self.model.config.sliding_window, self.device,
-        )  # fmt: skip
+            self.layout.tokens_per_page,
+            self.model.config.sliding_window,
+            self.device,
+        )
         forward = ForwardBatch(
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             attention=attention,

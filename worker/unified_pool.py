@@ -232,11 +232,16 @@ class UnifiedPool:
         logical = torch.arange(layout.num_rows)
         page_tensor = torch.tensor(pages, dtype=torch.int64)
         self._slots[key] = AdapterSlot(
-            key, layout.rank, adapter.scale, layout.a_offsets, layout.b_offsets,
+            key,
+            layout.rank,
+            adapter.scale,
+            layout.a_offsets,
+            layout.b_offsets,
             [layer in adapter.layers for layer in range(self.layout.num_layers)],
             page_tensor.to(device=self.device, dtype=torch.int32),
-            (page_tensor[logical // rpp] * rpp + logical % rpp).to(self.device), layout.useful_elements,
-        )  # fmt: skip
+            (page_tensor[logical // rpp] * rpp + logical % rpp).to(self.device),
+            layout.useful_elements,
+        )
         return True
 
     def _copy(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
