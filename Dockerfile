@@ -18,10 +18,10 @@ COPY kernels kernels
 COPY bench bench
 COPY demo demo
 COPY proto proto
-RUN pip install .
+RUN pip install ".[s3]"
 
-# Adapters to register by path go under /adapters (mounted read-only).
-RUN useradd --create-home loraserve && mkdir -p /adapters && chown loraserve /adapters
+# Adapters to register by path go under /adapters (mounted read-only); the store keeps its own in /data.
+RUN useradd --create-home loraserve && mkdir -p /adapters /data && chown loraserve /adapters /data
 USER loraserve
 ENTRYPOINT ["loraserve"]
 CMD ["--help"]

@@ -3,13 +3,17 @@
 A DEALER socket sends FetchAdapter and waits for the reply whose (name, version) matches; replies
 for other keys (late answers to an earlier fetch) are dropped. After a timeout the socket is
 closed and a fresh one made on the next fetch, so nothing late can ever be read as an answer.
-The weights come back as a memoryview of the received ZMQ frame (no copy).
+The weights come back as a memoryview of the received ZMQ frame (no copy), checked against the
+sha256 the store sent with them: bytes that hash differently fail the fetch with DATA_LOSS, so a
+worker never caches weights other than those the store registered under that (name, version).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -30,8 +34,19 @@ _ERRORS: dict[str, type[errors.LoraserveError]] = {
         errors.DeadlineExceededError,
         errors.PermissionDeniedError,
         errors.AlreadyExistsError,
+        errors.DataLossError,
     )
 }
+
+
+@dataclass(frozen=True)
+class FetchedAdapter:
+    """One adapter version as the store sent it, its weights verified against `sha256`."""
+
+    config_json: bytes
+    weights: memoryview
+    weights_format: str  # "safetensors" | "bin"
+    sha256: str  # hex SHA-256 of `weights`, as the store registered it and as the bytes hash
 
 
 class AdapterFetcher:
@@ -44,10 +59,16 @@ class AdapterFetcher:
         self._dropped = RateLimitedLog(log)  # a store sending garbage must not flood the worker's log
 
     def fetch(self, name: str, version: int, trace: dict[str, str] | None = None) -> tuple[bytes, memoryview, str]:
-        """(adapter_config.json bytes, weights, weights format) of one adapter version.
+        """(adapter_config.json bytes, weights, weights format) of one adapter version; see `fetch_adapter`."""
+        fetched = self.fetch_adapter(name, version, trace)
+        return fetched.config_json, fetched.weights, fetched.weights_format
+
+    def fetch_adapter(self, name: str, version: int, trace: dict[str, str] | None = None) -> FetchedAdapter:
+        """One adapter version, its weights checked against the sha256 the store sent.
 
         Raises NotFoundError when the store does not hold it, UnavailableError when it does not
-        answer within timeout_s, or the error matching another status the store reports.
+        answer within timeout_s, DataLossError when the weights do not hash to the sha256 sent with
+        them (or none was sent), or the error matching another status the store reports.
         """
         if self._sock is None:
             self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.address)
@@ -71,7 +92,16 @@ class AdapterFetcher:
                 continue
             if isinstance(reply, FetchFailed):
                 raise _ERRORS.get(reply.status, errors.LoraserveError)(reply.error)
-            return bytes(reply.config_json), _view(reply.weights), reply.weights_format
+            weights = _view(reply.weights)
+            if not reply.sha256:
+                raise errors.DataLossError(f"the adapter store sent {name} v{version} without its sha256")
+            got = hashlib.sha256(weights).hexdigest()
+            if got != reply.sha256:
+                raise errors.DataLossError(
+                    f"{name} v{version}: the weights received hash to {got[:16]}..., not to the store's "
+                    f"{reply.sha256[:16]}...; refused"
+                )
+            return FetchedAdapter(bytes(reply.config_json), weights, reply.weights_format, reply.sha256)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -1,4 +1,4 @@
-"""The adapter store's configuration: limits of the pure store, and the service around it.
+"""The adapter store's configuration: limits of the pure store, where it persists, and the service around it.
 
 Both are frozen and validated on construction; `main` builds them from flags (and their
 LORASERVE_* twins), nothing else reads flags.
@@ -6,7 +6,9 @@ LORASERVE_* twins), nothing else reads flags.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +42,39 @@ class StoreLimits:
             raise InvalidConfigError(f"retention_s must be a finite number >= 0, got {self.retention_s}")
 
 
+def default_data_dir() -> Path:
+    """`--data-dir`'s default: $XDG_DATA_HOME/loraserve/adapters, or ~/.local/share/loraserve/adapters."""
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"  # a relative value is ignored
+    return base / "loraserve" / "adapters"
+
+
+def stack_data_dir(base_port: int, model_dir: Path) -> Path:
+    """The data dir `loraserve up` gives its store by default: one per stack (base port and model),
+    so two local stacks never share one, and restarting the same stack finds its adapters again."""
+    model_id = hashlib.sha256(str(Path(model_dir).resolve()).encode()).hexdigest()[:8]
+    return default_data_dir().parent / "stacks" / f"{base_port}-{model_id}"
+
+
+@dataclass(frozen=True)
+class PersistenceConfig:
+    """Where registered adapters are kept across restarts: a data dir, an S3 prefix, or nowhere (RAM only)."""
+
+    data_dir: Path | None = None  # ignored when object_store is set
+    object_store: str | None = None  # s3://bucket/prefix
+    object_store_endpoint: str | None = None  # e.g. http://127.0.0.1:9000; None: AWS's own
+
+    def __post_init__(self) -> None:
+        if self.object_store is not None and not self.object_store.startswith("s3://"):
+            raise InvalidConfigError(f"object store {self.object_store!r} must be an s3://BUCKET/PREFIX URL")
+        if self.object_store_endpoint is not None and self.object_store is None:
+            raise InvalidConfigError("--object-store-endpoint is set but --object-store is not")
+
+    @property
+    def durable(self) -> bool:
+        return self.data_dir is not None or self.object_store is not None
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything `loraserve adapter-store` runs with."""
@@ -51,6 +86,7 @@ class StoreConfig:
     adapter_root: Path | None = None  # RegisterFromPath reads only below it; None refuses it
     preload: tuple[tuple[str, Path], ...] = ()  # (name, directory) registered before SERVING
     purge_interval_s: float = 10.0  # how often expired versions are dropped when nothing else does it
+    persistence: PersistenceConfig = field(default_factory=PersistenceConfig)  # RAM only unless set (main sets it)
 
     def __post_init__(self) -> None:
         if not self.bind:

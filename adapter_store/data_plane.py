@@ -6,6 +6,7 @@ off the asyncio loop so a burst of fetches never delays gRPC handlers and a regi
 validated never delays a fetch; the store's lock is the only thing the two share. Replies are
 zero-copy: the store's immutable bytes objects go straight into send_multipart(copy=False), and
 ZMQ's I/O thread reads them from there (they stay alive while queued even if purged meanwhile).
+Each reply carries the weights' sha256, which the worker's fetcher checks the bytes against.
 
 A malformed message is logged (rate-limited per peer and kind) and dropped; a peer that cannot
 take a reply (gone, or its queue full) loses that reply and the worker times out and retries. An
@@ -105,7 +106,7 @@ class DataPlane:
             span.set_attribute("loraserve.adapter.name", fetch.name)
             span.set_attribute("loraserve.adapter.version", fetch.version)
             try:
-                files = self.store.get_files(fetch.name, fetch.version)
+                record, files = self.store.get_version(fetch.name, fetch.version)
             except LoraserveError as e:
                 span.set_attribute("loraserve.error", e.status)
                 return FetchFailed(fetch.name, fetch.version, status=e.status, error=str(e))
@@ -120,4 +121,5 @@ class DataPlane:
                 weights_format=files.weights_format,
                 config_json=files.config_json,
                 weights=files.weights,
+                sha256=record.sha256,
             )

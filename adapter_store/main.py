@@ -1,7 +1,10 @@
 """`loraserve adapter-store`: adapters in host RAM; gRPC control plane, ZMQ data plane.
 
-Start-up: read the base model's config.json, bind the data plane (its own thread, see
-data_plane.py), start gRPC with health NOT_SERVING, register the preloads, then SERVING. Stops on
+Start-up: read the base model's config.json, open the data dir or object store (a clear error and
+exit 1 if it cannot be locked or written), bind the data plane (its own thread, see data_plane.py),
+start gRPC with health NOT_SERVING, restore every stored adapter (catalog.py; corrupt ones are
+quarantined), register the preloads (a preload whose files are unchanged keeps its version), then
+SERVING. Stops on
 SIGTERM/SIGINT: gRPC drains for a grace period, the data-plane thread closes its socket, exit 0.
 If the data-plane thread or the purge task dies, health goes NOT_SERVING and the store exits 1
 (`loraserve/supervise.py`).
@@ -18,8 +21,18 @@ from pathlib import Path
 import torch
 
 from loraserve import telemetry
-from loraserve.adapter_store.config import GIB, MIB, StoreConfig, StoreLimits, parse_preload
+from loraserve.adapter_store.catalog import Catalog, model_identity
+from loraserve.adapter_store.config import (
+    GIB,
+    MIB,
+    PersistenceConfig,
+    StoreConfig,
+    StoreLimits,
+    default_data_dir,
+    parse_preload,
+)
 from loraserve.adapter_store.data_plane import DataPlane
+from loraserve.adapter_store.persistence import Backend, DirectoryBackend
 from loraserve.adapter_store.service import AdapterStoreService
 from loraserve.adapter_store.store import AdapterStore
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
@@ -61,6 +74,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="register every demo adapter (default: on when --model is the demo model)",
     )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="directory every registered adapter is written to before the registration is acknowledged, and "
+        "reloaded from (re-verified; corrupt entries moved to DIR/quarantine/) at start "
+        f"(default: {default_data_dir()})",
+    )
+    parser.add_argument(
+        "--object-store",
+        default=None,
+        metavar="s3://BUCKET/PREFIX",
+        help="keep adapters in S3-compatible object storage instead of --data-dir (credentials: the standard AWS "
+        "variables or boto3's other sources; needs boto3: pip install 'loraserve[s3]')",
+    )
+    parser.add_argument(
+        "--object-store-endpoint", default=None, metavar="URL", help="the object store's endpoint (default: AWS S3)"
+    )
     parser.add_argument("--memory-budget-gb", type=float, default=8.0, help="host RAM for adapters, GiB")
     parser.add_argument("--max-adapter-mb", type=float, default=512.0, help="largest weights file accepted, MiB")
     parser.add_argument("--max-lora-rank", type=int, default=128, help="largest LoRA rank accepted")
@@ -98,13 +129,47 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         data_address=args.data_address,
         adapter_root=args.adapter_root,
         preload=tuple(preload),
+        persistence=persistence_from_args(args),
     )
 
 
-def _preload(store: AdapterStore, config: StoreConfig) -> None:
+def persistence_from_args(args: argparse.Namespace) -> PersistenceConfig:
+    """The CLI is always durable: --object-store if given, else --data-dir or its default."""
+    if args.object_store:
+        if args.data_dir:
+            log.warning("--data-dir %s is ignored: adapters are kept in %s", args.data_dir, args.object_store)
+        endpoint = args.object_store_endpoint or None
+        return PersistenceConfig(object_store=args.object_store, object_store_endpoint=endpoint)
+    if args.object_store_endpoint:
+        raise LoraserveError("--object-store-endpoint is set but --object-store is not")
+    return PersistenceConfig(data_dir=Path(args.data_dir) if args.data_dir else default_data_dir())
+
+
+def open_catalog(config: PersistenceConfig, model: ModelConfig) -> Catalog | None:
+    """The durable catalog `config` names, checked against the base model; None for a RAM-only store."""
+    backend: Backend
+    if config.object_store is not None:
+        from loraserve.adapter_store.s3 import S3Backend
+
+        backend = S3Backend(config.object_store, config.object_store_endpoint)
+    elif config.data_dir is not None:
+        backend = DirectoryBackend(config.data_dir)
+    else:
+        return None
+    catalog = Catalog(backend)
+    try:
+        catalog.check_model(model_identity(model))
+    except BaseException:
+        backend.close()
+        raise
+    return catalog
+
+
+def _restore_and_preload(store: AdapterStore, config: StoreConfig) -> None:
+    store.restore()
     for name, path in config.preload:
         try:
-            store.register_dir(name, path)
+            store.preload(name, path)
         except LoraserveError as e:
             raise LoraserveError(f"preload {name}={path}: {e}") from None
 
@@ -117,7 +182,16 @@ async def _purge_periodically(store: AdapterStore, interval_s: float) -> None:
 
 async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
     model = ModelConfig.from_dir(config.model_dir)
-    store = AdapterStore(model, config.limits, adapter_root=config.adapter_root)
+    catalog = open_catalog(config.persistence, model)
+    try:
+        await _serve(config, model, catalog, stop_event)
+    finally:
+        if catalog is not None:
+            catalog.backend.close()
+
+
+async def _serve(config: StoreConfig, model: ModelConfig, catalog: Catalog | None, stop_event: threading.Event) -> None:
+    store = AdapterStore(model, config.limits, adapter_root=config.adapter_root, catalog=catalog)
     data_plane = DataPlane(store, config.data_address)
     try:
         server, port = new_server(config.bind)
@@ -131,16 +205,17 @@ async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
     await server.start()
     tasks = {"purge": _purge_periodically(store, config.purge_interval_s), "data plane": data_plane.watch()}
     try:
-        await asyncio.to_thread(_preload, store, config)
+        await asyncio.to_thread(_restore_and_preload, store, config)
         await set_serving(health, [SERVICE], True)
         log.info(
-            "adapter store: gRPC on %s (port %d), data plane on %s, %d adapter(s), budget %d MiB, root %s",
+            "adapter store: gRPC on %s (port %d), data plane on %s, %d adapter(s), budget %d MiB, root %s, kept in %s",
             config.bind,
             port,
             config.data_address,
-            len(config.preload),
+            store.stats().adapters,
             config.limits.budget_bytes // MIB,
             config.adapter_root or "(none: RegisterFromPath refused)",
+            catalog.location if catalog is not None else "RAM only",
         )
         await supervise("adapter store", tasks, stop_event, health_off(health, [SERVICE]))
         log.info("adapter store: stopping")

@@ -1,8 +1,8 @@
 """The AdapterStore gRPC servicer: the control plane, and the only place protobuf meets the store.
 
 Handlers raise `loraserve.errors` exceptions; the server's ErrorInterceptor turns them into
-statuses. Validation and file reading are CPU / disk work, so they run in a thread
-(`asyncio.to_thread`) and the event loop keeps answering while a large adapter is checked.
+statuses. Validation, file reading and durable writes are CPU / disk work, so they run in a thread
+(`asyncio.to_thread`) and the event loop keeps answering while a large adapter is checked or kept.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def Delete(self, request: gateway_pb2.DeleteAdapterRequest, context):
         check_name(request.name)
-        return gateway_pb2.DeleteAdapterResponse(version=self.store.delete(request.name))
+        version = await asyncio.to_thread(self.store.delete, request.name)  # a durable write: off the event loop
+        return gateway_pb2.DeleteAdapterResponse(version=version)
 
     async def GetStoreState(self, request: adapter_store_pb2.GetStoreStateRequest, context):
         return stats_to_pb(self.store.stats(), self.data_address)

@@ -11,6 +11,14 @@ call purges what expired) plus whatever periodic `purge_expired` calls the owner
 
 Thread-safe: one lock guards the maps; validation (parsing every tensor) and hashing run outside
 it, so the data-plane thread is never held up by a registration.
+
+Durability (with a `Catalog`, see catalog.py): a registration or a deletion is written to the
+data dir or object store before it is acknowledged, and before it changes what RAM serves; a
+failed write fails the call (UNAVAILABLE, or RESOURCE_EXHAUSTED for full storage) and changes
+nothing. Writes are serialized by a second lock, so the data plane never waits on storage either.
+`restore` loads every stored adapter at start, through the same validation as a registration, and
+the per-name high-water marks, so versions stay monotonic across restarts. Host RAM remains the
+serving copy. Without a catalog (tests, the offline tools) the store is RAM only.
 """
 
 from __future__ import annotations
@@ -22,9 +30,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from loraserve.adapter_store.catalog import Catalog, StoredAdapter
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB, StoreLimits
 from loraserve.adapter_store.files import (
     CONFIG_FILE,
@@ -37,6 +46,7 @@ from loraserve.adapter_store.files import (
 from loraserve.errors import (
     AdapterNotFoundError,
     FailedPreconditionError,
+    InvalidAdapterError,
     InvalidRequestError,
     NotFoundError,
     ResourceExhaustedError,
@@ -112,10 +122,13 @@ class AdapterStore:
         limits: StoreLimits,
         adapter_root: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        catalog: Catalog | None = None,
     ):
         self.model, self.limits, self.adapter_root = model, limits, adapter_root
+        self.catalog = catalog  # None: RAM only
         self._clock = clock
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # held across a durable write: registrations and deletes, in turn
         self._held: dict[tuple[str, int], _Held] = {}
         self._current: dict[str, int] = {}  # name -> current version
         self._last_version: dict[str, int] = {}  # survives deletes: versions are never reused
@@ -131,48 +144,23 @@ class AdapterStore:
         weights_format: str = "safetensors",
         source: str = "upload",
     ) -> AdapterRecord:
-        """Validate with the engine's own rules, then store as the name's next version."""
-        check_name(name)
-        if weights_format not in WEIGHTS_FORMATS:
-            raise InvalidRequestError(
-                "weights_format", f"{weights_format!r} is not one of {', '.join(WEIGHTS_FORMATS)}"
-            )
+        """Validate with the engine's own rules, keep durably (with a catalog), then serve as the next version."""
         config_json, weights = bytes(config_json), bytes(weights)  # no copy when given bytes
-        if len(config_json) > MAX_CONFIG_BYTES:
-            raise InvalidRequestError(
-                CONFIG_FILE, f"is {len(config_json)} bytes; an adapter config may be at most {MAX_CONFIG_BYTES} bytes"
-            )
-        if len(weights) > self.limits.max_adapter_bytes:
-            raise ResourceExhaustedError(too_large_message(len(weights), self.limits.max_adapter_bytes))
-        nbytes = len(config_json) + len(weights)
-        self.check_fits(nbytes)  # cheap refusal before the expensive validation
-        adapter = load_adapter_bytes(config_json, weights, self.model, self.limits.max_lora_rank, weights_format)
-        sha256 = hashlib.sha256(weights).hexdigest()
-        with self._lock:
-            self._purge_locked()
-            self._check_fits_locked(nbytes)
-            version = self._last_version.get(name, 0) + 1
-            record = AdapterRecord(
-                name=name,
-                version=version,
-                rank=adapter.rank,
-                lora_alpha=adapter.lora_alpha,
-                scale=adapter.scale,
-                target_modules=adapter.modules,
-                layers=adapter.layers,
-                size_bytes=len(weights),
-                created_unix=time.time(),
-                source=source,
-                sha256=sha256,
-            )
-            previous = self._current.get(name)
-            if previous is not None:
-                self._retire_locked(name, previous)
-            self._held[(name, version)] = _Held(record, AdapterFiles(config_json, weights, weights_format))
-            self._current[name] = version
-            self._last_version[name] = version
-            self._used += nbytes
-            self._purge_locked()  # a zero retention drops the superseded version at once
+        record = self._validate(name, config_json, weights, weights_format, source, version=0, created=time.time())
+        files = AdapterFiles(config_json, weights, weights_format)
+        with self._write_lock:
+            with self._lock:
+                self._purge_locked()
+                self._check_fits_locked(len(config_json) + len(weights))
+                version = self._last_version.get(name, 0) + 1
+                self._last_version[name] = version  # a failed write burns the number: versions only go up
+                previous = self._current.get(name)
+            record = replace(record, version=version)
+            if self.catalog is not None:
+                stored = StoredAdapter(name, version, config_json, weights, weights_format, source, record.created_unix)
+                self.catalog.save(stored, supersedes=previous)
+            with self._lock:
+                self._add_locked(record, files)
         log.info(
             "registered adapter %s v%d (rank %d, %s, %.1f MiB) from %s",
             name,
@@ -183,6 +171,115 @@ class AdapterStore:
             source,
         )
         return record
+
+    def _validate(
+        self,
+        name: str,
+        config_json: bytes,
+        weights: bytes,
+        weights_format: str,
+        source: str,
+        version: int,
+        created: float,
+    ) -> AdapterRecord:
+        """Every check a registration makes, in cost order; the record of what passed."""
+        check_name(name)
+        if weights_format not in WEIGHTS_FORMATS:
+            raise InvalidRequestError(
+                "weights_format", f"{weights_format!r} is not one of {', '.join(WEIGHTS_FORMATS)}"
+            )
+        if len(config_json) > MAX_CONFIG_BYTES:
+            raise InvalidRequestError(
+                CONFIG_FILE, f"is {len(config_json)} bytes; an adapter config may be at most {MAX_CONFIG_BYTES} bytes"
+            )
+        if len(weights) > self.limits.max_adapter_bytes:
+            raise ResourceExhaustedError(too_large_message(len(weights), self.limits.max_adapter_bytes))
+        self.check_fits(len(config_json) + len(weights))  # cheap refusal before the expensive validation
+        adapter = load_adapter_bytes(config_json, weights, self.model, self.limits.max_lora_rank, weights_format)
+        return AdapterRecord(
+            name=name,
+            version=version,
+            rank=adapter.rank,
+            lora_alpha=adapter.lora_alpha,
+            scale=adapter.scale,
+            target_modules=adapter.modules,
+            layers=adapter.layers,
+            size_bytes=len(weights),
+            created_unix=created,
+            source=source,
+            sha256=hashlib.sha256(weights).hexdigest(),
+        )
+
+    def _add_locked(self, record: AdapterRecord, files: AdapterFiles) -> None:
+        """Serve `record` as its name's current version; the previous one retires."""
+        name, version = record.name, record.version
+        self._held[(name, version)] = _Held(record, files)
+        self._used += len(files.config_json) + len(files.weights)
+        previous = self._current.get(name)
+        if previous is not None:
+            self._retire_locked(name, previous)
+        self._current[name] = version
+        self._last_version[name] = max(version, self._last_version.get(name, 0))
+        self._purge_locked()  # a zero retention drops the superseded version at once
+
+    # ---- start-up: what the catalog holds, and preloads ----------------------------------------
+    def restore(self) -> int:
+        """Load every adapter the catalog holds (verified, then validated like a registration); returns how many.
+
+        An entry that fails validation is quarantined and not served; the high-water marks of all
+        names (deleted and quarantined ones included) are restored, so no version is ever reused.
+        Raises ResourceExhaustedError when the stored adapters do not fit the memory budget.
+        """
+        if self.catalog is None:
+            return 0
+        restored = self.catalog.load()
+        loaded = 0
+        for stored in restored.adapters:
+            if len(stored.weights) > self.limits.max_adapter_bytes:  # a limit lowered since: not served
+                why = too_large_message(len(stored.weights), self.limits.max_adapter_bytes)
+                self.catalog.quarantine(stored.name, stored.version, f"no longer passes validation: {why}")
+                continue
+            try:
+                record = self._validate(
+                    stored.name, stored.config_json, stored.weights, stored.weights_format, stored.source,
+                    stored.version, stored.created_unix,
+                )  # fmt: skip
+            except (InvalidRequestError, InvalidAdapterError) as e:
+                self.catalog.quarantine(stored.name, stored.version, f"no longer passes validation: {e}")
+                continue
+            except ResourceExhaustedError as e:  # the memory budget: a start-up error, nothing is moved away
+                raise ResourceExhaustedError(
+                    f"restoring {stored.name} v{stored.version} from {self.catalog.location}: {e}"
+                ) from None
+            with self._lock:
+                self._add_locked(record, AdapterFiles(stored.config_json, stored.weights, stored.weights_format))
+            loaded += 1
+        with self._lock:
+            for name, version in restored.last_versions.items():
+                self._last_version[name] = max(version, self._last_version.get(name, 0))
+        log.info(
+            "restored %d adapter(s) from %s (%d quarantined)", loaded, self.catalog.location,
+            len(restored.adapters) - loaded + len(restored.quarantined),
+        )  # fmt: skip
+        return loaded
+
+    def preload(self, name: str, directory: Path) -> AdapterRecord:
+        """Register a directory the operator named (anywhere, no root confinement), unless the name's
+        current version holds exactly its files.
+
+        So restarting a durable store with the same --preload flags creates no new versions (workers'
+        caches stay valid), while a preload whose files changed, or whose name was deleted, registers anew.
+        """
+        if not directory.is_dir():
+            raise NotFoundError(f"adapter directory {directory} does not exist")
+        files = read_adapter_dir(directory, self.limits.max_adapter_bytes)
+        with self._lock:
+            version = self._current.get(name)
+            held = self._held.get((name, version)) if version is not None else None
+        if held is not None and held.files == files:
+            log.info("preload %s: unchanged, keeping v%d", name, held.record.version)
+            return held.record
+        return self.register(name, files.config_json, files.weights, files.weights_format, source=str(directory))
 
     def register_from_path(self, name: str, relative_path: str) -> AdapterRecord:
         """Register the PEFT directory `relative_path` below the adapter root (never outside it)."""
@@ -197,13 +294,6 @@ class AdapterStore:
             raise InvalidRequestError("path", why) from None
         return self.register(name, files.config_json, files.weights, files.weights_format, source=relative_path)
 
-    def register_dir(self, name: str, directory: Path) -> AdapterRecord:
-        """Register a directory the operator named (preloads): anywhere, no root confinement."""
-        if not directory.is_dir():
-            raise NotFoundError(f"adapter directory {directory} does not exist")
-        files = read_adapter_dir(directory, self.limits.max_adapter_bytes)
-        return self.register(name, files.config_json, files.weights, files.weights_format, source=str(directory))
-
     def check_fits(self, nbytes: int) -> None:
         """Raise ResourceExhaustedError if `nbytes` more would exceed the memory budget."""
         with self._lock:
@@ -213,11 +303,15 @@ class AdapterStore:
     # ---- reading -------------------------------------------------------------------------------
     def get_files(self, name: str, version: int) -> AdapterFiles:
         """The files of one version (current or retired); NotFoundError when not held."""
+        return self.get_version(name, version)[1]
+
+    def get_version(self, name: str, version: int) -> tuple[AdapterRecord, AdapterFiles]:
+        """The record and files of one version (current or retired); NotFoundError when not held."""
         with self._lock:
             self._purge_locked()
             held = self._held.get((name, version))
             if held is not None:
-                return held.files
+                return held.record, held.files
             current = self._current.get(name)
             last = self._last_version.get(name)
         if last is None:
@@ -245,12 +339,17 @@ class AdapterStore:
 
     def delete(self, name: str) -> int:
         """Unregister a name; returns the version that was current. It stays fetchable while retained."""
-        with self._lock:
-            version = self._current.pop(name, None)
-            if version is None:
-                raise AdapterNotFoundError(name, list(self._current))
-            self._retire_locked(name, version)
-            self._purge_locked()
+        with self._write_lock:
+            with self._lock:
+                version = self._current.get(name)
+                if version is None:
+                    raise AdapterNotFoundError(name, list(self._current))
+            if self.catalog is not None:
+                self.catalog.delete(name, version)  # durable first: a failure leaves the adapter served
+            with self._lock:
+                del self._current[name]
+                self._retire_locked(name, version)
+                self._purge_locked()
         log.info("deleted adapter %s (v%d retained for %g s)", name, version, self.limits.retention_s)
         return version
 

@@ -127,6 +127,8 @@ def start_store(
         "--preload",
         f"{ADAPTER_NAME}={adapter_dir}",
         "--no-preload-demo",
+        "--data-dir",
+        str(log_path.parent / "store-data"),  # the benchmark's own, removed with its work dir
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORASERVE_")}
     with log_path.open("wb") as log:

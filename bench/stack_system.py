@@ -10,6 +10,7 @@ cost: gRPC, the scheduler hop, ZMQ token streaming, detokenization.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,17 +37,19 @@ class StackSystem:
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
-        stack = LocalStack(
-            Path(self.adapters.model_dir),
-            pool_pages=self.pool_pages,
-            max_batch_size=self.max_batch_size,
-            torch_threads=self.torch_threads,
-            device=self.device,
-        ).start()
-        try:
-            return asyncio.run(self._run(stack, trace))
-        finally:
-            stack.stop()
+        with tempfile.TemporaryDirectory(prefix="loraserve-bench-store-") as data_dir:  # uploads: not kept
+            stack = LocalStack(
+                Path(self.adapters.model_dir),
+                pool_pages=self.pool_pages,
+                max_batch_size=self.max_batch_size,
+                torch_threads=self.torch_threads,
+                device=self.device,
+                data_dir=data_dir,
+            ).start()
+            try:
+                return asyncio.run(self._run(stack, trace))
+            finally:
+                stack.stop()
 
     async def _run(self, stack: LocalStack, trace: Trace) -> list[RequestRecord]:
         async with grpc.aio.insecure_channel(stack.address) as channel:

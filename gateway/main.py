@@ -1,10 +1,15 @@
-"""`loraserve gateway`: the public gRPC API."""
+"""`loraserve gateway`: the public gRPC API.
+
+Stopping (SIGTERM) drains: health goes NOT_SERVING and every new call gets UNAVAILABLE at once,
+while the streams in flight finish (up to `--drain-timeout`); then the server stops.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import grpc
@@ -12,6 +17,7 @@ import grpc
 from loraserve import telemetry
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.gateway.auth import AllowAll
+from loraserve.gateway.failover import FailoverConfig
 from loraserve.gateway.service import GatewayConfig, LoraServeService
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
@@ -53,25 +59,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="fail a request that makes no progress this long",
     )
+    parser.add_argument(
+        "--max-failovers",
+        type=int,
+        default=3,
+        help="times a request may lose its worker and continue on another before it fails UNAVAILABLE",
+    )
+    parser.add_argument(
+        "--scheduler-grace",
+        type=float,
+        default=10.0,
+        help="seconds without a scheduler before requests no worker has taken fail UNAVAILABLE",
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let streams in flight finish"
+    )
     telemetry.add_tracing_arguments(parser)
     add_metrics_arguments(parser)
 
 
-async def _watch_cluster(service: LoraServeService, scheduler, health) -> None:
-    """SERVING only while at least one worker is warmed up (asked of the scheduler twice a second)."""
+async def _watch_cluster(service: LoraServeService, scheduler, health, period_s: float = 0.25) -> None:
+    """Ask the scheduler for the cluster's state a few times a second: SERVING only while a worker is
+    ready (and the gateway is not draining); the answer also drives failover (`Streams.on_cluster`)."""
     serving = None
     while True:
+        asked_at = time.monotonic()
         try:
             state = await scheduler.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=1.0)
-            ready = sum(1 for w in state.workers if w.ready)
         except grpc.aio.AioRpcError:
+            state = None
+            service.streams.on_scheduler_unreachable(asked_at)
+        if state is not None:
+            ready = sum(1 for w in state.workers if w.ready and not w.draining)
+            service.streams.on_cluster(state.instance, {w.worker_id for w in state.workers}, ready > 0, asked_at)
+        else:
             ready = 0
         service.ready_workers = ready
-        if (ready > 0) != serving:
-            serving = ready > 0
+        if (ready > 0 and not service.draining) != serving:
+            serving = ready > 0 and not service.draining
             await set_serving(health, [SERVICE], serving)
             log.info("gateway health: %s (%d ready workers)", "SERVING" if serving else "NOT_SERVING", ready)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(period_s)
+
+
+async def _drain_on_stop(service: LoraServeService, health, stop_event, drained: asyncio.Event, timeout_s: float):
+    """On the stop signal: NOT_SERVING, refuse new calls, wait for the streams in flight, then set `drained`."""
+    while not stop_event.is_set():
+        await asyncio.sleep(0.1)
+    service.drain()
+    await set_serving(health, [SERVICE], False)
+    log.info("gateway draining: %d streams in flight (up to %.0f s)", len(service.streams), timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while len(service.streams) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if len(service.streams):
+        log.warning("gateway: %d streams still in flight at the drain timeout; stopping", len(service.streams))
+    drained.set()
+    await asyncio.Event().wait()  # a supervised task must not end: the role stops on `drained`
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
@@ -91,7 +135,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         Path(args.model).name,
         model.model_type,
         args.max_lora_rank,
-        inactivity_timeout_s=args.inactivity_timeout,
+        failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace),
     )
     service = LoraServeService(config, limits, tokenizer, sink, scheduler, store, AllowAll())
     server, port = new_server(args.bind)
@@ -100,9 +144,14 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     await set_serving(health, [SERVICE], False)
     await server.start()
     log.info("gateway: gRPC on %s (port %d), token sink %s", args.bind, port, sink.address)
-    tasks = {"token sink": sink.run(), "cluster watch": _watch_cluster(service, scheduler, health)}
+    drained = asyncio.Event()
+    tasks = {
+        "token sink": sink.run(),
+        "cluster watch": _watch_cluster(service, scheduler, health),
+        "drain": _drain_on_stop(service, health, stop_event, drained, args.drain_timeout),
+    }
     try:
-        await supervise("gateway", tasks, stop_event, health_off(health, [SERVICE]))
+        await supervise("gateway", tasks, drained, health_off(health, [SERVICE]))
     finally:
         await server.stop(grace=2.0)
         sink.shutdown()

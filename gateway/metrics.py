@@ -28,6 +28,7 @@ REQUEST_DURATION = Histogram(
 )  # fmt: skip
 PROMPT_TOKENS = Counter("loraserve_gateway_prompt_tokens", "Prompt tokens of completed requests")
 OUTPUT_TOKENS = Counter("loraserve_gateway_output_tokens", "Tokens generated for completed requests")
+FAILOVERS = Counter("loraserve_gateway_failovers", "Times a request lost its worker and was continued on another one")
 
 
 def outcome(error: BaseException) -> str:

@@ -4,7 +4,11 @@ A generation: authenticate → validate (INVALID_ARGUMENT naming the field) → 
 adapter's current version with the store (NOT_FOUND) → Submit to the scheduler (RESOURCE_EXHAUSTED,
 UNAVAILABLE) → read TOKENS from the token sink, detokenize incrementally, apply stop sequences,
 stream to the client → a summary with the finish reason, usage and latency breakdown. If the
-client cancels or its deadline passes, the request is cancelled downstream at once.
+client cancels or its deadline passes, the request is cancelled downstream at once. A worker lost
+mid-stream is replaced without the client noticing (`gateway/failover.py`).
+
+Draining (SIGTERM): `drain()` makes every new call UNAVAILABLE at once while the streams in flight
+go on; the process waits for them (up to its drain timeout) before it stops.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
@@ -25,6 +29,7 @@ from loraserve.convert import FINISH_REASONS, sampling_to_pb
 from loraserve.errors import InvalidRequestError, LoraserveError, PermissionDeniedError, UnavailableError
 from loraserve.gateway import metrics
 from loraserve.gateway.auth import Authenticator, Principal
+from loraserve.gateway.failover import FailoverConfig, FailoverStream, Streams
 from loraserve.gateway.stops import StopFilter
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits, ValidRequest, check_context, validate_generate
@@ -32,9 +37,16 @@ from loraserve.grpc_utils import forward_stream, internal_call, refuse_stream
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
-from loraserve.wire import Tokens
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """The adapter version a request was resolved to at arrival (version 0: the base model)."""
+
+    version: int = 0
+    sha256: str = ""  # of its weights file: workers check their cached copy against it
 
 
 @dataclass(frozen=True)
@@ -43,8 +55,8 @@ class GatewayConfig:
     model_type: str
     max_lora_rank: int
     internal_timeout_s: float = 5.0  # calls to the scheduler and the store
-    inactivity_timeout_s: float = 60.0  # no token for this long: the request failed somewhere
     upload_timeout_s: float = 120.0  # an upload's relay to the store (or the client's deadline, if sooner)
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
 
 
 class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
@@ -61,7 +73,13 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         self.config, self.limits, self.tokenizer, self.sink = config, limits, tokenizer, sink
         self.scheduler, self.store, self.auth = scheduler, store, auth
         self.ready_workers = 0  # kept current by the health poller in main.py
+        self.streams = Streams(config.failover)  # live generations; the cluster watch reports to it
+        self.draining = False
         self._background: set[asyncio.Task] = set()
+
+    def drain(self) -> None:
+        """From now on refuse every call with UNAVAILABLE; generations in flight go on."""
+        self.draining = True
 
     # ---- generation ----------------------------------------------------------------------------
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -87,8 +105,8 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         metrics.IN_FLIGHT.inc()
         code, events = "OK", None
         try:
+            principal = self._principal(context)
             metadata = _metadata(context)
-            principal = self.auth.authenticate(metadata)
             events = self._generate_traced(request, principal, metadata, context, arrival)
             async for event in events:
                 yield event
@@ -115,30 +133,35 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                 span.set_attribute("loraserve.client_request_id", request.client_request_id[:128])
             valid, prompt_ids, version = await self._prepare(request, principal)
             span.set_attribute("loraserve.adapter", valid.adapter or "")
-            stream = self.sink.open(request_id)
+
+            async def submit(attempt_id: str, output_ids: list[int]) -> str:
+                return await self._submit(attempt_id, valid, prompt_ids, version, context, arrival, output_ids)
+
+            stream = FailoverStream(request_id, self.sink, submit, self._cancel_downstream, self.config.failover)
+            self.streams.add(stream)
             finished = False
             try:
-                await self._submit(request_id, valid, prompt_ids, version, context, arrival)
                 async for event in self._stream(request_id, valid, prompt_ids, stream, arrival, version):
                     if event.HasField("summary"):
                         finished = True
                     yield event
             except asyncio.CancelledError:
-                self._cancel_downstream(request_id, "client cancelled or deadline exceeded")
+                self._cancel_downstream(stream.attempt_id, "client cancelled or deadline exceeded")
                 raise
             finally:
-                self.sink.close(request_id)
+                self.streams.remove(stream)
+                span.set_attribute("loraserve.failovers", stream.failovers)
                 if not finished:
-                    self._cancel_downstream(request_id, "the gateway stopped reading")
+                    self._cancel_downstream(stream.attempt_id, "the gateway stopped reading")
 
-    async def _prepare(self, request, principal: Principal) -> tuple[ValidRequest, list[int], int]:
+    async def _prepare(self, request, principal: Principal) -> tuple[ValidRequest, list[int], AdapterVersion]:
         tracer = telemetry.tracer()
         with tracer.start_as_current_span("gateway.validate"):
             valid = validate_generate(request, self.limits)
         with tracer.start_as_current_span("gateway.tokenize"):
             prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
             check_context(prompt_ids, valid.sampling, self.limits)
-        version = 0
+        version = AdapterVersion()
         if valid.adapter is not None:
             if not self.auth.may_use_adapter(principal, valid.adapter):
                 raise PermissionDeniedError(f"tenant {principal.tenant!r} may not use adapter {valid.adapter!r}")
@@ -147,47 +170,43 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                     gateway_pb2.DescribeAdapterRequest(name=valid.adapter),
                     timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata(),
                 ))  # fmt: skip
-            version = info.version
+            version = AdapterVersion(info.version, info.sha256)
         return valid, prompt_ids, version
 
-    async def _submit(self, request_id, valid: ValidRequest, prompt_ids, version, context, arrival) -> None:
+    async def _submit(
+        self, request_id, valid: ValidRequest, prompt_ids, version: AdapterVersion, context, arrival, output_ids
+    ) -> str:
+        """Queue one attempt with the scheduler; returns the instance of the scheduler that took it."""
         remaining = context.time_remaining()
         submit = scheduler_pb2.SubmitRequest(
             request_id=request_id,
             prompt_ids=prompt_ids,
             adapter=valid.adapter or "",
-            adapter_version=version,
+            adapter_version=version.version,
+            adapter_sha256=version.sha256,
             sampling=sampling_to_pb(valid.sampling),
             max_new_tokens=valid.sampling.max_new_tokens,
             stop_token_ids=list(valid.sampling.stop_token_ids),
             deadline_unix=time.time() + remaining if remaining is not None else 0.0,
             reply_to=self.sink.address,
             arrival_unix=arrival,
+            output_ids=output_ids,
         )
         with telemetry.tracer().start_as_current_span("gateway.submit"):
-            await internal_call("the scheduler", lambda: self.scheduler.Submit(
-                submit, timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata()
-            ))  # fmt: skip
+            response = await internal_call(
+                "the scheduler",
+                lambda: self.scheduler.Submit(
+                    submit, timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata()
+                ),
+            )
+        return response.instance
 
-    async def _stream(
-        self, request_id, valid: ValidRequest, prompt_ids, stream: asyncio.Queue[Tokens], arrival, version
-    ):
+    async def _stream(self, request_id, valid: ValidRequest, prompt_ids, stream: FailoverStream, arrival, version):
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stops = StopFilter(list(valid.stop))
         special = set(self.tokenizer.eos_token_ids)
-        completion_tokens, first_token_at, worker_id, stream_span = 0, None, "", None
-        while True:
-            try:
-                message = await asyncio.wait_for(stream.get(), self.config.inactivity_timeout_s)
-            except TimeoutError:
-                raise UnavailableError(
-                    f"no progress for {self.config.inactivity_timeout_s:.0f} s; the serving stack may be degraded"
-                ) from None
-            if message.error_status:  # the failure crosses the hop with its status and message
-                error = LoraserveError(message.error or message.error_status)
-                error.status = message.error_status
-                raise error
-            worker_id = message.worker_id or worker_id
+        completion_tokens, first_token_at, stream_span = 0, None, None
+        async for message in stream.messages():
             if message.token_ids and first_token_at is None:
                 first_token_at = time.time()
                 metrics.TIME_TO_FIRST_TOKEN.observe(first_token_at - arrival)
@@ -206,16 +225,17 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             if stopped or message.finished:
                 reason = "stop_sequence" if stopped else message.finish_reason
                 if stopped and not message.finished:
-                    self._cancel_downstream(request_id, "stop sequence")
+                    self._cancel_downstream(stream.attempt_id, "stop sequence")
                 if stream_span is not None:
                     stream_span.end()
                 metrics.REQUEST_DURATION.observe(time.time() - arrival)
                 metrics.PROMPT_TOKENS.inc(len(prompt_ids))
                 metrics.OUTPUT_TOKENS.inc(completion_tokens)
-                yield gateway_pb2.GenerateStreamResponse(summary=self._summary(
+                summary = self._summary(
                     request_id, valid, prompt_ids, completion_tokens, reason, message.timings, arrival,
-                    first_token_at, version, worker_id,
-                ))  # fmt: skip
+                    first_token_at, version, stream,
+                )  # fmt: skip
+                yield gateway_pb2.GenerateStreamResponse(summary=summary)
                 return
 
     def _summary(
@@ -229,7 +249,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         arrival,
         first_token_at,
         version,
-        worker_id,
+        stream: FailoverStream,
     ):
         now = time.time()
         return gateway_pb2.GenerateResponse(
@@ -245,8 +265,9 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                 decode_s=timings.get("decode_s", 0.0),
                 total_s=now - arrival,
             ),
-            adapter_version=version,
-            worker_id=worker_id,
+            adapter_version=version.version,
+            worker_id=stream.worker_id,
+            failovers=stream.failovers,
         )
 
     def _cancel_downstream(self, request_id: str, reason: str) -> None:
@@ -265,14 +286,14 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
     # ---- tokenizer and model -------------------------------------------------------------------
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context):
-        self.auth.authenticate(_metadata(context))
+        self._principal(context)
         if len(request.text.encode()) > self.limits.max_prompt_bytes:
             raise InvalidRequestError("text", f"is longer than {self.limits.max_prompt_bytes} bytes")
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return gateway_pb2.TokenizeResponse(ids=ids, tokens=self.tokenizer.token_strings(ids))
 
     async def GetModelInfo(self, request, context):
-        self.auth.authenticate(_metadata(context))
+        self._principal(context)
         return gateway_pb2.ModelInfo(
             model_type=self.config.model_type,
             model_name=self.config.model_name,
@@ -286,11 +307,11 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
     # ---- adapter admin (proxied to the adapter store) ------------------------------------------
     async def ListAdapters(self, request, context):
-        self.auth.authenticate(_metadata(context))
+        self._principal(context)
         return await self._store("List", request)
 
     async def DescribeAdapter(self, request, context):
-        self.auth.authenticate(_metadata(context))
+        self._principal(context)
         return await self._store("Describe", request)
 
     async def UploadAdapter(self, request_iterator, context):
@@ -313,8 +334,14 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         self._admin(context)
         return await self._store("Delete", request)
 
+    def _principal(self, context) -> Principal:
+        """The caller, authenticated; UNAVAILABLE for everyone while draining."""
+        if self.draining:
+            raise UnavailableError("this gateway is shutting down; retry on another one")
+        return self.auth.authenticate(_metadata(context))
+
     def _admin(self, context) -> None:
-        principal = self.auth.authenticate(_metadata(context))
+        principal = self._principal(context)
         if not self.auth.may_administer(principal):
             raise PermissionDeniedError(f"tenant {principal.tenant!r} may not manage adapters")
 

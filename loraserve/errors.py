@@ -82,3 +82,9 @@ class DeadlineExceededError(LoraserveError):
 
 class PermissionDeniedError(LoraserveError):
     status = "PERMISSION_DENIED"
+
+
+class DataLossError(LoraserveError):
+    """Bytes do not match the content hash they were sent or stored with (corrupted on the way or on disk)."""
+
+    status = "DATA_LOSS"

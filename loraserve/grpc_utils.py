@@ -244,8 +244,18 @@ async def _relay(requests: AsyncIterator[Any], call: grpc.aio.StreamUnaryCall, a
         pass  # the upstream call ended while we wrote: awaiting it gives its status
 
 
+# A role restarted after a long outage must be found again within about a second: gRPC's default
+# reconnect backoff grows to 120 s.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def internal_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A channel to another role: large messages, keepalive, reconnect backoff capped at 1 s."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
 
 
 def new_server(bind: str, interceptors: list[Any] | None = None) -> tuple[grpc.aio.Server, int]:

@@ -2,8 +2,10 @@
 
 Starts the adapter store, the scheduler, N workers and the gateway as child processes (each dies
 with the launcher), waits until every role reports healthy, prints the gateway's address, and
-stops them all on Ctrl-C or SIGTERM. With the demo model (the default) the store preloads every
-demo adapter; `--show-demo` then streams a few generations through the public API.
+stops them all on Ctrl-C or SIGTERM. Meanwhile a role that exits or stops answering its health
+check is restarted with backoff (`loraserve/supervisor.py`); only a crash loop stops the stack.
+With the demo model (the default) the store preloads every demo adapter; `--show-demo` then
+streams a few generations through the public API.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,8 +23,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve import telemetry
+from loraserve.adapter_store.config import stack_data_dir
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.process import become_service
+from loraserve.supervisor import CrashLoop, Role, SupervisionConfig, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-port", type=int, default=7100, help="internal ports start here (5 consecutive ports)")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="preload an adapter")
     parser.add_argument("--adapter-root", default=None, help="directory RegisterAdapterFromPath may read from")
+    parser.add_argument(
+        "--data-dir", default=None,
+        help="the adapter store's data dir (default: one per stack: ~/.local/share/loraserve/stacks/PORT-MODELID)",
+    )  # fmt: skip
     parser.add_argument("--pool-pages", type=int, default=None, help="pages of each worker's unified pool")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument(
@@ -72,11 +79,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--torch-threads", type=int, default=None, help="torch threads per CPU worker (default: spare cores / workers)"
     )
-    parser.add_argument("--worker-timeout", type=float, default=3.0, help="seconds before a silent worker is dropped")
+    parser.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=1.5,
+        help="seconds before a silent worker is dropped (requests fail over)",
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="on stop, seconds the gateway and workers let streams finish"
+    )
     parser.add_argument("--child-log-level", default="WARNING", help="log level of the roles")
     parser.add_argument(
         "--ready-timeout", type=float, default=180.0, help="seconds to wait for the stack to be healthy"
     )
+    parser.add_argument(
+        "--restart", action=argparse.BooleanOptionalAction, default=True,
+        help="restart a role that exits or stops answering health checks, with backoff (--no-restart: stop the stack)",
+    )  # fmt: skip
     parser.add_argument("--show-demo", action="store_true", help="stream a few demo generations once up")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop after --show-demo (for scripts)")
     parser.add_argument(
@@ -105,6 +124,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         store += ["--preload", spec]
     if args.adapter_root:
         store += ["--adapter-root", args.adapter_root]
+    store += ["--data-dir", str(args.data_dir or stack_data_dir(args.base_port, args.model))]
     commands = {
         "adapter-store": store,
         "scheduler": [*base, "scheduler", "--bind", ports.scheduler, "--worker-address", ports.scheduler_workers,
@@ -115,7 +135,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         worker = [*base, "worker", "--model", str(args.model), "--worker-id", f"worker-{i}",
                   "--device", devices[i % len(devices)], "--scheduler-address", ports.scheduler_workers,
                   "--store-address", ports.store_data, "--max-batch-size", str(args.max_batch_size),
-                  *tracing]  # fmt: skip
+                  "--drain-timeout", str(args.drain_timeout), *tracing]  # fmt: skip
         if args.pool_pages:
             worker += ["--pool-pages", str(args.pool_pages)]
         if args.adapter_cache_gb is not None:
@@ -125,41 +145,25 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         commands[f"worker-{i}"] = worker
     commands["gateway"] = [*base, "gateway", "--model", str(args.model), "--bind", args.bind,
                            "--scheduler", ports.scheduler, "--store", ports.store,
-                           "--token-address", ports.tokens, *tracing]  # fmt: skip
+                           "--token-address", ports.tokens, "--drain-timeout", str(args.drain_timeout),
+                           *tracing]  # fmt: skip
     for role, port in metrics_ports(args).items():
         commands[role] += ["--metrics-port", str(port)]
     return commands
 
 
-class Stack:
-    def __init__(self, commands: dict[str, list[str]]):
-        self.commands = commands
-        self.children: dict[str, subprocess.Popen] = {}
-
-    def start(self) -> None:
-        env = {**os.environ, "LORASERVE_DIE_WITH_PARENT": "1", "PYTHONUNBUFFERED": "1"}
-        for name, command in self.commands.items():
-            self.children[name] = subprocess.Popen(command, env=env)
-            log.info("started %s (pid %d)", name, self.children[name].pid)
-
-    def dead(self) -> list[str]:
-        return [f"{n} (exit code {p.returncode})" for n, p in self.children.items() if p.poll() is not None]
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for process in self.children.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for name, process in self.children.items():
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0f s; killing it", name, timeout_s)
-                process.kill()
-                process.wait()
+def supervisor(args: argparse.Namespace) -> Supervisor:
+    """Every role of the stack (in start order) under one Supervisor; roles with a gRPC server are health-checked."""
+    ports = Ports(args.base_port)
+    health = {"adapter-store": ports.store, "scheduler": ports.scheduler, "gateway": args.bind}
+    stop_groups = {"gateway": 0, "scheduler": 2, "adapter-store": 3}  # workers: 1
+    roles = [
+        Role(name, command, health.get(name), stop_groups.get(name, 1)) for name, command in role_commands(args).items()
+    ]
+    return Supervisor(roles, SupervisionConfig(startup_grace_s=args.ready_timeout))
 
 
-def wait_healthy(addresses: list[str], stack: Stack, timeout_s: float) -> None:
+def wait_healthy(addresses: list[str], stack: Supervisor, timeout_s: float) -> None:
     """Until every gRPC health service at `addresses` says SERVING; raises if a child dies or time runs out."""
     deadline = time.monotonic() + timeout_s
     pending = list(addresses)
@@ -229,7 +233,7 @@ class LocalStack:
         if unknown:
             raise TypeError(f"unknown stack options {sorted(unknown)}")
         vars(args).update(options)
-        self.stack = Stack(role_commands(args))
+        self.stack = supervisor(args)  # nothing calls its tick(): a test's killed role stays dead
 
     def start(self, timeout_s: float = 180.0) -> LocalStack:
         self.stack.start()
@@ -250,7 +254,7 @@ class LocalStack:
 def main(args: argparse.Namespace) -> int:
     stop = become_service("up")
     ports = Ports(args.base_port)
-    stack = Stack(role_commands(args))
+    stack = supervisor(args)
     started = time.monotonic()
     stack.start()
     try:
@@ -271,16 +275,21 @@ def main(args: argparse.Namespace) -> int:
                 return 0
             print(HOW_TO_CALL.format(address=args.bind), flush=True)
         while not stop.is_set():
-            if stack.dead():
+            if args.restart:
+                stack.tick()
+            elif stack.dead():
                 log.error("a role exited: %s; stopping the stack", ", ".join(stack.dead()))
                 return 1
             stop.wait(0.5)
         return 0
+    except CrashLoop as e:
+        log.error("%s; stopping the stack", e)
+        return 1
     except RuntimeError as e:
         log.error("%s", e)
         return 1
     finally:
-        stack.stop()
+        stack.stop(timeout_s=args.drain_timeout + 5.0)
 
 
 HOW_TO_CALL = """

@@ -10,14 +10,16 @@ linger 0: a half-made socket left open would make `Context.term()` block and wed
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
+from typing import Any
 
 import zmq
 
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.wire import Message, encode
 
-__all__ = ["MAX_MESSAGE_BYTES", "BadEndpointError", "PushSockets", "make_socket", "send"]
+__all__ = ["MAX_MESSAGE_BYTES", "BadEndpointError", "PushSockets", "make_socket", "send", "sent_or_raise"]
 
 MAX_MESSAGE_BYTES = 1 << 30  # the largest frame set a socket accepts (an adapter's files)
 
@@ -88,10 +90,19 @@ class PushSockets:
         self._sockets.clear()
 
 
-def send(sock: zmq.Socket, message: Message, *, to: bytes | None = None, flags: int = 0) -> None:
+def send(sock: zmq.Socket, message: Message, *, to: bytes | None = None, flags: int = 0) -> Any:
     """Send a message (to a ROUTER peer when `to` is given) without copying its buffers.
 
     With flags=zmq.NOBLOCK it raises zmq.Again instead of waiting when the peer is not taking messages.
+    On a zmq.asyncio socket, returns the send's Future: an error it met at once (a ROUTER's unknown
+    peer) is set on it rather than raised; `sent_or_raise` turns it back into an exception.
     """
     frames = encode(message)
-    sock.send_multipart([to, *frames] if to is not None else frames, flags=flags, copy=False)
+    return sock.send_multipart([to, *frames] if to is not None else frames, flags=flags, copy=False)
+
+
+def sent_or_raise(result: Any) -> None:
+    """Raise the error an asyncio socket's send already failed with (retrieving it, so asyncio does
+    not log it as never retrieved); a send still pending or a plain socket's None passes."""
+    if isinstance(result, asyncio.Future) and result.done() and result.exception() is not None:
+        raise result.exception()

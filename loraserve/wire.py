@@ -123,6 +123,8 @@ class WorkerReport(Message):
     prefetch_misses: Count = 0
     waste_fraction: Annotated[float, Limit(0.0, 1.0)] = 0.0
     fatal: Text | None = None  # set on the last report of a worker that is dying
+    instance: Annotated[str, Limit(max_len=64)] = ""  # random per worker process: a new one means it restarted
+    draining: bool = False  # SIGTERM: finishing what it holds, taking nothing new
 
     def check(self) -> None:
         for name in ("free_pages", "kv_pages", "adapter_pages", "evictable_pages"):
@@ -143,6 +145,13 @@ class Assign(Message):
     deadline: Seconds | None = None  # unix seconds
     queued_s: Seconds = 0.0  # time spent in the scheduler's queue
     trace: TraceCarrier = field(default_factory=dict)  # W3C trace context carrier
+    # Tokens an earlier attempt generated and streamed (failover): recomputed with the prompt, then continued.
+    output_ids: list[TokenId] = field(default_factory=list)
+    adapter_sha256: Annotated[str, Limit(max_len=64)] = ""  # of the weights file; "" for the base model
+
+    def check(self) -> None:
+        if len(self.prompt_ids) + len(self.output_ids) > MAX_LIST:
+            raise WireError(f"Assign: prompt_ids + output_ids hold more than {MAX_LIST} tokens")
 
 
 @dataclass
@@ -168,6 +177,9 @@ class Tokens(Message):
     finish_reason: Annotated[str, Limit(max_len=32)] | None = None  # "stop" | "length" when finished normally
     error_status: Annotated[str, Limit(max_len=32)] | None = None  # a grpc.StatusCode name when it failed
     error: Text | None = None
+    # With error_status UNAVAILABLE: the request did not fail by itself, its worker was lost (killed,
+    # stopped, drained past its timeout); the gateway may resubmit it with the tokens it streamed.
+    retry: bool = False
     # worker-side: queue_s, adapter_load_s, prefill_s, decode_s, ...
     timings: Annotated[dict[Id, Seconds], Limit(max_len=32)] = field(default_factory=dict)
 
@@ -190,6 +202,7 @@ class AdapterFiles(Message):
     weights_format: Annotated[str, Limit(max_len=32)]  # "safetensors"
     config_json: bytes | memoryview = b""  # carried as a raw frame
     weights: bytes | memoryview = b""  # carried as a raw frame
+    sha256: Annotated[str, Limit(max_len=64)] = ""  # hex SHA-256 of `weights`; the fetcher refuses bytes that differ
     BUFFERS: ClassVar[tuple[str, ...]] = ("config_json", "weights")
 
 

@@ -3,7 +3,10 @@
 All state changes happen on one asyncio loop: a gRPC call or a worker message updates the
 policy, then `_run_round` executes the policy's decisions (send ASSIGN / CANCEL / PREFETCH to
 workers, tell gateways about failures). A timer runs a round every `tick_s` even when nothing
-arrives, so dead workers and expired deadlines are noticed.
+arrives, so dead workers and expired deadlines are noticed. A monitor on the workers' socket
+turns a disconnect (a killed worker's TCP connection closing) into a probe of every worker, so a
+dead one is dropped at once instead of after `worker_timeout_s` (a stopped one, whose connection
+stays open, is caught by its missing reports).
 
 Nothing from outside reaches the policy unchecked: a Submit is validated here (INVALID_ARGUMENT
 naming the field) against the same limits a worker's decoder will apply to the ASSIGN built
@@ -18,13 +21,16 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 import zmq
 import zmq.asyncio
 from opentelemetry import trace
+from zmq.utils.monitor import parse_monitor_message
 
 from loraserve import telemetry
 from loraserve.convert import sampling_from_pb
@@ -42,12 +48,13 @@ from loraserve.scheduler.policy import (
     SchedulerPolicy,
     WorkerGone,
 )
-from loraserve.sockets import PushSockets, make_socket, send
+from loraserve.sockets import PushSockets, make_socket, send, sent_or_raise
 from loraserve.supervise import run_tasks
 from loraserve.v1 import scheduler_pb2
 from loraserve.wire import MAX_ID, MAX_LIST, Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
 
 log = logging.getLogger(__name__)
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -67,8 +74,10 @@ class SchedulerLoop:
         self.gateways = PushSockets(self.ctx)
         self.pending: dict[str, _Pending] = {}
         self.tick_s = tick_s
+        self.instance = uuid.uuid4().hex  # in ClusterState: gateways tell a restarted scheduler by it
         self._wake = asyncio.Event()
         self._dropped = RateLimitedLog(log)
+        self._monitor = self.workers.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     # ---- gRPC entry points (called by service.py) ----------------------------------------------
     def submit(self, request: scheduler_pb2.SubmitRequest, metadata) -> int:
@@ -77,11 +86,12 @@ class SchedulerLoop:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         sampling = asdict(sampling_from_pb(request.sampling, request.max_new_tokens, list(request.stop_token_ids)))
         now = time.time()
+        generated = len(request.output_ids)
         queued = QueuedRequest(
             request_id=request.request_id,
             adapter=(request.adapter, request.adapter_version) if request.adapter else None,
-            prompt_len=len(request.prompt_ids),
-            max_new_tokens=request.max_new_tokens,
+            prompt_len=len(request.prompt_ids) + generated,
+            max_new_tokens=request.max_new_tokens - generated,
             reply_to=request.reply_to,
             arrival=request.arrival_unix or now,
             deadline=request.deadline_unix or None,
@@ -112,7 +122,12 @@ class SchedulerLoop:
     async def run(self, stop: asyncio.Event | threading.Event | None = None) -> None:
         """Receive and schedule until `stop` is set (or cancelled); raises RoleFailed if either task dies."""
         try:
-            await run_tasks({"receive worker messages": self._receive(), "scheduling rounds": self._rounds()}, stop)
+            tasks = {
+                "receive worker messages": self._receive(),
+                "scheduling rounds": self._rounds(),
+                "watch worker connections": self._watch_connections(),
+            }
+            await run_tasks(tasks, stop)
         finally:
             self.close()
 
@@ -146,6 +161,16 @@ class SchedulerLoop:
                 )
             self._wake.set()
 
+    async def _watch_connections(self) -> None:
+        """On a disconnect, probe every worker: ROUTER_MANDATORY refuses a send to a peer that is gone."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            log.debug("worker socket event %s", event)
+            for delay in (0.0, 0.1):  # the ROUTER may forget the peer a moment after the event
+                await asyncio.sleep(delay)
+                for worker_id in list(self.policy.workers):
+                    self._to_worker(worker_id, Cancel([], "probe"))
+
     def _run_round(self) -> None:
         self._execute(self.policy.schedule(time.time()))
         metrics.QUEUE_LENGTH.set(len(self.policy.queue))
@@ -160,16 +185,16 @@ class SchedulerLoop:
             elif isinstance(decision, PrefetchOn):
                 self._to_worker(decision.worker_id, Prefetch([list(k) for k in decision.adapters]))
             elif isinstance(decision, Fail):
-                self._fail(decision.request, decision.status, decision.message)
+                self._fail(decision.request, decision.status, decision.message, decision.retry)
             elif isinstance(decision, WorkerGone):
                 log.warning("%s", decision.reason)
 
     def _assign(self, decision: AssignTo) -> None:
         request = decision.request
-        pending = self.pending.pop(request.request_id)
+        pending = self.pending.get(request.request_id)
+        if pending is None:  # it failed earlier in this round (its worker was dropped)
+            return
         now = time.time()
-        pending.span.set_attribute("loraserve.worker_id", decision.worker_id)
-        pending.span.end()
         with telemetry.tracer().start_as_current_span(
             "scheduler.place", context=trace.set_span_in_context(pending.span)
         ) as span:
@@ -186,21 +211,28 @@ class SchedulerLoop:
                 deadline=request.deadline,
                 queued_s=now - request.enqueued,
                 trace=telemetry.carrier(),
+                output_ids=list(submit.output_ids),
+                adapter_sha256=submit.adapter_sha256,
             )
-        if not self._to_worker(decision.worker_id, assign):
-            self._fail(request, "UNAVAILABLE", f"worker {decision.worker_id} is unreachable; retry the request")
-        else:
+        if self._to_worker(decision.worker_id, assign, request.request_id):
+            del self.pending[request.request_id]
+            pending.span.set_attribute("loraserve.worker_id", decision.worker_id)
+            pending.span.end()  # the queue span: a bounced ASSIGN queues the request again
             metrics.ASSIGNED.inc()
 
-    def _to_worker(self, worker_id: str, message) -> bool:
+    def _to_worker(self, worker_id: str, message, bounced_request: str | None = None) -> bool:
+        """Send to a worker; if it is gone, drop it at once (its requests fail; `bounced_request`,
+        which never reached it, is queued again) and return False."""
         try:
-            send(self.workers, message, to=worker_id.encode())
+            sent_or_raise(send(self.workers, message, to=worker_id.encode()))
             return True
-        except zmq.ZMQError as e:  # ROUTER_MANDATORY: the worker is gone
+        except zmq.ZMQError as e:  # ROUTER_MANDATORY: no such peer any more
             log.warning("cannot reach worker %s: %s", worker_id, e)
+            self._execute(self.policy.unreachable(worker_id, bounced_request))
+            self._wake.set()
             return False
 
-    def _fail(self, request: QueuedRequest, status: str, message: str) -> None:
+    def _fail(self, request: QueuedRequest, status: str, message: str, retry: bool = False) -> None:
         metrics.FAILED.labels(status).inc()
         pending = self.pending.pop(request.request_id, None)
         if pending is not None:
@@ -208,7 +240,7 @@ class SchedulerLoop:
             pending.span.end()
         self.policy.forget(request.request_id)
         try:
-            failure = Tokens(request.request_id, [], finished=True, error_status=status, error=message)
+            failure = Tokens(request.request_id, [], finished=True, error_status=status, error=message, retry=retry)
             send(self.gateways.get(request.reply_to), failure, flags=zmq.NOBLOCK)
         except (zmq.ZMQError, BadEndpointError) as e:  # zmq.Again: the gateway is not taking messages
             self._dropped.warning(
@@ -237,15 +269,19 @@ class SchedulerLoop:
                     prefetch_misses=r.prefetch_misses,
                     steps=r.steps,
                     pool_waste_fraction=r.waste_fraction,
+                    draining=r.draining,
                 )
             )
         return scheduler_pb2.ClusterState(
             workers=workers,
             queue_length=len(self.policy.queue),
             max_queue_length=self.policy.config.max_queue_length,
+            instance=self.instance,
         )
 
     def close(self) -> None:
+        self.workers.disable_monitor()
+        self._monitor.close(linger=0)
         self.workers.close(linger=0)
         self.gateways.close(linger_ms=0)
         self.ctx.term()
@@ -257,8 +293,16 @@ def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
     if len(request.adapter) > MAX_ID:
         raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
+    if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
+        raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
     if not 1 <= len(request.prompt_ids) <= MAX_LIST:
         raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {len(request.prompt_ids)}")
+    if len(request.prompt_ids) + len(request.output_ids) > MAX_LIST:
+        raise InvalidRequestError("output_ids", f"prompt_ids + output_ids must hold at most {MAX_LIST} tokens")
+    if request.output_ids and len(request.output_ids) >= request.max_new_tokens:
+        raise InvalidRequestError(
+            "output_ids", f"holds {len(request.output_ids)} tokens; max_new_tokens is {request.max_new_tokens}"
+        )
     try:
         check_endpoint(request.reply_to)
     except BadEndpointError as e:

@@ -26,8 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker-timeout",
         type=float,
-        default=3.0,
-        help="seconds without a report before a worker is dropped",
+        default=1.5,
+        help="seconds without a report before a worker is dropped (its requests fail over)",
+    )
+    parser.add_argument(
+        "--stale-after",
+        type=float,
+        default=0.75,
+        help="seconds without a report after which nothing new is placed on a worker",
     )
     parser.add_argument("--prefetch-depth", type=int, default=16, help="queued requests used to predict adapters")
     telemetry.add_tracing_arguments(parser)
@@ -36,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
     """Serve until `stop_event`; if the loop dies, health goes NOT_SERVING and RoleFailed (exit 1) follows."""
-    policy = SchedulerPolicy(PolicyConfig(args.max_queue_length, args.worker_timeout, args.prefetch_depth))
+    config = PolicyConfig(args.max_queue_length, args.worker_timeout, args.prefetch_depth, args.stale_after)
+    policy = SchedulerPolicy(config)
     loop = SchedulerLoop(policy, args.worker_address)
     server, _ = new_server(args.bind)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop), server)

@@ -13,9 +13,23 @@ counts its own assignments against a worker's room, so a burst is not piled onto
 Prediction (S-LoRA §5.2): the adapters of the next queued requests are what workers will need
 next; each worker that lacks one of them is told to prefetch it, while it is still decoding.
 
-Failure: a worker that stops reporting for `worker_timeout_s` is dropped and every request it
-held fails with UNAVAILABLE; queued requests whose deadline passed fail with DEADLINE_EXCEEDED;
-when no worker is left, queued requests fail with UNAVAILABLE after the same timeout.
+Failure: a worker that stops reporting for `worker_timeout_s` is dropped, and every request it
+held fails with UNAVAILABLE marked `retry` (the gateway fails it over to another worker with the
+tokens already streamed); so is one the loop could not deliver a message to (`unreachable`: the
+loop probes every worker when its socket monitor sees a disconnect), at once, and the request
+whose ASSIGN bounced goes back to the head of the queue (it never started). Placement skips a
+worker whose last report is older than `stale_after_s`, before it is declared dead, and one that
+is draining. A report from a new process under a known worker id (its `instance` changed) drops
+the old one the same way before registering the new one.
+
+A dropped worker that reports again under the same instance (it was stopped, then resumed) is a
+zombie: its requests were failed over already, so it is told to cancel everything it holds and is
+registered again only once its reports show it empty. A worker this scheduler never dropped is
+registered as it is, requests included (*adopted*): after a scheduler restart, streams in flight
+go on, and cancels still reach them.
+
+Queued requests whose deadline passed fail with DEADLINE_EXCEEDED; when no worker is left,
+queued requests fail with UNAVAILABLE after `worker_timeout_s`.
 """
 
 from __future__ import annotations
@@ -33,11 +47,15 @@ AdapterKey = tuple[str, int]
 @dataclass(frozen=True)
 class PolicyConfig:
     max_queue_length: int = 1024
-    worker_timeout_s: float = 3.0  # a worker silent this long is dead
+    worker_timeout_s: float = 1.5  # a worker silent this long is dead (workers report every 0.25 s)
     prefetch_depth: int = 16  # queued requests looked at when predicting adapters
+    stale_after_s: float = 0.75  # no new placement on a worker silent this long (at most worker_timeout_s)
+    max_zombies: int = 1024  # dropped workers remembered, to recognise one that comes back
 
     def __post_init__(self) -> None:
         if self.max_queue_length < 1 or self.worker_timeout_s <= 0 or self.prefetch_depth < 0:
+            raise InvalidConfigError(f"invalid scheduler policy config {self}")
+        if self.stale_after_s <= 0 or self.max_zombies < 0:
             raise InvalidConfigError(f"invalid scheduler policy config {self}")
 
 
@@ -91,6 +109,7 @@ class Fail:
     request: QueuedRequest
     status: str  # grpc.StatusCode name
     message: str
+    retry: bool = False  # its worker was lost: the gateway may resubmit it elsewhere
 
 
 @dataclass(frozen=True)
@@ -107,13 +126,16 @@ class SchedulerPolicy:
         self.config = config or PolicyConfig()
         self.queue: OrderedDict[str, QueuedRequest] = OrderedDict()
         self.workers: dict[str, WorkerView] = {}
-        self.placed: dict[str, tuple[str, QueuedRequest]] = {}  # request id -> (worker, request)
+        # request id -> (worker, request); the request is None when adopted (placed by an earlier scheduler)
+        self.placed: dict[str, tuple[str, QueuedRequest | None]] = {}
+        self._zombies: OrderedDict[str, str] = OrderedDict()  # dropped worker id -> its instance then
         self._prefetch_sent: dict[str, tuple[AdapterKey, ...]] = {}
         self._no_worker_since: float | None = None
 
     # ---- inputs --------------------------------------------------------------------------------
     def ready_workers(self) -> list[WorkerView]:
-        return [w for w in self.workers.values() if w.report.ready]
+        """Workers that take new requests: warmed up and not draining."""
+        return [w for w in self.workers.values() if w.report.ready and not w.report.draining]
 
     def add(self, request: QueuedRequest, now: float) -> int:
         """Queue a request; returns how many are ahead of it."""
@@ -150,15 +172,42 @@ class SchedulerPolicy:
 
     def on_report(self, report: WorkerReport, now: float) -> list[Decision]:
         view = self.workers.get(report.worker_id)
+        decisions: list[Decision] = []
+        if view is not None and report.instance != view.report.instance:
+            decisions += self._drop(view, f"worker {report.worker_id} restarted")
+            view = None
         if view is None:
+            if self._zombies.get(report.worker_id) == report.instance:  # back from the dead
+                held = (*report.running, *report.waiting)
+                if held:  # what it holds was failed over already
+                    return [*decisions, CancelOn(report.worker_id, held, "this worker was dropped")]
+                if report.fatal:
+                    return decisions
+            self._zombies.pop(report.worker_id, None)
             view = self.workers[report.worker_id] = WorkerView(report.worker_id, now, report)
+            for request_id in (*report.running, *report.waiting):  # adopted (this scheduler restarted)
+                if request_id not in self.placed:
+                    view.assigned.add(request_id)
+                    self.placed[request_id] = (report.worker_id, None)
         view.report, view.last_report = report, now
         for request_id in report.finished:
             view.assigned.discard(request_id)
             self.placed.pop(request_id, None)
         if report.fatal:
-            return self._drop(view, f"worker {report.worker_id} failed: {report.fatal}")
-        return []
+            decisions += self._drop(view, f"worker {report.worker_id} failed: {report.fatal}")
+        return decisions
+
+    def unreachable(self, worker_id: str, request_id: str | None = None) -> list[Decision]:
+        """A message to `worker_id` could not be delivered: the worker is gone. Drop it (what it held
+        fails) and put `request_id`, whose ASSIGN bounced, back at the head of the queue."""
+        placed = self.placed.pop(request_id, None) if request_id else None
+        view = self.workers.get(worker_id)
+        if view is not None and request_id:
+            view.assigned.discard(request_id)
+        if placed is not None and placed[1] is not None:
+            self.queue[request_id] = placed[1]
+            self.queue.move_to_end(request_id, last=False)
+        return self._drop(view, f"worker {worker_id} is unreachable") if view is not None else []
 
     # ---- the scheduling round ------------------------------------------------------------------
     def schedule(self, now: float) -> list[Decision]:
@@ -167,18 +216,21 @@ class SchedulerPolicy:
             if now - view.last_report > self.config.worker_timeout_s:
                 decisions += self._drop(view, f"worker {view.worker_id} stopped responding")
         decisions += self._expire(now)
-        decisions += self._place()
+        decisions += self._place(now)
         decisions += self._predict()
         return decisions
 
     def _drop(self, view: WorkerView, reason: str) -> list[Decision]:
         del self.workers[view.worker_id]
         self._prefetch_sent.pop(view.worker_id, None)
+        self._zombies[view.worker_id] = view.report.instance
+        while len(self._zombies) > self.config.max_zombies:
+            self._zombies.popitem(last=False)
         decisions: list[Decision] = [WorkerGone(view.worker_id, reason)]
         for request_id in sorted(view.assigned):
             placed = self.placed.pop(request_id, None)
-            if placed is not None:
-                decisions.append(Fail(placed[1], "UNAVAILABLE", f"{reason}; the request was lost, retry it"))
+            if placed is not None and placed[1] is not None:  # adopted ones: their gateway watches the cluster
+                decisions.append(Fail(placed[1], "UNAVAILABLE", f"{reason}; the request was lost", retry=True))
         return decisions
 
     def _expire(self, now: float) -> list[Decision]:
@@ -197,11 +249,11 @@ class SchedulerPolicy:
                 self.queue.clear()
         return decisions
 
-    def _place(self) -> list[Decision]:
+    def _place(self, now: float) -> list[Decision]:
         decisions: list[Decision] = []
         while self.queue:
             request = next(iter(self.queue.values()))
-            worker = self._choose(request)
+            worker = self._choose(request, now)
             if worker is None:
                 break  # first come, first served: the head waits, nobody overtakes it
             del self.queue[request.request_id]
@@ -219,7 +271,8 @@ class SchedulerPolicy:
         """Pool pages still free for KV, counting what unreported assignments will take."""
         report = view.report
         unreported = view.assigned - set(report.running) - set(report.waiting)
-        reserved = sum(self._kv_pages(view, self.placed[r][1]) for r in unreported if r in self.placed)
+        requests = (self.placed[r][1] for r in unreported if r in self.placed)
+        reserved = sum(self._kv_pages(view, r) for r in requests if r is not None)
         return report.free_pages + report.evictable_pages - reserved
 
     @staticmethod
@@ -230,11 +283,14 @@ class SchedulerPolicy:
     def _fits_ever(self, view: WorkerView, request: QueuedRequest) -> bool:
         return self._kv_pages(view, request) <= view.report.total_pages
 
-    def _choose(self, request: QueuedRequest) -> WorkerView | None:
+    def _choose(self, request: QueuedRequest, now: float) -> WorkerView | None:
         candidates = [
-            w for w in self.ready_workers()
-            if self._load(w) < w.report.max_batch_size and self._kv_pages(w, request) <= self._room_pages(w)
-        ]  # fmt: skip
+            w
+            for w in self.ready_workers()
+            if now - w.last_report <= min(self.config.stale_after_s, self.config.worker_timeout_s)
+            and self._load(w) < w.report.max_batch_size
+            and self._kv_pages(w, request) <= self._room_pages(w)
+        ]
         if not candidates:
             return None
         return max(

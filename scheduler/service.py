@@ -14,7 +14,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         position = self.loop.submit(request, context.invocation_metadata())
-        return scheduler_pb2.SubmitResponse(queue_position=position)
+        return scheduler_pb2.SubmitResponse(queue_position=position, instance=self.loop.instance)
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest, context: grpc.aio.ServicerContext):
         return scheduler_pb2.CancelResponse(found=self.loop.cancel(request.request_id, request.reason))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,6 +22,50 @@ import pytest
 from helpers import KERNEL_DEVICES, TinySpec, make_adapter, make_model
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_home(tmp_path_factory) -> Iterator[Path]:
+    """Adapter stores started by tests (and `loraserve up`'s per-stack data dirs) write below a temp
+    XDG_DATA_HOME, never into ~/.local/share; child processes inherit it."""
+    previous = os.environ.get("XDG_DATA_HOME")
+    home = tmp_path_factory.mktemp("xdg-data-home")
+    os.environ["XDG_DATA_HOME"] = str(home)
+    yield home
+    if previous is None:
+        os.environ.pop("XDG_DATA_HOME", None)
+    else:
+        os.environ["XDG_DATA_HOME"] = previous
+
+
+AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3-compatible server (moto's, in a thread of this process) on a free loopback port. Test
+    credentials are in the environment while it runs, so child processes find them too."""
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in AWS_TEST_ENV}
+    os.environ.update(AWS_TEST_ENV)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="module", params=KERNEL_DEVICES)

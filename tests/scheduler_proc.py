@@ -101,6 +101,7 @@ class FakeWorker:
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=address, identity=worker_id)
         self.assigned: list[Assign] = []
         self.malformed = 0  # messages from the scheduler that wire.decode refused
+        self.errors: list[str] = []  # what it said about them
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -111,8 +112,9 @@ class FakeWorker:
             while self.sock.poll(100):
                 try:
                     message = decode(self.sock.recv_multipart())
-                except WireError:
+                except WireError as e:
                     self.malformed += 1
+                    self.errors.append(str(e))
                     continue
                 if isinstance(message, Assign):
                     self.assigned.append(message)

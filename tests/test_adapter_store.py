@@ -331,6 +331,11 @@ def test_fetch_over_the_data_plane_and_errors():
         plane.stop()
 
 
+def files_reply(name: str, version: int, weights: bytes) -> AdapterFiles:
+    """What a store sends: the files and the weights' sha256."""
+    return AdapterFiles(name, version, "safetensors", b"{}", weights, sha256=hashlib.sha256(weights).hexdigest())
+
+
 def test_fetcher_times_out_and_never_takes_a_late_reply_for_the_next_fetch():
     ctx = zmq.Context.instance()
     router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
@@ -340,7 +345,7 @@ def test_fetcher_times_out_and_never_takes_a_late_reply_for_the_next_fetch():
         with pytest.raises(UnavailableError, match=r"did not send a v1 within 0\.3 s"):
             fetcher.fetch("a", 1)
         peer = router.recv_multipart()[0]
-        late = AdapterFiles("a", 1, "safetensors", b"{}", b"late")
+        late = files_reply("a", 1, b"late")
         with contextlib.suppress(zmq.ZMQError):  # the timed-out socket is closed: the reply goes nowhere
             send(router, late, to=peer, flags=zmq.NOBLOCK)
 
@@ -348,7 +353,7 @@ def test_fetcher_times_out_and_never_takes_a_late_reply_for_the_next_fetch():
             peer, *frames = router.recv_multipart()
             request = decode(frames)
             send(router, late, to=peer)  # a stale key first: must be skipped
-            send(router, AdapterFiles(request.name, request.version, "safetensors", b"{}", b"fresh"), to=peer)
+            send(router, files_reply(request.name, request.version, b"fresh"), to=peer)
 
         thread = threading.Thread(target=answer)
         thread.start()
@@ -369,7 +374,7 @@ def test_a_store_flooding_malformed_replies_cannot_flood_the_fetchers_log(caplog
         request = decode(frames)
         for i in range(200):
             router.send_multipart([peer, b"\xff", b"garbage %d" % i])
-        send(router, AdapterFiles(request.name, request.version, "safetensors", b"{}", b"real"), to=peer)
+        send(router, files_reply(request.name, request.version, b"real"), to=peer)
 
     thread = threading.Thread(target=answer)
     thread.start()

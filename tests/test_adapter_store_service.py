@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,80 +11,21 @@ import grpc
 import msgpack
 import pytest
 import zmq
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from store_proc import CHUNK, SERVICE, StoreProcess, files, upload, upload_requests
 
-from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import NotFoundError
 from loraserve.sockets import make_socket, send
-from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc, gateway_pb2
+from loraserve.v1 import adapter_store_pb2, gateway_pb2
 from loraserve.wire import AdapterFiles, FetchAdapter, decode
 
-SERVICE = "loraserve.v1.AdapterStore"
-CHUNK = 64 * 1024
 RETENTION_S = 2.0
 MAX_ADAPTER_MB = 2
 BUDGET_MIB = 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def files(name: str) -> tuple[bytes, bytes]:
-    directory = demo_adapters()[name]
-    return (directory / "adapter_config.json").read_bytes(), (directory / "adapter_model.safetensors").read_bytes()
-
-
-class StoreProcess:
-    """`loraserve adapter-store` in a child process, with clients for both of its planes."""
-
-    def __init__(self, tmp: Path, *flags: str):
-        self.address = f"127.0.0.1:{free_port()}"
-        self.data_address = f"tcp://127.0.0.1:{free_port()}"
-        self.log = tmp / f"store-{self.address.rsplit(':', 1)[1]}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LORASERVE_")}
-        command = [sys.executable, "-m", "loraserve.cli", "adapter-store", "--bind", self.address,
-                   "--data-address", self.data_address, *flags]  # fmt: skip
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = adapter_store_pb2_grpc.AdapterStoreStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.fetcher = AdapterFetcher(self.data_address, timeout_s=5.0)
-
-    def wait_serving(self, timeout_s: float = 60.0) -> StoreProcess:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the store exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                reply = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return self
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"the store was not SERVING within {timeout_s} s:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        self.fetcher.close()
-        self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")
@@ -116,21 +53,6 @@ def store(root: Path, tmp_path_factory) -> Iterator[StoreProcess]:
         yield process.wait_serving()
     finally:
         process.stop()
-
-
-def upload_requests(name: str | None, parts: list[tuple[str, bytes]], chunk: int = CHUNK):
-    if name is not None:
-        yield gateway_pb2.UploadAdapterRequest(header=gateway_pb2.UploadHeader(name=name))
-    for file, data in parts:
-        for start in range(0, len(data), chunk):
-            piece = gateway_pb2.FileChunk(file=file, data=data[start : start + chunk])
-            yield gateway_pb2.UploadAdapterRequest(chunk=piece)
-
-
-def upload(store: StoreProcess, name: str, adapter: str):
-    config, weights = files(adapter)
-    parts = [("adapter_config.json", config), ("adapter_model.safetensors", weights)]
-    return store.stub.Upload(upload_requests(name, parts), timeout=30)
 
 
 def refused(call) -> grpc.RpcError:

@@ -291,57 +291,6 @@ def test_one_trace_per_request_spans_all_four_roles(stack, collector):
     assert fetch["attributes"]["loraserve.adapter.source"] == "cold"
 
 
-def test_a_killed_worker_fails_its_streams_and_the_others_go_on():
-    stack = LocalStack(DEMO_MODEL_DIR, workers=2, max_batch_size=2, worker_timeout=1.5).start()
-    try:
-        stack.wait_workers(2)
-        outcomes: dict[int, object] = {}
-
-        def run(i):
-            try:
-                outcomes[i] = _stream(
-                    stack, timeout=120, adapter=["upper", "title", "rot13", "reverse"][i], text="the quiet king",
-                    max_new_tokens=250, sampling=common_pb2.SamplingParameters(ignore_eos=True),
-                )  # fmt: skip
-            except grpc.RpcError as e:
-                outcomes[i] = e
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while not all(w.running == 2 for w in stack.cluster().workers):  # two streams on each worker
-            assert time.monotonic() < deadline, stack.cluster()
-            time.sleep(0.05)
-        victim = stack.process("worker-0")
-        victim.send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
-        for t in threads:
-            t.join(timeout=120)
-        failed = [o for o in outcomes.values() if isinstance(o, grpc.RpcError)]
-        completed = [o for o in outcomes.values() if not isinstance(o, grpc.RpcError)]
-        assert len(failed) == 2 and len(completed) == 2, outcomes
-        for error in failed:
-            assert error.code() == grpc.StatusCode.UNAVAILABLE and "worker-0" in error.details()
-        assert all(len(tokens) == 250 for tokens, _, _ in completed)
-        assert time.monotonic() - killed_at < 60
-        tokens, _, summary = _stream(stack, text="the quiet king", max_new_tokens=4)  # new work goes to worker-1
-        assert summary.worker_id == "worker-1" and tokens
-
-        stack.process("adapter-store").send_signal(signal.SIGKILL)
-        with pytest.raises(grpc.RpcError) as info:
-            _generate(stack, adapter="upper", text="the quiet king", timeout=20)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "adapter store" in info.value.details()
-        stack.process("scheduler").send_signal(signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(grpc.RpcError) as info:
-            _generate(stack, text="the quiet king", timeout=20)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "scheduler" in info.value.details()
-        assert time.monotonic() - start < 10
-    finally:
-        stack.stop()
-
-
 def test_loraserve_up_shows_the_demo_and_stops_cleanly():
     base, bind = free_port_block(6), f"127.0.0.1:{free_port_block(1)}"
     command = [sys.executable, "-m", "loraserve.cli", "up", "--show-demo", "--base-port", str(base), "--bind", bind]

@@ -238,7 +238,7 @@ def test_fuzzed_submits_never_fail_internally_and_pass_nothing_invalid_to_a_work
     check()
     time.sleep(0.3)  # ASSIGNs in flight reach the fake worker
     assert process.process.poll() is None, process.output()
-    assert worker.malformed == 0, "the scheduler sent a worker something wire.decode refuses"
+    assert worker.malformed == 0, f"the scheduler sent a worker something wire.decode refuses: {worker.errors[:3]}"
     assert worker.assigned, "no fuzzed Submit was accepted: the property was not exercised"
     for assign in worker.assigned:  # what a worker would run: sampling values it accepts, a prompt
         SamplingParams(**{**assign.sampling, "stop_token_ids": tuple(assign.sampling.get("stop_token_ids") or ())})

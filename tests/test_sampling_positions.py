@@ -46,3 +46,18 @@ def test_draw_seeds_differ_by_position_and_seed_and_fit_a_generator():
     seeds = {draw_seed(seed, position) for seed in range(50) for position in range(200)}
     assert len(seeds) == 50 * 200
     assert all(0 <= s < 2**63 for s in seeds)
+
+
+@pytest.mark.parametrize("cut", [1, 7])
+def test_a_continuation_given_its_output_ids_matches_even_with_output_penalties(engine, cut):
+    """Failover hands a worker the tokens already streamed as `output_ids`: they count for the
+    presence and frequency penalties and for max_new_tokens exactly as if generated there."""
+    sampling = SamplingParams(
+        max_new_tokens=NEW_TOKENS, temperature=0.9, seed=7, presence_penalty=1.5, frequency_penalty=0.8, ignore_eos=True
+    )
+    prompt = [1, 17, 33, 9]
+    (whole,) = engine.generate([GenerateRequest(prompt_ids=prompt, adapter="a", sampling=sampling)])
+    request = engine.add_request(prompt, sampling, "a", output_ids=whole.token_ids[:cut])
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_ids == whole.token_ids

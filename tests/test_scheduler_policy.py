@@ -18,7 +18,9 @@ from loraserve.scheduler.policy import (
 from loraserve.wire import WorkerReport
 
 
-def report(worker_id, running=(), free_pages=100, max_batch=4, resident=(), finished=(), ready=True, fatal=None):
+def report(
+    worker_id, running=(), free_pages=100, max_batch=4, resident=(), finished=(), ready=True, fatal=None, instance=""
+):
     return WorkerReport(
         worker_id=worker_id,
         ready=ready,
@@ -33,6 +35,7 @@ def report(worker_id, running=(), free_pages=100, max_batch=4, resident=(), fini
         finished=list(finished),
         tokens_per_page=16,
         fatal=fatal,
+        instance=instance,
     )
 
 
@@ -187,3 +190,72 @@ def test_a_request_whose_assign_failed_is_forgotten_by_its_worker_too():
     decisions = policy.schedule(5.0)  # "w" went silent: dropped
     assert [d.worker_id for d in decisions if isinstance(d, WorkerGone)] == ["w"]
     assert not [d for d in decisions if isinstance(d, Fail)]
+
+
+def test_an_unreachable_worker_is_dropped_at_once_and_the_bounced_request_queued_again():
+    policy = SchedulerPolicy()
+    policy.on_report(report("dead"), 0.0)
+    policy.add(request("held"), 0.0)
+    policy.add(request("bounced"), 0.0)
+    assert assigned(policy.schedule(0.1)) == [("dead", "held"), ("dead", "bounced")]
+    decisions = policy.unreachable("dead", "bounced")
+    assert [type(d) for d in decisions] == [WorkerGone, Fail]
+    assert decisions[1].request.request_id == "held" and decisions[1].status == "UNAVAILABLE"
+    assert "dead" not in policy.workers and list(policy.queue) == ["bounced"]
+    policy.on_report(report("alive"), 0.2)
+    assert assigned(policy.schedule(0.3)) == [("alive", "bounced")]
+
+
+def test_a_report_from_a_new_process_drops_what_the_old_one_held():
+    policy = SchedulerPolicy()
+    policy.on_report(report("w", instance="first"), 0.0)
+    policy.add(request("r"), 0.0)
+    assert assigned(policy.schedule(0.1)) == [("w", "r")]
+    decisions = policy.on_report(report("w", instance="second", ready=False), 0.5)  # restarted, loading
+    assert [type(d) for d in decisions] == [WorkerGone, Fail]
+    assert "restarted" in decisions[0].reason and decisions[1].request.request_id == "r"
+    assert policy.workers["w"].report.instance == "second" and not policy.workers["w"].assigned
+    assert policy.on_report(report("w", instance="second"), 1.0) == []  # the same process again: nothing
+
+
+def test_failed_over_requests_are_marked_retry():
+    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+    policy.on_report(report("w"), 0.0)
+    policy.add(request("r"), 0.0)
+    policy.schedule(0.1)
+    decisions = policy.schedule(2.0)  # silent past the timeout
+    fail = next(d for d in decisions if isinstance(d, Fail))
+    assert fail.status == "UNAVAILABLE" and fail.retry
+
+
+def test_no_placement_on_a_stale_or_draining_worker():
+    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=10.0, stale_after_s=0.5))
+    policy.on_report(report("quiet"), 0.0)
+    policy.add(request("r"), 0.0)
+    assert policy.schedule(1.0) == []  # silent for 1 s: not dead yet, but nothing new goes there
+    policy.on_report(WorkerReport(**{**vars(report("busy")), "draining": True}), 1.0)
+    assert policy.schedule(1.1) == []
+    policy.on_report(report("fresh"), 1.2)
+    assert assigned(policy.schedule(1.3)) == [("fresh", "r")]
+
+
+def test_a_dropped_worker_that_comes_back_is_told_to_drop_everything_before_it_rejoins():
+    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+    policy.on_report(report("w", instance="one"), 0.0)
+    policy.add(request("r"), 0.0)
+    policy.schedule(0.1)
+    assert any(isinstance(d, Fail) for d in policy.schedule(5.0))  # dropped (SIGSTOP)
+    back = policy.on_report(report("w", running=["r"], instance="one"), 6.0)  # SIGCONT
+    assert back == [CancelOn("w", ("r",), "this worker was dropped")]
+    assert "w" not in policy.workers and "r" not in policy.placed
+    assert policy.on_report(report("w", instance="one"), 6.5) == []  # empty now: registered again
+    assert "w" in policy.workers
+
+
+def test_a_new_scheduler_adopts_the_requests_workers_report_so_cancels_still_reach_them():
+    policy = SchedulerPolicy()  # a restarted scheduler: it never placed "r"
+    assert policy.on_report(report("w", running=["r"]), 0.0) == []
+    found, decisions = policy.cancel("r", "client cancelled")
+    assert found and decisions == [CancelOn("w", ("r",), "client cancelled")]
+    dropped = policy.unreachable("w")
+    assert [type(d) for d in dropped] == [WorkerGone], "an adopted request has no gateway known here"

@@ -5,6 +5,11 @@ version; requests keep the version they started with, and an old version is drop
 request holds it. On a worker it is an LRU cache with a byte budget (`--adapter-cache-gb`):
 versions no request holds are evicted past it, and fetched from the adapter store again.
 Copying adapters into the GPU pool is `UnifiedPool`'s job (unified_pool.py).
+
+Each cached version keeps the content hash of its weights (`LoraAdapter.sha256`, checked against
+the bytes when they were fetched). `has(key, expected_sha256)` / `get(key, expected_sha256)` trust
+a cached entry only when that hash matches what the caller expects for (name, version): a stale
+entry (a store that lost its data and gave the number out again) is a miss, never served.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class AdapterRegistry:
         self._latest: dict[str, int] = {}
         self._bytes = 0
         self.evictions = 0
+        self.stale_drops = 0  # lookups that found a cached version with other weights than expected
         self._lock = threading.Lock()
 
     def register(self, name: str, adapter: LoraAdapter, version: int | None = None) -> AdapterKey:
@@ -106,11 +112,49 @@ class AdapterRegistry:
             raise AdapterNotFoundError(name, list(self._latest))
         return (name, version)
 
-    def has(self, key: AdapterKey) -> bool:
-        return key in self._versions
+    def has(self, key: AdapterKey, expected_sha256: str | None = None) -> bool:
+        """True if `key` is cached and, with `expected_sha256`, its weights have exactly that sha256.
 
-    def get(self, key: AdapterKey) -> LoraAdapter:
-        return self._versions[key].adapter
+        A cached version whose hash differs from (or, fetched without one, cannot be compared with)
+        `expected_sha256` is stale: it is dropped unless a request holds it (then it stays, for that
+        request, until released) and this is a miss, so the caller fetches the adapter again. The
+        caller should then also free its pool pages (`UnifiedPool.discard_stale(key)`).
+        """
+        if expected_sha256 is None:
+            return key in self._versions
+        with self._lock:
+            return self._fresh_locked(key, expected_sha256) is not None
+
+    def get(self, key: AdapterKey, expected_sha256: str | None = None) -> LoraAdapter:
+        """The cached adapter; KeyError when not cached or, with `expected_sha256`, stale (see `has`)."""
+        if expected_sha256 is None:
+            return self._versions[key].adapter
+        with self._lock:
+            entry = self._fresh_locked(key, expected_sha256)
+        if entry is None:
+            raise KeyError(key)
+        return entry.adapter
+
+    def sha256(self, key: AdapterKey) -> str | None:
+        """The content hash of a cached version's weights (None when unknown: registered from a path)."""
+        return self._versions[key].adapter.sha256
+
+    def _fresh_locked(self, key: AdapterKey, expected_sha256: str) -> _Entry | None:
+        entry = self._versions.get(key)
+        if entry is None or entry.adapter.sha256 == expected_sha256:
+            return entry
+        held = entry.holders > 0
+        log.warning(
+            "adapter cache: %s v%d holds weights with sha256 %s, expected %s: stale, %s",
+            key[0], key[1], (entry.adapter.sha256 or "unknown")[:16], expected_sha256[:16],
+            "kept only for the requests holding it" if held else "dropped",
+        )  # fmt: skip
+        self.stale_drops += 1
+        if not held:
+            self._remove(key)
+            if self._latest.get(key[0]) == key[1]:
+                del self._latest[key[0]]
+        return None
 
     def hold(self, key: AdapterKey) -> None:
         """Pin a version for a request (and mark it most recently used) until `release`."""

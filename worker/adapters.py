@@ -22,7 +22,7 @@ import json
 import math
 import re
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import re2
@@ -81,6 +81,7 @@ class LoraAdapter:
     layers: tuple[int, ...]  # layers that carry weights
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B)
     config: dict
+    sha256: str | None = None  # hex SHA-256 of the weights file it was read from, when the caller checked it
 
     @property
     def scale(self) -> float:
@@ -144,11 +145,17 @@ def load_adapter_bytes(
     model: ModelConfig,
     max_rank: int,
     weights_format: str = "safetensors",
+    sha256: str | None = None,
 ) -> LoraAdapter:
-    """Validate an adapter given as the bytes of its two files."""
+    """Validate an adapter given as the bytes of its two files.
+
+    `sha256`: the weights' content hash, already checked by the caller (the worker's fetcher); kept
+    on the adapter so the host cache can tell two contents of one (name, version) apart.
+    """
     config = _parse_config(config_json)
     tensors = _read_tensors(weights, weights_format)
-    return validate_adapter(config, tensors, model, max_rank)
+    adapter = validate_adapter(config, tensors, model, max_rank)
+    return adapter if sha256 is None else replace(adapter, sha256=sha256)
 
 
 def _parse_config(config_json: bytes | memoryview | str) -> dict:

@@ -213,37 +213,49 @@ class Engine:
         sampling: SamplingParams | None = None,
         adapter: str | AdapterKey | None = None,
         request_id: str | None = None,
+        output_ids: list[int] | None = None,
     ) -> Request:
         """Queue a request for an adapter name (its latest version), an exact (name, version), or None.
+
+        `output_ids` continues a request another worker started (failover): the tokens it already
+        generated are recomputed with the prompt, as after a preemption, and count against
+        max_new_tokens and the penalties exactly as if generated here.
 
         Raises InvalidRequestError / AdapterNotFoundError / ResourceExhaustedError.
         """
         sampling = sampling or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
+        output_ids = list(output_ids or ())
         if request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        self._check_prompt(prompt_ids, sampling)
+        self._check_prompt(prompt_ids + output_ids, sampling, len(output_ids))
         key = self._resolve(adapter)
         seed = sampling.seed if sampling.seed is not None else next(self._seeds)
-        request = Request(request_id, list(prompt_ids), sampling, key, seed=seed)
+        request = Request(request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed)
         if key is not None:
             self.registry.hold(key)
         self.requests[request_id] = request
         self.step_scheduler.add(request)
         return request
 
-    def _check_prompt(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        if not prompt_ids:
+    def _check_prompt(self, token_ids: list[int], sampling: SamplingParams, generated: int = 0) -> None:
+        """`token_ids`: the prompt, then the `generated` tokens of an earlier attempt."""
+        if len(token_ids) == generated:
             raise InvalidRequestError("prompt", "is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError("prompt_ids", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_ids) + sampling.max_new_tokens
+        if generated >= sampling.max_new_tokens:
+            raise InvalidRequestError(
+                "output_ids", f"{generated} tokens already generated; max_new_tokens is {sampling.max_new_tokens}"
+            )
+        prompt = len(token_ids) - generated
+        total = prompt + sampling.max_new_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
                 "max_new_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+                f"prompt ({prompt} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
                 f"exceeds the model's context length {self.max_model_len}",
             )
         pages = self.layout.kv_pages_for(total)

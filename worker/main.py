@@ -25,7 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduler-address", default="tcp://127.0.0.1:7101", help="the scheduler's ZMQ worker address"
     )
     parser.add_argument("--store-address", default="tcp://127.0.0.1:7301", help="the adapter store's ZMQ data address")
-    parser.add_argument("--report-interval", type=float, default=0.5, help="heartbeat period when idle, seconds")
+    parser.add_argument("--report-interval", type=float, default=0.25, help="heartbeat period when idle, seconds")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let requests in flight finish before handing them back to fail over",
+    )
     parser.add_argument(
         "--fetch-timeout", type=float, default=10.0, help="seconds to wait for an adapter from the store"
     )
@@ -51,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
             scheduler_address=args.scheduler_address,
             store_address=args.store_address,
             report_interval_s=args.report_interval,
+            drain_timeout_s=args.drain_timeout,
             fetch_timeout_s=args.fetch_timeout,
         )
         try:

@@ -11,6 +11,14 @@ Scheduler messages are checked by `wire.decode` (types, lengths, ranges, the rep
 before they touch anything; a bad one is logged (rate-limited) and dropped, and an ASSIGN whose
 sampling values SamplingParams refuses ends that request with INVALID_ARGUMENT. A gateway
 address that cannot be connected to loses that request's tokens, never the worker.
+
+Every ASSIGN is acknowledged to its gateway at once (an empty TOKENS message naming this worker),
+so the gateway knows the request left the scheduler. An ASSIGN may continue a request another
+worker started (`output_ids`: failover); the engine recomputes those tokens and goes on.
+
+Stopping (SIGTERM) drains: the worker reports `draining` (the scheduler places nothing more on it),
+finishes what it holds for up to `drain_timeout_s`, hands what is left back to the gateways to
+fail over (UNAVAILABLE, retry), sends a last report that drops it, and exits.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -45,9 +54,10 @@ class WorkerConfig:
     worker_id: str
     scheduler_address: str = "tcp://127.0.0.1:7101"
     store_address: str = "tcp://127.0.0.1:7301"
-    report_interval_s: float = 0.5  # heartbeat when idle
+    report_interval_s: float = 0.25  # heartbeat when idle
     fetch_timeout_s: float = 10.0
     fetch_threads: int = 2
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish here
 
 
 @dataclass
@@ -86,11 +96,13 @@ class WorkerService:
         self.fetched: queue.Queue[_Fetched] = queue.Queue()
         self.finished_since_report: list[str] = []
         self.ready = False
+        self.draining = False
         self._step_seconds = metrics.STEP_SECONDS.labels(config.worker_id)
         self._fetch_pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="adapter-fetch")
         self._fetchers = threading.local()
         self._last_report = 0.0
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
+        self.instance = uuid.uuid4().hex  # tells the scheduler a restarted worker from the process it replaced
 
     # ---- main loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -99,8 +111,12 @@ class WorkerService:
         self.ready = True
         self._report()
         log.info("worker %s ready: %d pool pages", self.config.worker_id, self.engine.layout.num_pages)
+        drain_deadline = None
         try:
-            while not stop.is_set():
+            while drain_deadline is None or (self.tracked and time.monotonic() < drain_deadline):
+                if stop.is_set() and drain_deadline is None:
+                    drain_deadline = time.monotonic() + self.config.drain_timeout_s
+                    self._start_draining()
                 busy = self.engine.has_unfinished()
                 self._drain_scheduler(block_s=0.0 if busy else min(0.05, self.config.report_interval_s))
                 self._register_fetched()
@@ -113,13 +129,24 @@ class WorkerService:
                     self._report()
                 elif time.monotonic() - self._last_report >= self.config.report_interval_s:
                     self._report()
+            if self.tracked:
+                log.warning(
+                    "worker %s: %d requests left at the drain timeout", self.config.worker_id, len(self.tracked)
+                )
+            self._hand_back_everything(f"worker {self.config.worker_id} stopped (drain timeout)")
+            self._report(fatal="stopped: drained")
         except Exception as e:
             log.exception("worker %s failed", self.config.worker_id)
-            self._fail_everything("INTERNAL", f"worker {self.config.worker_id} failed: {e}")
+            self._hand_back_everything(f"worker {self.config.worker_id} failed: {e}")
             self._report(fatal=str(e) or type(e).__name__)
             raise
         finally:
             self.close()
+
+    def _start_draining(self) -> None:
+        self.draining = True
+        log.info("worker %s draining: %d requests in flight", self.config.worker_id, len(self.tracked))
+        self._report()
 
     def _warm_up(self) -> None:
         """One short generation, so the first real request does not pay for lazy initialization."""
@@ -157,12 +184,22 @@ class WorkerService:
             return
         tracked = _Tracked(assign, time.time(), telemetry.context_from(assign.trace))
         self.tracked[assign.request_id] = tracked
+        if self.draining:  # sent before the scheduler saw the draining report
+            self._end(assign.request_id, error_status="UNAVAILABLE", error="the worker is draining", retry=True)
+            return
+        self._send(tracked, Tokens(assign.request_id, [], self.config.worker_id))  # "it reached a worker"
         key = (assign.adapter, assign.adapter_version) if assign.adapter else None
-        if key is None or self.engine.registry.has(key):
+        registry, expected = self.engine.registry, assign.adapter_sha256 or None
+        if key is None or registry.has(key, expected):
             if key is not None:
                 tracked.adapter_source = "hit" if self.engine.pool.is_resident(key) else "prefetched"
             self._start(tracked)
             return
+        if registry.has(key):  # cached with other weights (the store lost its data), still in use here
+            message = f"adapter {key[0]} v{key[1]} changed in the store while requests still use the old weights"
+            self._end(assign.request_id, error_status="UNAVAILABLE", error=f"{message}; retry shortly")
+            return
+        self.engine.pool.discard_stale(key)  # a stale copy `has` just dropped may still sit in the pool
         tracked.adapter_source = "cold"
         if key not in self.awaiting:
             self.awaiting[key] = []
@@ -174,7 +211,7 @@ class WorkerService:
         try:
             sampling = _sampling(a.sampling)
             key = (a.adapter, a.adapter_version) if a.adapter else None
-            tracked.request = self.engine.add_request(a.prompt_ids, sampling, key, a.request_id)
+            tracked.request = self.engine.add_request(a.prompt_ids, sampling, key, a.request_id, a.output_ids)
         except LoraserveError as e:
             self._end(a.request_id, error_status=e.status, error=str(e))
 
@@ -209,9 +246,11 @@ class WorkerService:
         if fetcher is None:
             fetcher = self._fetchers.fetcher = AdapterFetcher(self.config.store_address, self.config.fetch_timeout_s)
         try:
-            config_json, weights, fmt = fetcher.fetch(key[0], key[1], trace=trace_context)
+            got = fetcher.fetch_adapter(key[0], key[1], trace=trace_context)  # weights checked against got.sha256
             m = self.engine
-            result.adapter = load_adapter_bytes(config_json, weights, m.model_config, m.config.max_lora_rank, fmt)
+            result.adapter = load_adapter_bytes(
+                got.config_json, got.weights, m.model_config, m.config.max_lora_rank, got.weights_format, got.sha256
+            )
         except LoraserveError as e:
             result.error = e
         except Exception as e:  # never let a fetch thread die silently
@@ -231,7 +270,7 @@ class WorkerService:
                 for request_id in waiting:
                     self._end(request_id, error_status=result.error.status, error=str(result.error))
                 continue
-            if not self.engine.registry.has(result.key):
+            if not self.engine.registry.has(result.key, result.adapter.sha256 or None):
                 self.engine.add_adapter(result.key[0], result.adapter, version=result.key[1])
             if result.for_prefetch or waiting:
                 self.engine.prefetch([result.key])
@@ -273,16 +312,24 @@ class WorkerService:
             else:
                 self._end(out.request_id, error_status=out.error_status, error=out.error or "failed")
 
-    def _end(self, request_id: str, tokens=(), finish_reason=None, error_status=None, error=None) -> None:
+    def _end(self, request_id: str, tokens=(), finish_reason=None, error_status=None, error=None, retry=False) -> None:
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
             return
         self.finished_since_report.append(request_id)
         timings = self._timings(tracked)
-        self._send(tracked, Tokens(
-            request_id, list(tokens), self.config.worker_id, finished=True, finish_reason=finish_reason,
-            error_status=error_status, error=error, timings=timings,
-        ))  # fmt: skip
+        message = Tokens(
+            request_id,
+            list(tokens),
+            self.config.worker_id,
+            finished=True,
+            finish_reason=finish_reason,
+            error_status=error_status,
+            error=error,
+            retry=retry,
+            timings=timings,
+        )
+        self._send(tracked, message)
         self._record_spans(tracked, timings, error_status)
 
     def _send(self, tracked: _Tracked, message: Tokens) -> None:
@@ -355,15 +402,18 @@ class WorkerService:
             prefetch_misses=stats.misses + stats.prefetch_late,
             waste_fraction=pool.waste_fraction,
             fatal=fatal,
+            instance=self.instance,
+            draining=self.draining,
         )
         send(self.scheduler, report)
         self.last_report = report  # one reference swap: safe for the scrape thread
         self.finished_since_report = []
         self._last_report = time.monotonic()
 
-    def _fail_everything(self, status: str, message: str) -> None:
+    def _hand_back_everything(self, message: str) -> None:
+        """End every request here as lost with this worker: each gateway fails its own over elsewhere."""
         for request_id in list(self.tracked):
-            self._end(request_id, error_status=status, error=message)
+            self._end(request_id, error_status="UNAVAILABLE", error=message, retry=True)
 
     def close(self) -> None:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "adapter", "adapter_version", "sampling", "max_new_tokens", "stop_token_ids", "deadline_unix", "reply_to", "arrival_unix")
+    __slots__ = ("request_id", "prompt_ids", "adapter", "adapter_version", "sampling", "max_new_tokens", "stop_token_ids", "deadline_unix", "reply_to", "arrival_unix", "output_ids", "adapter_sha256")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class SubmitRequest(_message.Message):
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SHA256_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: str
@@ -29,13 +31,17 @@ class SubmitRequest(_message.Message):
     deadline_unix: float
     reply_to: str
     arrival_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., reply_to: _Optional[str] = ..., arrival_unix: _Optional[float] = ...) -> None: ...
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    adapter_sha256: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., reply_to: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ..., adapter_sha256: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("queue_position",)
+    __slots__ = ("queue_position", "instance")
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     queue_position: int
-    def __init__(self, queue_position: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, queue_position: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "reason")
@@ -56,7 +62,7 @@ class GetClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("worker_id", "ready", "running", "waiting", "max_batch_size", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "last_report_age_s", "prefetch_hits", "prefetch_misses", "steps", "pool_waste_fraction")
+    __slots__ = ("worker_id", "ready", "running", "waiting", "max_batch_size", "free_pages", "total_pages", "kv_pages", "adapter_pages", "resident_adapters", "last_report_age_s", "prefetch_hits", "prefetch_misses", "steps", "pool_waste_fraction", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +78,7 @@ class WorkerState(_message.Message):
     PREFETCH_MISSES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     POOL_WASTE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     ready: bool
     running: int
@@ -87,14 +94,17 @@ class WorkerState(_message.Message):
     prefetch_misses: int
     steps: int
     pool_waste_fraction: float
-    def __init__(self, worker_id: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., last_report_age_s: _Optional[float] = ..., prefetch_hits: _Optional[int] = ..., prefetch_misses: _Optional[int] = ..., steps: _Optional[int] = ..., pool_waste_fraction: _Optional[float] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., kv_pages: _Optional[int] = ..., adapter_pages: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., last_report_age_s: _Optional[float] = ..., prefetch_hits: _Optional[int] = ..., prefetch_misses: _Optional[int] = ..., steps: _Optional[int] = ..., pool_waste_fraction: _Optional[float] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "queue_length", "max_queue_length")
+    __slots__ = ("workers", "queue_length", "max_queue_length", "instance")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     queue_length: int
     max_queue_length: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., queue_length: _Optional[int] = ..., max_queue_length: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., queue_length: _Optional[int] = ..., max_queue_length: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...

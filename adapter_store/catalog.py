@@ -1,0 +1,261 @@
+"""The adapter store's durable catalog: every registered version, laid out in a `Backend`.
+
+Layout (keys below the data dir or the bucket prefix):
+
+    store.json                                  {"schema": 1, "model": {...}}: the base model's shapes
+    adapters/<name>/last_version.json           the name's high-water mark: versions are never reused
+    adapters/<name>/v<N>/adapter_config.json    the files as registered
+    adapters/<name>/v<N>/adapter_model.safetensors   (or adapter_model.bin)
+    adapters/<name>/v<N>/meta.json              name, version, format, source, created, sha256 + size per file
+    quarantine/<time>-<id>/...                  entries that failed verification at start, with reason.txt
+
+Order makes every change atomic: a registration writes last_version.json, then the two files,
+then meta.json — the commit point — and only then removes the version it superseded; a deletion
+removes meta.json first. Each object is written atomically by the backend. So after a crash at
+any point, a version is committed exactly when its meta.json exists, files without a meta.json are
+debris to remove, and last_version.json already covers every version a client was ever told about
+(delete `a` at v3, restart, upload `a`: v4). At start, `load` keeps the highest committed version
+of each name, re-checks each file's size and sha256, and moves whatever fails to quarantine/ with
+a log line; the store then validates what passed exactly as a fresh registration
+(`AdapterStore.restore`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import secrets
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from loraserve.adapter_store.files import CONFIG_FILE, WEIGHTS_FILES
+from loraserve.adapter_store.persistence import QUARANTINE, Backend, StorageConfigError
+from loraserve.errors import LoraserveError
+
+if TYPE_CHECKING:
+    from loraserve.worker.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+SCHEMA = 1
+STORE_RECORD = "store.json"
+ADAPTERS = "adapters"
+LAST_VERSION = "last_version.json"
+META = "meta.json"
+_WEIGHTS_FILE = {fmt: file for file, fmt in WEIGHTS_FILES.items()}  # "safetensors" -> adapter_model.safetensors
+_VERSION_DIR = re.compile(r"v([1-9][0-9]{0,9})")
+
+
+class CorruptEntry(Exception):
+    """A stored version that cannot be trusted; the message says why."""
+
+
+@dataclass(frozen=True)
+class StoredAdapter:
+    """One registered version, as kept durably."""
+
+    name: str
+    version: int
+    config_json: bytes
+    weights: bytes
+    weights_format: str  # "safetensors" | "bin"
+    source: str  # "upload", or the path it was registered from
+    created_unix: float
+
+
+@dataclass(frozen=True)
+class Restored:
+    adapters: list[StoredAdapter]  # the current version of every name, files verified against meta.json
+    last_versions: dict[str, int]  # name -> highest version ever given out (deleted names included)
+    quarantined: list[str] = field(default_factory=list)  # "name vN: why"
+
+
+def model_identity(model: ModelConfig) -> dict[str, Any]:
+    """What adapters are validated against: stored in store.json, compared at every start."""
+    fields = ("model_type", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    return {name: getattr(model, name) for name in fields}
+
+
+def _version_prefix(name: str, version: int) -> str:
+    return f"{ADAPTERS}/{name}/v{version}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class Catalog:
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.location = backend.location
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    def check_model(self, model: dict[str, Any]) -> None:
+        """Bind the storage to one base model: adapters of another model would all fail validation."""
+        try:
+            raw = self.backend.get(STORE_RECORD)
+        except KeyError:
+            self.backend.put(STORE_RECORD, _dump({"schema": SCHEMA, "model": model}))
+            return
+        try:
+            record = json.loads(raw)
+            schema, stored = record["schema"], record["model"]
+        except (ValueError, TypeError, KeyError):
+            raise StorageConfigError(f"{self.location}/{STORE_RECORD} is not a loraserve store record") from None
+        if schema != SCHEMA:
+            raise StorageConfigError(f"{self.location} has layout version {schema}; this store reads {SCHEMA}")
+        if stored != model:
+            raise StorageConfigError(
+                f"{self.location} holds adapters of another base model (stored {stored}, this store's model "
+                f"{model}); give this model its own data dir or object-store prefix"
+            )
+
+    def load(self) -> Restored:
+        """Every name's current version (verified), the high-water marks; debris removed, the rest quarantined."""
+        counters: dict[str, int] = {}
+        files: dict[tuple[str, int], set[str]] = defaultdict(set)
+        for key in self.backend.list_keys():
+            parts = key.split("/")
+            if key == STORE_RECORD:
+                continue
+            if len(parts) == 3 and parts[0] == ADAPTERS and parts[2] == LAST_VERSION:
+                counters[parts[1]] = self._read_counter(parts[1])
+            elif len(parts) == 4 and parts[0] == ADAPTERS and (match := _VERSION_DIR.fullmatch(parts[2])):
+                files[(parts[1], int(match[1]))].add(parts[3])
+            else:
+                log.warning("%s: ignoring %s (not part of the store's layout)", self.location, key)
+        last = dict(counters)
+        adapters, quarantined = [], []
+        for name in sorted({name for name, _ in files}):
+            versions = sorted(v for n, v in files if n == name)
+            last[name] = max(last.get(name, 0), versions[-1])
+            committed = [v for v in versions if META in files[(name, v)]]
+            for version in versions:
+                if version not in committed:
+                    log.info("%s: removing %s v%d: never committed (interrupted)", self.location, name, version)
+                    self._remove(name, version, files[(name, version)])
+            if not committed:
+                continue
+            for version in committed[:-1]:
+                log.info("%s: removing %s v%d, superseded by v%d", self.location, name, version, committed[-1])
+                self._remove(name, version, files[(name, version)])
+            current = committed[-1]
+            try:
+                adapters.append(self._read(name, current, files[(name, current)]))
+            except CorruptEntry as e:
+                self.quarantine(name, current, str(e))
+                quarantined.append(f"{name} v{current}: {e}")
+        return Restored(adapters, last, quarantined)
+
+    # ---- changes -----------------------------------------------------------------------------------
+    def save(self, adapter: StoredAdapter, supersedes: int | None = None) -> None:
+        """Keep a new version durably (raises UNAVAILABLE / RESOURCE_EXHAUSTED); then drop `supersedes`."""
+        name, version = adapter.name, adapter.version
+        prefix = _version_prefix(name, version)
+        weights_file = _WEIGHTS_FILE[adapter.weights_format]
+        self.backend.put(f"{ADAPTERS}/{name}/{LAST_VERSION}", _dump({"name": name, "last_version": version}))
+        self.backend.put(f"{prefix}/{CONFIG_FILE}", adapter.config_json)
+        self.backend.put(f"{prefix}/{weights_file}", adapter.weights)
+        meta = {
+            "schema": SCHEMA,
+            "name": name,
+            "version": version,
+            "weights_format": adapter.weights_format,
+            "source": adapter.source,
+            "created_unix": adapter.created_unix,
+            "files": {
+                CONFIG_FILE: {"sha256": _sha256(adapter.config_json), "size": len(adapter.config_json)},
+                weights_file: {"sha256": _sha256(adapter.weights), "size": len(adapter.weights)},
+            },
+        }
+        self.backend.put(f"{prefix}/{META}", _dump(meta))  # the commit point
+        if supersedes is not None:
+            self._remove_quietly(name, supersedes)
+
+    def delete(self, name: str, version: int) -> None:
+        """Unregister durably: meta.json goes first (raises if it cannot), the files after (best effort)."""
+        self.backend.delete(f"{_version_prefix(name, version)}/{META}")
+        self._remove_quietly(name, version)
+
+    def quarantine(self, name: str, version: int, reason: str) -> None:
+        """Move a version's objects under quarantine/ with a reason.txt; never fatal (logged)."""
+        prefix = _version_prefix(name, version)
+        stamp = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+        log.error("%s: %s v%d is corrupt or invalid (%s); moved to %s/%s", self.location, name, version, reason,
+                  QUARANTINE, stamp)  # fmt: skip
+        try:
+            keys = self.backend.list_keys(under=prefix)
+            self.backend.put(f"{QUARANTINE}/{stamp}/{prefix}/reason.txt", f"{reason}\n".encode())
+            for key in keys:
+                self.backend.quarantine(key, f"{stamp}/{key}")
+        except LoraserveError as e:
+            log.error("%s: could not quarantine %s v%d (%s); it is not served", self.location, name, version, e)
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _read_counter(self, name: str) -> int:
+        key = f"{ADAPTERS}/{name}/{LAST_VERSION}"
+        try:
+            record = json.loads(self.backend.get(key))
+            value = record["last_version"]
+            if record["name"] != name or not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(record)
+            return value
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            log.error("%s: %s is unreadable (%s); using the highest version found instead", self.location, key, e)
+            return 0
+
+    def _read(self, name: str, version: int, present: set[str]) -> StoredAdapter:
+        prefix = _version_prefix(name, version)
+        try:
+            meta = json.loads(self.backend.get(f"{prefix}/{META}"))
+            if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+                raise CorruptEntry(f"{META} is not a schema-{SCHEMA} record")
+            if (meta.get("name"), meta.get("version")) != (name, version):
+                raise CorruptEntry(f"{META} names {meta.get('name')!r} v{meta.get('version')}, not its own path")
+            weights_format = meta.get("weights_format")
+            if weights_format not in _WEIGHTS_FILE:
+                raise CorruptEntry(f"{META}: unknown weights_format {weights_format!r}")
+            source, created = meta.get("source"), meta.get("created_unix")
+            if not isinstance(source, str) or not isinstance(created, int | float):
+                raise CorruptEntry(f"{META}: source or created_unix missing")
+            expected = meta.get("files")
+            wanted = (CONFIG_FILE, _WEIGHTS_FILE[weights_format])
+            if not isinstance(expected, dict) or set(expected) != set(wanted):
+                raise CorruptEntry(f"{META}: 'files' must list exactly {', '.join(wanted)}")
+            contents = [self._verified(prefix, file, expected[file], present) for file in wanted]
+        except (ValueError, TypeError, AttributeError, OSError) as e:
+            raise CorruptEntry(f"unreadable: {e}") from None
+        return StoredAdapter(name, version, contents[0], contents[1], weights_format, source, float(created))
+
+    def _verified(self, prefix: str, file: str, expected: Any, present: set[str]) -> bytes:
+        if file not in present:
+            raise CorruptEntry(f"{file} is missing")
+        data = self.backend.get(f"{prefix}/{file}")
+        if not isinstance(expected, dict) or len(data) != expected.get("size"):
+            raise CorruptEntry(f"{file} is {len(data)} bytes, {META} says {expected}")
+        if _sha256(data) != expected.get("sha256"):
+            raise CorruptEntry(f"{file} does not match its sha256 in {META}")
+        return data
+
+    def _remove(self, name: str, version: int, present: set[str]) -> None:
+        prefix = _version_prefix(name, version)
+        for file in sorted(present, key=lambda f: f != META):  # meta.json first: uncommit, then clean
+            self.backend.delete(f"{prefix}/{file}")
+
+    def _remove_quietly(self, name: str, version: int) -> None:
+        """Remove what is left of a version no longer current; a failure only leaves debris for the next start."""
+        prefix = _version_prefix(name, version)
+        try:
+            present = {k.rsplit("/", 1)[1] for k in self.backend.list_keys(under=prefix)}
+            self._remove(name, version, present)
+        except LoraserveError as e:
+            log.warning("%s: could not remove %s v%d yet (%s); it is removed at the next start", self.location,
+                        name, version, e)  # fmt: skip
+
+
+def _dump(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, indent=1, sort_keys=True).encode()

@@ -1,0 +1,209 @@
+"""One request's token stream across the workers it takes: transparent failover.
+
+The gateway is the one place that knows a request's prompt and every token already streamed to
+its client, so it owns failover. A request runs as a series of *attempts*, each submitted to the
+scheduler under its own id (`<request id>`, then `<request id>.1`, `.2`, ...). An attempt ends in
+one of three ways:
+
+- its TOKENS end normally, or fail for a reason of the request's own: the stream ends with it;
+- it is *lost* (its worker died, stopped answering, or drained past its timeout): the scheduler or
+  the worker says so with `retry` set, or the gateway's cluster watch sees the worker leave the
+  cluster, or sees that the scheduler that queued it restarted before a worker took it. The next
+  attempt is submitted with the prompt plus every token streamed so far (`output_ids`); its
+  worker recomputes that prefix and continues. Greedy and seeded sampling draw exactly the tokens
+  the lost attempt would have (draws are keyed by (seed, position)), so the client sees one
+  stream with no token missing or repeated;
+- it makes no progress for `inactivity_timeout_s`: UNAVAILABLE.
+
+A separate id per attempt means a late message from a lost attempt (a stopped worker resumed) can
+never mix into the stream: the sink drops messages for ids nobody reads. After `max_failovers`
+lost attempts the request ends UNAVAILABLE.
+
+`FailoverStream` is one request's attempts; `Streams` holds the live ones and applies what the
+cluster watch sees to them. Neither does gRPC itself: the service passes `submit` and `cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from loraserve.errors import InvalidConfigError, LoraserveError, UnavailableError
+from loraserve.gateway import metrics
+from loraserve.gateway.token_sink import TokenSink
+from loraserve.wire import Tokens
+
+log = logging.getLogger(__name__)
+
+# submit(attempt_id, output_ids) -> the instance of the scheduler that queued it
+Submit = Callable[[str, list[int]], Awaitable[str]]
+Cancel = Callable[[str, str], None]  # cancel(attempt_id, reason), fire and forget
+
+
+@dataclass(frozen=True)
+class FailoverConfig:
+    max_failovers: int = 3  # lost attempts a request survives; one more ends it UNAVAILABLE
+    inactivity_timeout_s: float = 60.0  # no message for this long: the request failed somewhere
+    scheduler_grace_s: float = 10.0  # requests no worker took fail when no scheduler answers this long
+
+    def __post_init__(self) -> None:
+        if self.max_failovers < 0 or self.inactivity_timeout_s <= 0 or self.scheduler_grace_s <= 0:
+            raise InvalidConfigError(f"invalid failover config {self}")
+
+
+UNAVAILABLE = "UNAVAILABLE"
+
+
+class _Lost(Exception):
+    """The current attempt was lost with its worker or scheduler; another may succeed."""
+
+
+class FailoverStream:
+    """The TOKENS of one request, attempt after attempt, as one stream (see the module docstring)."""
+
+    def __init__(self, request_id: str, sink: TokenSink, submit: Submit, cancel: Cancel, config: FailoverConfig):
+        self.request_id = request_id
+        self.sink, self._submit, self._cancel, self.config = sink, submit, cancel, config
+        self.attempt_id = request_id
+        self.failovers = 0
+        self.output_ids: list[int] = []  # every token streamed to the client so far
+        self.worker_id = ""  # the current attempt's worker, once it acknowledged the request
+        self.placed_at: float | None = None  # monotonic time of that acknowledgement
+        self.scheduler_instance = ""  # the scheduler that queued the current attempt
+        self._queue: asyncio.Queue[Tokens] | None = None
+
+    async def messages(self) -> AsyncIterator[Tokens]:
+        """Every TOKENS message of the request, the lost attempts' failures left out."""
+        while True:
+            attempt_id = self.attempt_id
+            self._queue = self.sink.open(attempt_id)
+            try:
+                self.scheduler_instance = await self._submit(attempt_id, list(self.output_ids))
+                async for message in self._attempt(self._queue):
+                    yield message
+                return
+            except _Lost as e:
+                self._next_attempt(str(e))
+            finally:
+                self.sink.close(attempt_id)
+
+    def lose(self, reason: str) -> None:
+        """End the current attempt as lost: the next one continues the stream elsewhere."""
+        self._inject(UNAVAILABLE, reason, retry=True)
+
+    def fail(self, reason: str) -> None:
+        """End the request UNAVAILABLE, with no further attempt."""
+        self._inject(UNAVAILABLE, reason, retry=False)
+
+    @property
+    def placed(self) -> bool:
+        return self.placed_at is not None
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _inject(self, status: str, reason: str, retry: bool) -> None:
+        if self._queue is not None:  # a notice for an attempt that already ended is skipped by _attempt
+            self._queue.put_nowait(
+                Tokens(self.attempt_id, [], finished=True, error_status=status, error=reason, retry=retry)
+            )
+
+    async def _attempt(self, queue: asyncio.Queue[Tokens]) -> AsyncIterator[Tokens]:
+        while True:
+            try:
+                message = await asyncio.wait_for(queue.get(), self.config.inactivity_timeout_s)
+            except TimeoutError:
+                raise UnavailableError(
+                    f"no progress for {self.config.inactivity_timeout_s:.0f} s; the serving stack may be degraded"
+                ) from None
+            if message.request_id != self.attempt_id:
+                continue  # a lost-attempt notice that arrived after the attempt had moved on
+            if message.worker_id and self.placed_at is None:
+                self.worker_id, self.placed_at = message.worker_id, time.monotonic()
+            if message.error_status:
+                if message.retry:
+                    raise _Lost(message.error or "the worker was lost")
+                error = LoraserveError(message.error or message.error_status)
+                error.status = message.error_status  # the failure crosses the hop with its status
+                raise error
+            self.output_ids += message.token_ids
+            yield message
+            if message.finished:
+                return
+
+    def _next_attempt(self, reason: str) -> None:
+        lost = self.attempt_id
+        self._cancel(lost, "failed over")  # in case it still runs somewhere (a stopped worker resumed)
+        self.failovers += 1
+        metrics.FAILOVERS.inc()
+        if self.failovers > self.config.max_failovers:
+            raise UnavailableError(
+                f"the request was lost with its worker {self.failovers} times (last: {reason}); retry it"
+            )
+        self.attempt_id = f"{self.request_id}.{self.failovers}"
+        self.worker_id, self.placed_at, self._queue = "", None, None
+        log.info(
+            "request %s: attempt %s lost (%s); continuing as %s after %d tokens",
+            self.request_id,
+            lost,
+            reason,
+            self.attempt_id,
+            len(self.output_ids),
+        )
+
+
+class Streams:
+    """The gateway's live FailoverStreams, and what the cluster watch's view means for them."""
+
+    SETTLE_S = 3.0  # after a scheduler restart, workers need a few reports to be listed again
+
+    def __init__(self, config: FailoverConfig) -> None:
+        self.config = config
+        self._live: dict[str, FailoverStream] = {}
+        self._scheduler_down_since: float | None = None
+        self._instance = ""  # the scheduler instance last seen
+        self._instance_since = -math.inf  # when it was first seen, if it replaced another
+
+    def add(self, stream: FailoverStream) -> None:
+        self._live[stream.request_id] = stream
+
+    def remove(self, stream: FailoverStream) -> None:
+        self._live.pop(stream.request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def on_cluster(self, scheduler_instance: str, workers: set[str], any_ready: bool, asked_at: float) -> None:
+        """A ClusterState asked for at `asked_at` (monotonic): lose the attempts it shows are lost.
+
+        An attempt is lost when its worker is no longer in the cluster (it acknowledged before the
+        question was asked, so the answer should have listed it), or when it was queued by a
+        scheduler that is not the one answering and no worker has taken it (resubmitted once the
+        new scheduler has a ready worker). For `SETTLE_S` after a scheduler restart, workers
+        missing from its list are given time to report again.
+        """
+        self._scheduler_down_since = None
+        if scheduler_instance != self._instance:
+            if self._instance:  # a restart, not the first answer this gateway got
+                self._instance_since = asked_at
+            self._instance = scheduler_instance
+        settled = asked_at - self._instance_since >= self.SETTLE_S
+        for stream in list(self._live.values()):
+            if stream.placed:
+                if settled and stream.placed_at < asked_at and stream.worker_id not in workers:
+                    stream.lose(f"worker {stream.worker_id} left the cluster")
+            elif any_ready and stream.scheduler_instance and stream.scheduler_instance != scheduler_instance:
+                stream.scheduler_instance = ""  # lose it once
+                stream.lose("the scheduler restarted before a worker took the request")
+
+    def on_scheduler_unreachable(self, now: float) -> None:
+        """No ClusterState: after `scheduler_grace_s`, requests no worker took fail (UNAVAILABLE)."""
+        self._scheduler_down_since = self._scheduler_down_since or now
+        if now - self._scheduler_down_since < self.config.scheduler_grace_s:
+            return
+        for stream in list(self._live.values()):
+            if not stream.placed and stream.scheduler_instance:
+                stream.scheduler_instance = ""  # fail it once
+                stream.fail(f"the scheduler has not answered for {self.config.scheduler_grace_s:.0f} s; retry later")
