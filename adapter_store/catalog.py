@@ -30,14 +30,13 @@ import secrets
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from loraserve.adapter_store.files import CONFIG_FILE, WEIGHTS_FILES
+from loraserve.adapter_config import CONFIG_FILE
+from loraserve.adapter_format import WEIGHTS_FILES
 from loraserve.adapter_store.persistence import QUARANTINE, Backend, StorageConfigError
 from loraserve.errors import LoraserveError
-
-if TYPE_CHECKING:
-    from loraserve.worker.model_config import ModelConfig
+from loraserve.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +184,15 @@ class Catalog:
         """Move a version's objects under quarantine/ with a reason.txt; never fatal (logged)."""
         prefix = _version_prefix(name, version)
         stamp = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
-        log.error("%s: %s v%d is corrupt or invalid (%s); moved to %s/%s", self.location, name, version, reason,
-                  QUARANTINE, stamp)  # fmt: skip
+        log.error(
+            "%s: %s v%d is corrupt or invalid (%s); moved to %s/%s",
+            self.location,
+            name,
+            version,
+            reason,
+            QUARANTINE,
+            stamp,
+        )
         try:
             keys = self.backend.list_keys(under=prefix)
             self.backend.put(f"{QUARANTINE}/{stamp}/{prefix}/reason.txt", f"{reason}\n".encode())
@@ -253,8 +259,9 @@ class Catalog:
             present = {k.rsplit("/", 1)[1] for k in self.backend.list_keys(under=prefix)}
             self._remove(name, version, present)
         except LoraserveError as e:
-            log.warning("%s: could not remove %s v%d yet (%s); it is removed at the next start", self.location,
-                        name, version, e)  # fmt: skip
+            log.warning(
+                "%s: could not remove %s v%d yet (%s); it is removed at the next start", self.location, name, version, e
+            )
 
 
 def _dump(record: dict[str, Any]) -> bytes:

@@ -20,7 +20,7 @@ import zmq
 from loraserve import errors
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket, send
-from loraserve.wire import AdapterFiles, FetchAdapter, FetchFailed, WireError, decode
+from loraserve.wire import AdapterPayload, FetchAdapter, FetchFailed, WireError, decode
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class AdapterFetcher:
             except WireError as e:
                 self._dropped.warning(self.address, "malformed reply", "dropped: %s", e)
                 continue
-            if not isinstance(reply, AdapterFiles | FetchFailed) or (reply.name, reply.version) != (name, version):
+            if not isinstance(reply, AdapterPayload | FetchFailed) or (reply.name, reply.version) != (name, version):
                 log.debug("dropped a late or unexpected %s reply", type(reply).__name__)
                 continue
             if isinstance(reply, FetchFailed):

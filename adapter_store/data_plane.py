@@ -28,7 +28,7 @@ from loraserve.errors import LoraserveError
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket, send
 from loraserve.supervise import RoleFailed, watch_thread
-from loraserve.wire import AdapterFiles, FetchAdapter, FetchFailed, Message, WireError, decode
+from loraserve.wire import AdapterPayload, FetchAdapter, FetchFailed, Message, WireError, decode
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class DataPlane:
                 return FetchFailed(fetch.name, fetch.version, status="INTERNAL", error=f"the store failed: {e}")
             span.set_attribute("loraserve.adapter.bytes", len(files.config_json) + len(files.weights))
             self.served += 1
-            return AdapterFiles(
+            return AdapterPayload(
                 name=fetch.name,
                 version=fetch.version,
                 weights_format=files.weights_format,

@@ -16,13 +16,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from loraserve.adapter_config import CONFIG_FILE
+from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, WEIGHTS_FILES
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB
 from loraserve.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
 
-CONFIG_FILE = "adapter_config.json"
-SAFETENSORS_FILE = "adapter_model.safetensors"
-BIN_FILE = "adapter_model.bin"
-WEIGHTS_FILES = {SAFETENSORS_FILE: "safetensors", BIN_FILE: "bin"}  # file name -> weights format
 NAME_MAX = 255  # bytes in one path component (Linux, macOS)
 PATH_MAX = 4096  # bytes in a whole path
 

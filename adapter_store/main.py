@@ -18,8 +18,6 @@ import logging
 import threading
 from pathlib import Path
 
-import torch
-
 from loraserve import telemetry
 from loraserve.adapter_store.catalog import Catalog, model_identity
 from loraserve.adapter_store.config import (
@@ -39,10 +37,10 @@ from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
 from loraserve.metrics import add_metrics_arguments
+from loraserve.model_config import ModelConfig
 from loraserve.process import run_service
 from loraserve.supervise import health_off, supervise
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc
-from loraserve.worker.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 SERVICE = adapter_store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_name
@@ -228,9 +226,6 @@ async def _serve(config: StoreConfig, model: ModelConfig, catalog: Catalog | Non
 
 
 def main(args: argparse.Namespace) -> int:
-    # Validation checks many small tensors: intra-op threads gain nothing there, and on a shared CPU
-    # their parallel regions stall (measured: 1000x slower with 2 threads on a busy 2-core machine).
-    torch.set_num_threads(1)
     try:
         config = config_from_args(args)
     except LoraserveError as e:

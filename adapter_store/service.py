@@ -50,6 +50,8 @@ def stats_to_pb(stats: StoreStats, data_address: str) -> adapter_store_pb2.Store
 
 
 class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
+    """The store's gRPC control plane over an `AdapterStore`: register, list, describe, delete, watch."""
+
     def __init__(self, store: AdapterStore, data_address: str):
         self.store, self.data_address = store, data_address
 
@@ -101,6 +103,31 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
 
     async def GetStoreState(self, request: adapter_store_pb2.GetStoreStateRequest, context):
         return stats_to_pb(self.store.stats(), self.data_address)
+
+    async def Watch(self, request: adapter_store_pb2.WatchAdaptersRequest, context):
+        """Every current version, `synced`, then every change: each wake-up sends what differs from
+        what this watcher was last told (so a burst of changes costs one pass, and none is missed)."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        unsubscribe = self.store.subscribe(lambda: loop.call_soon_threadsafe(changed.set))
+        told: dict[str, tuple[int, str]] = {}
+        try:
+            synced = False
+            while True:
+                changed.clear()
+                current = {r.name: (r.version, r.sha256) for r in self.store.list()}
+                for name, (version, sha256) in current.items():
+                    if told.get(name) != (version, sha256):
+                        yield adapter_store_pb2.AdapterChange(name=name, version=version, sha256=sha256)
+                for name in told.keys() - current.keys():
+                    yield adapter_store_pb2.AdapterChange(name=name, deleted=True)
+                told = current
+                if not synced:
+                    synced = True
+                    yield adapter_store_pb2.AdapterChange(synced=True)
+                await changed.wait()
+        finally:
+            unsubscribe()
 
 
 @contextmanager

@@ -33,11 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from loraserve.adapter_config import CONFIG_FILE
+from loraserve.adapter_format import WEIGHTS_FILES, check_adapter_bytes
 from loraserve.adapter_store.catalog import Catalog, StoredAdapter
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB, StoreLimits
 from loraserve.adapter_store.files import (
-    CONFIG_FILE,
-    WEIGHTS_FILES,
     AdapterFiles,
     read_adapter_dir,
     resolve_under_root,
@@ -51,12 +51,11 @@ from loraserve.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from loraserve.worker.adapters import load_adapter_bytes
-from loraserve.worker.model_config import ModelConfig
+from loraserve.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_PATTERN = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_-]{0,63}~)?[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # [TENANT~]NAME
 WEIGHTS_FORMATS = tuple(WEIGHTS_FILES.values())
 
 
@@ -116,6 +115,9 @@ def check_name(name: str, field: str = "name") -> None:
 
 
 class AdapterStore:
+    """Every registered adapter version in host RAM: the serving copy of what the catalog keeps
+    durably. Owns names, versions (current and retired), the memory budget and change listeners."""
+
     def __init__(
         self,
         model: ModelConfig,
@@ -131,6 +133,7 @@ class AdapterStore:
         self._write_lock = threading.Lock()  # held across a durable write: registrations and deletes, in turn
         self._held: dict[tuple[str, int], _Held] = {}
         self._current: dict[str, int] = {}  # name -> current version
+        self._listeners: list[Callable[[], None]] = []  # told (from any thread) that a current version changed
         self._last_version: dict[str, int] = {}  # survives deletes: versions are never reused
         self._retired: deque[tuple[float, tuple[str, int]]] = deque()  # (retired at, key), oldest first
         self._used = 0
@@ -195,13 +198,13 @@ class AdapterStore:
         if len(weights) > self.limits.max_adapter_bytes:
             raise ResourceExhaustedError(too_large_message(len(weights), self.limits.max_adapter_bytes))
         self.check_fits(len(config_json) + len(weights))  # cheap refusal before the expensive validation
-        adapter = load_adapter_bytes(config_json, weights, self.model, self.limits.max_lora_rank, weights_format)
+        adapter = check_adapter_bytes(config_json, weights, self.model, self.limits.max_lora_rank, weights_format)
         return AdapterRecord(
             name=name,
             version=version,
-            rank=adapter.rank,
-            lora_alpha=adapter.lora_alpha,
-            scale=adapter.scale,
+            rank=adapter.config.rank,
+            lora_alpha=adapter.config.lora_alpha,
+            scale=adapter.config.scale,
             target_modules=adapter.modules,
             layers=adapter.layers,
             size_bytes=len(weights),
@@ -221,6 +224,7 @@ class AdapterStore:
         self._current[name] = version
         self._last_version[name] = max(version, self._last_version.get(name, 0))
         self._purge_locked()  # a zero retention drops the superseded version at once
+        self._changed()
 
     # ---- start-up: what the catalog holds, and preloads ----------------------------------------
     def restore(self) -> int:
@@ -241,9 +245,14 @@ class AdapterStore:
                 continue
             try:
                 record = self._validate(
-                    stored.name, stored.config_json, stored.weights, stored.weights_format, stored.source,
-                    stored.version, stored.created_unix,
-                )  # fmt: skip
+                    stored.name,
+                    stored.config_json,
+                    stored.weights,
+                    stored.weights_format,
+                    stored.source,
+                    stored.version,
+                    stored.created_unix,
+                )
             except (InvalidRequestError, InvalidAdapterError) as e:
                 self.catalog.quarantine(stored.name, stored.version, f"no longer passes validation: {e}")
                 continue
@@ -258,9 +267,11 @@ class AdapterStore:
             for name, version in restored.last_versions.items():
                 self._last_version[name] = max(version, self._last_version.get(name, 0))
         log.info(
-            "restored %d adapter(s) from %s (%d quarantined)", loaded, self.catalog.location,
+            "restored %d adapter(s) from %s (%d quarantined)",
+            loaded,
+            self.catalog.location,
             len(restored.adapters) - loaded + len(restored.quarantined),
-        )  # fmt: skip
+        )
         return loaded
 
     def preload(self, name: str, directory: Path) -> AdapterRecord:
@@ -350,8 +361,25 @@ class AdapterStore:
                 del self._current[name]
                 self._retire_locked(name, version)
                 self._purge_locked()
+                self._changed()
         log.info("deleted adapter %s (v%d retained for %g s)", name, version, self.limits.retention_s)
         return version
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` whenever a name's current version changes (registered, replaced, deleted).
+        It runs on the changing thread, under the store's lock: it must only signal, e.g. wake a loop.
+        Returns the function that unsubscribes it."""
+        with self._lock:
+            self._listeners.append(listener)
+        return lambda: self._unsubscribe(listener)
+
+    def _unsubscribe(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def stats(self) -> StoreStats:
         with self._lock:

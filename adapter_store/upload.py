@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraserve.adapter_config import CONFIG_FILE
+from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, WEIGHTS_FILES
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB
-from loraserve.adapter_store.files import BIN_FILE, CONFIG_FILE, SAFETENSORS_FILE, WEIGHTS_FILES, too_large_message
+from loraserve.adapter_store.files import too_large_message
 from loraserve.adapter_store.store import check_name
 from loraserve.errors import InvalidRequestError, ResourceExhaustedError
 

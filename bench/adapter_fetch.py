@@ -36,8 +36,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
 from loraserve.adapter_store.client import AdapterFetcher
+from loraserve.model_config import ModelConfig
 from loraserve.worker.adapters import load_adapter_bytes
-from loraserve.worker.model_config import ModelConfig
 
 LLAMA_7B = {
     "model_type": "llama",

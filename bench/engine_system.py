@@ -17,10 +17,10 @@ from pathlib import Path
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workload import Trace
+from loraserve.model_config import ModelConfig
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
-from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.sampling import SamplingParams
 
 WASTE_SAMPLE_EVERY = 4  # steps between samples of the pool's waste fraction

@@ -32,8 +32,8 @@ from loraserve.bench.stack_system import StackSystem
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import ReplayLimits
 from loraserve.bench.workload import WorkloadSpec, synthetic_trace
+from loraserve.model_config import ModelConfig
 from loraserve.worker.adapter_cache import AdapterRegistry
-from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.unified_pool import UnifiedPool
 

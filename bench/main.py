@@ -12,6 +12,9 @@ baselines (peft, merge-and-swap) are skipped above --baseline-max-adapters adapt
 
 Writes --out/results.json (one row per system and setting), records.jsonl (one per request),
 vs_adapters.png / vs_rate.png, and prints a table and the ratios that matter.
+
+`--suite chaos` runs the failover benchmark instead (`bench/chaos.py`): steady load on many
+adapters while workers are killed, stopped and drained at random, against an undisturbed run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench import chaos
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
+SUITES = ("serving", "chaos")  # chaos: steady load while workers are killed and restarted (bench/chaos.py)
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
@@ -62,6 +67,12 @@ QUICK = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
+    p.add_argument(
+        "--suite",
+        choices=SUITES,
+        default="serving",
+        help="serving: the systems on the synthetic trace; chaos: failover under killed workers (bench/chaos.py)",
+    )
 
     def preset(key: str) -> str:
         return f"(full: {FULL[key]}; quick: {QUICK[key]})"
@@ -120,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    chaos.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -356,6 +368,8 @@ def print_report(rows: list[dict], rate: float) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.suite == "chaos":
+        return chaos.main(args)
     args = _resolved(args)
     quiet = max(logging.WARNING, logging.getLogger().level)
     for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):

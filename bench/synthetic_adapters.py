@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
-from loraserve.worker.model_config import ModelConfig
+from loraserve.model_config import ModelConfig
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _PARENT = {

@@ -32,15 +32,15 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from loraserve.errors import InvalidConfigError, LoraserveError, UnavailableError
+from loraserve.errors import InvalidConfigError, UnavailableError, error_for_status
 from loraserve.gateway import metrics
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.wire import Tokens
 
 log = logging.getLogger(__name__)
 
-# submit(attempt_id, output_ids) -> the instance of the scheduler that queued it
-Submit = Callable[[str, list[int]], Awaitable[str]]
+# submit(attempt_id, attempt number, output_ids) -> the instance of the scheduler that queued it
+Submit = Callable[[str, int, list[int]], Awaitable[str]]
 Cancel = Callable[[str, str], None]  # cancel(attempt_id, reason), fire and forget
 
 
@@ -82,7 +82,7 @@ class FailoverStream:
             attempt_id = self.attempt_id
             self._queue = self.sink.open(attempt_id)
             try:
-                self.scheduler_instance = await self._submit(attempt_id, list(self.output_ids))
+                self.scheduler_instance = await self._submit(attempt_id, self.failovers, list(self.output_ids))
                 async for message in self._attempt(self._queue):
                     yield message
                 return
@@ -125,9 +125,7 @@ class FailoverStream:
             if message.error_status:
                 if message.retry:
                     raise _Lost(message.error or "the worker was lost")
-                error = LoraserveError(message.error or message.error_status)
-                error.status = message.error_status  # the failure crosses the hop with its status
-                raise error
+                raise error_for_status(message.error_status, message.error or message.error_status)
             self.output_ids += message.token_ids
             yield message
             if message.finished:

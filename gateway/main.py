@@ -2,6 +2,10 @@
 
 Stopping (SIGTERM) drains: health goes NOT_SERVING and every new call gets UNAVAILABLE at once,
 while the streams in flight finish (up to `--drain-timeout`); then the server stops.
+
+`--auth-file` turns on tenants and API keys (`gateway/tenants.py`); SIGHUP reloads the file without
+dropping a call (a file that fails its checks keeps the old keys, and says why in the log). Without
+it the gateway is open, and binds loopback only unless `--insecure-no-auth` (`gateway/bind_rule.py`).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -16,14 +21,20 @@ import grpc
 
 from loraserve import telemetry
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.gateway.auth import AllowAll
+from loraserve.errors import InvalidConfigError
+from loraserve.gateway.adapter_versions import watch_store
+from loraserve.gateway.audit import audited
+from loraserve.gateway.auth import Authenticator
+from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.failover import FailoverConfig
 from loraserve.gateway.service import GatewayConfig, LoraServeService
+from loraserve.gateway.tenants import load_auth_file
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
 from loraserve.metrics import add_metrics_arguments
-from loraserve.process import run_service
+from loraserve.model_config import ModelConfig
+from loraserve.process import add_drain_argument, run_service
 from loraserve.supervise import health_off, supervise
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import (
@@ -33,7 +44,6 @@ from loraserve.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from loraserve.worker.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"].full_name
@@ -41,6 +51,7 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"].full_name
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="127.0.0.1:50051", help="public gRPC address")
+    add_auth_arguments(parser)
     parser.add_argument(
         "--model", type=Path, default=DEMO_MODEL_DIR, help="model directory (tokenizer.json, config.json)"
     )
@@ -71,11 +82,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds without a scheduler before requests no worker has taken fail UNAVAILABLE",
     )
-    parser.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds to let streams in flight finish"
-    )
+    add_drain_argument(parser, "to let streams in flight finish before stopping")
     telemetry.add_tracing_arguments(parser)
     add_metrics_arguments(parser)
+
+
+def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--auth-file",
+        type=Path,
+        default=None,
+        help="TOML file of tenants, API key digests, scopes, quotas (reloaded on SIGHUP); unset: open, loopback only",
+    )
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve a non-loopback --bind without --auth-file (only where something else guards the port)",
+    )
+
+
+def _reload_keys(auth: Authenticator, path: Path | None) -> None:
+    """SIGHUP: read the auth file again; a file that fails its checks leaves the current keys in place."""
+    if path is None:
+        log.warning("SIGHUP: no --auth-file to reload; the gateway stays open")
+        return
+    try:
+        with audited("reload_keys") as record:
+            record.tenant = "operator"
+            config = load_auth_file(path)
+            auth.reload(config)
+        log.info("SIGHUP: reloaded %s: %d tenants", path, len(config.tenants))
+    except InvalidConfigError as e:
+        log.error("SIGHUP: keeping the current keys: %s", e)
 
 
 async def _watch_cluster(service: LoraServeService, scheduler, health, period_s: float = 0.25) -> None:
@@ -119,6 +157,10 @@ async def _drain_on_stop(service: LoraServeService, health, stop_event, drained:
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
+    check_bind(args.bind, args.auth_file, args.insecure_no_auth)
+    logging.getLogger("loraserve.audit").setLevel(logging.INFO)  # the audit trail shows at any --log-level
+    auth = Authenticator(load_auth_file(args.auth_file) if args.auth_file is not None else None)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_keys, auth, args.auth_file)
     model = ModelConfig.from_dir(args.model)
     tokenizer = Tokenizer.from_model_dir(args.model)
     limits = Limits(
@@ -137,18 +179,23 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         args.max_lora_rank,
         failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace),
     )
-    service = LoraServeService(config, limits, tokenizer, sink, scheduler, store, AllowAll())
+    service = LoraServeService(config, limits, tokenizer, sink, scheduler, store, auth)
     server, port = new_server(args.bind)
     gateway_pb2_grpc.add_LoraServeServicer_to_server(service, server)
     health = add_health_and_reflection(server, [SERVICE])
     await set_serving(health, [SERVICE], False)
     await server.start()
     log.info("gateway: gRPC on %s (port %d), token sink %s", args.bind, port, sink.address)
+    if auth.open:
+        log.warning("gateway: no --auth-file: every caller is tenant 'default' with every scope")
+    else:
+        log.info("gateway: API keys of %d tenants from %s (SIGHUP reloads)", len(auth.tenants), args.auth_file)
     drained = asyncio.Event()
     tasks = {
         "token sink": sink.run(),
         "cluster watch": _watch_cluster(service, scheduler, health),
         "drain": _drain_on_stop(service, health, stop_event, drained, args.drain_timeout),
+        "adapter versions": watch_store(store, service.adapter_versions),
     }
     try:
         await supervise("gateway", tasks, drained, health_off(health, [SERVICE]))

@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics (served when the gateway runs with --metrics-port).
 
-No adapter or tenant labels: with thousands of adapters they would explode the series count;
-per-adapter figures are in the traces.
+No adapter labels: with thousands of adapters they would explode the series count; per-adapter
+figures are in the traces. Requests carry a `tenant` label, which stays bounded: tenants come from
+the auth file, and every caller without a valid key counts as one value, "unauthenticated".
 """
 
 from __future__ import annotations
@@ -14,18 +15,23 @@ from loraserve.errors import LoraserveError
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
+UNAUTHENTICATED = "unauthenticated"  # the tenant label of callers without a valid key
 REQUESTS = Counter(
-    "loraserve_gateway_requests", "Generation requests by outcome: OK, or the gRPC status they ended with", ["code"]
+    "loraserve_gateway_requests",
+    "Generation requests by outcome (OK, or the gRPC status they ended with) and tenant",
+    ["code", "tenant"],
 )
 IN_FLIGHT = Gauge("loraserve_gateway_requests_in_flight", "Generation requests being served now")
 TIME_TO_FIRST_TOKEN = Histogram(
-    "loraserve_gateway_time_to_first_token_seconds", "Arrival at the gateway to the first token",
+    "loraserve_gateway_time_to_first_token_seconds",
+    "Arrival at the gateway to the first token",
     buckets=LATENCY_BUCKETS,
-)  # fmt: skip
+)
 REQUEST_DURATION = Histogram(
-    "loraserve_gateway_request_duration_seconds", "Arrival to the final message, completed requests",
+    "loraserve_gateway_request_duration_seconds",
+    "Arrival to the final message, completed requests",
     buckets=LATENCY_BUCKETS,
-)  # fmt: skip
+)
 PROMPT_TOKENS = Counter("loraserve_gateway_prompt_tokens", "Prompt tokens of completed requests")
 OUTPUT_TOKENS = Counter("loraserve_gateway_output_tokens", "Tokens generated for completed requests")
 FAILOVERS = Counter("loraserve_gateway_failovers", "Times a request lost its worker and was continued on another one")

@@ -1,8 +1,8 @@
 """The public gRPC API (`loraserve.v1.LoraServe`): validate, tokenize, submit, stream back.
 
 A generation: authenticate → validate (INVALID_ARGUMENT naming the field) → tokenize → resolve the
-adapter's current version with the store (NOT_FOUND) → Submit to the scheduler (RESOURCE_EXHAUSTED,
-UNAVAILABLE) → read TOKENS from the token sink, detokenize incrementally, apply stop sequences,
+adapter's current version (the store-fed cache, else the store: NOT_FOUND) → Submit to the
+scheduler (RESOURCE_EXHAUSTED, UNAVAILABLE) → read tokens from the sink, detokenize incrementally, apply stop sequences,
 stream to the client → a summary with the finish reason, usage and latency breakdown. If the
 client cancels or its deadline passes, the request is cancelled downstream at once. A worker lost
 mid-stream is replaced without the client noticing (`gateway/failover.py`).
@@ -19,18 +19,24 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from opentelemetry import trace
 
 from loraserve import telemetry
 from loraserve.convert import FINISH_REASONS, sampling_to_pb
-from loraserve.errors import InvalidRequestError, LoraserveError, PermissionDeniedError, UnavailableError
+from loraserve.errors import InvalidRequestError, LoraserveError, UnavailableError
 from loraserve.gateway import metrics
+from loraserve.gateway.adapter_versions import AdapterVersion, AdapterVersions
+from loraserve.gateway.audit import AuditRecord, audited
 from loraserve.gateway.auth import Authenticator, Principal
 from loraserve.gateway.failover import FailoverConfig, FailoverStream, Streams
+from loraserve.gateway.namespaces import PUBLIC_NAME, Namespace
+from loraserve.gateway.quotas import QuotaExceededError, Quotas
 from loraserve.gateway.stops import StopFilter
+from loraserve.gateway.tenant_adapters import TenantAdapters, renamed_uploads, shown
+from loraserve.gateway.tenants import Scope
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits, ValidRequest, check_context, validate_generate
 from loraserve.grpc_utils import forward_stream, internal_call, refuse_stream
@@ -39,14 +45,7 @@ from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gatewa
 from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AdapterVersion:
-    """The adapter version a request was resolved to at arrival (version 0: the base model)."""
-
-    version: int = 0
-    sha256: str = ""  # of its weights file: workers check their cached copy against it
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED quota refusal
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,9 @@ class GatewayConfig:
 
 
 class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
+    """The public API (`loraserve.v1.LoraServe`): authenticates, validates, streams generations
+    (each a `FailoverStream`), and relays adapter admin to the store."""
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -74,6 +76,9 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         self.scheduler, self.store, self.auth = scheduler, store, auth
         self.ready_workers = 0  # kept current by the health poller in main.py
         self.streams = Streams(config.failover)  # live generations; the cluster watch reports to it
+        self.adapter_versions = AdapterVersions()  # kept by the store's Watch (main.py)
+        self.adapters = TenantAdapters(self._store, self.adapter_versions)  # names as each tenant sees them
+        self.quotas = Quotas(time.monotonic)  # per-tenant slots and token buckets
         self.draining = False
         self._background: set[asyncio.Task] = set()
 
@@ -103,12 +108,18 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         arrival = time.time()
         metrics.IN_FLIGHT.inc()
-        code, events = "OK", None
+        code, events, tenant, admitted = "OK", None, metrics.UNAUTHENTICATED, None
         try:
             principal = self._principal(context)
+            tenant = principal.tenant
+            principal.require(Scope.GENERATE, "generate")
+            self._admit(principal, context)
+            admitted = principal
             metadata = _metadata(context)
             events = self._generate_traced(request, principal, metadata, context, arrival)
             async for event in events:
+                if event.HasField("chunk"):
+                    self.quotas.generated(principal.tenant, principal.limits, len(event.chunk.token_ids))
                 yield event
         except BaseException as e:
             code = metrics.outcome(e)
@@ -116,8 +127,18 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         finally:
             if events is not None:
                 await events.aclose()  # its clean-up (cancel downstream) now, not at garbage collection
+            if admitted is not None:
+                self.quotas.release(admitted.tenant)
             metrics.IN_FLIGHT.dec()
-            metrics.REQUESTS.labels(code).inc()
+            metrics.REQUESTS.labels(code, tenant).inc()
+
+    def _admit(self, principal: Principal, context) -> None:
+        """Take one of the tenant's generation slots; RESOURCE_EXHAUSTED with a retry hint if over quota."""
+        try:
+            self.quotas.admit(principal.tenant, principal.limits)
+        except QuotaExceededError as e:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(e.retry_after_s * 1000))),))
+            raise
 
     async def _generate_traced(
         self, request: gateway_pb2.GenerateRequest, principal: Principal, metadata: dict[str, str], context, arrival
@@ -134,8 +155,8 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             valid, prompt_ids, version = await self._prepare(request, principal)
             span.set_attribute("loraserve.adapter", valid.adapter or "")
 
-            async def submit(attempt_id: str, output_ids: list[int]) -> str:
-                return await self._submit(attempt_id, valid, prompt_ids, version, context, arrival, output_ids)
+            async def submit(attempt_id: str, attempt: int, output_ids: list[int]) -> str:
+                return await self._submit(attempt_id, attempt, valid, prompt_ids, version, context, arrival, output_ids)
 
             stream = FailoverStream(request_id, self.sink, submit, self._cancel_downstream, self.config.failover)
             self.streams.add(stream)
@@ -156,25 +177,40 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
     async def _prepare(self, request, principal: Principal) -> tuple[ValidRequest, list[int], AdapterVersion]:
         tracer = telemetry.tracer()
+        ns = Namespace.of(principal)
         with tracer.start_as_current_span("gateway.validate"):
-            valid = validate_generate(request, self.limits)
+            valid = self._validate(request, ns)
         with tracer.start_as_current_span("gateway.tokenize"):
             prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
             check_context(prompt_ids, valid.sampling, self.limits)
         version = AdapterVersion()
         if valid.adapter is not None:
-            if not self.auth.may_use_adapter(principal, valid.adapter):
-                raise PermissionDeniedError(f"tenant {principal.tenant!r} may not use adapter {valid.adapter!r}")
             with tracer.start_as_current_span("gateway.adapter_lookup"):
-                info = await internal_call("the adapter store", lambda: self.store.Describe(
-                    gateway_pb2.DescribeAdapterRequest(name=valid.adapter),
-                    timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata(),
-                ))  # fmt: skip
-            version = AdapterVersion(info.version, info.sha256)
+                store_name, version = await self.adapters.resolve(ns, valid.adapter)
+            valid = replace(valid, adapter=store_name)  # what workers fetch: TENANT~NAME or a public name
         return valid, prompt_ids, version
 
+    def _validate(self, request: gateway_pb2.GenerateRequest, ns: Namespace) -> ValidRequest:
+        """`validate_generate`, with the adapter name checked by the caller's namespace rules (an
+        admin may name another tenant's adapter, TENANT~NAME)."""
+        if not request.adapter or PUBLIC_NAME.fullmatch(request.adapter):
+            return validate_generate(request, self.limits)
+        name = ns.check(request.adapter, "adapter")
+        plain = gateway_pb2.GenerateRequest()
+        plain.CopyFrom(request)
+        plain.ClearField("adapter")
+        return replace(validate_generate(plain, self.limits), adapter=name)
+
     async def _submit(
-        self, request_id, valid: ValidRequest, prompt_ids, version: AdapterVersion, context, arrival, output_ids
+        self,
+        request_id: str,
+        attempt: int,
+        valid: ValidRequest,
+        prompt_ids: list[int],
+        version: AdapterVersion,
+        context,
+        arrival: float,
+        output_ids: list[int],
     ) -> str:
         """Queue one attempt with the scheduler; returns the instance of the scheduler that took it."""
         remaining = context.time_remaining()
@@ -191,6 +227,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             reply_to=self.sink.address,
             arrival_unix=arrival,
             output_ids=output_ids,
+            attempt=attempt,
         )
         with telemetry.tracer().start_as_current_span("gateway.submit"):
             response = await internal_call(
@@ -232,9 +269,17 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                 metrics.PROMPT_TOKENS.inc(len(prompt_ids))
                 metrics.OUTPUT_TOKENS.inc(completion_tokens)
                 summary = self._summary(
-                    request_id, valid, prompt_ids, completion_tokens, reason, message.timings, arrival,
-                    first_token_at, version, stream,
-                )  # fmt: skip
+                    request_id,
+                    valid,
+                    prompt_ids,
+                    completion_tokens,
+                    reason,
+                    message.timings,
+                    arrival,
+                    first_token_at,
+                    version,
+                    stream,
+                )
                 yield gateway_pb2.GenerateStreamResponse(summary=summary)
                 return
 
@@ -286,14 +331,14 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
     # ---- tokenizer and model -------------------------------------------------------------------
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context):
-        self._principal(context)
+        self._principal(context).require(Scope.GENERATE, "tokenize")
         if len(request.text.encode()) > self.limits.max_prompt_bytes:
             raise InvalidRequestError("text", f"is longer than {self.limits.max_prompt_bytes} bytes")
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return gateway_pb2.TokenizeResponse(ids=ids, tokens=self.tokenizer.token_strings(ids))
 
     async def GetModelInfo(self, request, context):
-        self._principal(context)
+        self._principal(context).require(Scope.GENERATE, "read model info")
         return gateway_pb2.ModelInfo(
             model_type=self.config.model_type,
             model_name=self.config.model_name,
@@ -305,34 +350,61 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             eos_token_ids=list(self.tokenizer.eos_token_ids),
         )
 
-    # ---- adapter admin (proxied to the adapter store) ------------------------------------------
+    # ---- adapter admin (proxied to the adapter store, in the caller's namespace) ----------------
     async def ListAdapters(self, request, context):
-        self._principal(context)
-        return await self._store("List", request)
+        principal = self._principal(context)
+        principal.require(Scope.GENERATE, "list adapters")
+        return await self.adapters.list(Namespace.of(principal))
 
     async def DescribeAdapter(self, request, context):
-        self._principal(context)
-        return await self._store("Describe", request)
+        principal = self._principal(context)
+        principal.require(Scope.GENERATE, "describe adapters")
+        ns = Namespace.of(principal)
+        return await self.adapters.describe(ns, ns.check(request.name))
 
     async def UploadAdapter(self, request_iterator, context):
-        self._admin(context)
-        remaining = context.time_remaining()
-        timeout = min(self.config.upload_timeout_s, remaining if remaining is not None else math.inf)
-        try:
-            return await internal_call("the adapter store", lambda: forward_stream(
-                self.store.Upload, request_iterator, timeout, telemetry.grpc_metadata()
-            ))  # fmt: skip
-        except LoraserveError:
-            await refuse_stream(request_iterator, context)  # the client may still be sending
-            raise
+        with audited("upload") as record:
+            try:
+                ns = self._adapter_admin(context, record, "upload adapters")
+            except LoraserveError:
+                await refuse_stream(request_iterator, context)  # the client may still be sending
+                raise
+            remaining = context.time_remaining()
+            timeout = min(self.config.upload_timeout_s, remaining if remaining is not None else math.inf)
+            targets: list[str] = []
+            renamed = renamed_uploads(ns, request_iterator, targets)
+            try:
+                info = await internal_call(
+                    "the adapter store",
+                    lambda: forward_stream(self.store.Upload, renamed, timeout, telemetry.grpc_metadata()),
+                )
+            except LoraserveError:
+                record.adapter = targets[0] if targets else "-"
+                await refuse_stream(request_iterator, context)
+                raise
+            record.adapter, record.version = info.name, info.version
+            self.adapter_versions.learned(info)
+            return shown(ns, info)
 
     async def RegisterAdapterFromPath(self, request, context):
-        self._admin(context)
-        return await self._store("RegisterFromPath", request)
+        with audited("register") as record:
+            ns = self._adapter_admin(context, record, "register adapters", request.name)
+            target = gateway_pb2.RegisterAdapterFromPathRequest()
+            target.CopyFrom(request)
+            target.name = record.adapter = ns.target(ns.check(request.name))
+            info = await self._store("RegisterFromPath", target)
+            record.version = info.version
+            self.adapter_versions.learned(info)
+            return shown(ns, info)
 
     async def DeleteAdapter(self, request, context):
-        self._admin(context)
-        return await self._store("Delete", request)
+        with audited("delete") as record:
+            ns = self._adapter_admin(context, record, "delete adapters", request.name)
+            record.adapter = ns.target(ns.check(request.name))
+            deleted = await self.adapters.delete(ns, request.name)
+            record.version = deleted.version
+            self.adapter_versions.forget(record.adapter)
+            return deleted
 
     def _principal(self, context) -> Principal:
         """The caller, authenticated; UNAVAILABLE for everyone while draining."""
@@ -340,10 +412,15 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             raise UnavailableError("this gateway is shutting down; retry on another one")
         return self.auth.authenticate(_metadata(context))
 
-    def _admin(self, context) -> None:
+    def _adapter_admin(self, context, record: AuditRecord, action: str, name: str = "") -> Namespace:
+        """The caller's namespace, if it holds the `adapters` scope; who asked, for what, goes in the audit record."""
         principal = self._principal(context)
-        if not self.auth.may_administer(principal):
-            raise PermissionDeniedError(f"tenant {principal.tenant!r} may not manage adapters")
+        ns = Namespace.of(principal)
+        record.tenant = principal.tenant
+        if ns.valid(name):
+            record.adapter = ns.target(name)
+        principal.require(Scope.ADAPTERS, action)
+        return ns
 
     async def _store(self, method: str, request):
         call = getattr(self.store, method)

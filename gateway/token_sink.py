@@ -1,8 +1,10 @@
-"""The gateway's ZMQ token sink: workers (and the scheduler, for failures) push TOKENS here.
+"""The gateway's ZMQ token sink: workers (and the scheduler, for failures) push tokens here.
 
-One PULL socket per gateway; messages are dispatched to the per-request queue of the RPC that
-waits for them. Messages for requests nobody waits for any more (cancelled) are dropped, and so
-are malformed or unexpected ones (logged rate-limited: a flood must not flood the log).
+One PULL socket per gateway; a worker sends one STEP_TOKENS per step for all of this gateway's
+requests, and a TOKENS for each request's end (or acknowledgement, or failure). Both are split
+into per-request `Tokens` and put on the queue of the RPC that waits for them. Messages for
+requests nobody waits for any more (cancelled, or an attempt that was failed over) are dropped,
+and so are malformed or unexpected ones (logged rate-limited: a flood must not flood the log).
 """
 
 from __future__ import annotations
@@ -13,20 +15,24 @@ import logging
 import zmq
 import zmq.asyncio
 
+from loraserve.dispatch import Dispatcher
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket
-from loraserve.wire import Tokens, WireError, decode
+from loraserve.wire import StepTokens, Tokens, WireError, decode
 
 log = logging.getLogger(__name__)
 
 
 class TokenSink:
+    """The gateway's PULL socket and the per-request queues its messages are delivered to."""
+
     def __init__(self, address: str):
         self.ctx = zmq.asyncio.Context()
         self.socket = make_socket(self.ctx, zmq.PULL, bind=address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._streams: dict[str, asyncio.Queue[Tokens]] = {}
         self._dropped = RateLimitedLog(log)
+        self._dispatch = Dispatcher({Tokens: self._deliver, StepTokens: self._deliver_step})
 
     def open(self, request_id: str) -> asyncio.Queue[Tokens]:
         stream: asyncio.Queue[Tokens] = asyncio.Queue()
@@ -44,12 +50,17 @@ class TokenSink:
             except WireError as e:  # PUSH/PULL carries no peer identity: one window for all senders
                 self._dropped.warning("token sink", "malformed message", "dropped: %s", e)
                 continue
-            if not isinstance(message, Tokens):
-                self._dropped.warning("token sink", type(message).__name__, "dropped: not a Tokens message")
-                continue
-            stream = self._streams.get(message.request_id)
-            if stream is not None:
-                stream.put_nowait(message)
+            if not self._dispatch(message):
+                self._dropped.warning("token sink", type(message).__name__, "dropped: not a token message")
+
+    def _deliver(self, message: Tokens) -> None:
+        stream = self._streams.get(message.request_id)
+        if stream is not None:  # nobody waits for a request that ended or moved to another attempt
+            stream.put_nowait(message)
+
+    def _deliver_step(self, message: StepTokens) -> None:
+        for tokens in message.split():
+            self._deliver(tokens)
 
     def shutdown(self) -> None:
         self.socket.close(linger=0)

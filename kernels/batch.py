@@ -1,22 +1,29 @@
 """Building a step's kernel metadata from plain data: the one builder the runner and the kernel tests share.
 
-    lora = build_lora_batch(geometry, [(adapter_or_None, num_tokens), ...], device)
-    attention = build_attention_batch([(kv_page_table, start, num_tokens), ...], tokens_per_page, window, device)
+    lora = build_lora_batch(geometry, [(adapter_or_None, num_tokens), ...], buffers)
+    attention = build_attention_batch([(kv_page_table, start, num_tokens), ...], tokens_per_page, window, buffers)
 
 Sequences are given in step order. For LoRA, consecutive sequences of one adapter merge into one
 segment (Punica's SGMV segments) and the per-adapter tables list each adapter once, in order of
 first use; adapters are told apart by identity, so pass the same object for the same adapter.
+
+`buffers` is the runner's `StepBuffers` (tables staged in storage allocated once; the caller
+uploads them once the whole step is staged), or a device: the builder then stages into buffers
+that fit just this step and uploads them itself (kernel tests and benchmarks). Either way the
+tables are built by the same code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
 
-from loraserve.kernels.metadata import MODULES, AttentionBatch, LoraBatch
+from loraserve.kernels.metadata import AttentionBatch, LoraBatch
+from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
+from loraserve.model_config import LORA_MODULES
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -25,7 +32,7 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class LoraGeometry:
-    """Widths of the 7 projections (MODULES order) and the pool's row/page shape."""
+    """Widths of the 7 projections (LORA_MODULES order) and the pool's row/page shape."""
 
     d_in: tuple[int, ...]
     d_out: tuple[int, ...]
@@ -36,7 +43,7 @@ class LoraGeometry:
     @classmethod
     def uniform(cls, d_in: int, d_out: int, row_width: int, rows_per_page: int, num_layers: int = 1):
         """Every module maps d_in -> d_out (enough for kernel tests, which run one module at a time)."""
-        n = len(MODULES)
+        n = len(LORA_MODULES)
         return cls((d_in,) * n, (d_out,) * n, row_width, rows_per_page, num_layers)
 
     @property
@@ -60,8 +67,32 @@ class PooledAdapter(Protocol):
     row_index: torch.Tensor  # int64 [num_rows]: physical row of each logical row
 
 
+def _staging(target: StepBuffers | torch.device | str, sizes: dict[str, int]) -> tuple[StepBuffers, bool]:
+    """(buffers, own): the step's buffers after checking `sizes` fit, or new ones that fit exactly (own)."""
+    if isinstance(target, StepBuffers):
+        target.capacity.check(**sizes)
+        return target, False
+    fitting = {f.name: max(1, sizes.get(f.name, 1)) for f in fields(StepCapacity)}
+    return StepBuffers(StepCapacity(**fitting), target), True
+
+
+def _host_pages(pages: Sequence[int] | torch.Tensor) -> list[int]:
+    return pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
+
+
+def _padded(rows: list[list[int]], width: int) -> list[int]:
+    """Rows flattened row-major, each zero-padded to `width`."""
+    flat: list[int] = []
+    for row in rows:
+        flat += row
+        flat += [0] * (width - len(row))
+    return flat
+
+
 def build_lora_batch(
-    geometry: LoraGeometry, seqs: Sequence[tuple[PooledAdapter | None, int]], device: torch.device | str
+    geometry: LoraGeometry,
+    seqs: Sequence[tuple[PooledAdapter | None, int]],
+    buffers: StepBuffers | torch.device | str,
 ) -> LoraBatch | None:
     """LoraBatch for sequences of (adapter or None, tokens this step); None when no token uses an adapter."""
     adapters: list[PooledAdapter] = []
@@ -87,26 +118,31 @@ def build_lora_batch(
     if not segments:
         return None
 
-    def i32(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    page_table = torch.zeros(len(adapters), max(len(a.pages) for a in adapters), dtype=torch.int32, device=device)
-    for a, adapter in enumerate(adapters):
-        page_table[a, : len(adapter.pages)] = torch.as_tensor(adapter.pages, dtype=torch.int32, device=device)
+    pages = [_host_pages(a.pages) for a in adapters]
+    width, num_adapters, num_layers = max(map(len, pages)), len(adapters), geometry.num_layers
+    sizes = dict(
+        max_tokens=start,
+        max_seqs=len(segments),
+        max_adapters=num_adapters,
+        max_adapter_pages=width,
+        num_layers=num_layers,
+    )
+    buffers, own = _staging(buffers, sizes)
     a_offsets = [list(a.a_offsets) for a in adapters]
     b_offsets = [list(a.b_offsets) for a in adapters]
     layers = [[bool(x) for x in a.layers] for a in adapters]
-    return LoraBatch(
-        seg_start=i32([s for s, _, _ in segments]),
-        seg_len=i32([n for _, n, _ in segments]),
-        seg_adapter=i32([a for _, _, a in segments]),
-        token_adapter=i32(token_adapter),
-        rank=i32([a.rank for a in adapters]),
-        scale=torch.tensor([a.scale for a in adapters], dtype=torch.float32, device=device),
-        page_table=page_table,
-        a_offset=i32(a_offsets),
-        b_offset=i32(b_offsets),
-        layer_active=i32(layers),
+    modules = len(LORA_MODULES)
+    batch = LoraBatch(
+        seg_start=buffers.put("seg_start", [s for s, _, _ in segments]),
+        seg_len=buffers.put("seg_len", [n for _, n, _ in segments]),
+        seg_adapter=buffers.put("seg_adapter", [a for _, _, a in segments]),
+        token_adapter=buffers.put("token_adapter", token_adapter),
+        rank=buffers.put("rank", [a.rank for a in adapters]),
+        scale=buffers.put("scale", [a.scale for a in adapters]),
+        page_table=buffers.put("lora_page_table", _padded(pages, width), (num_adapters, width)),
+        a_offset=buffers.put("a_offset", _padded(a_offsets, modules), (num_adapters, modules)),
+        b_offset=buffers.put("b_offset", _padded(b_offsets, modules), (num_adapters, modules)),
+        layer_active=buffers.put("layer_active", _padded(layers, num_layers), (num_adapters, num_layers)),
         c_in=geometry.c_in,
         c_out=geometry.c_out,
         d_in=geometry.d_in,
@@ -122,28 +158,37 @@ def build_lora_batch(
         layers_active=layers,
         row_index=[a.row_index for a in adapters],
     )
+    if own:
+        buffers.upload()
+    return batch
 
 
 def build_attention_batch(
     seqs: Sequence[tuple[Sequence[int], int, int]],
     tokens_per_page: int,
     sliding_window: int | None,
-    device: torch.device | str,
+    buffers: StepBuffers | torch.device | str,
 ) -> AttentionBatch:
-    """AttentionBatch for sequences of (KV page table, tokens already cached, new tokens this step)."""
+    """AttentionBatch for sequences of (KV page table, tokens already cached, new tokens this step).
+
+    A page table may run past the sequence's tokens; only the pages they occupy are passed on.
+    """
     tp, rpp = tokens_per_page, 2 * tokens_per_page
     query_start, context, tables, new_rows = [0], [], [], []
     for table, start, n in seqs:
+        end = start + n
         query_start.append(query_start[-1] + n)
-        context.append(start + n)
-        tables.append(list(table))
-        new_rows += [table[p // tp] * rpp + p % tp for p in range(start, start + n)]
-    width = max(len(t) for t in tables)
-    return AttentionBatch(
-        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
-        context_len=torch.tensor(context, dtype=torch.int32, device=device),
-        page_table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        new_rows=torch.tensor(new_rows, dtype=torch.int64, device=device),
+        context.append(end)
+        tables.append(list(table[: ceil_div(end, tp)]))
+        new_rows += [table[p // tp] * rpp + p % tp for p in range(start, end)]
+    width = max(map(len, tables))
+    sizes = dict(max_tokens=query_start[-1], max_seqs=len(tables), max_seq_pages=width)
+    buffers, own = _staging(buffers, sizes)
+    batch = AttentionBatch(
+        query_start=buffers.put("query_start", query_start),
+        context_len=buffers.put("context_len", context),
+        page_table=buffers.put("kv_page_table", _padded(tables, width), (len(tables), width)),
+        new_rows=buffers.put("new_rows", new_rows),
         tokens_per_page=tp,
         max_query_len=max(n for _, _, n in seqs),
         max_context_len=max(context),
@@ -152,3 +197,6 @@ def build_attention_batch(
         query_lens=[n for _, _, n in seqs],
         context_lens=context,
     )
+    if own:
+        buffers.upload()
+    return batch

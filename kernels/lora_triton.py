@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.metadata import MODULES, LoraBatch
+from loraserve.kernels.metadata import LoraBatch
+from loraserve.model_config import LORA_MODULES
 
 # Integer arguments that change from step to step, layer to layer or module to module. Triton would
 # otherwise compile a variant of a kernel for each pattern of them (value 1, multiple of 16, other):
@@ -317,9 +318,9 @@ def _num_splits(programs: int, k_blocks: int, device: torch.device) -> int:
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, batch: LoraBatch, module: int) -> None:
-    if not 0 <= module < len(MODULES):
-        raise ValueError(f"module index {module} is not in [0, {len(MODULES)})")
-    name = MODULES[module]
+    if not 0 <= module < len(LORA_MODULES):
+        raise ValueError(f"module index {module} is not in [0, {len(LORA_MODULES)})")
+    name = LORA_MODULES[module]
     d_in, d_out = batch.d_in[module], batch.d_out[module]
     if x.dim() != 2 or y.dim() != 2 or x.shape[1] != d_in or y.shape[1] != d_out or x.shape[0] != y.shape[0]:
         raise ValueError(f"{name}: expected x [T, {d_in}] and y [T, {d_out}], got x {list(x.shape)}, y {list(y.shape)}")

@@ -1,8 +1,11 @@
 """Per-step metadata the kernels read: which tokens use which adapter, and where KV rows live.
 
 Built once per step by the worker's runner (on the compute device) and passed into every layer;
-no kernel keeps state between steps. See `loraserve.worker.pool_layout` for the pool geometry
-these tables index into.
+no kernel keeps state between steps. The tensors are views of `kernels.step_buffers.StepBuffers`,
+storage refilled in place each step, so they are valid until the next step is built. See
+`loraserve.worker.pool_layout` for the pool geometry these tables index into, and
+`loraserve.model_config.LORA_MODULES` for the order of the per-module tables (module m is
+LORA_MODULES[m]).
 """
 
 from __future__ import annotations
@@ -10,10 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-# Projections in the order of LoraBatch's per-module tables.
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MODULE_INDEX = {m: i for i, m in enumerate(MODULES)}
 
 
 @dataclass

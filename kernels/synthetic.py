@@ -3,7 +3,7 @@
 Adapters are packed exactly as `loraserve.worker.pool_layout` lays them out, into pages drawn in
 random order from the pool, and the metadata is built the way `loraserve.worker.runner` builds it:
 
-    LoRA:  for adapter a, module m (MODULES order, targeted ones only), in a's logical rows:
+    LoRA:  for adapter a, module m (LORA_MODULES order, targeted ones only), in a's logical rows:
                A block: r × c_in rows,  row j*c_in + c  = A[j, c*W : (c+1)*W]    (last chunk zero-padded)
                B block: r × c_out rows, row j*c_out + c = B[j, c*W : (c+1)*W]    (B = lora_B^T: [r, d_out])
            logical row l of a lives at physical row pages[a][l // R] * R + l % R.
@@ -22,7 +22,8 @@ import torch
 
 from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_batch
 from loraserve.kernels.batch import ceil_div as _ceil_div
-from loraserve.kernels.metadata import MODULES, AttentionBatch, LoraBatch
+from loraserve.kernels.metadata import AttentionBatch, LoraBatch
+from loraserve.model_config import LORA_MODULES
 
 POPULARITIES = ("distinct", "uniform", "zipf", "identical")
 
@@ -71,8 +72,8 @@ def make_lora_pool(
     for i, r in enumerate(ranks):
         targeted = set(modules[i])
         off = 0
-        a_offsets, b_offsets = [-1] * len(MODULES), [-1] * len(MODULES)
-        for m in range(len(MODULES)):
+        a_offsets, b_offsets = [-1] * len(LORA_MODULES), [-1] * len(LORA_MODULES)
+        for m in range(len(LORA_MODULES)):
             if m in targeted:
                 a_offsets[m], b_offsets[m] = off, off + r * c_in[m]
                 off += r * (c_in[m] + c_out[m])
@@ -226,7 +227,7 @@ def make_bench_lora_pool(
     c_in, c_out = geometry.c_in, geometry.c_out
     layouts = []
     for r in ranks:
-        a_offsets, b_offsets, off = [-1] * len(MODULES), [-1] * len(MODULES), 0
+        a_offsets, b_offsets, off = [-1] * len(LORA_MODULES), [-1] * len(LORA_MODULES), 0
         for m in sorted(modules):
             a_offsets[m], b_offsets[m] = off, off + r * c_in[m]
             off += r * (c_in[m] + c_out[m])
@@ -293,7 +294,8 @@ def make_uniform_attention_case(
 
     Unlike make_attention_case, the new tokens' K/V are written too (the step after write_kv), the
     keys and values come back dense in the pool's dtype (for a dense reference such as
-    scaled_dot_product_attention), and nothing is built on the host: GiBs of K/V take milliseconds.
+    scaled_dot_product_attention), and the K/V are drawn on the device: GiBs take milliseconds. The
+    metadata comes from the runner's builder, as in every other case.
         K row of token p of sequence b = page_table[b, p // tp] * 2tp + p % tp,  V row = K row + tp
     """
     if not 1 <= query_len <= context_len:
@@ -304,9 +306,9 @@ def make_uniform_attention_case(
     tp, width = tokens_per_page, num_kv_heads * head_dim
     per_seq = _ceil_div(context_len, tp)
     num_pages = num_seqs * per_seq + spare_pages
-    table = torch.randperm(num_pages, generator=g_host)[: num_seqs * per_seq].view(num_seqs, per_seq).to(dev)
+    table = torch.randperm(num_pages, generator=g_host)[: num_seqs * per_seq].view(num_seqs, per_seq)
     pos = torch.arange(context_len, device=dev)
-    k_rows = table[:, pos // tp].long() * (2 * tp) + pos % tp  # [B, context_len]
+    k_rows = table.to(dev)[:, pos // tp].long() * (2 * tp) + pos % tp  # [B, context_len]
     pool = torch.randn(num_pages * 2 * tp, width, generator=g_dev, device=dev, dtype=dtype)
     shape = (num_seqs, context_len, num_kv_heads, head_dim)
     keys = torch.randn(shape, generator=g_dev, device=dev, dtype=dtype)
@@ -314,17 +316,6 @@ def make_uniform_attention_case(
     pool.index_copy_(0, k_rows.view(-1), keys.view(-1, width))
     pool.index_copy_(0, k_rows.view(-1) + tp, values.view(-1, width))
     q = torch.randn(num_seqs * query_len, num_heads, head_dim, generator=g_dev, device=dev, dtype=dtype)
-    starts = [b * query_len for b in range(num_seqs + 1)]
-    batch = AttentionBatch(
-        query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
-        context_len=torch.full((num_seqs,), context_len, dtype=torch.int32, device=dev),
-        page_table=table.to(torch.int32).contiguous(),
-        new_rows=k_rows[:, context_len - query_len :].reshape(-1),
-        tokens_per_page=tp,
-        max_query_len=query_len,
-        max_context_len=context_len,
-        query_starts=starts,
-        query_lens=[query_len] * num_seqs,
-        context_lens=[context_len] * num_seqs,
-    )
+    seqs = [(pages, context_len - query_len, query_len) for pages in table.tolist()]
+    batch = build_attention_batch(seqs, tp, None, dev)
     return UniformAttentionCase(pool, batch, q, keys, values)

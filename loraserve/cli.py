@@ -13,19 +13,36 @@ from loraserve.flags import EnvArgumentParser
 
 # name -> (module, function adding its flags, function running it, one-line help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "up": ("loraserve.launcher", "add_arguments", "main",
-           "start the whole stack as local processes (demo model and adapters by default)"),
+    "up": (
+        "loraserve.launcher",
+        "add_arguments",
+        "main",
+        "start the whole stack as local processes (demo model and adapters by default)",
+    ),
     "gateway": ("loraserve.gateway.main", "add_arguments", "main", "run the public gRPC gateway"),
     "scheduler": ("loraserve.scheduler.main", "add_arguments", "main", "run the scheduler (admission, placement)"),
-    "adapter-store": ("loraserve.adapter_store.main", "add_arguments", "main",
-                      "run the adapter store (adapters in host RAM)"),
+    "adapter-store": (
+        "loraserve.adapter_store.main",
+        "add_arguments",
+        "main",
+        "run the adapter store (adapters in host RAM)",
+    ),
     "worker": ("loraserve.worker.main", "add_arguments", "main", "run a GPU (or CPU) worker"),
+    "keys": ("loraserve.gateway.keys", "add_arguments", "main", "make API keys for the gateway's auth file"),
     "bench": ("loraserve.bench.main", "add_arguments", "main", "benchmark loraserve against baselines"),
-    "generate": ("loraserve.worker.cli", "add_generate_arguments", "generate_main",
-                 "generate offline with the in-process engine (streams text)"),
-    "demo": ("loraserve.demo.show", "add_arguments", "main",
-             "show the demo model and its adapters at work, in-process"),
-}  # fmt: skip
+    "generate": (
+        "loraserve.worker.cli",
+        "add_generate_arguments",
+        "generate_main",
+        "generate offline with the in-process engine (streams text)",
+    ),
+    "demo": (
+        "loraserve.demo.show",
+        "add_arguments",
+        "main",
+        "show the demo model and its adapters at work, in-process",
+    ),
+}
 
 
 def build_parser(chosen: str | None) -> EnvArgumentParser:

@@ -52,9 +52,11 @@ class NotFoundError(LoraserveError):
 
 class AdapterNotFoundError(NotFoundError):
     def __init__(self, name: str, known: list[str] | None = None):
+        """`known`: names to suggest. A tenant's own adapters (`TENANT~NAME`) are never listed: the
+        hint may reach another tenant, who must not learn they exist."""
         hint = ""
         if known is not None:
-            shown = ", ".join(sorted(known)[:10]) or "none"
+            shown = ", ".join(sorted(k for k in known if "~" not in k)[:10]) or "none"
             hint = f"; registered adapters: {shown}" + (" ..." if len(known) > 10 else "")
         super().__init__(f"adapter {name!r} is not registered{hint}")
         self.name = name
@@ -84,7 +86,45 @@ class PermissionDeniedError(LoraserveError):
     status = "PERMISSION_DENIED"
 
 
+class UnauthenticatedError(LoraserveError):
+    """The call carries no valid API key."""
+
+    status = "UNAUTHENTICATED"
+
+
 class DataLossError(LoraserveError):
     """Bytes do not match the content hash they were sent or stored with (corrupted on the way or on disk)."""
 
     status = "DATA_LOSS"
+
+
+# The one table from a status name back to the error that carries it, for failures that cross a
+# process boundary (a gRPC status from another role, an error_status in a TOKENS message).
+_BY_STATUS: dict[str, type[LoraserveError]] = {
+    "INVALID_ARGUMENT": InvalidAdapterError,
+    "NOT_FOUND": NotFoundError,
+    "ALREADY_EXISTS": AlreadyExistsError,
+    "RESOURCE_EXHAUSTED": ResourceExhaustedError,
+    "UNAVAILABLE": UnavailableError,
+    "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "PERMISSION_DENIED": PermissionDeniedError,
+    "FAILED_PRECONDITION": FailedPreconditionError,
+    "DATA_LOSS": DataLossError,
+}
+
+
+def error_for_status(status: str, message: str) -> LoraserveError:
+    """The error a failure with gRPC status name `status` is raised as here. Its `status` is kept
+    where no class names it (CANCELLED, ABORTED, ...), so it crosses every hop unchanged; a status
+    that says nothing (UNKNOWN, OK, or a name gRPC does not have) becomes INTERNAL."""
+    cls = _BY_STATUS.get(status, LoraserveError)
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    if error.status != status and status in _PASSED_ON:
+        error.status = status
+    return error
+
+
+_PASSED_ON = frozenset(
+    {"CANCELLED", "INVALID_ARGUMENT", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAUTHENTICATED"}
+)

@@ -37,17 +37,6 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 
-_BY_STATUS: dict[str, type[errors.LoraserveError]] = {
-    "INVALID_ARGUMENT": errors.InvalidAdapterError,
-    "NOT_FOUND": errors.NotFoundError,
-    "ALREADY_EXISTS": errors.AlreadyExistsError,
-    "RESOURCE_EXHAUSTED": errors.ResourceExhaustedError,
-    "UNAVAILABLE": errors.UnavailableError,
-    "DEADLINE_EXCEEDED": errors.DeadlineExceededError,
-    "PERMISSION_DENIED": errors.PermissionDeniedError,
-    "FAILED_PRECONDITION": errors.FailedPreconditionError,
-}
-
 
 def status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
@@ -170,10 +159,7 @@ async def internal_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
             raise errors.UnavailableError(f"{what} is unreachable") from None
         if code == grpc.StatusCode.UNAVAILABLE:
             raise errors.UnavailableError(f"{what} is unavailable: {e.details()}") from None
-        cls = _BY_STATUS.get(code.name, errors.LoraserveError)
-        exc = cls.__new__(cls)
-        Exception.__init__(exc, e.details() or f"{what} failed with {code.name}")
-        raise exc from None
+        raise errors.error_for_status(code.name, e.details() or f"{what} failed with {code.name}") from None
 
 
 REFUSED_KEY = "loraserve-refused"  # initial metadata a server sends the moment it refuses a request stream

@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve import telemetry
 from loraserve.adapter_store.config import stack_data_dir
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.process import become_service
+from loraserve.errors import InvalidConfigError
+from loraserve.gateway.bind_rule import check_bind
+from loraserve.process import add_drain_argument, become_service
 from loraserve.supervisor import CrashLoop, Role, SupervisionConfig, Supervisor
 
 log = logging.getLogger(__name__)
@@ -63,19 +65,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="number of worker processes")
     parser.add_argument("--device", default="cpu", help="worker device: cpu, cuda, or cuda:0,cuda:1,... one per worker")
     parser.add_argument("--bind", default="127.0.0.1:50051", help="the gateway's public gRPC address")
+    parser.add_argument(
+        "--auth-file", type=Path, default=None, help="the gateway's tenants and API keys (TOML; see README)"
+    )
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="let the gateway serve a non-loopback --bind without --auth-file (something else guards the port)",
+    )
     parser.add_argument("--base-port", type=int, default=7100, help="internal ports start here (5 consecutive ports)")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="preload an adapter")
     parser.add_argument("--adapter-root", default=None, help="directory RegisterAdapterFromPath may read from")
     parser.add_argument(
-        "--data-dir", default=None,
+        "--data-dir",
+        default=None,
         help="the adapter store's data dir (default: one per stack: ~/.local/share/loraserve/stacks/PORT-MODELID)",
-    )  # fmt: skip
+    )
     parser.add_argument("--pool-pages", type=int, default=None, help="pages of each worker's unified pool")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument(
-        "--adapter-cache-gb", type=float, default=None,
+        "--adapter-cache-gb",
+        type=float,
+        default=None,
         help="host RAM for adapters on each worker, GiB (default: the worker's own default)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--torch-threads", type=int, default=None, help="torch threads per CPU worker (default: spare cores / workers)"
     )
@@ -85,23 +98,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.5,
         help="seconds before a silent worker is dropped (requests fail over)",
     )
-    parser.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="on stop, seconds the gateway and workers let streams finish"
-    )
+    add_drain_argument(parser, "the gateway and each worker let streams finish (the stack drains in order)")
     parser.add_argument("--child-log-level", default="WARNING", help="log level of the roles")
     parser.add_argument(
         "--ready-timeout", type=float, default=180.0, help="seconds to wait for the stack to be healthy"
     )
     parser.add_argument(
-        "--restart", action=argparse.BooleanOptionalAction, default=True,
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="restart a role that exits or stops answering health checks, with backoff (--no-restart: stop the stack)",
-    )  # fmt: skip
+    )
     parser.add_argument("--show-demo", action="store_true", help="stream a few demo generations once up")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop after --show-demo (for scripts)")
     parser.add_argument(
-        "--metrics-port", type=int, default=0,
+        "--metrics-port",
+        type=int,
+        default=0,
         help="Prometheus endpoints from this port on: gateway, scheduler, adapter store, then one per worker (0: off)",
-    )  # fmt: skip
+    )
     telemetry.add_tracing_arguments(parser)
 
 
@@ -113,40 +128,56 @@ def metrics_ports(args: argparse.Namespace) -> dict[str, int]:
     return {role: args.metrics_port + i for i, role in enumerate(roles)}
 
 
+def _flags(**values: object) -> list[str]:
+    """`--some-flag VALUE` pairs for every value that is not None (underscores become dashes)."""
+    pairs = [(f"--{name.replace('_', '-')}", str(value)) for name, value in values.items() if value is not None]
+    return [item for pair in pairs for item in pair]
+
+
 def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of every role, in start order."""
     ports = Ports(args.base_port)
     base = [sys.executable, "-m", "loraserve.cli", "--log-level", args.child_log_level]
-    tracing = ["--trace-exporter", args.trace_exporter, "--otlp-endpoint", args.otlp_endpoint]
-    store = [*base, "adapter-store", "--model", str(args.model), "--bind", ports.store,
-             "--data-address", ports.store_data, *tracing]  # fmt: skip
-    for spec in args.adapter:
-        store += ["--preload", spec]
-    if args.adapter_root:
-        store += ["--adapter-root", args.adapter_root]
-    store += ["--data-dir", str(args.data_dir or stack_data_dir(args.base_port, args.model))]
+    tracing = _flags(trace_exporter=args.trace_exporter, otlp_endpoint=args.otlp_endpoint)
+    preloads = [item for spec in args.adapter for item in ("--preload", spec)]
+    data_dir = args.data_dir or stack_data_dir(args.base_port, args.model)
     commands = {
-        "adapter-store": store,
-        "scheduler": [*base, "scheduler", "--bind", ports.scheduler, "--worker-address", ports.scheduler_workers,
-                      "--worker-timeout", str(args.worker_timeout), *tracing],
-    }  # fmt: skip
+        "adapter-store": [
+            *base,
+            "adapter-store",
+            *_flags(model=args.model, bind=ports.store, data_address=ports.store_data, adapter_root=args.adapter_root),
+            *_flags(data_dir=data_dir),
+            *preloads,
+            *tracing,
+        ],
+        "scheduler": [
+            *base,
+            "scheduler",
+            *_flags(bind=ports.scheduler, worker_address=ports.scheduler_workers, worker_timeout=args.worker_timeout),
+            *tracing,
+        ],
+    }
     devices = args.device.split(",")
     for i in range(args.workers):
-        worker = [*base, "worker", "--model", str(args.model), "--worker-id", f"worker-{i}",
-                  "--device", devices[i % len(devices)], "--scheduler-address", ports.scheduler_workers,
-                  "--store-address", ports.store_data, "--max-batch-size", str(args.max_batch_size),
-                  "--drain-timeout", str(args.drain_timeout), *tracing]  # fmt: skip
-        if args.pool_pages:
-            worker += ["--pool-pages", str(args.pool_pages)]
-        if args.adapter_cache_gb is not None:
-            worker += ["--adapter-cache-gb", str(args.adapter_cache_gb)]
-        if devices[i % len(devices)] == "cpu":
-            worker += ["--torch-threads", str(args.torch_threads or _default_cpu_threads(args.workers))]
-        commands[f"worker-{i}"] = worker
-    commands["gateway"] = [*base, "gateway", "--model", str(args.model), "--bind", args.bind,
-                           "--scheduler", ports.scheduler, "--store", ports.store,
-                           "--token-address", ports.tokens, "--drain-timeout", str(args.drain_timeout),
-                           *tracing]  # fmt: skip
+        device = devices[i % len(devices)]
+        threads = (args.torch_threads or _default_cpu_threads(args.workers)) if device == "cpu" else None
+        commands[f"worker-{i}"] = [
+            *base,
+            "worker",
+            *_flags(model=args.model, worker_id=f"worker-{i}", device=device),
+            *_flags(scheduler_address=ports.scheduler_workers, store_address=ports.store_data),
+            *_flags(max_batch_size=args.max_batch_size, drain_timeout=args.drain_timeout, pool_pages=args.pool_pages),
+            *_flags(adapter_cache_gb=args.adapter_cache_gb, torch_threads=threads),
+            *tracing,
+        ]
+    commands["gateway"] = [
+        *base,
+        "gateway",
+        *_flags(model=args.model, bind=args.bind, scheduler=ports.scheduler, store=ports.store),
+        *_flags(token_address=ports.tokens, drain_timeout=args.drain_timeout, auth_file=args.auth_file),
+        *(["--insecure-no-auth"] if args.insecure_no_auth else []),
+        *tracing,
+    ]
     for role, port in metrics_ports(args).items():
         commands[role] += ["--metrics-port", str(port)]
     return commands
@@ -227,8 +258,9 @@ class LocalStack:
         self.address = f"127.0.0.1:{base + 5}"
         parser = argparse.ArgumentParser()  # plain: `up`'s defaults, without its environment twins
         add_arguments(parser)
-        args = parser.parse_args(["--model", str(model), "--workers", str(workers), "--bind", self.address,
-                                  "--base-port", str(base)])  # fmt: skip
+        args = parser.parse_args(
+            ["--model", str(model), "--workers", str(workers), "--bind", self.address, "--base-port", str(base)]
+        )
         unknown = set(options) - set(vars(args))
         if unknown:
             raise TypeError(f"unknown stack options {sorted(unknown)}")
@@ -252,6 +284,11 @@ class LocalStack:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        check_bind(args.bind, args.auth_file, args.insecure_no_auth)  # before starting anything
+    except InvalidConfigError as e:
+        log.error("%s", e)
+        return 1
     stop = become_service("up")
     ports = Ports(args.base_port)
     stack = supervisor(args)

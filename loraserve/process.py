@@ -16,6 +16,11 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+def add_drain_argument(parser, what: str) -> None:
+    """`--drain-timeout`, the same flag in the gateway, the worker and `loraserve up`."""
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help=f"on SIGTERM, seconds {what}")
+
+
 def become_service(name: str) -> threading.Event:
     """Set the process title, turn SIGTERM/SIGINT into an Event, and die with the parent when asked.
 
@@ -54,12 +59,19 @@ async def until_stopped(stop: threading.Event, poll_s: float = 0.1) -> None:
         await asyncio.sleep(poll_s)
 
 
-def run_service(name: str, args, serve: Callable[[threading.Event], Coroutine[Any, Any, None]]) -> int:
-    """The `main` of an asyncio role: title, signals, tracing, metrics, uvloop, and errors as one line.
+def run_service(
+    name: str,
+    args,
+    serve: Callable[[threading.Event], Coroutine[Any, Any, None] | None],
+    title: str | None = None,
+) -> int:
+    """The `main` of every role: title, signals, tracing, metrics, and errors as one line.
 
-    `serve(stop)` runs until the stop Event is set. A LoraserveError or socket error (a busy port, a
-    bad flag value) ends the process with exit code 1 and a one-line message; the traceback is
-    logged at DEBUG level, for errors that happen after start-up. Anything else propagates.
+    `serve(stop)` runs until the stop Event is set: an async function runs on uvloop (gateway,
+    scheduler, adapter store), a plain one on this thread (the worker's step loop). A
+    LoraserveError or socket error (a busy port, a bad flag value) ends the process with exit code
+    1 and a one-line message; the traceback is logged at DEBUG level, for errors that happen after
+    start-up. Anything else propagates. `title` names the process (default: `name`).
     """
     import uvloop
     import zmq
@@ -68,11 +80,13 @@ def run_service(name: str, args, serve: Callable[[threading.Event], Coroutine[An
     from loraserve.errors import LoraserveError
     from loraserve.metrics import serve_metrics
 
-    stop = become_service(name)
+    stop = become_service(title or name)
     telemetry.setup_tracing(name, args.trace_exporter, args.otlp_endpoint)
     try:
         serve_metrics(args, name)
-        uvloop.run(serve(stop))
+        running = serve(stop)
+        if running is not None:
+            uvloop.run(running)
     except (LoraserveError, zmq.ZMQError) as e:
         log.error("%s: %s", name, e)
         log.debug("%s stopped by", name, exc_info=e)

@@ -21,8 +21,15 @@ def generate(out_root: Path) -> list[Path]:
     from grpc_tools import protoc
 
     sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
-    args = ["protoc", f"-I{PROTO_ROOT}", f"-I{_include_dir()}", f"--python_out={out_root}",
-            f"--pyi_out={out_root}", f"--grpc_python_out={out_root}", *sources]  # fmt: skip
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{_include_dir()}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *sources,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {sources}")
     return sorted((out_root / "loraserve" / "v1").glob("*_pb2*"))

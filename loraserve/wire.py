@@ -45,6 +45,7 @@ class MsgType(enum.IntEnum):
     FETCH_ADAPTER = 6  # worker -> adapter store: send me this adapter version
     ADAPTER = 7  # adapter store -> worker: the adapter's files (2 raw frames)
     FETCH_FAILED = 8  # adapter store -> worker: could not serve a fetch
+    STEP_TOKENS = 9  # worker -> gateway: one step's new tokens for all of this gateway's requests
 
 
 # ---- the schema vocabulary --------------------------------------------------------------------
@@ -83,7 +84,8 @@ Count = Annotated[int, Limit(0, 2**63 - 1)]
 TokenId = Annotated[int, Limit(0, 2**32 - 1)]
 Version = Annotated[int, Limit(0, 2**32 - 1)]  # uint32 in the protos
 Seconds = float  # finite, any sign (clocks of two hosts may disagree a little)
-AdapterRef = tuple[Id, Version]  # (name, version)
+AdapterRef = tuple[Id, Version]  # (name, version) on the wire
+AdapterKey = tuple[str, int]  # (name, version) in every role: an adapter version's one name
 Ids = Annotated[list[Id], Limit(max_len=MAX_IDS)]
 TraceCarrier = Annotated[dict[Id, Annotated[str, Limit(max_len=1024)]], Limit(max_len=16)]  # W3C trace context
 Endpoint = Annotated[str, EndpointForm()]
@@ -185,6 +187,26 @@ class Tokens(Message):
 
 
 @dataclass
+class StepTokens(Message):
+    """One engine step's new tokens for every running request of one gateway: one message per
+    gateway per step instead of one per request. Ends no request (a last token and the finish
+    reason travel in a `Tokens` of their own)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STEP_TOKENS
+    worker_id: Id
+    request_ids: Ids
+    token_ids: Annotated[list[list[TokenId]], Limit(max_len=MAX_IDS)]  # token_ids[i] belong to request_ids[i]
+
+    def check(self) -> None:
+        if len(self.request_ids) != len(self.token_ids):
+            raise WireError("StepTokens: request_ids and token_ids differ in length")
+
+    def split(self) -> list[Tokens]:
+        """The same news as one `Tokens` per request."""
+        return [Tokens(r, t, self.worker_id) for r, t in zip(self.request_ids, self.token_ids, strict=True)]
+
+
+@dataclass
 class FetchAdapter(Message):
     TYPE: ClassVar[MsgType] = MsgType.FETCH_ADAPTER
     name: Id
@@ -193,7 +215,7 @@ class FetchAdapter(Message):
 
 
 @dataclass
-class AdapterFiles(Message):
+class AdapterPayload(Message):
     """Header in the map; the files' bytes in frames 2 (adapter_config.json) and 3 (weights)."""
 
     TYPE: ClassVar[MsgType] = MsgType.ADAPTER
@@ -216,7 +238,8 @@ class FetchFailed(Message):
 
 
 _TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (WorkerReport, Assign, Cancel, Prefetch, Tokens, FetchAdapter, AdapterFiles, FetchFailed)
+    cls.TYPE: cls
+    for cls in (WorkerReport, Assign, Cancel, Prefetch, Tokens, FetchAdapter, AdapterPayload, FetchFailed, StepTokens)
 }
 
 

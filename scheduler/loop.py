@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from loraserve import telemetry
 from loraserve.convert import sampling_from_pb
+from loraserve.dispatch import Dispatcher
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
 from loraserve.log_limit import RateLimitedLog
@@ -67,6 +68,9 @@ class _Pending:
 
 
 class SchedulerLoop:
+    """The scheduler's I/O around the pure policy: Submits and Cancels in, worker reports in,
+    the policy's decisions out as ASSIGN / CANCEL / PREFETCH to workers and failures to gateways."""
+
     def __init__(self, policy: SchedulerPolicy, worker_address: str, tick_s: float = 0.05):
         self.policy = policy
         self.ctx = zmq.asyncio.Context()
@@ -78,6 +82,15 @@ class SchedulerLoop:
         self._wake = asyncio.Event()
         self._dropped = RateLimitedLog(log)
         self._monitor = self.workers.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._decide = Dispatcher(
+            {
+                AssignTo: self._assign,
+                CancelOn: lambda d: self._to_worker(d.worker_id, Cancel(list(d.request_ids), d.reason)),
+                PrefetchOn: lambda d: self._to_worker(d.worker_id, Prefetch([list(k) for k in d.adapters])),
+                Fail: lambda d: self._fail(d.request, d.status, d.message, d.retry),
+                WorkerGone: lambda d: log.warning("%s", d.reason),
+            }
+        )
 
     # ---- gRPC entry points (called by service.py) ----------------------------------------------
     def submit(self, request: scheduler_pb2.SubmitRequest, metadata) -> int:
@@ -99,7 +112,7 @@ class SchedulerLoop:
         span = telemetry.tracer().start_span("scheduler.queue", context=telemetry.context_from(metadata))
         span.set_attribute("loraserve.request_id", request.request_id)
         try:
-            position = self.policy.add(queued, now)
+            position = self.policy.add(queued, now, resumed=request.attempt > 0)
         except Exception as e:
             span.record_exception(e)
             span.end()
@@ -178,16 +191,7 @@ class SchedulerLoop:
 
     def _execute(self, decisions: list[Decision]) -> None:
         for decision in decisions:
-            if isinstance(decision, AssignTo):
-                self._assign(decision)
-            elif isinstance(decision, CancelOn):
-                self._to_worker(decision.worker_id, Cancel(list(decision.request_ids), decision.reason))
-            elif isinstance(decision, PrefetchOn):
-                self._to_worker(decision.worker_id, Prefetch([list(k) for k in decision.adapters]))
-            elif isinstance(decision, Fail):
-                self._fail(decision.request, decision.status, decision.message, decision.retry)
-            elif isinstance(decision, WorkerGone):
-                log.warning("%s", decision.reason)
+            self._decide(decision)
 
     def _assign(self, decision: AssignTo) -> None:
         request = decision.request

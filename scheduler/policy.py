@@ -39,9 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.errors import InvalidConfigError, ResourceExhaustedError, UnavailableError
-from loraserve.wire import WorkerReport
-
-AdapterKey = tuple[str, int]
+from loraserve.wire import AdapterKey, WorkerReport
 
 
 @dataclass(frozen=True)
@@ -122,6 +120,12 @@ Decision = AssignTo | CancelOn | PrefetchOn | Fail | WorkerGone
 
 
 class SchedulerPolicy:
+    """Admission, placement, prediction and failure handling over plain data (see the module docstring).
+
+    Owns the waiting queue, the view of every worker (last report, assignments not yet reported),
+    which worker holds which request, and the dropped workers it still recognises.
+    """
+
     def __init__(self, config: PolicyConfig | None = None):
         self.config = config or PolicyConfig()
         self.queue: OrderedDict[str, QueuedRequest] = OrderedDict()
@@ -137,11 +141,15 @@ class SchedulerPolicy:
         """Workers that take new requests: warmed up and not draining."""
         return [w for w in self.workers.values() if w.report.ready and not w.report.draining]
 
-    def add(self, request: QueuedRequest, now: float) -> int:
-        """Queue a request; returns how many are ahead of it."""
+    def add(self, request: QueuedRequest, now: float, resumed: bool = False) -> int:
+        """Queue a request; returns how many are ahead of it.
+
+        A `resumed` request (failed over from a lost worker, tokens already streamed) was admitted
+        before: it goes to the head of the queue, and a full queue does not refuse it.
+        """
         if not self.ready_workers():
             raise UnavailableError("no worker is ready to serve requests; try again shortly")
-        if len(self.queue) >= self.config.max_queue_length:
+        if len(self.queue) >= self.config.max_queue_length and not resumed:
             raise ResourceExhaustedError(
                 f"the scheduler queue is full ({self.config.max_queue_length} requests waiting); retry later"
             )
@@ -152,6 +160,9 @@ class SchedulerPolicy:
             )
         request.enqueued = now
         self.queue[request.request_id] = request
+        if resumed:
+            self.queue.move_to_end(request.request_id, last=False)
+            return 0
         return len(self.queue) - 1
 
     def cancel(self, request_id: str, reason: str) -> tuple[bool, list[Decision]]:
@@ -193,8 +204,9 @@ class SchedulerPolicy:
         for request_id in report.finished:
             view.assigned.discard(request_id)
             self.placed.pop(request_id, None)
-        if report.fatal:
-            decisions += self._drop(view, f"worker {report.worker_id} failed: {report.fatal}")
+        if report.fatal:  # its last report: it crashed, or drained and stops
+            how = "stopped" if report.draining else "failed"
+            decisions += self._drop(view, f"worker {report.worker_id} {how}: {report.fatal}")
         return decisions
 
     def unreachable(self, worker_id: str, request_id: str | None = None) -> list[Decision]:

@@ -9,6 +9,8 @@ from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    """The scheduler's gRPC control plane: each call goes straight to the `SchedulerLoop`."""
+
     def __init__(self, loop: SchedulerLoop):
         self.loop = loop
 

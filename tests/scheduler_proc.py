@@ -23,8 +23,18 @@ from loraserve.wire import Assign, WireError, WorkerReport, decode
 
 
 def report(worker_id: str, **changes) -> WorkerReport:
-    fields = dict(worker_id=worker_id, ready=True, max_batch_size=64, total_pages=10_000, free_pages=10_000,
-                  kv_pages=0, adapter_pages=0, running=[], waiting=[], resident=[])  # fmt: skip
+    fields = dict(
+        worker_id=worker_id,
+        ready=True,
+        max_batch_size=64,
+        total_pages=10_000,
+        free_pages=10_000,
+        kv_pages=0,
+        adapter_pages=0,
+        running=[],
+        waiting=[],
+        resident=[],
+    )
     return WorkerReport(**{**fields, **changes})
 
 
@@ -35,8 +45,17 @@ class SchedulerProcess:
         base = free_port_block(2)
         self.grpc_address = f"127.0.0.1:{base}"
         self.worker_address = f"tcp://127.0.0.1:{base + 1}"
-        args = ["--log-level", "WARNING", "scheduler", "--bind", self.grpc_address,
-                "--worker-address", self.worker_address, "--worker-timeout", str(worker_timeout)]  # fmt: skip
+        args = [
+            "--log-level",
+            "WARNING",
+            "scheduler",
+            "--bind",
+            self.grpc_address,
+            "--worker-address",
+            self.worker_address,
+            "--worker-timeout",
+            str(worker_timeout),
+        ]
         # `prelude` runs first in the child (a test's fault injection), then the real CLI.
         code = f"import sys\n{prelude}\nfrom loraserve.cli import main\nsys.exit(main({args!r}))"
         self.process = subprocess.Popen(
@@ -62,9 +81,16 @@ class SchedulerProcess:
         raise TimeoutError("the scheduler did not become SERVING")
 
     def submit(self, request_id: str, reply_to: str, adapter: str = "", **fields) -> scheduler_pb2.SubmitResponse:
-        request = scheduler_pb2.SubmitRequest(request_id=request_id, prompt_ids=[1, 2, 3], max_new_tokens=4,
-                                              reply_to=reply_to, adapter=adapter, adapter_version=1 if adapter else 0,
-                                              arrival_unix=time.time(), **fields)  # fmt: skip
+        request = scheduler_pb2.SubmitRequest(
+            request_id=request_id,
+            prompt_ids=[1, 2, 3],
+            max_new_tokens=4,
+            reply_to=reply_to,
+            adapter=adapter,
+            adapter_version=1 if adapter else 0,
+            arrival_unix=time.time(),
+            **fields,
+        )
         return self.stub.Submit(request, timeout=5)
 
     def wait_worker(self, worker_id: str, timeout_s: float = 10.0) -> None:

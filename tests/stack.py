@@ -44,9 +44,13 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                     for span in scope.spans:
                         attributes = {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
                         self.spans.append(
-                            {"service": service, "name": span.name, "trace_id": span.trace_id.hex(),
-                             "attributes": attributes}
-                        )  # fmt: skip
+                            {
+                                "service": service,
+                                "name": span.name,
+                                "trace_id": span.trace_id.hex(),
+                                "attributes": attributes,
+                            }
+                        )
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def traces(self) -> dict[str, list[dict]]:

@@ -49,8 +49,17 @@ class StoreProcess:
         if "--data-dir" not in flags and "--object-store" not in flags:
             flags = (*flags, "--data-dir", str(tmp / f"store-data-{port}"))
         environment = {k: v for k, v in os.environ.items() if not k.startswith("LORASERVE_")} | (env or {})
-        command = [sys.executable, "-m", "loraserve.cli", "adapter-store", "--bind", self.address,
-                   "--data-address", self.data_address, *flags]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "loraserve.cli",
+            "adapter-store",
+            "--bind",
+            self.address,
+            "--data-address",
+            self.data_address,
+            *flags,
+        ]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
         self.channel = grpc.insecure_channel(self.address)

@@ -40,11 +40,11 @@ from loraserve.errors import (
     UnavailableError,
 )
 from loraserve.launcher import add_arguments, role_commands
+from loraserve.model_config import ModelConfig
 from loraserve.sockets import make_socket, send
-from loraserve.wire import AdapterFiles, decode
+from loraserve.wire import AdapterPayload, decode
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import load_adapter_bytes
-from loraserve.worker.model_config import ModelConfig
 
 MODEL = ModelConfig.from_dir(DEMO_MODEL_DIR)
 WEIGHTS = "adapter_model.safetensors"
@@ -374,7 +374,7 @@ def test_the_fetcher_refuses_weights_that_do_not_match_their_hash(sha256, messag
     def answer():
         peer, *frames = router.recv_multipart()
         request = decode(frames)
-        send(router, AdapterFiles(request.name, request.version, "safetensors", b"{}", b"w", sha256=sha256), to=peer)
+        send(router, AdapterPayload(request.name, request.version, "safetensors", b"{}", b"w", sha256=sha256), to=peer)
 
     thread = threading.Thread(target=answer)
     thread.start()

@@ -30,9 +30,9 @@ from loraserve.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from loraserve.model_config import ModelConfig
 from loraserve.sockets import make_socket, send
-from loraserve.wire import AdapterFiles, decode
-from loraserve.worker.model_config import ModelConfig
+from loraserve.wire import AdapterPayload, decode
 
 MODEL = ModelConfig.from_dir(DEMO_MODEL_DIR)
 
@@ -331,9 +331,9 @@ def test_fetch_over_the_data_plane_and_errors():
         plane.stop()
 
 
-def files_reply(name: str, version: int, weights: bytes) -> AdapterFiles:
+def files_reply(name: str, version: int, weights: bytes) -> AdapterPayload:
     """What a store sends: the files and the weights' sha256."""
-    return AdapterFiles(name, version, "safetensors", b"{}", weights, sha256=hashlib.sha256(weights).hexdigest())
+    return AdapterPayload(name, version, "safetensors", b"{}", weights, sha256=hashlib.sha256(weights).hexdigest())
 
 
 def test_fetcher_times_out_and_never_takes_a_late_reply_for_the_next_fetch():

@@ -26,7 +26,7 @@ from loraserve.errors import NotFoundError
 from loraserve.launcher import free_port_block, wait_healthy
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import gateway_pb2
-from loraserve.wire import AdapterFiles, Assign, Tokens, WorkerReport, decode
+from loraserve.wire import AdapterPayload, Assign, Tokens, WorkerReport, decode
 
 pytestmark = pytest.mark.timeout(240)
 WEIGHTS = "adapter_model.safetensors"
@@ -156,6 +156,14 @@ def _restart_store(stack: LocalStack) -> None:
     store.wait(10)
     stack.stack.restart("adapter-store")
     wait_healthy([stack.ports.store], stack.stack, timeout_s=120)
+    deadline = time.monotonic() + 10  # and until the gateway reaches it again (reconnect backoff <= 1 s)
+    while True:
+        try:
+            stack.api.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=5)
+            return
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, "the gateway did not reach the restarted store"
+            time.sleep(0.1)
 
 
 def _upload(stack: LocalStack, name: str, adapter: str) -> int:
@@ -227,13 +235,34 @@ def test_a_worker_fails_the_requests_of_a_fetch_whose_bytes_do_not_match_their_h
                 peer, *frames = fake_store.recv_multipart()
                 fetch = decode(frames)
                 sha = hashlib.sha256(weights).hexdigest() if fetch.name == "ok" else "0" * 64
-                send(fake_store, AdapterFiles(fetch.name, fetch.version, "safetensors", config, weights, sha), to=peer)
+                send(
+                    fake_store, AdapterPayload(fetch.name, fetch.version, "safetensors", config, weights, sha), to=peer
+                )
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    command = [sys.executable, "-m", "loraserve.cli", "--log-level", "WARNING", "worker", "--model",
-               str(DEMO_MODEL_DIR), "--worker-id", "w", "--device", "cpu", "--scheduler-address", scheduler_address,
-               "--store-address", store_address, "--pool-pages", "256", "--torch-threads", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "loraserve.cli",
+        "--log-level",
+        "WARNING",
+        "worker",
+        "--model",
+        str(DEMO_MODEL_DIR),
+        "--worker-id",
+        "w",
+        "--device",
+        "cpu",
+        "--scheduler-address",
+        scheduler_address,
+        "--store-address",
+        store_address,
+        "--pool-pages",
+        "256",
+        "--torch-threads",
+        "1",
+    ]
     with (tmp_path / "worker.log").open("wb") as log:
         worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -243,8 +272,9 @@ def test_a_worker_fails_the_requests_of_a_fetch_whose_bytes_do_not_match_their_h
         outcome = {}
         for request_id in ("rotten", "ok"):
             sampling = {"max_new_tokens": 4, "ignore_eos": True}
-            assign = Assign(request_id, [1, 5, 9], request_id, 1, sampling, sink.getsockopt_string(zmq.LAST_ENDPOINT),
-                            time.time())  # fmt: skip
+            assign = Assign(
+                request_id, [1, 5, 9], request_id, 1, sampling, sink.getsockopt_string(zmq.LAST_ENDPOINT), time.time()
+            )
             send(scheduler, assign, to=b"w")
             while request_id not in outcome:
                 _recv_all(scheduler)

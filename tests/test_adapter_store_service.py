@@ -21,7 +21,7 @@ from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import NotFoundError
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import adapter_store_pb2, gateway_pb2
-from loraserve.wire import AdapterFiles, FetchAdapter, decode
+from loraserve.wire import AdapterPayload, FetchAdapter, decode
 
 RETENTION_S = 2.0
 MAX_ADAPTER_MB = 2
@@ -45,10 +45,20 @@ def root(tmp_path_factory) -> Path:
 def store(root: Path, tmp_path_factory) -> Iterator[StoreProcess]:
     process = StoreProcess(
         tmp_path_factory.mktemp("store-logs"),
-        "--model", str(DEMO_MODEL_DIR), "--no-preload-demo", "--preload", f"pre={demo_adapters()['upper']}",
-        "--adapter-root", str(root), "--retention-s", str(RETENTION_S), "--max-adapter-mb", str(MAX_ADAPTER_MB),
-        "--memory-budget-gb", str(BUDGET_MIB / 1024),
-    )  # fmt: skip
+        "--model",
+        str(DEMO_MODEL_DIR),
+        "--no-preload-demo",
+        "--preload",
+        f"pre={demo_adapters()['upper']}",
+        "--adapter-root",
+        str(root),
+        "--retention-s",
+        str(RETENTION_S),
+        "--max-adapter-mb",
+        str(MAX_ADAPTER_MB),
+        "--memory-budget-gb",
+        str(BUDGET_MIB / 1024),
+    )
     try:
         yield process.wait_serving()
     finally:
@@ -139,7 +149,7 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
         ("bad/name", [(CONFIG, None)], "INVALID_ARGUMENT", "header.name"),
         ("bad", [(CONFIG, b" " * (2**20 + 1))], "INVALID_ARGUMENT", "adapter_config.json: larger than 1048576"),
     ],
-)  # fmt: skip
+)
 def test_malformed_uploads_are_refused_and_the_store_keeps_serving(store, name, parts, code, message):
     good_config, good_weights = files("upper")
     defaults = {CONFIG: good_config, WEIGHTS: good_weights}
@@ -232,7 +242,7 @@ def test_malformed_zmq_messages_are_dropped_and_the_data_plane_keeps_serving(sto
         send(dealer, FetchAdapter(name="pre", version=1))
         assert dealer.poll(5000)
         reply = decode(dealer.recv_multipart())
-        assert isinstance(reply, AdapterFiles) and (reply.name, reply.version) == ("pre", 1)
+        assert isinstance(reply, AdapterPayload) and (reply.name, reply.version) == ("pre", 1)
         assert not dealer.poll(200)  # nothing answered the junk
     finally:
         dealer.close()

@@ -116,8 +116,8 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
 def test_prometheus_metrics_count_what_the_stack_did(stack):
     gateway, scheduler, store, *workers = range(stack.metrics_port, stack.metrics_port + 5)
     before = _scrape(gateway)
-    ok = ("loraserve_gateway_requests_total", (("code", "OK"),))
-    not_found = ("loraserve_gateway_requests_total", (("code", "NOT_FOUND"),))
+    ok = ("loraserve_gateway_requests_total", (("code", "OK"), ("tenant", "default")))
+    not_found = ("loraserve_gateway_requests_total", (("code", "NOT_FOUND"), ("tenant", "default")))
     reply = _generate(stack, adapter="upper", text="the quiet king", max_new_tokens=8)
     with pytest.raises(grpc.RpcError):
         _generate(stack, adapter="no-such-adapter", text="the quiet king")
@@ -163,9 +163,11 @@ def test_concurrent_streams_match_the_offline_engine(stack):
     for name, path in demo_adapters().items():
         engine.register_adapter(name, path)
     offline = engine.generate(
-        [GenerateRequest(prompt=p, adapter=n or None, sampling=SamplingParams(max_new_tokens=NEW_TOKENS))
-         for n, p in zip(names, prompts, strict=True)]
-    )  # fmt: skip
+        [
+            GenerateRequest(prompt=p, adapter=n or None, sampling=SamplingParams(max_new_tokens=NEW_TOKENS))
+            for n, p in zip(names, prompts, strict=True)
+        ]
+    )
     for name, expected in zip(names, offline, strict=True):
         tokens, text, summary = results[name]
         assert tokens == expected.token_ids, name
@@ -185,14 +187,20 @@ def _steps(stack) -> int:
     [
         ({"adapter": "no-such-adapter", "text": "the old fox"}, grpc.StatusCode.NOT_FOUND, "no-such-adapter"),
         ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt: is empty"),
-        ({"text": "the old fox", "sampling": common_pb2.SamplingParameters(temperature=500)},
-         grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
-        ({"text": "the old fox", "sampling": common_pb2.SamplingParameters(top_p=2)},
-         grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+        (
+            {"text": "the old fox", "sampling": common_pb2.SamplingParameters(temperature=500)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.temperature",
+        ),
+        (
+            {"text": "the old fox", "sampling": common_pb2.SamplingParameters(top_p=2)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.top_p",
+        ),
         ({"text": "the old fox", "max_new_tokens": 100000}, grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
         ({"text": "the old fox " * 200, "max_new_tokens": 100}, grpc.StatusCode.INVALID_ARGUMENT, "context length"),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_get_precise_statuses_and_reach_no_worker(stack, fields, code, message):
     before = _steps(stack)
     with pytest.raises(grpc.RpcError) as info:
@@ -205,10 +213,14 @@ def test_bad_requests_get_precise_statuses_and_reach_no_worker(stack, fields, co
 def test_cancel_mid_stream_frees_the_pages(stack):
     assert _idle(stack)
     call = stack.api.GenerateStream(
-        gateway_pb2.GenerateRequest(adapter="reverse", text="the quiet king", max_new_tokens=400,
-                                    sampling=common_pb2.SamplingParameters(ignore_eos=True)),
+        gateway_pb2.GenerateRequest(
+            adapter="reverse",
+            text="the quiet king",
+            max_new_tokens=400,
+            sampling=common_pb2.SamplingParameters(ignore_eos=True),
+        ),
         timeout=60,
-    )  # fmt: skip
+    )
     chunks = 0
     for event in call:
         chunks += event.HasField("chunk")
@@ -276,9 +288,10 @@ def test_one_trace_per_request_spans_all_four_roles(stack, collector):
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         traces = [
-            spans for spans in collector.traces().values()
+            spans
+            for spans in collector.traces().values()
             if any(s["attributes"].get("loraserve.request_id") == summary.request_id for s in spans)
-        ]  # fmt: skip
+        ]
         services = {s["service"] for spans in traces for s in spans}
         if len(services) == 4:
             break

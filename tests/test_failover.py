@@ -228,10 +228,36 @@ def _answers(stack) -> bool:
     return True
 
 
+def test_after_a_long_scheduler_outage_the_stack_serves_again_within_seconds(stack):
+    """gRPC's default reconnect backoff grows to minutes; ours is capped at 1 s."""
+    stack.process("scheduler").send_signal(signal.SIGKILL)
+    stack.process("scheduler").wait()
+    time.sleep(30.0)  # long enough for an uncapped backoff (1 s, x1.6 per try) to pass 10 s
+    stack.stack.restart("scheduler")
+    restarted = time.monotonic()
+
+    def serves() -> bool:
+        try:
+            stack.api.Generate(gateway_pb2.GenerateRequest(text="the quiet king", max_new_tokens=2), timeout=5)
+        except grpc.RpcError:
+            return False
+        return True
+
+    _until(serves, 30, "the stack to serve again")
+    assert time.monotonic() - restarted < 6.0, "reconnecting took longer than the capped backoff allows"
+    stack.wait_workers(2)
+
+
 def test_without_a_store_or_a_scheduler_requests_fail_fast_with_unavailable(stack):
+    request = gateway_pb2.GenerateRequest(adapter="upper", text="the quiet king", max_new_tokens=4)
+    served = stack.api.Generate(request, timeout=20)  # a worker now holds "upper"
     stack.process("adapter-store").send_signal(signal.SIGKILL)
+    stack.process("adapter-store").wait()
+    time.sleep(0.5)  # the gateway notices its watch of the store broke
+    again = stack.api.Generate(request, timeout=20)
+    assert again.token_ids == served.token_ids, "a known adapter still serves from the gateway's and worker's caches"
     with pytest.raises(grpc.RpcError) as info:
-        stack.api.Generate(gateway_pb2.GenerateRequest(adapter="upper", text="the quiet king"), timeout=20)
+        stack.api.Generate(gateway_pb2.GenerateRequest(adapter="never-registered", text="the quiet king"), timeout=20)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "adapter store" in info.value.details()
     stack.process("scheduler").send_signal(signal.SIGKILL)
     started = time.monotonic()

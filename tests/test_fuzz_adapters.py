@@ -29,9 +29,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from loraserve.adapter_config import CONFIG_FILE
+from loraserve.adapter_format import SAFETENSORS_FILE
 from loraserve.errors import InvalidAdapterError
-from loraserve.worker.adapters import CONFIG_FILE, SAFETENSORS_FILE, load_adapter_bytes
-from loraserve.worker.model_config import ModelConfig
+from loraserve.model_config import ModelConfig
+from loraserve.worker.adapters import load_adapter_bytes
 
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(

@@ -25,7 +25,7 @@ from wire_fuzz import FUZZ, any_frames
 
 from loraserve.demo.assets import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR
 from loraserve.sockets import make_socket, send
-from loraserve.wire import AdapterFiles, Assign, FetchAdapter, Tokens, WireError, WorkerReport, decode
+from loraserve.wire import AdapterPayload, Assign, FetchAdapter, StepTokens, Tokens, WireError, WorkerReport, decode
 
 pytestmark = pytest.mark.slow
 ADAPTER = "upper"
@@ -127,12 +127,13 @@ class Roles:
             if not self.sink.poll(100):
                 continue
             message = decode(self.sink.recv_multipart())
-            if not isinstance(message, Tokens) or message.request_id != request_id:
-                continue  # fuzzed ASSIGNs may name this sink too
-            assert message.error is None, message.error
-            tokens += message.token_ids
-            if message.finished:
-                return tokens
+            for news in message.split() if isinstance(message, StepTokens) else [message]:
+                if not isinstance(news, Tokens) or news.request_id != request_id:
+                    continue  # fuzzed ASSIGNs may name this sink too
+                assert news.error is None, news.error
+                tokens += news.token_ids
+                if news.finished:
+                    return tokens
         raise TimeoutError(f"{request_id} did not finish")
 
     def close(self) -> None:
@@ -194,7 +195,7 @@ def test_the_store_data_plane_survives_fuzzed_worker_messages(roles):
                 reply = decode(dealer.recv_multipart())
             except WireError as e:
                 raise AssertionError("the store sent a malformed message") from e
-            if isinstance(reply, AdapterFiles) and reply.name == ADAPTER:
+            if isinstance(reply, AdapterPayload) and reply.name == ADAPTER:
                 assert (DEMO_ADAPTERS_DIR / ADAPTER / "adapter_model.safetensors").read_bytes() == reply.weights
                 break
         else:

@@ -29,7 +29,8 @@ class Harness:
         self.config = config
 
     def stream(self, request_id: str = "r") -> FailoverStream:
-        async def submit(attempt_id: str, output_ids: list[int]) -> str:
+        async def submit(attempt_id: str, attempt: int, output_ids: list[int]) -> str:
+            assert attempt_id.endswith(f".{attempt}") if attempt else "." not in attempt_id
             self.submits.append((attempt_id, output_ids))
             return self.instance
 

@@ -73,3 +73,21 @@ def test_incremental_detokenizer_handles_multibyte_characters():
     pieces = [detok.push(i) for i in ids] + [detok.flush()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize(
+    ("status", "cls", "kept"),
+    [
+        ("NOT_FOUND", "NotFoundError", "NOT_FOUND"),
+        ("UNAVAILABLE", "UnavailableError", "UNAVAILABLE"),
+        ("DATA_LOSS", "DataLossError", "DATA_LOSS"),
+        ("CANCELLED", "LoraserveError", "CANCELLED"),
+        ("UNKNOWN", "LoraserveError", "INTERNAL"),
+        ("NOT_A_STATUS", "LoraserveError", "INTERNAL"),
+    ],
+)
+def test_a_status_from_another_process_becomes_the_error_that_carries_it(status, cls, kept):
+    from loraserve.errors import error_for_status
+
+    error = error_for_status(status, "why")
+    assert type(error).__name__ == cls and error.status == kept and str(error) == "why"

@@ -25,7 +25,7 @@ from helpers import needs_cuda
 
 from loraserve.kernels.lora_torch import lora_apply_torch
 from loraserve.kernels.lora_triton import lora_apply_triton
-from loraserve.kernels.metadata import MODULES, LoraBatch
+from loraserve.kernels.metadata import LoraBatch
 from loraserve.kernels.synthetic import (
     POPULARITIES,
     LoraGeometry,
@@ -35,6 +35,7 @@ from loraserve.kernels.synthetic import (
     make_lora_batch,
     make_lora_pool,
 )
+from loraserve.model_config import LORA_MODULES
 
 TOL = {  # dtype -> (atol, rtol)
     torch.float32: (1e-4, 1e-4),
@@ -42,7 +43,7 @@ TOL = {  # dtype -> (atol, rtol)
     torch.bfloat16: (1e-1, 2e-2),
 }
 RANKS = [1, 4, 8, 16, 64, 128, 4, 16]  # adapter i has rank RANKS[i]: every rank mixed in one launch
-ALL = tuple(range(len(MODULES)))
+ALL = tuple(range(len(LORA_MODULES)))
 # d_in = 48 and d_out = 80 with 32-wide rows: 2 and 3 chunks, the last half / partly padded.
 SMALL = LoraGeometry.uniform(48, 80, row_width=32, rows_per_page=4, num_layers=2)
 # 48-wide rows (not a power of two: blocks are masked inside a row), d_in 80, d_out 40.
@@ -126,14 +127,14 @@ def test_popularity_sweep(small_pool, popularity: str, phase: str):
     dtype, pool, adapters = small_pool
     tokens = [1] if phase == "decode" else [5, 1, 19, 2]  # prefill: mixed with decodes, one over 16
     requests = _requests(popularity, 8, tokens, seed=len(popularity))
-    _run_both(SMALL, pool, adapters, requests, dtype, layer=1, module=MODULES.index("q_proj"))
+    _run_both(SMALL, pool, adapters, requests, dtype, layer=1, module=LORA_MODULES.index("q_proj"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_row_width_not_a_power_of_two(dtype: torch.dtype, kernel_device: str):
     pool, adapters = make_lora_pool(ODD_ROW, RANKS[:6], [ALL] * 6, dtype, device=kernel_device, seed=2)
     requests = [(5, 3), (None, 2), (0, 1), (1, 1), (4, 17), (2, 1), (3, 2), (5, 1)]
-    _run_both(ODD_ROW, pool, adapters, requests, dtype, layer=0, module=MODULES.index("down_proj"))
+    _run_both(ODD_ROW, pool, adapters, requests, dtype, layer=0, module=LORA_MODULES.index("down_proj"))
 
 
 def test_modules_not_targeted_and_inactive_layers(kernel_device: str):
@@ -151,7 +152,7 @@ def test_modules_not_targeted_and_inactive_layers(kernel_device: str):
         geometry, [4, 16, 8, 64], targets, torch.float32, device=kernel_device, inactive_layers=inactive
     )
     requests = [(0, 2), (1, 1), (None, 1), (2, 3), (3, 1), (1, 2)]
-    for module in range(len(MODULES)):
+    for module in range(len(LORA_MODULES)):
         for layer in (0, 1):
             _run_both(geometry, pool, adapters, requests, torch.float32, layer, module, seed=module)
 

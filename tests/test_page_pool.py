@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from loraserve.worker.model_config import ModelConfig
+from loraserve.model_config import ModelConfig
 from loraserve.worker.page_pool import PagePool
 from loraserve.worker.pool_layout import PoolLayout
 

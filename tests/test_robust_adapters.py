@@ -17,17 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
+from loraserve.adapter_config import CONFIG_FILE
+from loraserve.adapter_format import MAX_ABS_WEIGHT, MAX_UPDATE_NORM, SAFETENSORS_FILE
 from loraserve.bench.adapter_fetch import write_adapter, write_model
 from loraserve.errors import InvalidAdapterError
-from loraserve.worker.adapters import (
-    CONFIG_FILE,
-    MAX_ABS_WEIGHT,
-    MAX_UPDATE_NORM,
-    SAFETENSORS_FILE,
-    load_adapter_bytes,
-    load_adapter_dir,
-)
-from loraserve.worker.model_config import ModelConfig
+from loraserve.model_config import ModelConfig
+from loraserve.worker.adapters import load_adapter_bytes, load_adapter_dir
 
 DEMO = Path(__file__).parent.parent / "demo"
 CATASTROPHIC = r"model\.layer(.*)*(.*)*X"  # exponential for a backtracking engine: ~2 s per 31-char name

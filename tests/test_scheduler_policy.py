@@ -259,3 +259,14 @@ def test_a_new_scheduler_adopts_the_requests_workers_report_so_cancels_still_rea
     assert found and decisions == [CancelOn("w", ("r",), "client cancelled")]
     dropped = policy.unreachable("w")
     assert [type(d) for d in dropped] == [WorkerGone], "an adopted request has no gateway known here"
+
+
+def test_a_failed_over_request_goes_to_the_head_of_the_queue_even_when_it_is_full():
+    policy = SchedulerPolicy(PolicyConfig(max_queue_length=2))
+    policy.on_report(report("w", max_batch=0), 0.0)  # no room: everything queues
+    policy.add(request("a"), 0.0)
+    policy.add(request("b"), 0.0)
+    with pytest.raises(ResourceExhaustedError):
+        policy.add(request("c"), 0.0)
+    assert policy.add(request("resumed"), 0.0, resumed=True) == 0
+    assert list(policy.queue) == ["resumed", "a", "b"]

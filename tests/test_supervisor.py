@@ -187,8 +187,22 @@ def test_up_restarts_a_killed_worker_and_gateway_and_keeps_serving(tmp_path):
     base = free_port_block(6)
     gateway, scheduler = f"127.0.0.1:{base + 5}", f"127.0.0.1:{base}"
     log_path = tmp_path / "up.log"
-    command = [sys.executable, "-m", "loraserve.cli", "up", "--base-port", str(base), "--bind", gateway,
-               "--pool-pages", "256", "--max-batch-size", "8", "--worker-timeout", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "loraserve.cli",
+        "up",
+        "--base-port",
+        str(base),
+        "--bind",
+        gateway,
+        "--pool-pages",
+        "256",
+        "--max-batch-size",
+        "8",
+        "--worker-timeout",
+        "2",
+    ]
     with open(log_path, "w") as log:
         up = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:

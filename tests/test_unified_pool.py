@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+from loraserve.model_config import ModelConfig
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import load_adapter_dir
-from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.unified_pool import UnifiedPool
 

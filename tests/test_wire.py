@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from loraserve.wire import AdapterFiles, Assign, MsgType, Tokens, WireError, WorkerReport, decode, encode
+from loraserve.wire import AdapterPayload, Assign, MsgType, Tokens, WireError, WorkerReport, decode, encode
 
 
 def test_round_trip_keeps_every_field():
@@ -27,7 +27,7 @@ def test_round_trip_keeps_every_field():
 
 def test_buffers_travel_as_their_own_frames():
     weights = bytes(range(256)) * 1000
-    frames = encode(AdapterFiles("a", 3, "safetensors", config_json=b"{}", weights=weights))
+    frames = encode(AdapterPayload("a", 3, "safetensors", config_json=b"{}", weights=weights))
     assert len(frames) == 4 and frames[3] is weights  # no copy on the way out
     decoded = decode(frames)
     assert bytes(decoded.weights) == weights and bytes(decoded.config_json) == b"{}"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from loraserve.wire import (
     _TYPES,
-    AdapterFiles,
+    AdapterPayload,
     Assign,
     Cancel,
     FetchAdapter,
@@ -23,6 +23,7 @@ from loraserve.wire import (
     Message,
     MsgType,
     Prefetch,
+    StepTokens,
     Tokens,
     WorkerReport,
     encode,
@@ -48,8 +49,9 @@ VALID: list[Message] = [
     Prefetch([("x", 1), ("y", 2)]),
     Tokens("r", [1], "w", True, "stop", timings={"queue_s": 0.1}),
     FetchAdapter("x", 1, {"traceparent": "00-1"}),
-    AdapterFiles("x", 1, "safetensors", b"{}", b"weights"),
+    AdapterPayload("x", 1, "safetensors", b"{}", b"weights"),
     FetchFailed("x", 1, "NOT_FOUND", "no such adapter"),
+    StepTokens("w", ["r", "s"], [[1, 2], []]),
 ]
 assert {type(m) for m in VALID} == set(_TYPES.values()), "every message type is fuzzed"
 

@@ -20,8 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from loraserve.errors import AdapterNotFoundError
+from loraserve.wire import AdapterKey
 from loraserve.worker.adapters import LoraAdapter
-from loraserve.worker.request import AdapterKey
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,12 @@ class AdapterRegistry:
         held = entry.holders > 0
         log.warning(
             "adapter cache: %s v%d holds weights with sha256 %s, expected %s: stale, %s",
-            key[0], key[1], (entry.adapter.sha256 or "unknown")[:16], expected_sha256[:16],
+            key[0],
+            key[1],
+            (entry.adapter.sha256 or "unknown")[:16],
+            expected_sha256[:16],
             "kept only for the requests holding it" if held else "dropped",
-        )  # fmt: skip
+        )
         self.stale_drops += 1
         if not held:
             self._remove(key)

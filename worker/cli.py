@@ -45,10 +45,12 @@ def add_engine_arguments(
     )
     if adapter_cache_gb is not None:
         g.add_argument(
-            "--adapter-cache-gb", type=float, default=adapter_cache_gb,
+            "--adapter-cache-gb",
+            type=float,
+            default=adapter_cache_gb,
             help="host RAM for fetched adapters, GiB; least recently used ones no request holds are evicted past it "
             "and fetched from the adapter store again when needed",
-        )  # fmt: skip
+        )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -90,9 +92,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text ('-' reads standard input)")
     parser.add_argument("--adapter", default=None, help="adapter name (default: the base model)")
     parser.add_argument(
-        "--adapter-dir", action="append", default=[], metavar="NAME=PATH",
+        "--adapter-dir",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
         help="register a PEFT adapter directory (repeatable; the demo adapters are registered with the demo model)",
-    )  # fmt: skip
+    )
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -110,9 +115,12 @@ def generate_main(args: argparse.Namespace) -> int:
         for name, path in adapters.items():
             engine.register_adapter(name, path)
         sampling = SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed,
-        )  # fmt: skip
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
         prompt_ids = engine.tokenizer.encode(prompt)
         request = engine.add_request(prompt_ids, sampling, args.adapter)
     except LoraserveError as e:

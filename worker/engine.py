@@ -33,15 +33,16 @@ import torch
 
 from loraserve.errors import AdapterNotFoundError, InvalidRequestError, ResourceExhaustedError
 from loraserve.kernels.backend import select_backend
+from loraserve.model_config import ModelConfig
 from loraserve.tokenizer import Tokenizer
+from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes, load_adapter_dir
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model import load_model
-from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.pool_layout import PoolLayout
-from loraserve.worker.request import AdapterKey, FinishReason, Request
-from loraserve.worker.runner import ModelRunner, RunnerOutput
+from loraserve.worker.request import FinishReason, Request
+from loraserve.worker.runner import ModelRunner, RunnerOutput, step_capacity
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
 from loraserve.worker.unified_pool import UnifiedPool
@@ -112,7 +113,8 @@ class Engine:
         self.pool = UnifiedPool(self.layout, self.model_config, self.registry, self.dtype, self.device, adapter_pages)
         self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
         backend = select_backend(config.backend, self.device)
-        self.runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend)
+        capacity = step_capacity(config, self.layout, self.model_config, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend, capacity)
         self.requests: dict[str, Request] = {}
         self._aborted: dict[str, str | None] = {}  # request id -> error (None: cancelled), ended next step
         self._seeds = itertools.count(config.seed)

@@ -6,11 +6,12 @@ import argparse
 import logging
 import os
 import socket
+import threading
 
 from loraserve import telemetry
-from loraserve.errors import LoraserveError
-from loraserve.metrics import add_metrics_arguments, serve_metrics
-from loraserve.process import become_service
+from loraserve.metrics import add_metrics_arguments
+from loraserve.process import add_drain_argument, run_service
+from loraserve.supervise import RoleFailed
 from loraserve.worker.cli import add_engine_arguments, engine_config_from_args
 from loraserve.worker.engine import Engine
 from loraserve.worker.service import WorkerConfig, WorkerService
@@ -26,58 +27,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--store-address", default="tcp://127.0.0.1:7301", help="the adapter store's ZMQ data address")
     parser.add_argument("--report-interval", type=float, default=0.25, help="heartbeat period when idle, seconds")
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to let requests in flight finish before handing them back to fail over",
-    )
+    add_drain_argument(parser, "to let requests in flight finish before handing them back to fail over")
     parser.add_argument(
         "--fetch-timeout", type=float, default=10.0, help="seconds to wait for an adapter from the store"
     )
     parser.add_argument(
-        "--torch-threads", type=int, default=None,
+        "--torch-threads",
+        type=int,
+        default=None,
         help="torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)",
-    )  # fmt: skip
+    )
     telemetry.add_tracing_arguments(parser)
     add_metrics_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    stop = become_service(f"worker {worker_id}")
-    telemetry.setup_tracing("worker", args.trace_exporter, args.otlp_endpoint)
+    return run_service("worker", args, lambda stop: serve(args, worker_id, stop), title=f"worker {worker_id}")
+
+
+def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> None:
+    """Load the engine and run the worker's step loop until `stop` (then drain)."""
     if args.torch_threads:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    config = WorkerConfig(
+        worker_id=worker_id,
+        scheduler_address=args.scheduler_address,
+        store_address=args.store_address,
+        report_interval_s=args.report_interval,
+        drain_timeout_s=args.drain_timeout,
+        fetch_timeout_s=args.fetch_timeout,
+    )
+    service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
+    if args.metrics_port:
+        from prometheus_client import REGISTRY
+
+        from loraserve.worker.metrics import WorkerCollector
+
+        engine = service.engine
+        REGISTRY.register(WorkerCollector(lambda: service.last_report, engine.pool.stats, engine.registry))
     try:
-        config = WorkerConfig(
-            worker_id=worker_id,
-            scheduler_address=args.scheduler_address,
-            store_address=args.store_address,
-            report_interval_s=args.report_interval,
-            drain_timeout_s=args.drain_timeout,
-            fetch_timeout_s=args.fetch_timeout,
-        )
-        try:
-            service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
-            if args.metrics_port:
-                from prometheus_client import REGISTRY
-
-                from loraserve.worker.metrics import WorkerCollector
-
-                engine = service.engine
-                REGISTRY.register(WorkerCollector(lambda: service.last_report, engine.pool.stats, engine.registry))
-                serve_metrics(args, "worker")
-        except LoraserveError as e:  # a bad model directory, flag or port: a message, not a traceback
-            log.error("worker %s: %s", worker_id, e)
-            return 1
-        try:
-            service.run(stop)
-        except Exception:  # logged with its traceback by service.run, which also told the scheduler
-            log.critical("worker %s stopped on an unexpected error", worker_id)
-            return 1
-    finally:
-        telemetry.shutdown_tracing()
-    return 0
+        service.run(stop)
+    except Exception as e:  # logged with its traceback by service.run, which also told the scheduler
+        raise RoleFailed(f"worker {worker_id} stopped on an unexpected error: {e}") from e

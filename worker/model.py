@@ -18,8 +18,9 @@ from torch import nn
 
 from loraserve.errors import InvalidModelError
 from loraserve.kernels.backend import KernelBackend
-from loraserve.kernels.metadata import MODULE_INDEX, AttentionBatch, LoraBatch
-from loraserve.worker.model_config import ModelConfig
+from loraserve.kernels.metadata import AttentionBatch, LoraBatch
+from loraserve.model_config import MODULE_INDEX, ModelConfig
+from loraserve.worker.rope import inverse_frequencies
 from loraserve.worker.weights import iter_tensors
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class CausalLM(nn.Module):
         )
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
-        self.register_buffer("inv_freq", config.rope.inverse_frequencies(config.head_dim), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm. input_ids: [T] -> [T, hidden]."""
@@ -180,7 +181,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
     if missing:
         raise InvalidModelError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     model.load_state_dict(loaded, strict=False, assign=True)
-    model.inv_freq = config.rope.inverse_frequencies(config.head_dim).to(device)
+    model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
     model.eval()
     log.info(
         "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s",

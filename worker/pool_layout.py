@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from loraserve.worker.model_config import LORA_MODULES, ModelConfig
+from loraserve.model_config import LORA_MODULES, ModelConfig
 
 
 def ceil_div(a: int, b: int) -> int:

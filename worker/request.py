@@ -5,9 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from loraserve.wire import AdapterKey  # (name, version): requests keep the version they started with
 from loraserve.worker.sampling import SamplingParams
-
-AdapterKey = tuple[str, int]  # (name, version): requests keep the version they started with
 
 
 class Status(enum.Enum):

@@ -3,7 +3,8 @@
 The runner sees only `SeqChunk`s (token ids, positions, page tables, adapter slots, sampling
 specs): never a `Request`, never the page allocator, and it changes no state but the pool tensor's
 KV rows the forward pass writes. The metadata is built by `kernels.batch`, the same builder the
-kernel tests use.
+kernel tests use, into `StepBuffers` allocated once: every step refills the same storage, so each
+metadata tensor the kernels read sits at the same address every step (what CUDA graphs need).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from loraserve.kernels.backend import KernelBackend
 from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_batch
-from loraserve.kernels.metadata import MODULES
+from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
+from loraserve.model_config import LORA_MODULES, ModelConfig
+from loraserve.worker.config import EngineConfig
 from loraserve.worker.model import CausalLM, ForwardBatch
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.sampling import sample
@@ -28,11 +31,39 @@ class RunnerOutput:
     sampled: dict[str, int | None]
 
 
+def step_capacity(config: EngineConfig, layout: PoolLayout, model: ModelConfig, max_model_len: int) -> StepCapacity:
+    """The step buffers' capacities, from the limits the engine enforces: the step scheduler's token
+    budget and batch size, the context length every request is checked against, and the largest
+    rank adapters are validated against."""
+    largest_adapter = layout.adapter_layout(model, config.max_lora_rank, LORA_MODULES)
+    return StepCapacity(
+        max_tokens=config.max_batched_tokens,
+        max_seqs=config.max_batch_size,
+        max_seq_pages=min(layout.kv_pages_for(max_model_len), layout.num_pages),
+        max_adapters=config.max_batch_size,
+        max_adapter_pages=min(largest_adapter.num_pages, layout.num_pages),
+        num_layers=layout.num_layers,
+    )
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: torch.Tensor, layout: PoolLayout, backend: KernelBackend):
-        self.model, self.pool, self.layout, self.backend = model, pool, layout, backend
-        self.device = pool.device
-        shapes = [model.config.module_shape(m) for m in MODULES]
+    """The forward pass of one step over plain data, its metadata staged in buffers allocated once.
+
+    `capacity` should come from `step_capacity(engine_config, ...)`; without it the buffers are
+    sized for `EngineConfig()`'s defaults and the model's full context.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool_tensor: torch.Tensor,
+        layout: PoolLayout,
+        backend: KernelBackend,
+        capacity: StepCapacity | None = None,
+    ):
+        self.model, self.pool_tensor, self.layout, self.backend = model, pool_tensor, layout, backend
+        self.device = pool_tensor.device
+        shapes = [model.config.module_shape(m) for m in LORA_MODULES]
         self.geometry = LoraGeometry(
             tuple(d_in for d_in, _ in shapes),
             tuple(d_out for _, d_out in shapes),
@@ -40,29 +71,29 @@ class ModelRunner:
             layout.rows_per_page,
             layout.num_layers,
         )
+        if capacity is None:
+            capacity = step_capacity(EngineConfig(), layout, model.config, model.config.max_position_embeddings)
+        self.buffers = StepBuffers(capacity, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: list[SeqChunk]) -> RunnerOutput:
-        ids = [t for chunk in batch for t in chunk.token_ids]
-        positions = [p for c in batch for p in range(c.start, c.start + len(c.token_ids))]
+        buffers = self.buffers
         attention = build_attention_batch(
             [(c.kv_pages, c.start, len(c.token_ids)) for c in batch],
             self.layout.tokens_per_page,
             self.model.config.sliding_window,
-            self.device,
+            buffers,
         )
-        forward = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            attention=attention,
-            lora=build_lora_batch(self.geometry, [(c.adapter, len(c.token_ids)) for c in batch], self.device),
-            pool=self.pool,
-            backend=self.backend,
-        )
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=self.device), forward)
+        lora = build_lora_batch(self.geometry, [(c.adapter, len(c.token_ids)) for c in batch], buffers)
+        ids = buffers.put("input_ids", [t for c in batch for t in c.token_ids])
+        positions = buffers.put("positions", [p for c in batch for p in range(c.start, c.start + len(c.token_ids))])
         sampling = [(i, c) for i, c in enumerate(batch) if c.sample is not None]
+        last = buffers.put("last", [attention.query_starts[i + 1] - 1 for i, _ in sampling])
+        buffers.upload()
+        forward = ForwardBatch(positions, attention, lora, self.pool_tensor, self.backend)
+        hidden = self.model(ids, forward)
         if not sampling:
             return RunnerOutput({})
-        last = torch.tensor([attention.query_starts[i + 1] - 1 for i, _ in sampling], device=self.device)
         logits = self.model.logits(hidden[last])
         specs = [c.sample for _, c in sampling]
         tokens = sample(

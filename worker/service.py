@@ -28,6 +28,8 @@ import queue
 import threading
 import time
 import uuid
+from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,15 +38,16 @@ from opentelemetry import trace
 
 from loraserve import telemetry
 from loraserve.adapter_store.client import AdapterFetcher
+from loraserve.dispatch import Dispatcher
 from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
-from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
+from loraserve.wire import AdapterKey, Assign, Cancel, Prefetch, StepTokens, Tokens, WireError, WorkerReport, decode
 from loraserve.worker import metrics
 from loraserve.worker.adapters import load_adapter_bytes
 from loraserve.worker.engine import Engine, GenerateRequest, StepOutput
-from loraserve.worker.request import AdapterKey, FinishReason, Request
+from loraserve.worker.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,6 @@ class _Tracked:
     adapter_source: str = "none"  # none | hit | prefetched | cold
     fetch_s: float = 0.0
     expired: bool = False
-    sent_tokens: int = 0
 
 
 @dataclass
@@ -85,10 +87,18 @@ class _Fetched:
 
 
 class WorkerService:
+    """The worker process's one loop: scheduler messages in, engine steps, tokens out, reports back.
+
+    Owns per-request delivery (gateway address, timings, trace) and the adapter fetches in flight;
+    the engine owns everything about the requests themselves (see the module docstring).
+    """
+
     def __init__(self, engine: Engine, config: WorkerConfig):
         self.engine, self.config = engine, config
         self.ctx = zmq.Context()
-        self.scheduler = make_socket(self.ctx, zmq.DEALER, connect=config.scheduler_address, identity=config.worker_id)
+        self.scheduler_socket = make_socket(
+            self.ctx, zmq.DEALER, connect=config.scheduler_address, identity=config.worker_id
+        )
         self.gateways = PushSockets(self.ctx)
         self._dropped = RateLimitedLog(log)
         self.tracked: dict[str, _Tracked] = {}
@@ -103,6 +113,7 @@ class WorkerService:
         self._last_report = 0.0
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
         self.instance = uuid.uuid4().hex  # tells the scheduler a restarted worker from the process it replaced
+        self._inbox = Dispatcher({Assign: self._on_assign, Cancel: self._on_cancel, Prefetch: self._on_prefetch})
 
     # ---- main loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -134,7 +145,7 @@ class WorkerService:
                     "worker %s: %d requests left at the drain timeout", self.config.worker_id, len(self.tracked)
                 )
             self._hand_back_everything(f"worker {self.config.worker_id} stopped (drain timeout)")
-            self._report(fatal="stopped: drained")
+            self._report(fatal="drained on SIGTERM")
         except Exception as e:
             log.exception("worker %s failed", self.config.worker_id)
             self._hand_back_everything(f"worker {self.config.worker_id} failed: {e}")
@@ -156,11 +167,11 @@ class WorkerService:
 
     # ---- scheduler messages --------------------------------------------------------------------
     def _drain_scheduler(self, block_s: float) -> None:
-        if block_s and not self.scheduler.poll(int(block_s * 1000)):
+        if block_s and not self.scheduler_socket.poll(int(block_s * 1000)):
             return
         while True:
             try:
-                frames = self.scheduler.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = self.scheduler_socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
@@ -168,14 +179,7 @@ class WorkerService:
             except WireError as e:
                 self._dropped.warning("scheduler", "malformed message", "dropped: %s", e)
                 continue
-            if isinstance(message, Assign):
-                self._on_assign(message)
-            elif isinstance(message, Cancel):
-                for request_id in message.request_ids:
-                    self._cancel(request_id, message.reason)
-            elif isinstance(message, Prefetch):
-                self._on_prefetch(list(message.adapters))
-            else:
+            if not self._inbox(message):
                 self._dropped.warning("scheduler", type(message).__name__, "dropped: not a scheduler message")
 
     def _on_assign(self, assign: Assign) -> None:
@@ -187,7 +191,7 @@ class WorkerService:
         if self.draining:  # sent before the scheduler saw the draining report
             self._end(assign.request_id, error_status="UNAVAILABLE", error="the worker is draining", retry=True)
             return
-        self._send(tracked, Tokens(assign.request_id, [], self.config.worker_id))  # "it reached a worker"
+        self._send(assign.reply_to, Tokens(assign.request_id, [], self.config.worker_id))  # "it reached a worker"
         key = (assign.adapter, assign.adapter_version) if assign.adapter else None
         registry, expected = self.engine.registry, assign.adapter_sha256 or None
         if key is None or registry.has(key, expected):
@@ -227,7 +231,12 @@ class WorkerService:
                     waiting.remove(request_id)
             self._end(request_id, error_status="CANCELLED", error=reason or "cancelled")
 
-    def _on_prefetch(self, keys: list[AdapterKey]) -> None:
+    def _on_cancel(self, cancel: Cancel) -> None:
+        for request_id in cancel.request_ids:
+            self._cancel(request_id, cancel.reason)
+
+    def _on_prefetch(self, prefetch: Prefetch) -> None:
+        keys: list[AdapterKey] = list(prefetch.adapters)
         registered = [k for k in keys if self.engine.registry.has(k)]
         self.engine.prefetch(registered)
         for key in keys:
@@ -293,12 +302,14 @@ class WorkerService:
                     self._cancel(request_id, "the deadline passed")
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
+        """A step's news: one STEP_TOKENS per gateway for the requests that go on, a TOKENS per end."""
+        going_on: dict[str, list[StepOutput]] = defaultdict(list)  # gateway address -> its requests' tokens
         for out in outputs:
             tracked = self.tracked.get(out.request_id)
             if tracked is None:
                 continue
             if not out.finished:
-                self._send(tracked, Tokens(out.request_id, out.new_token_ids, self.config.worker_id))
+                going_on[tracked.assign.reply_to].append(out)
             elif out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                 self._end(out.request_id, tokens=out.new_token_ids, finish_reason=str(out.finish_reason))
             elif tracked.expired:
@@ -311,6 +322,9 @@ class WorkerService:
                 self._end(out.request_id, error_status="CANCELLED", error="cancelled")
             else:
                 self._end(out.request_id, error_status=out.error_status, error=out.error or "failed")
+        for address, outs in going_on.items():
+            ids = [o.request_id for o in outs]
+            self._send(address, StepTokens(self.config.worker_id, ids, [o.new_token_ids for o in outs]), ids)
 
     def _end(self, request_id: str, tokens=(), finish_reason=None, error_status=None, error=None, retry=False) -> None:
         tracked = self.tracked.pop(request_id, None)
@@ -329,18 +343,17 @@ class WorkerService:
             retry=retry,
             timings=timings,
         )
-        self._send(tracked, message)
+        self._send(tracked.assign.reply_to, message)
         self._record_spans(tracked, timings, error_status)
 
-    def _send(self, tracked: _Tracked, message: Tokens) -> None:
-        address = tracked.assign.reply_to
+    def _send(self, address: str, message: Tokens | StepTokens, going_on: Sequence[str] = ()) -> None:
+        """Push to a gateway without waiting; if it cannot take it, abort the requests `going_on`."""
         try:
             send(self.gateways.get(address), message, flags=zmq.NOBLOCK)
-            tracked.sent_tokens += len(message.token_ids)
         except (zmq.ZMQError, BadEndpointError) as e:  # gone, stuck or unreachable: stop spending compute on it
-            self._dropped.warning(address, "tokens", "not taken (%s); aborting %s", e, message.request_id)
-            if tracked.request is not None and not message.finished:
-                self.engine.abort(message.request_id)
+            self._dropped.warning(address, "tokens", "not taken (%s); aborting %d requests", e, len(going_on))
+            for request_id in going_on:
+                self.engine.abort(request_id)
 
     def _timings(self, tracked: _Tracked) -> dict[str, float]:
         r = tracked.request
@@ -405,7 +418,7 @@ class WorkerService:
             instance=self.instance,
             draining=self.draining,
         )
-        send(self.scheduler, report)
+        send(self.scheduler_socket, report)
         self.last_report = report  # one reference swap: safe for the scrape thread
         self.finished_since_report = []
         self._last_report = time.monotonic()
@@ -417,7 +430,7 @@ class WorkerService:
 
     def close(self) -> None:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
-        self.scheduler.close(linger=200)
+        self.scheduler_socket.close(linger=200)
         self.gateways.close(linger_ms=200)
         self.ctx.term()
         self.engine.close()

@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from loraserve.worker.request import AdapterKey, FinishReason, Request, Status
+from loraserve.wire import AdapterKey
+from loraserve.worker.request import FinishReason, Request, Status
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.unified_pool import AdapterSlot, UnifiedPool
 
@@ -65,6 +66,9 @@ class StepPlan:
 
 
 class StepScheduler:
+    """Which requests run in the next step, and how many tokens each: the waiting and running
+    queues, admission against the pool, preemption by recompute. Pure: no tensors, no I/O."""
+
     def __init__(self, pool: UnifiedPool, max_batch_size: int, max_batched_tokens: int):
         self.pool = pool
         self.max_batch_size = max_batch_size

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraserve.model_config import ModelConfig
+from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter
-from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.page_pool import EvictionPolicy, PagePool, PoolStats
 from loraserve.worker.pool_layout import PoolLayout
-from loraserve.worker.request import AdapterKey
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class AdapterSlot:
     a_offsets: tuple[int, ...]  # [7]: first logical row of each module's A block, -1 if not targeted
     b_offsets: tuple[int, ...]
     layers: list[bool]  # [L]: has weights in that layer
-    pages: torch.Tensor  # int32 [num_pages] on the compute device
+    pages: tuple[int, ...]  # its pages in logical order (host ints: the step's metadata builder reads them)
     row_index: torch.Tensor  # int64 [num_rows]: physical row of each logical row
     useful_elements: int  # weights stored, over all layers (what a step reads)
     ready: torch.cuda.Event | Future | None = field(default=None, repr=False)  # a pending background copy
@@ -65,6 +65,9 @@ class LoadStats:
 
 
 class UnifiedPool:
+    """The one owner of the pool tensor and of every page in it: KV pages, resident adapters and
+    their slots, pins and background copies (see the module docstring)."""
+
     def __init__(
         self,
         layout: PoolLayout,
@@ -238,7 +241,7 @@ class UnifiedPool:
             layout.a_offsets,
             layout.b_offsets,
             [layer in adapter.layers for layer in range(self.layout.num_layers)],
-            page_tensor.to(device=self.device, dtype=torch.int32),
+            tuple(pages),
             (page_tensor[logical // rpp] * rpp + logical % rpp).to(self.device),
             layout.useful_elements,
         )

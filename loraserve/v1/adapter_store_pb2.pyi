@@ -6,6 +6,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WatchAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterChange(_message.Message):
+    __slots__ = ("name", "version", "sha256", "deleted", "synced")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    sha256: str
+    deleted: bool
+    synced: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ..., deleted: _Optional[bool] = ..., synced: _Optional[bool] = ...) -> None: ...
+
 class GetStoreStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

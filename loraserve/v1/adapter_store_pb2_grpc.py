@@ -66,6 +66,11 @@ class AdapterStoreStub:
                 request_serializer=loraserve_dot_v1_dot_adapter__store__pb2.GetStoreStateRequest.SerializeToString,
                 response_deserializer=loraserve_dot_v1_dot_adapter__store__pb2.StoreState.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/loraserve.v1.AdapterStore/Watch',
+                request_serializer=loraserve_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.SerializeToString,
+                response_deserializer=loraserve_dot_v1_dot_adapter__store__pb2.AdapterChange.FromString,
+                _registered_method=True)
 
 
 class AdapterStoreServicer:
@@ -113,6 +118,14 @@ class AdapterStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """The current version of every adapter, then each change as it happens: gateways keep their
+        adapter-version caches by it instead of asking per request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdapterStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +158,11 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     servicer.GetStoreState,
                     request_deserializer=loraserve_dot_v1_dot_adapter__store__pb2.GetStoreStateRequest.FromString,
                     response_serializer=loraserve_dot_v1_dot_adapter__store__pb2.StoreState.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=loraserve_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.FromString,
+                    response_serializer=loraserve_dot_v1_dot_adapter__store__pb2.AdapterChange.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +327,33 @@ class AdapterStore:
             '/loraserve.v1.AdapterStore/GetStoreState',
             loraserve_dot_v1_dot_adapter__store__pb2.GetStoreStateRequest.SerializeToString,
             loraserve_dot_v1_dot_adapter__store__pb2.StoreState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/loraserve.v1.AdapterStore/Watch',
+            loraserve_dot_v1_dot_adapter__store__pb2.WatchAdaptersRequest.SerializeToString,
+            loraserve_dot_v1_dot_adapter__store__pb2.AdapterChange.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,7 +63,7 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., adapter_load_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "version", "rank", "lora_alpha", "scale", "target_modules", "layers", "size_bytes", "created_unix", "source", "sha256")
+    __slots__ = ("name", "version", "rank", "lora_alpha", "scale", "target_modules", "layers", "size_bytes", "created_unix", "source", "sha256", "owner")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class AdapterInfo(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     rank: int
@@ -86,4 +87,5 @@ class AdapterInfo(_message.Message):
     created_unix: float
     source: str
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., scale: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., source: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., scale: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[int]] = ..., size_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., source: _Optional[str] = ..., sha256: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...

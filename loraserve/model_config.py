@@ -1,25 +1,24 @@
-"""The base model's shape, read from a Hugging Face `config.json` (Llama, Mistral, Qwen2)."""
+"""The base model's shape, read from a Hugging Face `config.json` (Llama, Mistral, Qwen2).
+
+Torch-free: the gateway (context length, tokenizer), the adapter store (adapter validation) and the
+worker all read it; the worker's torch side (rotary frequencies) lives in `worker/model.py`.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from loraserve.errors import InvalidModelError
-from loraserve.kernels.metadata import MODULES
-
-if TYPE_CHECKING:
-    import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
-# The seven projections a LoRA adapter may target, in the order the pool lays them out: the
-# kernels' module indices, so offsets built here index the kernels' per-module tables.
-LORA_MODULES = MODULES
-ATTENTION_MODULES = LORA_MODULES[:4]
+# The seven projections a LoRA adapter may target, in the order the pool lays out an adapter's
+# blocks and the kernels' per-module tables (LoraBatch) are indexed: module m is LORA_MODULES[m].
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_INDEX = {m: i for i, m in enumerate(LORA_MODULES)}
+ATTENTION_MODULES = LORA_MODULES[:4]  # under self_attn; the other three under mlp
 
 
 @dataclass(frozen=True)
@@ -32,27 +31,6 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-
-    def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
-        """inv_freq[i] = theta^(-2i/d), rescaled as the rope type says. Shape: [head_dim // 2], float32."""
-        import torch  # lazily: the gateway reads model configs without loading torch
-
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (self.theta**exponents)
-        if self.kind == "linear":
-            return inv_freq / self.factor
-        if self.kind != "llama3":
-            return inv_freq
-        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
-        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
 
 
 @dataclass(frozen=True)

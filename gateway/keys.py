@@ -1,0 +1,61 @@
+"""`loraserve keys new --tenant NAME`: a fresh API key, and the auth-file lines that admit it.
+
+The key is printed once and kept nowhere: the auth file holds only its SHA-256. Give the key to
+the tenant; add the lines to the auth file (or only the digest to an existing tenant's
+`api_key_sha256` list) and send the gateway SIGHUP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import secrets
+import sys
+
+from loraserve.gateway.tenants import TENANT_NAME, Scope
+
+KEY_BYTES = 32  # 256 bits of randomness
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["new"], help="new: print a fresh random API key and the lines to add")
+    parser.add_argument("--tenant", required=True, help="the tenant the key is for")
+    parser.add_argument(
+        "--scopes",
+        default="generate",
+        help=f"comma-separated scopes for a new tenant's table, among {', '.join(s.value for s in Scope)}",
+    )
+
+
+def new_key() -> tuple[str, str]:
+    """(key, its SHA-256 hex digest)."""
+    key = secrets.token_urlsafe(KEY_BYTES)
+    return key, hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenant_table(tenant: str, digest: str, scopes: list[str]) -> str:
+    """The `[[tenants]]` table admitting one key."""
+    quoted = ", ".join(f'"{s}"' for s in scopes)
+    return f'[[tenants]]\nname = "{tenant}"\napi_key_sha256 = ["{digest}"]\nscopes = [{quoted}]\n'
+
+
+def main(args: argparse.Namespace) -> int:
+    if not TENANT_NAME.fullmatch(args.tenant):
+        print(
+            f"--tenant {args.tenant!r}: 1-64 letters, digits, '_' or '-', starting with one of the first two",
+            file=sys.stderr,
+        )
+        return 2
+    scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+    known = {s.value for s in Scope}
+    if not scopes or any(s not in known for s in scopes):
+        print(f"--scopes {args.scopes!r}: choose among {', '.join(sorted(known))}", file=sys.stderr)
+        return 2
+    key, digest = new_key()
+    print(f"API key for tenant {args.tenant} (shown once; the auth file keeps only its SHA-256):")
+    print(key)
+    print()
+    print("Add to the auth file (or add the digest to the tenant's api_key_sha256 list), then SIGHUP the gateway:")
+    print()
+    print(tenant_table(args.tenant, digest, scopes), end="")
+    return 0
