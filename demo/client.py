@@ -1,7 +1,7 @@
 """A few concurrent streamed generations through the public gRPC API, across the demo adapters.
 
-Used by `loraserve up --show-demo` (and so `make run`): every stream's text grows live in one
-table, then each row shows its latency breakdown from the final summary.
+Used by `loraserve up --show-demo` (and so `make run`), through `loraserve.client`: every stream's
+text grows live in one table, then each row shows its latency breakdown from the final summary.
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-import grpc
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from loraserve.client import ApiError, Chunk, Client, Generation
 from loraserve.demo.corpus import HELD_OUT_PROMPTS
 from loraserve.demo.styles import STYLES, shows_style
-from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass
@@ -25,22 +25,21 @@ class _Row:
     adapter: str
     prompt: str
     text: str = ""
-    summary: gateway_pb2.GenerateResponse | None = None
+    summary: Generation | None = None
     error: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _stream(stub: gateway_pb2_grpc.LoraServeStub, row: _Row, max_new_tokens: int) -> None:
-    request = gateway_pb2.GenerateRequest(adapter=row.adapter, text=row.prompt, max_new_tokens=max_new_tokens)
+def _stream(client: Client, row: _Row, max_new_tokens: int) -> None:
     try:
-        for event in stub.GenerateStream(request, timeout=120):
+        for event in client.stream(row.prompt, adapter=row.adapter, max_new_tokens=max_new_tokens, timeout=120):
             with row.lock:
-                if event.HasField("chunk"):
-                    row.text += event.chunk.text
+                if isinstance(event, Chunk):
+                    row.text += event.text
                 else:
-                    row.summary = event.summary
-    except grpc.RpcError as e:
-        row.error = f"{e.code().name}: {e.details()}"
+                    row.summary = event
+    except ApiError as e:
+        row.error = str(e)
 
 
 def _table(rows: list[_Row]) -> Table:
@@ -70,16 +69,17 @@ def _table(rows: list[_Row]) -> Table:
     return table
 
 
-def show_demo(address: str, max_new_tokens: int = 32) -> bool:
-    """Stream one generation per demo adapter (and the base model) at once; True if all succeeded."""
+def show_demo(address: str, max_new_tokens: int = 32, **client_options: Any) -> bool:
+    """Stream one generation per demo adapter (and the base model) at once; True if all succeeded.
+
+    `client_options` go to `loraserve.client.Client` (api_key, root_certificates, ...)."""
     console = Console()
     if not console.is_terminal:  # piped: a fixed, readable width instead of 80 columns
         console = Console(width=150)
-    with grpc.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.LoraServeStub(channel)
-        adapters = [a.name for a in stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters]
+    with Client(address, **client_options) as client:
+        adapters = [a.name for a in client.list_adapters()]
         rows = [_Row(name, HELD_OUT_PROMPTS[i % len(HELD_OUT_PROMPTS)]) for i, name in enumerate(["", *adapters])]
-        threads = [threading.Thread(target=_stream, args=(stub, row, max_new_tokens)) for row in rows]
+        threads = [threading.Thread(target=_stream, args=(client, row, max_new_tokens)) for row in rows]
         started = time.perf_counter()
         for thread in threads:
             thread.start()
@@ -92,7 +92,7 @@ def show_demo(address: str, max_new_tokens: int = 32) -> bool:
     if not console.is_terminal:  # Live leaves a piped output without its final newline
         console.line()
     tokens = sum(r.summary.usage.completion_tokens for r in rows if r.summary)
-    finish = {common_pb2.FinishReason.Name(r.summary.finish_reason) for r in rows if r.summary}
+    finish = {r.summary.finish_reason for r in rows if r.summary}
     console.print(
         f"{len(rows)} streams, {tokens} tokens in {elapsed:.2f} s; finish reasons: {', '.join(sorted(finish))}"
     )

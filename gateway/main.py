@@ -6,6 +6,9 @@ while the streams in flight finish (up to `--drain-timeout`); then the server st
 `--auth-file` turns on tenants and API keys (`gateway/tenants.py`); SIGHUP reloads the file without
 dropping a call (a file that fails its checks keeps the old keys, and says why in the log). Without
 it the gateway is open, and binds loopback only unless `--insecure-no-auth` (`gateway/bind_rule.py`).
+
+`--tls-cert`/`--tls-key` serve the public port (health and reflection included) over TLS, and
+`--tls-client-ca` makes it mutual TLS (`gateway/tls.py`); TLS does not replace the auth file.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.failover import FailoverConfig
 from loraserve.gateway.service import GatewayConfig, LoraServeService
 from loraserve.gateway.tenants import load_auth_file
+from loraserve.gateway.tls import add_tls_arguments, load_server_tls
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
@@ -52,6 +56,7 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"].full_name
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="127.0.0.1:50051", help="public gRPC address")
     add_auth_arguments(parser)
+    add_tls_arguments(parser)
     parser.add_argument(
         "--model", type=Path, default=DEMO_MODEL_DIR, help="model directory (tokenizer.json, config.json)"
     )
@@ -158,6 +163,7 @@ async def _drain_on_stop(service: LoraServeService, health, stop_event, drained:
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
     check_bind(args.bind, args.auth_file, args.insecure_no_auth)
+    tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     logging.getLogger("loraserve.audit").setLevel(logging.INFO)  # the audit trail shows at any --log-level
     auth = Authenticator(load_auth_file(args.auth_file) if args.auth_file is not None else None)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_keys, auth, args.auth_file)
@@ -180,12 +186,13 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace),
     )
     service = LoraServeService(config, limits, tokenizer, sink, scheduler, store, auth)
-    server, port = new_server(args.bind)
+    server, port = new_server(args.bind, credentials=tls.credentials() if tls else None)
     gateway_pb2_grpc.add_LoraServeServicer_to_server(service, server)
     health = add_health_and_reflection(server, [SERVICE])
     await set_serving(health, [SERVICE], False)
     await server.start()
-    log.info("gateway: gRPC on %s (port %d), token sink %s", args.bind, port, sink.address)
+    security = "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS"
+    log.info("gateway: gRPC (%s) on %s (port %d), token sink %s", security, args.bind, port, sink.address)
     if auth.open:
         log.warning("gateway: no --auth-file: every caller is tenant 'default' with every scope")
     else:

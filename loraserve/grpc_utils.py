@@ -244,10 +244,13 @@ def internal_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
 
 
-def new_server(bind: str, interceptors: list[Any] | None = None) -> tuple[grpc.aio.Server, int]:
-    """A grpc.aio server with the error interceptor, listening on `bind`; returns (server, port)."""
+def new_server(
+    bind: str, interceptors: list[Any] | None = None, credentials: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server with the error interceptor, listening on `bind` (TLS with `credentials`,
+    else plaintext); returns (server, port)."""
     server = grpc.aio.server(interceptors=[ErrorInterceptor(), *(interceptors or [])], options=CHANNEL_OPTIONS)
-    port = server.add_insecure_port(bind)
+    port = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
     if port == 0:
         raise errors.UnavailableError(f"cannot listen on {bind} (address in use?)")
     return server, port

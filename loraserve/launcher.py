@@ -6,6 +6,12 @@ stops them all on Ctrl-C or SIGTERM. Meanwhile a role that exits or stops answer
 check is restarted with backoff (`loraserve/supervisor.py`); only a crash loop stops the stack.
 With the demo model (the default) the store preloads every demo adapter; `--show-demo` then
 streams a few generations through the public API.
+
+With `--tls-cert`/`--tls-key` (and `--tls-client-ca`) the gateway serves TLS (mutual TLS), and
+`up`'s own health checks of the gateway go over that same TLS port, trusting exactly the gateway's
+certificate and expecting the name `--tls-server-name` in it; under mutual TLS they present
+`--tls-client-cert`/`--tls-client-key`, which `up` therefore requires (`gateway/tls.py`).
+`--show-demo` calls the gateway the same way.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from loraserve import telemetry
 from loraserve.adapter_store.config import stack_data_dir
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.bind_rule import check_bind
+from loraserve.gateway.tls import ClientTls, add_tls_arguments, load_server_tls, load_up_client_tls
 from loraserve.process import add_drain_argument, become_service
 from loraserve.supervisor import CrashLoop, Role, SupervisionConfig, Supervisor
 
@@ -73,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let the gateway serve a non-loopback --bind without --auth-file (something else guards the port)",
     )
+    add_tls_arguments(parser)
+    add_up_tls_arguments(parser)
     parser.add_argument("--base-port", type=int, default=7100, help="internal ports start here (5 consecutive ports)")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="preload an adapter")
     parser.add_argument("--adapter-root", default=None, help="directory RegisterAdapterFromPath may read from")
@@ -118,6 +127,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Prometheus endpoints from this port on: gateway, scheduler, adapter store, then one per worker (0: off)",
     )
     telemetry.add_tracing_arguments(parser)
+
+
+def add_up_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """How `up` itself calls a TLS gateway (its health checks and --show-demo)."""
+    parser.add_argument(
+        "--tls-server-name",
+        default="localhost",
+        help="a name --tls-cert is valid for: up's own calls to the gateway (health, demo) expect it",
+    )
+    parser.add_argument(
+        "--tls-client-cert",
+        type=Path,
+        default=None,
+        help="with --tls-client-ca: PEM client certificate (signed by that CA) for up's own calls to the gateway",
+    )
+    parser.add_argument("--tls-client-key", type=Path, default=None, help="PEM private key of --tls-client-cert")
+
+
+def gateway_tls(args: argparse.Namespace) -> ClientTls | None:
+    """How `up` reaches its gateway over TLS (None: plaintext); InvalidConfigError naming a bad flag."""
+    server = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if server is None:
+        if args.tls_client_cert is not None or args.tls_client_key is not None:
+            raise InvalidConfigError("--tls-client-cert and --tls-client-key are for a --tls-client-ca gateway")
+        return None
+    return load_up_client_tls(server, args.tls_server_name, args.tls_client_cert, args.tls_client_key)
 
 
 def metrics_ports(args: argparse.Namespace) -> dict[str, int]:
@@ -176,6 +211,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         *_flags(model=args.model, bind=args.bind, scheduler=ports.scheduler, store=ports.store),
         *_flags(token_address=ports.tokens, drain_timeout=args.drain_timeout, auth_file=args.auth_file),
         *(["--insecure-no-auth"] if args.insecure_no_auth else []),
+        *_flags(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca),
         *tracing,
     ]
     for role, port in metrics_ports(args).items():
@@ -183,36 +219,62 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return commands
 
 
-def supervisor(args: argparse.Namespace) -> Supervisor:
-    """Every role of the stack (in start order) under one Supervisor; roles with a gRPC server are health-checked."""
+def supervisor(args: argparse.Namespace, tls: ClientTls | None) -> Supervisor:
+    """Every role of the stack (in start order) under one Supervisor; roles with a gRPC server are
+    health-checked (the gateway through `tls` when it serves TLS: `gateway_tls(args)`)."""
     ports = Ports(args.base_port)
     health = {"adapter-store": ports.store, "scheduler": ports.scheduler, "gateway": args.bind}
     stop_groups = {"gateway": 0, "scheduler": 2, "adapter-store": 3}  # workers: 1
+    channels = {"gateway": tls.channel} if tls is not None else {}
     roles = [
-        Role(name, command, health.get(name), stop_groups.get(name, 1)) for name, command in role_commands(args).items()
+        Role(name, command, health.get(name), stop_groups.get(name, 1), channels.get(name, grpc.insecure_channel))
+        for name, command in role_commands(args).items()
     ]
     return Supervisor(roles, SupervisionConfig(startup_grace_s=args.ready_timeout))
 
 
-def wait_healthy(addresses: list[str], stack: Supervisor, timeout_s: float) -> None:
-    """Until every gRPC health service at `addresses` says SERVING; raises if a child dies or time runs out."""
+def wait_healthy(addresses: list[str], stack: Supervisor, timeout_s: float, restart: bool = False) -> None:
+    """Until every gRPC health service at `addresses` (the stack's roles') says SERVING; raises if time
+    runs out (naming the last failure: a TLS handshake error shows there). A child that dies meanwhile
+    is restarted under `restart` (the supervisor's backoff; a crash loop raises CrashLoop), and is an
+    error otherwise."""
     deadline = time.monotonic() + timeout_s
-    pending = list(addresses)
+    roles = {role.health_address: role for role in stack.roles.values() if role.health_address}
+    pending = [roles.get(address) or Role(address, [], address) for address in addresses]
+    last_error = ""
     while pending:
-        if stack.dead():
+        if restart:
+            stack.tick()
+        elif stack.dead():
             raise RuntimeError(f"a role exited during start-up: {', '.join(stack.dead())}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {', '.join(pending)}")
-        address = pending[0]
-        with grpc.insecure_channel(address) as channel:
-            try:
-                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-            except grpc.RpcError:
-                status = None
+            names = ", ".join(f"{r.name} ({r.health_address})" for r in pending)
+            raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {names}{last_error}")
+        try:
+            status = pending[0].check_health()
+        except grpc.RpcError as e:
+            status, last_error = None, f"; last error: {e.code().name}: {e.details()}"
         if status == health_pb2.HealthCheckResponse.SERVING:
             pending.pop(0)
+            last_error = ""
         else:
             time.sleep(0.2)
+
+
+def _demo_client_options(tls: ClientTls | None) -> dict[str, object]:
+    """`loraserve.client.Client` options for `up`'s own demo calls to its gateway."""
+    if tls is None:
+        return {}
+    return {
+        "root_certificates": tls.roots,
+        "private_key": tls.private_key,
+        "certificate_chain": tls.cert_chain,
+        "channel_options": tls.channel_options(),
+    }
+
+
+def _security(args: argparse.Namespace) -> str:
+    return "" if args.tls_cert is None else " (mutual TLS)" if args.tls_client_ca else " (TLS)"
 
 
 def _model_label(model: Path) -> str:
@@ -265,7 +327,7 @@ class LocalStack:
         if unknown:
             raise TypeError(f"unknown stack options {sorted(unknown)}")
         vars(args).update(options)
-        self.stack = supervisor(args)  # nothing calls its tick(): a test's killed role stays dead
+        self.stack = supervisor(args, gateway_tls(args))  # nothing calls its tick(): a test's killed role stays dead
 
     def start(self, timeout_s: float = 180.0) -> LocalStack:
         self.stack.start()
@@ -284,20 +346,21 @@ class LocalStack:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        check_bind(args.bind, args.auth_file, args.insecure_no_auth)  # before starting anything
+    try:  # before starting anything
+        check_bind(args.bind, args.auth_file, args.insecure_no_auth)
+        tls = gateway_tls(args)  # reads and checks the TLS files
+        stack = supervisor(args, tls)
     except InvalidConfigError as e:
         log.error("%s", e)
         return 1
     stop = become_service("up")
     ports = Ports(args.base_port)
-    stack = supervisor(args)
     started = time.monotonic()
     stack.start()
     try:
-        wait_healthy([ports.store, ports.scheduler, args.bind], stack, args.ready_timeout)
+        wait_healthy([ports.store, ports.scheduler, args.bind], stack, args.ready_timeout, args.restart)
         print(
-            f"loraserve is up in {time.monotonic() - started:.1f} s: gRPC API on {args.bind} "
+            f"loraserve is up in {time.monotonic() - started:.1f} s: gRPC API on {args.bind}{_security(args)} "
             f"({args.workers} worker(s), {_model_label(args.model)}); Ctrl-C stops it",
             flush=True,
         )
@@ -307,10 +370,10 @@ def main(args: argparse.Namespace) -> int:
         if args.show_demo:
             from loraserve.demo.client import show_demo
 
-            show_demo(args.bind)
+            show_demo(args.bind, **_demo_client_options(tls))
             if args.exit_after_demo:
                 return 0
-            print(HOW_TO_CALL.format(address=args.bind), flush=True)
+            print(HOW_TO_CALL.format(address=args.bind) if tls is None else HOW_TO_CALL_TLS, flush=True)
         while not stop.is_set():
             if args.restart:
                 stack.tick()
@@ -332,16 +395,19 @@ def main(args: argparse.Namespace) -> int:
 HOW_TO_CALL = """
 The stack keeps serving. Call it from Python:
 
-    import grpc
-    from loraserve.v1 import gateway_pb2, gateway_pb2_grpc
-    stub = gateway_pb2_grpc.LoraServeStub(grpc.insecure_channel("{address}"))
-    for event in stub.GenerateStream(gateway_pb2.GenerateRequest(adapter="upper", text="the quiet king")):
-        print(event.chunk.text, end="", flush=True)
+    from loraserve.client import Client
+    with Client("{address}") as client:
+        print(client.generate("the quiet king", adapter="upper").text)
 
 or with grpcurl (server reflection is on):
 
     grpcurl -plaintext -d '{{"adapter": "rot13", "text": "the quiet king"}}' \\
         {address} loraserve.v1.LoraServe/GenerateStream
 
+Ctrl-C stops every process.
+"""
+
+HOW_TO_CALL_TLS = """
+The stack keeps serving, over TLS: README's "TLS" shows a Python client and grpcurl with -cacert.
 Ctrl-C stops every process.
 """

@@ -115,6 +115,14 @@ class Role:
     command: list[str]
     health_address: str | None = None  # host:port of its gRPC health service, if it has one
     stop_group: int = 0  # stop() stops lower groups first, and waits for them
+    health_channel: Callable[[str], grpc.Channel] = grpc.insecure_channel  # a TLS gateway: a secure channel
+
+    def check_health(self, timeout_s: float = 1.0) -> health_pb2.HealthCheckResponse.ServingStatus:
+        """Its health service's answer; raises grpc.RpcError when it does not answer."""
+        assert self.health_address is not None, f"{self.name} has no health service"
+        with self.health_channel(self.health_address) as channel:
+            request = health_pb2.HealthCheckRequest()
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s).status
 
 
 class Supervisor:
@@ -202,7 +210,7 @@ class Supervisor:
             process = self.children.get(name)
             if role.health_address is None or process is None or process.poll() is not None:
                 continue
-            if self._answers(role.health_address):
+            if self._answers(role):
                 self._failed_checks[name] = 0
                 continue
             self._failed_checks[name] += 1
@@ -214,11 +222,10 @@ class Supervisor:
                 process.kill()
                 process.wait()
 
-    def _answers(self, address: str) -> bool:
+    def _answers(self, role: Role) -> bool:
         """Does the role's health service answer at all (SERVING or not)?"""
-        with grpc.insecure_channel(address) as channel:
-            try:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            except grpc.RpcError:
-                return False
+        try:
+            role.check_health()
+        except grpc.RpcError:
+            return False
         return True

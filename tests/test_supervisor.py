@@ -206,7 +206,11 @@ def test_up_restarts_a_killed_worker_and_gateway_and_keeps_serving(tmp_path):
     with open(log_path, "w") as log:
         up = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
+        _until(lambda: "worker" in _children(up.pid), 30)
+        starting = _children(up.pid)["worker"]
+        subprocess.run(["kill", "-9", str(starting)], check=True)  # while `up` still waits for health
         _until(lambda: _serving(gateway) and _worker_ready(scheduler), 120)
+        assert up.poll() is None, "a role that dies during start-up is restarted, not fatal"
         before = _generate(gateway)
         for role in ("worker", "gateway"):
             old = _children(up.pid)[role]
