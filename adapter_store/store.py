@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -52,10 +51,10 @@ from loraserve.errors import (
     ResourceExhaustedError,
 )
 from loraserve.model_config import ModelConfig
+from loraserve.names import STORE_NAME
 
 log = logging.getLogger(__name__)
 
-NAME_PATTERN = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9_-]{0,63}~)?[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # [TENANT~]NAME
 WEIGHTS_FORMATS = tuple(WEIGHTS_FILES.values())
 
 
@@ -106,7 +105,7 @@ def check_name(name: str, field: str = "name") -> None:
     """Raise InvalidRequestError unless `name` is a valid adapter name."""
     if not name:
         raise InvalidRequestError(field, "required: the adapter's name")
-    if not NAME_PATTERN.fullmatch(name):
+    if not STORE_NAME.fullmatch(name):
         raise InvalidRequestError(
             field,
             f"{name[:140]!r} is not a valid adapter name: 1-128 characters, letters, digits, '.', '_' or '-', "

@@ -35,6 +35,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save_file
 
+from loraserve.adapter_config import PARENT
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.model_config import ModelConfig
 from loraserve.worker.adapters import load_adapter_bytes
@@ -52,15 +53,6 @@ LLAMA_7B = {
     "rms_norm_eps": 1e-5,
     "hidden_act": "silu",
     "torch_dtype": "float16",
-}
-PARENT = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
 }
 ADAPTER_NAME = "bench-7b"
 

@@ -22,18 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
+from loraserve.adapter_config import PARENT
 from loraserve.model_config import ModelConfig
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_PARENT = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
 
 
 @dataclass(frozen=True)
@@ -79,7 +71,7 @@ class SyntheticAdapters:
         for layer in range(model.num_layers):
             for module in self.target_modules:
                 d_in, d_out = model.module_shape(module)
-                prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+                prefix = f"base_model.model.model.layers.{layer}.{PARENT[module]}.{module}"
                 out[f"{prefix}.lora_A.weight"] = (torch.randn(rank, d_in, generator=g) * self.std).to(self.dtype)
                 out[f"{prefix}.lora_B.weight"] = (torch.randn(d_out, rank, generator=g) * self.std).to(self.dtype)
         return out

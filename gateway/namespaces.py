@@ -15,16 +15,11 @@ Names in the public API never contain '~' (the same pattern as before tenants), 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.auth import Principal
-from loraserve.gateway.tenants import TENANT_NAME
-
-SEPARATOR = "~"
-PUBLIC_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the name clients always used
-QUALIFIED_NAME = re.compile(rf"(?:({TENANT_NAME.pattern}){SEPARATOR})?({PUBLIC_NAME.pattern})")
+from loraserve.names import PUBLIC_NAME, SEPARATOR, STORE_NAME
 
 
 def owner_of(store_name: str) -> str:
@@ -46,7 +41,7 @@ class Namespace:
 
     def valid(self, name: str) -> bool:
         """Whether this caller may write `name` in a request."""
-        return (QUALIFIED_NAME if self.admin else PUBLIC_NAME).fullmatch(name) is not None
+        return (STORE_NAME if self.admin else PUBLIC_NAME).fullmatch(name) is not None
 
     def check(self, name: str, field: str = "name") -> str:
         """`name` if this caller may write it in a request; InvalidRequestError naming `field` otherwise."""

@@ -32,7 +32,7 @@ from loraserve.gateway.adapter_versions import AdapterVersion, AdapterVersions
 from loraserve.gateway.audit import AuditRecord, audited
 from loraserve.gateway.auth import Authenticator, Principal
 from loraserve.gateway.failover import FailoverConfig, FailoverStream, Streams
-from loraserve.gateway.namespaces import PUBLIC_NAME, Namespace
+from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.quotas import QuotaExceededError, Quotas
 from loraserve.gateway.stops import StopFilter
 from loraserve.gateway.tenant_adapters import TenantAdapters, renamed_uploads, shown
@@ -179,7 +179,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         tracer = telemetry.tracer()
         ns = Namespace.of(principal)
         with tracer.start_as_current_span("gateway.validate"):
-            valid = self._validate(request, ns)
+            valid = validate_generate(request, self.limits, lambda name: ns.check(name, "adapter"))
         with tracer.start_as_current_span("gateway.tokenize"):
             prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
             check_context(prompt_ids, valid.sampling, self.limits)
@@ -189,17 +189,6 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                 store_name, version = await self.adapters.resolve(ns, valid.adapter)
             valid = replace(valid, adapter=store_name)  # what workers fetch: TENANT~NAME or a public name
         return valid, prompt_ids, version
-
-    def _validate(self, request: gateway_pb2.GenerateRequest, ns: Namespace) -> ValidRequest:
-        """`validate_generate`, with the adapter name checked by the caller's namespace rules (an
-        admin may name another tenant's adapter, TENANT~NAME)."""
-        if not request.adapter or PUBLIC_NAME.fullmatch(request.adapter):
-            return validate_generate(request, self.limits)
-        name = ns.check(request.adapter, "adapter")
-        plain = gateway_pb2.GenerateRequest()
-        plain.CopyFrom(request)
-        plain.ClearField("adapter")
-        return replace(validate_generate(plain, self.limits), adapter=name)
 
     async def _submit(
         self,

@@ -16,17 +16,13 @@ secrets: only digests of keys (`loraserve keys new` makes a key and its line).
 from __future__ import annotations
 
 import enum
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.errors import InvalidConfigError
+from loraserve.names import SHA256_HEX, TENANT_NAME
 
-# A tenant's name prefixes its adapters' names in the store (`TENANT~NAME`): no '~' or '.', so a
-# namespaced name is never ambiguous and never a public one.
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _KEYS = {"name", "api_key_sha256", "scopes", "max_concurrent", "tokens_per_minute"}
 
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
+from loraserve.names import PUBLIC_NAME
 from loraserve.params import SamplingParams
 from loraserve.v1 import gateway_pb2
-
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,14 @@ class ValidRequest:
     client_request_id: str
 
 
-def validate_generate(request: gateway_pb2.GenerateRequest, limits: Limits) -> ValidRequest:
+def validate_generate(
+    request: gateway_pb2.GenerateRequest, limits: Limits, check_adapter: Callable[[str], str] | None = None
+) -> ValidRequest:
+    """Every field checked; `check_adapter(name)` (default: a public name) returns the adapter name or raises."""
     adapter = request.adapter or None
-    if adapter is not None and not ADAPTER_NAME.match(adapter):
+    if adapter is not None and check_adapter is not None:
+        adapter = check_adapter(adapter)
+    elif adapter is not None and not PUBLIC_NAME.fullmatch(adapter):
         raise InvalidRequestError("adapter", f"{adapter[:64]!r} is not a valid adapter name")
     kind = request.WhichOneof("prompt")
     text, ids = None, None

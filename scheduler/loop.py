@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ from loraserve.dispatch import Dispatcher
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
 from loraserve.log_limit import RateLimitedLog
+from loraserve.names import SHA256_HEX
 from loraserve.scheduler import metrics
 from loraserve.scheduler.policy import (
     AssignTo,
@@ -55,7 +55,6 @@ from loraserve.v1 import scheduler_pb2
 from loraserve.wire import MAX_ID, MAX_LIST, Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
 
 log = logging.getLogger(__name__)
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass

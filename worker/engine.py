@@ -21,6 +21,7 @@ and running queues, `UnifiedPool` the pool tensor, its pages, resident adapters 
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import time
@@ -48,6 +49,14 @@ from loraserve.worker.step_scheduler import StepPlan, StepScheduler
 from loraserve.worker.unified_pool import UnifiedPool
 
 log = logging.getLogger(__name__)
+
+
+class Cached(enum.Enum):
+    """`Engine.cached`'s answer."""
+
+    YES = "yes"
+    NO = "no"  # fetch it
+    STALE_IN_USE = "stale_in_use"  # cached with other weights that running requests still use
 
 
 @dataclass
@@ -181,6 +190,17 @@ class Engine:
         else:
             raise ValueError("register_adapter needs a path, or config_json and weights")
         return self.add_adapter(name, adapter, version)
+
+    def cached(self, key: AdapterKey, sha256: str | None = None) -> Cached:
+        """Does the engine hold `key` with weights hashing to `sha256` (None: any weights)? A copy with
+        other weights (the store lost its data and gave the number out again) is dropped from host
+        RAM and from the pool at once, unless requests still run with it (STALE_IN_USE)."""
+        if self.registry.has(key, sha256):
+            return Cached.YES
+        if self.registry.has(key):
+            return Cached.STALE_IN_USE
+        self.pool.discard_stale(key)
+        return Cached.NO
 
     def add_adapter(self, name: str, adapter: LoraAdapter, version: int | None = None) -> AdapterKey:
         """Register an adapter that is already validated."""

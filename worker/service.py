@@ -46,7 +46,7 @@ from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
 from loraserve.wire import AdapterKey, Assign, Cancel, Prefetch, StepTokens, Tokens, WireError, WorkerReport, decode
 from loraserve.worker import metrics
 from loraserve.worker.adapters import load_adapter_bytes
-from loraserve.worker.engine import Engine, GenerateRequest, StepOutput
+from loraserve.worker.engine import Cached, Engine, GenerateRequest, StepOutput
 from loraserve.worker.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -193,17 +193,16 @@ class WorkerService:
             return
         self._send(assign.reply_to, Tokens(assign.request_id, [], self.config.worker_id))  # "it reached a worker"
         key = (assign.adapter, assign.adapter_version) if assign.adapter else None
-        registry, expected = self.engine.registry, assign.adapter_sha256 or None
-        if key is None or registry.has(key, expected):
+        cached = Cached.YES if key is None else self.engine.cached(key, assign.adapter_sha256 or None)
+        if cached is Cached.YES:
             if key is not None:
                 tracked.adapter_source = "hit" if self.engine.pool.is_resident(key) else "prefetched"
             self._start(tracked)
             return
-        if registry.has(key):  # cached with other weights (the store lost its data), still in use here
+        if cached is Cached.STALE_IN_USE:
             message = f"adapter {key[0]} v{key[1]} changed in the store while requests still use the old weights"
             self._end(assign.request_id, error_status="UNAVAILABLE", error=f"{message}; retry shortly")
             return
-        self.engine.pool.discard_stale(key)  # a stale copy `has` just dropped may still sit in the pool
         tracked.adapter_source = "cold"
         if key not in self.awaiting:
             self.awaiting[key] = []

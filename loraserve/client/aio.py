@@ -38,12 +38,7 @@ class AsyncClient:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         credentials = api.channel_credentials(tls, root_certificates, private_key, certificate_chain)
-        options = list(channel_options)
-        self._channel = (
-            grpc.aio.secure_channel(address, credentials, options)
-            if credentials is not None
-            else grpc.aio.insecure_channel(address, options)
-        )
+        self._channel = api.open_channel(grpc.aio, address, credentials, channel_options)
         self._stub = gateway_pb2_grpc.LoraServeStub(self._channel)
         self._settings = Settings(api.auth_metadata(api_key), deadlines, retry)
         self._sleep = sleep

@@ -269,5 +269,18 @@ def channel_credentials(
     return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
 
 
+def open_channel(
+    grpc_module: Any,
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    channel_options: Sequence[tuple[str, Any]],
+) -> Any:
+    """A channel from `grpc` or `grpc.aio` (the same two calls in both), TLS when given credentials."""
+    options = list(channel_options)
+    if credentials is None:
+        return grpc_module.insecure_channel(address, options)
+    return grpc_module.secure_channel(address, credentials, options)
+
+
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()

@@ -41,12 +41,7 @@ class Client:
         sleep: Callable[[float], None] = time.sleep,
     ):
         credentials = api.channel_credentials(tls, root_certificates, private_key, certificate_chain)
-        options = list(channel_options)
-        self._channel = (
-            grpc.secure_channel(address, credentials, options)
-            if credentials is not None
-            else grpc.insecure_channel(address, options)
-        )
+        self._channel = api.open_channel(grpc, address, credentials, channel_options)
         self._stub = gateway_pb2_grpc.LoraServeStub(self._channel)
         self._settings = Settings(api.auth_metadata(api_key), deadlines, retry)
         self._sleep = sleep
