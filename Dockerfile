@@ -20,8 +20,9 @@ COPY demo demo
 COPY proto proto
 RUN pip install ".[s3]"
 
-# Adapters to register by path go under /adapters (mounted read-only); the store keeps its own in /data.
-RUN useradd --create-home loraserve && mkdir -p /adapters /data && chown loraserve /adapters /data
+# Adapters to register by path go under /adapters (mounted read-only); the store keeps its own in /data;
+# /keys holds the internal keys (compose's internal-keys volume).
+RUN useradd --create-home loraserve && mkdir -p /adapters /data /keys && chown loraserve /adapters /data /keys
 USER loraserve
 ENTRYPOINT ["loraserve"]
 CMD ["--help"]

@@ -1,15 +1,21 @@
 # The two commands a newcomer runs on a fresh machine:
 #   make run   — set up, start the whole stack on the embedded demo model, stream a few generations
-#   make test  — set up, lint, run the whole test suite
+#                (gRPC on 127.0.0.1:50051, the OpenAI-compatible HTTP API on 127.0.0.1:8000)
+#   make test  — set up, lint (Python and protos), run the whole test suite
 # Both create .venv in the repo on first use; later runs skip the set-up while pyproject.toml is unchanged.
+# make test also installs the buf CLI from npm into node_modules (package.json), again only when it changed.
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+NPM_STAMP := node_modules/.installed
+BUF       := node_modules/.bin/buf
+# The release `buf breaking` compares with: the newest baseline in proto/releases (`make proto-release`).
+PROTO_BASELINE = $(shell ls proto/releases/loraserve-*.json 2>/dev/null | sort -V | tail -n 1)
 
-.PHONY: run test lint setup clean-venv demo-assets protos gpu-check
+.PHONY: run test lint setup clean-venv demo-assets protos proto-check proto-release gpu-check
 
 setup: $(STAMP)
 
@@ -27,11 +33,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+test: lint proto-check
 	$(VENV)/bin/pytest
 
 run: $(STAMP)
-	$(VENV)/bin/loraserve up --show-demo
+	$(VENV)/bin/loraserve up --show-demo --http-bind 127.0.0.1:8000
 
 # The GPU suite (tests, kernel benchmark, 7B-shaped engine, stack) on a CUDA machine, into out/gpu-check.
 # Set TORCH to a CUDA build of torch there. On a bare GPU machine without a venv: deploy/gpu-check.sh.
@@ -45,6 +51,35 @@ demo-assets: $(STAMP)
 # Regenerate the committed gRPC stubs in loraserve/v1 from proto/ (a test checks they are current).
 protos: $(STAMP)
 	$(PY) -m loraserve.protos
+
+# buf, pinned in package.json and package-lock.json (`npm install` there after changing the version).
+# Not `npm ci`: it refuses a lockfile without all of buf's per-platform binary packages, and the lockfile
+# holds only those of Linux (the registry this was locked against serves no others); `npm install
+# --no-save` installs what the lockfile pins and leaves it as it is. --ignore-scripts: buf's postinstall
+# only fetches its binary when npm did not install it.
+$(NPM_STAMP): package.json package-lock.json
+	@command -v npm >/dev/null 2>&1 || { echo "make: 'npm' not found: make test lints the protos with buf, which is installed from npm (package.json); install Node.js and npm, then retry" >&2; exit 1; }
+	npm install --no-save --ignore-scripts --no-audit --no-fund
+	@touch $(NPM_STAMP)
+
+# Lint the protos (rules and deliberate exceptions: buf.yaml), then fail on any change that breaks
+# clients of the last release of loraserve.v1.
+proto-check: $(NPM_STAMP)
+	@echo "$(BUF) lint"
+	@$(BUF) lint || { echo "make proto-check: 'buf lint' failed on the findings above: fix the .proto files, or add a deliberate exception, with its reason, to buf.yaml" >&2; exit 1; }
+	@test -n "$(PROTO_BASELINE)" || { echo "make proto-check: no release baseline in proto/releases: run 'make proto-release VERSION=...'" >&2; exit 1; }
+	@echo "$(BUF) breaking --against $(PROTO_BASELINE)"
+	@$(BUF) breaking --against $(PROTO_BASELINE) || { echo "make proto-check: 'buf breaking' failed: the changes above break clients of loraserve.v1 as released in $(PROTO_BASELINE). Add instead of changing (new fields, new RPCs; deprecate, do not delete), or start loraserve.v2" >&2; exit 1; }
+
+# At a release: record the protos as they are now as the baseline proto-check compares with (VERSION=0.2.0).
+proto-release: $(NPM_STAMP)
+	@test -n "$(VERSION)" || { echo "make proto-release: name the release: make proto-release VERSION=0.2.0" >&2; exit 1; }
+	@test ! -e proto/releases/loraserve-$(VERSION).json || { echo "make proto-release: proto/releases/loraserve-$(VERSION).json exists already" >&2; exit 1; }
+	@mkdir -p proto/releases
+	$(BUF) build --exclude-source-info -o proto/releases/.image.json
+	$(PYTHON) -m json.tool --indent 1 proto/releases/.image.json proto/releases/loraserve-$(VERSION).json
+	@rm proto/releases/.image.json
+	@echo "wrote proto/releases/loraserve-$(VERSION).json: commit it"
 
 clean-venv:
 	rm -rf $(VENV)

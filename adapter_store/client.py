@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from loraserve import errors
+from loraserve.internal_auth import Curve
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket, send
 from loraserve.wire import AdapterPayload, FetchAdapter, FetchFailed, WireError, decode
@@ -50,10 +51,13 @@ class FetchedAdapter:
 
 
 class AdapterFetcher:
-    def __init__(self, address: str, timeout_s: float = 10.0, ctx: zmq.Context | None = None):
+    def __init__(
+        self, address: str, timeout_s: float = 10.0, ctx: zmq.Context | None = None, curve: Curve | None = None
+    ):
+        """`curve`: a worker's CURVE client options for the store's authenticated data port."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.address, self.timeout_s = address, timeout_s
+        self.address, self.timeout_s, self.curve = address, timeout_s, curve
         self._ctx = ctx or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._dropped = RateLimitedLog(log)  # a store sending garbage must not flood the worker's log
@@ -71,7 +75,7 @@ class AdapterFetcher:
         them (or none was sent), or the error matching another status the store reports.
         """
         if self._sock is None:
-            self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.address)
+            self._sock = make_socket(self._ctx, zmq.DEALER, connect=self.address, curve=self.curve)
         sock = self._sock
         send(sock, FetchAdapter(name=name, version=version, trace=dict(trace or {})))
         deadline = time.monotonic() + self.timeout_s

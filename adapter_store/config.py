@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraserve.errors import InvalidConfigError
+from loraserve.internal_auth import InternalKeys
 
 MIB = 2**20
 GIB = 2**30
@@ -87,6 +88,7 @@ class StoreConfig:
     preload: tuple[tuple[str, Path], ...] = ()  # (name, directory) registered before SERVING
     purge_interval_s: float = 10.0  # how often expired versions are dropped when nothing else does it
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)  # RAM only unless set (main sets it)
+    keys: InternalKeys | None = None  # data port admits workers only; gRPC needs the internal token
 
     def __post_init__(self) -> None:
         if not self.bind:

@@ -25,6 +25,7 @@ import zmq
 from loraserve import telemetry
 from loraserve.adapter_store.store import AdapterStore
 from loraserve.errors import LoraserveError
+from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket, send
 from loraserve.supervise import RoleFailed, watch_thread
@@ -36,12 +37,15 @@ POLL_MS = 100  # how often the loop looks at the stop flag
 
 
 class DataPlane:
-    def __init__(self, store: AdapterStore, address: str):
+    def __init__(self, store: AdapterStore, address: str, keys: InternalKeys | None = None):
+        """With `keys`, a CURVE server that serves workers only: any other peer cannot even connect."""
         self.store, self.address = store, address
         self._ctx = zmq.Context()
+        self._auth = keys.authenticator(self._ctx) if keys is not None else None
         try:
-            self._sock = make_socket(self._ctx, zmq.ROUTER, bind=address)
+            self._sock = make_socket(self._ctx, zmq.ROUTER, bind=address, curve=keys.server() if keys else None)
         except zmq.ZMQError:
+            self._stop_auth()
             self._ctx.term()
             raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port when bound to ":*"
@@ -81,7 +85,13 @@ class DataPlane:
 
     def _close(self) -> None:
         self._sock.close(linger=0)
+        self._stop_auth()
         self._ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def _serve_one(self, frames: list) -> None:
         peer = frames[0].bytes if frames else b""

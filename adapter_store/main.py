@@ -35,7 +35,9 @@ from loraserve.adapter_store.service import AdapterStoreService
 from loraserve.adapter_store.store import AdapterStore
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
+from loraserve.grpc_token import server_interceptors
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
+from loraserve.internal_auth import add_internal_keys_argument, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.model_config import ModelConfig
 from loraserve.process import run_service
@@ -99,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds a superseded or deleted version stays fetchable for requests in flight",
     )
+    add_internal_keys_argument(parser)
     telemetry.add_tracing_arguments(parser)
     add_metrics_arguments(parser)
 
@@ -128,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         adapter_root=args.adapter_root,
         preload=tuple(preload),
         persistence=persistence_from_args(args),
+        keys=load_optional(args.internal_keys, "store"),
     )
 
 
@@ -190,9 +194,9 @@ async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
 
 async def _serve(config: StoreConfig, model: ModelConfig, catalog: Catalog | None, stop_event: threading.Event) -> None:
     store = AdapterStore(model, config.limits, adapter_root=config.adapter_root, catalog=catalog)
-    data_plane = DataPlane(store, config.data_address)
+    data_plane = DataPlane(store, config.data_address, config.keys)
     try:
-        server, port = new_server(config.bind)
+        server, port = new_server(config.bind, server_interceptors(config.keys.token if config.keys else None))
     except BaseException:
         data_plane.stop()
         raise

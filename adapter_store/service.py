@@ -110,15 +110,15 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         unsubscribe = self.store.subscribe(lambda: loop.call_soon_threadsafe(changed.set))
-        told: dict[str, tuple[int, str]] = {}
+        told: dict[str, tuple[int, str, int]] = {}
         try:
             synced = False
             while True:
                 changed.clear()
-                current = {r.name: (r.version, r.sha256) for r in self.store.list()}
-                for name, (version, sha256) in current.items():
-                    if told.get(name) != (version, sha256):
-                        yield adapter_store_pb2.AdapterChange(name=name, version=version, sha256=sha256)
+                current = {r.name: (r.version, r.sha256, r.rank) for r in self.store.list()}
+                for name, (version, sha256, rank) in current.items():
+                    if told.get(name) != (version, sha256, rank):
+                        yield adapter_store_pb2.AdapterChange(name=name, version=version, sha256=sha256, rank=rank)
                 for name in told.keys() - current.keys():
                     yield adapter_store_pb2.AdapterChange(name=name, deleted=True)
                 told = current

@@ -55,6 +55,7 @@ from loraserve.bench.chaos_report import (
 )
 from loraserve.bench.stack_system import _upload
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
+from loraserve.grpc_utils import internal_channel
 from loraserve.launcher import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -86,7 +87,7 @@ async def _run(stack: LocalStack, config: ChaosConfig, synthetic: SyntheticAdapt
     adapters, requests = chaos_requests(config)
     async with (
         grpc.aio.insecure_channel(stack.address) as channel,
-        grpc.aio.insecure_channel(stack.ports.scheduler) as scheduler_channel,
+        internal_channel(stack.ports.scheduler, stack.internal_token) as scheduler_channel,
     ):
         api = gateway_pb2_grpc.LoraServeStub(channel)
         chaos = Chaos(stack, scheduler_pb2_grpc.SchedulerStub(scheduler_channel), config)

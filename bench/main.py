@@ -15,6 +15,10 @@ vs_adapters.png / vs_rate.png, and prints a table and the ratios that matter.
 
 `--suite chaos` runs the failover benchmark instead (`bench/chaos.py`): steady load on many
 adapters while workers are killed, stopped and drained at random, against an undisturbed run.
+
+`--suite scheduling` compares the default scheduling policy with `fcfs` on the same traces
+(`bench/scheduling.py`): a simulated stack driving the real policy, with step costs measured on the
+real engine.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench import chaos
+from loraserve.bench import chaos, scheduling
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -40,7 +44,7 @@ log = logging.getLogger(__name__)
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
-SUITES = ("serving", "chaos")  # chaos: steady load while workers are killed and restarted (bench/chaos.py)
+SUITES = ("serving", "chaos", "scheduling")  # chaos: bench/chaos.py; scheduling: bench/scheduling.py
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
@@ -71,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--suite",
         choices=SUITES,
         default="serving",
-        help="serving: the systems on the synthetic trace; chaos: failover under killed workers (bench/chaos.py)",
+        help="serving: the systems on the synthetic trace; chaos: failover under killed workers (bench/chaos.py); "
+        "scheduling: the default policy against fcfs (bench/scheduling.py)",
     )
 
     def preset(key: str) -> str:
@@ -132,6 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     chaos.add_arguments(p)
+    scheduling.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -370,6 +376,8 @@ def print_report(rows: list[dict], rate: float) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.suite == "chaos":
         return chaos.main(args)
+    if args.suite == "scheduling":
+        return scheduling.main(args)
     args = _resolved(args)
     quiet = max(logging.WARNING, logging.getLogger().level)
     for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):

@@ -19,6 +19,7 @@ import grpc
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workload import Trace, TraceRequest
+from loraserve.grpc_utils import internal_channel
 from loraserve.launcher import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -103,7 +104,7 @@ async def _stream(api: gateway_pb2_grpc.LoraServeStub, request: TraceRequest, re
 
 
 async def _cluster_stats(stack: LocalStack) -> dict:
-    async with grpc.aio.insecure_channel(stack.ports.scheduler) as channel:
+    async with internal_channel(stack.ports.scheduler, stack.internal_token) as channel:
         state = await scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
             scheduler_pb2.GetClusterStateRequest(), timeout=10
         )

@@ -34,6 +34,12 @@ from loraserve.demo.styles import STYLES, restyle_after, shows_style
 log = logging.getLogger("loraserve.demo.build")
 
 DEMO_DIR = Path(__file__).resolve().parent
+# The demo model continues text (no chat tuning): a conversation is its turns' text, joined, so the
+# OpenAI chat endpoint works out of the box (`gateway/chat_template.py` renders it).
+CHAT_TEMPLATE = (
+    "{# The demo model continues text: a conversation is its turns' text, joined (system turns dropped). #}"
+    "{{ bos_token }}{{ messages | rejectattr('role', 'equalto', 'system') | map(attribute='content') | join(' ') }}"
+)
 SEED = 1234
 SEQ_LEN = 128
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Llama
@@ -129,6 +135,7 @@ def train_tokenizer(rng: random.Random, out: Path, vocab_size: int = 1024):
                 "pad_token": "</s>",
                 "model_max_length": 512,
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

@@ -29,6 +29,7 @@ class AdapterVersion:
 
     version: int = 0
     sha256: str = ""  # of its weights file: workers check their cached copy against it
+    rank: int = 0  # LoRA rank (0: the base model, or not known): the scheduler weighs requests by it
 
 
 class AdapterVersions:
@@ -50,13 +51,13 @@ class AdapterVersions:
         elif change.deleted:
             target.pop(change.name, None)
         else:
-            target[change.name] = AdapterVersion(change.version, change.sha256)
+            target[change.name] = AdapterVersion(change.version, change.sha256, change.rank)
 
     def learned(self, info: common_pb2.AdapterInfo) -> None:
         """A registration answered through this gateway: the new version, before the watch says so."""
         known = self._current.get(info.name)
         if known is None or known.version <= info.version:
-            self._current[info.name] = AdapterVersion(info.version, info.sha256)
+            self._current[info.name] = AdapterVersion(info.version, info.sha256, info.rank)
 
     def forget(self, name: str) -> None:
         self._current.pop(name, None)

@@ -1,4 +1,6 @@
 """`loraserve keys new --tenant NAME`: a fresh API key, and the auth-file lines that admit it.
+`loraserve keys internal --out DIR`: the internal keys of a stack whose roles run apart (see
+`loraserve/internal_auth.py` for which machine needs which file).
 
 The key is printed once and kept nowhere: the auth file holds only its SHA-256. Give the key to
 the tenant; add the lines to the auth file (or only the digest to an existing tenant's
@@ -12,14 +14,20 @@ import hashlib
 import secrets
 import sys
 
+from loraserve import internal_auth
 from loraserve.gateway.tenants import TENANT_NAME, Scope
 
 KEY_BYTES = 32  # 256 bits of randomness
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["new"], help="new: print a fresh random API key and the lines to add")
-    parser.add_argument("--tenant", required=True, help="the tenant the key is for")
+    parser.add_argument(
+        "action",
+        choices=["new", "internal"],
+        help="new: print a fresh random API key and the lines to add; internal: make a stack's internal keys in --out",
+    )
+    parser.add_argument("--tenant", default=None, help="new: the tenant the key is for")
+    parser.add_argument("--out", default=None, help="internal: the directory to make (keys already there are kept)")
     parser.add_argument(
         "--scopes",
         default="generate",
@@ -40,6 +48,11 @@ def tenant_table(tenant: str, digest: str, scopes: list[str]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.action == "internal":
+        return _internal(args.out)
+    if args.tenant is None:
+        print("keys new: --tenant NAME is required", file=sys.stderr)
+        return 2
     if not TENANT_NAME.fullmatch(args.tenant):
         print(
             f"--tenant {args.tenant!r}: 1-64 letters, digits, '_' or '-', starting with one of the first two",
@@ -58,4 +71,14 @@ def main(args: argparse.Namespace) -> int:
     print("Add to the auth file (or add the digest to the tenant's api_key_sha256 list), then SIGHUP the gateway:")
     print()
     print(tenant_table(args.tenant, digest, scopes), end="")
+    return 0
+
+
+def _internal(out: str | None) -> int:
+    if out is None:
+        print("keys internal: --out DIR is required", file=sys.stderr)
+        return 2
+    path = internal_auth.generate(out)
+    print(f"internal keys in {path}: give every role --internal-keys with a copy holding every *.key, its own")
+    print("ROLE.key_secret, and (gateway, scheduler, store) internal-grpc.token; workers never need the token.")
     return 0

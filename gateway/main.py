@@ -9,6 +9,9 @@ it the gateway is open, and binds loopback only unless `--insecure-no-auth` (`ga
 
 `--tls-cert`/`--tls-key` serve the public port (health and reflection included) over TLS, and
 `--tls-client-ca` makes it mutual TLS (`gateway/tls.py`); TLS does not replace the auth file.
+
+`--http-bind` also serves the OpenAI-compatible HTTP API (`gateway/http/`) from this process: same
+keys, same bind rule, same TLS files, same drain.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from loraserve.gateway.tls import add_tls_arguments, load_server_tls
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
+from loraserve.internal_auth import add_internal_keys_argument, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.model_config import ModelConfig
 from loraserve.process import add_drain_argument, run_service
@@ -55,6 +59,11 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"].full_name
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="127.0.0.1:50051", help="public gRPC address")
+    parser.add_argument(
+        "--http-bind",
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000); unset: off",
+    )
     add_auth_arguments(parser)
     add_tls_arguments(parser)
     parser.add_argument(
@@ -63,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", default="127.0.0.1:7100", help="the scheduler's gRPC address")
     parser.add_argument("--store", default="127.0.0.1:7300", help="the adapter store's gRPC address")
     parser.add_argument("--token-address", default="tcp://127.0.0.1:7201", help="ZMQ address the token sink binds")
+    add_internal_keys_argument(parser)
     parser.add_argument(
         "--token-advertise", default=None, help="address workers push tokens to (default: --token-address)"
     )
@@ -163,6 +173,8 @@ async def _drain_on_stop(service: LoraServeService, health, stop_event, drained:
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
     check_bind(args.bind, args.auth_file, args.insecure_no_auth)
+    if args.http_bind:
+        check_bind(args.http_bind, args.auth_file, args.insecure_no_auth)
     tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     logging.getLogger("loraserve.audit").setLevel(logging.INFO)  # the audit trail shows at any --log-level
     auth = Authenticator(load_auth_file(args.auth_file) if args.auth_file is not None else None)
@@ -174,11 +186,13 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         max_context=args.max_context or model.max_position_embeddings,
         default_max_new_tokens=args.default_max_new_tokens,
     )
-    sink = TokenSink(args.token_address)
+    keys = load_optional(args.internal_keys, "gateway")
+    token = keys.token if keys is not None else None
+    sink = TokenSink(args.token_address, keys)
     if args.token_advertise:
         sink.address = args.token_advertise
-    scheduler = scheduler_pb2_grpc.SchedulerStub(internal_channel(args.scheduler))
-    store = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(args.store))
+    scheduler = scheduler_pb2_grpc.SchedulerStub(internal_channel(args.scheduler, token))
+    store = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(args.store, token))
     config = GatewayConfig(
         Path(args.model).name,
         model.model_type,
@@ -186,6 +200,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace),
     )
     service = LoraServeService(config, limits, tokenizer, sink, scheduler, store, auth)
+    http = _http_server(args, service, tls) if args.http_bind else None  # its socket first: a busy port stops here
     server, port = new_server(args.bind, credentials=tls.credentials() if tls else None)
     gateway_pb2_grpc.add_LoraServeServicer_to_server(service, server)
     health = add_health_and_reflection(server, [SERVICE])
@@ -204,11 +219,23 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         "drain": _drain_on_stop(service, health, stop_event, drained, args.drain_timeout),
         "adapter versions": watch_store(store, service.adapter_versions),
     }
+    if http is not None:
+        tasks["http"] = http.run()
     try:
         await supervise("gateway", tasks, drained, health_off(health, [SERVICE]))
     finally:
         await server.stop(grace=2.0)
         sink.shutdown()
+
+
+def _http_server(args: argparse.Namespace, service: LoraServeService, tls):
+    """The OpenAI-compatible HTTP API on --http-bind (imported only then: FastAPI is not light)."""
+    from loraserve.gateway.http.server import HttpServer
+
+    http = HttpServer(service, args.model, args.http_bind, args.tls_cert, args.tls_key, args.tls_client_ca)
+    security = "HTTP" if tls is None else "HTTPS, mutual TLS" if tls.mutual else "HTTPS"
+    log.info("gateway: OpenAI-compatible API (%s) on %s (port %d)", security, args.http_bind, http.port)
+    return http
 
 
 def main(args: argparse.Namespace) -> int:

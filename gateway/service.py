@@ -9,6 +9,9 @@ mid-stream is replaced without the client noticing (`gateway/failover.py`).
 
 Draining (SIGTERM): `drain()` makes every new call UNAVAILABLE at once while the streams in flight
 go on; the process waits for them (up to its drain timeout) before it stops.
+
+The OpenAI-compatible HTTP edge (`gateway/http/`) runs its generations through this same path
+(`generate_events`, `authenticate`): it only translates requests in and events out.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import grpc
 from opentelemetry import trace
@@ -38,7 +42,7 @@ from loraserve.gateway.stops import StopFilter
 from loraserve.gateway.tenant_adapters import TenantAdapters, renamed_uploads, shown
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.token_sink import TokenSink
-from loraserve.gateway.validation import Limits, ValidRequest, check_context, validate_generate
+from loraserve.gateway.validation import Limits, ValidRequest, check_context, fairness_tenant, validate_generate
 from loraserve.grpc_utils import forward_stream, internal_call, refuse_stream
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
@@ -46,6 +50,17 @@ from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED quota refusal
+
+
+class CallContext(Protocol):
+    """What a generation needs from its call: `grpc.aio.ServicerContext` has it, and the HTTP edge's
+    `HttpCall` presents its request headers the same way."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]] | None: ...
+
+    def time_remaining(self) -> float | None: ...
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +118,19 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         async for event in self._generate(request, context):
             yield event
 
+    def generate_events(
+        self, request: gateway_pb2.GenerateRequest, call: CallContext
+    ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """One generation for an edge other than gRPC (`gateway/http/`): the same authentication, quotas,
+        validation, tracing, metrics, failover and downstream cancel as `GenerateStream`."""
+        return self._generate(request, call)
+
+    def authenticate(self, metadata: dict[str, str]) -> Principal:
+        """The caller of a call with `metadata` (lower-case keys); UNAVAILABLE for everyone while draining."""
+        if self.draining:
+            raise UnavailableError("this gateway is shutting down; retry on another one")
+        return self.auth.authenticate(metadata)
+
     async def _generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
@@ -155,8 +183,12 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             valid, prompt_ids, version = await self._prepare(request, principal)
             span.set_attribute("loraserve.adapter", valid.adapter or "")
 
+            tenant = fairness_tenant(principal.tenant, self.auth.open, metadata)
+
             async def submit(attempt_id: str, attempt: int, output_ids: list[int]) -> str:
-                return await self._submit(attempt_id, attempt, valid, prompt_ids, version, context, arrival, output_ids)
+                return await self._submit(
+                    attempt_id, attempt, valid, prompt_ids, version, context, arrival, output_ids, tenant
+                )
 
             stream = FailoverStream(request_id, self.sink, submit, self._cancel_downstream, self.config.failover)
             self.streams.add(stream)
@@ -200,6 +232,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         context,
         arrival: float,
         output_ids: list[int],
+        tenant: str = "",
     ) -> str:
         """Queue one attempt with the scheduler; returns the instance of the scheduler that took it."""
         remaining = context.time_remaining()
@@ -209,6 +242,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             adapter=valid.adapter or "",
             adapter_version=version.version,
             adapter_sha256=version.sha256,
+            adapter_rank=version.rank,
             sampling=sampling_to_pb(valid.sampling),
             max_new_tokens=valid.sampling.max_new_tokens,
             stop_token_ids=list(valid.sampling.stop_token_ids),
@@ -217,6 +251,8 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             arrival_unix=arrival,
             output_ids=output_ids,
             attempt=attempt,
+            tenant=tenant,
+            ttft_slo_s=valid.ttft_slo_s,
         )
         with telemetry.tracer().start_as_current_span("gateway.submit"):
             response = await internal_call(
@@ -397,9 +433,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
     def _principal(self, context) -> Principal:
         """The caller, authenticated; UNAVAILABLE for everyone while draining."""
-        if self.draining:
-            raise UnavailableError("this gateway is shutting down; retry on another one")
-        return self.auth.authenticate(_metadata(context))
+        return self.authenticate(_metadata(context))
 
     def _adapter_admin(self, context, record: AuditRecord, action: str, name: str = "") -> Namespace:
         """The caller's namespace, if it holds the `adapters` scope; who asked, for what, goes in the audit record."""

@@ -33,7 +33,7 @@ class TenantAdapters:
             if cached is not None:
                 return candidate, cached
         info = await self._find(candidates, name)
-        return info.name, AdapterVersion(info.version, info.sha256)
+        return info.name, AdapterVersion(info.version, info.sha256, info.rank)
 
     async def describe(self, ns: Namespace, name: str) -> common_pb2.AdapterInfo:
         return shown(ns, await self._find(ns.candidates(name), name))

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from loraserve.dispatch import Dispatcher
+from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket
 from loraserve.wire import StepTokens, Tokens, WireError, decode
@@ -26,9 +27,15 @@ log = logging.getLogger(__name__)
 class TokenSink:
     """The gateway's PULL socket and the per-request queues its messages are delivered to."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, keys: InternalKeys | None = None):
         self.ctx = zmq.asyncio.Context()
-        self.socket = make_socket(self.ctx, zmq.PULL, bind=address)
+        # With internal keys: a CURVE server that admits workers and the scheduler only.
+        self._auth = keys.authenticator(self.ctx) if keys is not None else None
+        try:
+            self.socket = make_socket(self.ctx, zmq.PULL, bind=address, curve=keys.server() if keys else None)
+        except BaseException:
+            self._stop_auth()
+            raise
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._streams: dict[str, asyncio.Queue[Tokens]] = {}
         self._dropped = RateLimitedLog(log)
@@ -64,4 +71,10 @@ class TokenSink:
 
     def shutdown(self) -> None:
         self.socket.close(linger=0)
+        self._stop_auth()
         self.ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
-from loraserve.names import PUBLIC_NAME
+from loraserve.names import PUBLIC_NAME, TENANT_NAME
 from loraserve.params import SamplingParams
 from loraserve.v1 import gateway_pb2
+
+MAX_TTFT_SLO_S = 86400.0
+CLIENT_METADATA = "x-loraserve-client"  # without an auth file: the caller's id, for fair scheduling
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class ValidRequest:
     sampling: SamplingParams
     stop: tuple[str, ...]
     client_request_id: str
+    ttft_slo_s: float = 0.0  # time-to-first-token target; 0: none
 
 
 def validate_generate(
@@ -80,7 +85,22 @@ def validate_generate(
     except InvalidRequestError as e:
         field = e.field if e.field in ("max_new_tokens", "stop_token_ids") else f"sampling.{e.field}"
         raise InvalidRequestError(field, str(e).split(": ", 1)[1]) from None
-    return ValidRequest(adapter, text, ids, sampling, tuple(request.stop), request.client_request_id)
+    if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
+        raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
+    return ValidRequest(
+        adapter, text, ids, sampling, tuple(request.stop), request.client_request_id, request.ttft_slo_s
+    )
+
+
+def fairness_tenant(tenant: str, open_access: bool, metadata: dict[str, str]) -> str:
+    """Whose request it is for the scheduler's per-tenant fairness: the authenticated tenant; with
+    open access (no auth file), the caller's `x-loraserve-client` metadata when it sends one."""
+    client = metadata.get(CLIENT_METADATA, "") if open_access else ""
+    if not client:
+        return tenant
+    if not TENANT_NAME.fullmatch(client):
+        raise InvalidRequestError(CLIENT_METADATA, "must be letters, digits, '-' or '_', at most 64 characters")
+    return client
 
 
 def check_context(prompt_ids: list[int], sampling: SamplingParams, limits: Limits) -> None:

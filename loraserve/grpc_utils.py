@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from loraserve import errors
 from loraserve.errors import InvalidRequestError
+from loraserve.grpc_token import token_interceptors
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -239,9 +240,12 @@ RECONNECT_OPTIONS = [
 ]
 
 
-def internal_channel(address: str) -> grpc.aio.Channel:
-    """A channel to another role: large messages, keepalive, reconnect backoff capped at 1 s."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+def internal_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
+    """A channel to another role: large messages, keepalive, reconnect backoff capped at 1 s; every
+    call carries the internal `token` when given (`loraserve/grpc_token.py`)."""
+    return grpc.aio.insecure_channel(
+        address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS, interceptors=token_interceptors(token)
+    )
 
 
 def new_server(

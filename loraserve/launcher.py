@@ -12,6 +12,9 @@ With `--tls-cert`/`--tls-key` (and `--tls-client-ca`) the gateway serves TLS (mu
 certificate and expecting the name `--tls-server-name` in it; under mutual TLS they present
 `--tls-client-cert`/`--tls-client-key`, which `up` therefore requires (`gateway/tls.py`).
 `--show-demo` calls the gateway the same way.
+
+`--http-bind` turns on the gateway's OpenAI-compatible HTTP API (`gateway/http/`); with
+`--show-demo` (`make run`) `up` then prints a curl and an openai-client example of it.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from loraserve import telemetry
+from loraserve import internal_auth, telemetry
 from loraserve.adapter_store.config import stack_data_dir
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.tls import ClientTls, add_tls_arguments, load_server_tls, load_up_client_tls
 from loraserve.process import add_drain_argument, become_service
+from loraserve.scheduler.policy import POLICIES
 from loraserve.supervisor import CrashLoop, Role, SupervisionConfig, Supervisor
 
 log = logging.getLogger(__name__)
@@ -73,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="worker device: cpu, cuda, or cuda:0,cuda:1,... one per worker")
     parser.add_argument("--bind", default="127.0.0.1:50051", help="the gateway's public gRPC address")
     parser.add_argument(
+        "--http-bind",
+        default=None,
+        help="the gateway's OpenAI-compatible HTTP address (e.g. 127.0.0.1:8000); unset: off",
+    )
+    parser.add_argument(
         "--auth-file", type=Path, default=None, help="the gateway's tenants and API keys (TOML; see README)"
     )
     parser.add_argument(
@@ -90,6 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the adapter store's data dir (default: one per stack: ~/.local/share/loraserve/stacks/PORT-MODELID)",
     )
+    parser.add_argument(
+        "--internal-keys",
+        default=None,
+        metavar="DIR",
+        help="the roles' internal keys (CURVE key pairs, internal gRPC token); made there if missing "
+        "(default: DATA_DIR.internal-keys, beside the data dir)",
+    )
     parser.add_argument("--pool-pages", type=int, default=None, help="pages of each worker's unified pool")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument(
@@ -106,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.5,
         help="seconds before a silent worker is dropped (requests fail over)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="the scheduler's scheduling policy (adaptive or fcfs; default: the scheduler's, adaptive)",
     )
     add_drain_argument(parser, "the gateway and each worker let streams finish (the stack drains in order)")
     parser.add_argument("--child-log-level", default="WARNING", help="log level of the roles")
@@ -169,11 +191,22 @@ def _flags(**values: object) -> list[str]:
     return [item for pair in pairs for item in pair]
 
 
+def internal_keys_dir(args: argparse.Namespace) -> Path:
+    """Where the stack's internal keys live (`supervisor` makes them when missing)."""
+    if args.internal_keys:
+        return Path(args.internal_keys)
+    data_dir = Path(args.data_dir or stack_data_dir(args.base_port, args.model))
+    return data_dir.with_name(data_dir.name + ".internal-keys")  # beside the store's data, not in it
+
+
 def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The command line of every role, in start order."""
     ports = Ports(args.base_port)
     base = [sys.executable, "-m", "loraserve.cli", "--log-level", args.child_log_level]
-    tracing = _flags(trace_exporter=args.trace_exporter, otlp_endpoint=args.otlp_endpoint)
+    # every role: tracing, and the keys of the authenticated internal planes
+    common = _flags(
+        trace_exporter=args.trace_exporter, otlp_endpoint=args.otlp_endpoint, internal_keys=internal_keys_dir(args)
+    )
     preloads = [item for spec in args.adapter for item in ("--preload", spec)]
     data_dir = args.data_dir or stack_data_dir(args.base_port, args.model)
     commands = {
@@ -183,13 +216,14 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             *_flags(model=args.model, bind=ports.store, data_address=ports.store_data, adapter_root=args.adapter_root),
             *_flags(data_dir=data_dir),
             *preloads,
-            *tracing,
+            *common,
         ],
         "scheduler": [
             *base,
             "scheduler",
             *_flags(bind=ports.scheduler, worker_address=ports.scheduler_workers, worker_timeout=args.worker_timeout),
-            *tracing,
+            *_flags(policy=args.policy),
+            *common,
         ],
     }
     devices = args.device.split(",")
@@ -203,16 +237,17 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             *_flags(scheduler_address=ports.scheduler_workers, store_address=ports.store_data),
             *_flags(max_batch_size=args.max_batch_size, drain_timeout=args.drain_timeout, pool_pages=args.pool_pages),
             *_flags(adapter_cache_gb=args.adapter_cache_gb, torch_threads=threads),
-            *tracing,
+            *common,
         ]
     commands["gateway"] = [
         *base,
         "gateway",
         *_flags(model=args.model, bind=args.bind, scheduler=ports.scheduler, store=ports.store),
+        *_flags(http_bind=args.http_bind),
         *_flags(token_address=ports.tokens, drain_timeout=args.drain_timeout, auth_file=args.auth_file),
         *(["--insecure-no-auth"] if args.insecure_no_auth else []),
         *_flags(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca),
-        *tracing,
+        *common,
     ]
     for role, port in metrics_ports(args).items():
         commands[role] += ["--metrics-port", str(port)]
@@ -223,6 +258,7 @@ def supervisor(args: argparse.Namespace, tls: ClientTls | None) -> Supervisor:
     """Every role of the stack (in start order) under one Supervisor; roles with a gRPC server are
     health-checked (the gateway through `tls` when it serves TLS: `gateway_tls(args)`)."""
     ports = Ports(args.base_port)
+    internal_auth.generate(internal_keys_dir(args))
     health = {"adapter-store": ports.store, "scheduler": ports.scheduler, "gateway": args.bind}
     stop_groups = {"gateway": 0, "scheduler": 2, "adapter-store": 3}  # workers: 1
     channels = {"gateway": tls.channel} if tls is not None else {}
@@ -328,6 +364,8 @@ class LocalStack:
             raise TypeError(f"unknown stack options {sorted(unknown)}")
         vars(args).update(options)
         self.stack = supervisor(args, gateway_tls(args))  # nothing calls its tick(): a test's killed role stays dead
+        self.internal_keys = internal_keys_dir(args)
+        self.internal_token = internal_auth.load(self.internal_keys, "gateway").token  # to call internal ports
 
     def start(self, timeout_s: float = 180.0) -> LocalStack:
         self.stack.start()
@@ -348,6 +386,8 @@ class LocalStack:
 def main(args: argparse.Namespace) -> int:
     try:  # before starting anything
         check_bind(args.bind, args.auth_file, args.insecure_no_auth)
+        if args.http_bind:
+            check_bind(args.http_bind, args.auth_file, args.insecure_no_auth)
         tls = gateway_tls(args)  # reads and checks the TLS files
         stack = supervisor(args, tls)
     except InvalidConfigError as e:
@@ -364,6 +404,9 @@ def main(args: argparse.Namespace) -> int:
             f"({args.workers} worker(s), {_model_label(args.model)}); Ctrl-C stops it",
             flush=True,
         )
+        if args.http_bind:
+            scheme = "http" if tls is None else "https"
+            print(f"OpenAI-compatible HTTP API on {scheme}://{args.http_bind}/v1", flush=True)
         if args.metrics_port:
             endpoints = ", ".join(f"{role} :{port}" for role, port in metrics_ports(args).items())
             print(f"Prometheus metrics at http://127.0.0.1:PORT/metrics: {endpoints}", flush=True)
@@ -373,6 +416,8 @@ def main(args: argparse.Namespace) -> int:
             show_demo(args.bind, **_demo_client_options(tls))
             if args.exit_after_demo:
                 return 0
+            if args.http_bind and tls is None:
+                print(HOW_TO_CALL_HTTP.format(address=args.http_bind, model=Path(args.model).name), flush=True)
             print(HOW_TO_CALL.format(address=args.bind) if tls is None else HOW_TO_CALL_TLS, flush=True)
         while not stop.is_set():
             if args.restart:
@@ -405,6 +450,22 @@ or with grpcurl (server reflection is on):
         {address} loraserve.v1.LoraServe/GenerateStream
 
 Ctrl-C stops every process.
+"""
+
+HOW_TO_CALL_HTTP = """
+The OpenAI-compatible HTTP API (models: the base model '{model}' and every adapter) with curl:
+
+    curl http://{address}/v1/completions -H 'Content-Type: application/json' \\
+        -d '{{"model": "upper", "prompt": "the quiet king", "max_tokens": 24, "temperature": 0}}'
+
+or with the openai Python client (pip install openai):
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://{address}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="rot13", messages=[{{"role": "user", "content": "the quiet king"}}], temperature=0
+    )
+    print(reply.choices[0].message.content)
 """
 
 HOW_TO_CALL_TLS = """

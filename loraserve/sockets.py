@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from loraserve.endpoints import BadEndpointError, check_endpoint
+from loraserve.internal_auth import Curve
 from loraserve.wire import Message, encode
 
 __all__ = ["MAX_MESSAGE_BYTES", "BadEndpointError", "PushSockets", "make_socket", "send", "sent_or_raise"]
@@ -33,8 +34,10 @@ def make_socket(
     identity: str | None = None,
     linger_ms: int = 0,
     hwm: int = 100_000,
+    curve: Curve | None = None,
 ) -> zmq.Socket:
-    """A socket that binds to `bind` or connects to `connect` (exactly one).
+    """A socket that binds to `bind` or connects to `connect` (exactly one), authenticated with
+    `curve` when given (a CURVE server or client: `loraserve/internal_auth.py`).
 
     Raises BadEndpointError for a `connect` address that is not a tcp://, ipc:// or inproc://
     endpoint, zmq.ZMQError when binding or connecting fails; no socket is left open either way.
@@ -53,6 +56,8 @@ def make_socket(
             sock.setsockopt(zmq.IDENTITY, identity.encode())
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peers raise instead of silently dropping
+        if curve is not None:
+            curve.apply(sock)
         if bind is not None:
             sock.bind(bind)
         else:
@@ -66,19 +71,20 @@ def make_socket(
 class PushSockets:
     """PUSH sockets to gateways' token sinks, one per address, made on first use.
 
-    The addresses come from requests, so the set is bounded: past `size` sockets the least
+    With `curve` (a client of the gateway role) a socket delivers only to a peer holding the
+    gateway's secret key. The addresses come from requests, so the set is bounded: past `size` sockets the least
     recently used one is closed (with `linger_ms`, so what it still holds is usually delivered).
     """
 
-    def __init__(self, ctx: zmq.Context, size: int = 64, linger_ms: int = 200):
-        self.ctx, self.size, self.linger_ms = ctx, size, linger_ms
+    def __init__(self, ctx: zmq.Context, size: int = 64, linger_ms: int = 200, curve: Curve | None = None):
+        self.ctx, self.size, self.linger_ms, self.curve = ctx, size, linger_ms, curve
         self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
 
     def get(self, address: str) -> zmq.Socket:
         """The socket for `address`; raises BadEndpointError or zmq.ZMQError when none can be made."""
         sock = self._sockets.get(address)
         if sock is None:
-            sock = self._sockets[address] = make_socket(self.ctx, zmq.PUSH, connect=address)
+            sock = self._sockets[address] = make_socket(self.ctx, zmq.PUSH, connect=address, curve=self.curve)
             while len(self._sockets) > self.size:
                 self._sockets.popitem(last=False)[1].close(linger=self.linger_ms)
         self._sockets.move_to_end(address)

@@ -77,6 +77,8 @@ INT64 = Limit(-(2**63), 2**63 - 1)
 MAX_ID = 256  # request ids, worker ids, adapter names
 MAX_IDS = 1 << 16  # request ids in one report or cancel
 MAX_ADAPTERS = 1 << 16  # adapters resident in one worker's pool
+MAX_PREFETCH = 1024  # adapters in one prefetch hint
+MAX_STEP_SAMPLES = 64  # measured steps in one report
 
 Id = Annotated[str, Limit(max_len=MAX_ID)]
 Text = Annotated[str, Limit(max_len=MAX_TEXT)]
@@ -87,6 +89,8 @@ Seconds = float  # finite, any sign (clocks of two hosts may disagree a little)
 AdapterRef = tuple[Id, Version]  # (name, version) on the wire
 AdapterKey = tuple[str, int]  # (name, version) in every role: an adapter version's one name
 Ids = Annotated[list[Id], Limit(max_len=MAX_IDS)]
+Probability = Annotated[float, Limit(0.0, 1.0)]
+StepSample = tuple[Count, Count, Count, Count, Annotated[float, Limit(0.0, 3600.0)]]
 TraceCarrier = Annotated[dict[Id, Annotated[str, Limit(max_len=1024)]], Limit(max_len=16)]  # W3C trace context
 Endpoint = Annotated[str, EndpointForm()]
 SamplingMap = Annotated[
@@ -127,6 +131,9 @@ class WorkerReport(Message):
     fatal: Text | None = None  # set on the last report of a worker that is dying
     instance: Annotated[str, Limit(max_len=64)] = ""  # random per worker process: a new one means it restarted
     draining: bool = False  # SIGTERM: finishing what it holds, taking nothing new
+    # Steps measured since the last report, for the scheduler's step-cost model (scheduler/cost_model.py):
+    # (tokens computed, Σ adapter rank over those tokens, distinct adapters, KV pages read, seconds).
+    step_samples: Annotated[list[StepSample], Limit(max_len=MAX_STEP_SAMPLES)] = field(default_factory=list)
 
     def check(self) -> None:
         for name in ("free_pages", "kv_pages", "adapter_pages", "evictable_pages"):
@@ -166,7 +173,15 @@ class Cancel(Message):
 @dataclass
 class Prefetch(Message):
     TYPE: ClassVar[MsgType] = MsgType.PREFETCH
-    adapters: Annotated[list[AdapterRef], Limit(max_len=1024)]  # [(name, version), ...], most urgent first
+    adapters: Annotated[list[AdapterRef], Limit(max_len=MAX_PREFETCH)]  # [(name, version), ...], most urgent first
+    # scores[i]: the predicted likelihood that adapters[i] is needed on this worker soon. The worker
+    # remembers the latest score of each adapter, and a prefetch evicts only adapters scored lower
+    # than the one it fetches. Empty: unknown, each counts as UNKNOWN_SCORE (see worker/unified_pool.py).
+    scores: Annotated[list[Probability], Limit(max_len=MAX_PREFETCH)] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.scores and len(self.scores) != len(self.adapters):
+            raise WireError("Prefetch: scores and adapters differ in length")
 
 
 @dataclass

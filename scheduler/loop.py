@@ -36,14 +36,16 @@ from loraserve.convert import sampling_from_pb
 from loraserve.dispatch import Dispatcher
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
+from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
-from loraserve.names import SHA256_HEX
+from loraserve.names import SHA256_HEX, TENANT_NAME
 from loraserve.scheduler import metrics
 from loraserve.scheduler.policy import (
     AssignTo,
     CancelOn,
     Decision,
     Fail,
+    Migrate,
     PrefetchOn,
     QueuedRequest,
     SchedulerPolicy,
@@ -55,6 +57,8 @@ from loraserve.v1 import scheduler_pb2
 from loraserve.wire import MAX_ID, MAX_LIST, Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
 
 log = logging.getLogger(__name__)
+MAX_TTFT_SLO_S = 86400.0
+MAX_ADAPTER_RANK = 4096  # far above any rank a store admits (its --max-lora-rank)
 
 
 @dataclass
@@ -70,11 +74,21 @@ class SchedulerLoop:
     """The scheduler's I/O around the pure policy: Submits and Cancels in, worker reports in,
     the policy's decisions out as ASSIGN / CANCEL / PREFETCH to workers and failures to gateways."""
 
-    def __init__(self, policy: SchedulerPolicy, worker_address: str, tick_s: float = 0.05):
+    def __init__(
+        self, policy: SchedulerPolicy, worker_address: str, tick_s: float = 0.05, keys: InternalKeys | None = None
+    ):
         self.policy = policy
         self.ctx = zmq.asyncio.Context()
-        self.workers = make_socket(self.ctx, zmq.ROUTER, bind=worker_address)
-        self.gateways = PushSockets(self.ctx)
+        # With internal keys: only workers may connect, and failures go only to real gateways.
+        self._auth = keys.authenticator(self.ctx) if keys is not None else None
+        try:
+            self.workers = make_socket(
+                self.ctx, zmq.ROUTER, bind=worker_address, curve=keys.server() if keys is not None else None
+            )
+        except BaseException:
+            self._stop_auth()
+            raise
+        self.gateways = PushSockets(self.ctx, curve=keys.client_of("gateway") if keys is not None else None)
         self.pending: dict[str, _Pending] = {}
         self.tick_s = tick_s
         self.instance = uuid.uuid4().hex  # in ClusterState: gateways tell a restarted scheduler by it
@@ -85,7 +99,8 @@ class SchedulerLoop:
             {
                 AssignTo: self._assign,
                 CancelOn: lambda d: self._to_worker(d.worker_id, Cancel(list(d.request_ids), d.reason)),
-                PrefetchOn: lambda d: self._to_worker(d.worker_id, Prefetch([list(k) for k in d.adapters])),
+                PrefetchOn: self._prefetch,
+                Migrate: self._migrate,
                 Fail: lambda d: self._fail(d.request, d.status, d.message, d.retry),
                 WorkerGone: lambda d: log.warning("%s", d.reason),
             }
@@ -107,12 +122,17 @@ class SchedulerLoop:
             reply_to=request.reply_to,
             arrival=request.arrival_unix or now,
             deadline=request.deadline_unix or None,
+            tenant=request.tenant,
+            ttft_slo_s=request.ttft_slo_s or None,
+            rank=request.adapter_rank if request.adapter else 0,
+            attempt=request.attempt,
         )
         span = telemetry.tracer().start_span("scheduler.queue", context=telemetry.context_from(metadata))
         span.set_attribute("loraserve.request_id", request.request_id)
         try:
             position = self.policy.add(queued, now, resumed=request.attempt > 0)
         except Exception as e:
+            metrics.REFUSED.labels(getattr(e, "status", "INTERNAL")).inc()
             span.record_exception(e)
             span.end()
             raise
@@ -235,8 +255,19 @@ class SchedulerLoop:
             self._wake.set()
             return False
 
-    def _fail(self, request: QueuedRequest, status: str, message: str, retry: bool = False) -> None:
-        metrics.FAILED.labels(status).inc()
+    def _prefetch(self, decision: PrefetchOn) -> None:
+        if self._to_worker(decision.worker_id, Prefetch([list(k) for k in decision.adapters], list(decision.scores))):
+            metrics.PREFETCH_HINTS.inc(len(decision.adapters))
+
+    def _migrate(self, decision: Migrate) -> None:
+        """Its gateway submits it again (retry), then its worker drops it: the new attempt has its own id."""
+        metrics.MIGRATED.inc()
+        self._fail(decision.request, "UNAVAILABLE", decision.reason, retry=True, count=False)
+        self._to_worker(decision.worker_id, Cancel([decision.request.request_id], decision.reason))
+
+    def _fail(self, request: QueuedRequest, status: str, message: str, retry: bool = False, count: bool = True) -> None:
+        if count:
+            metrics.FAILED.labels(status).inc()
         pending = self.pending.pop(request.request_id, None)
         if pending is not None:
             pending.span.set_attribute("loraserve.failed", status)
@@ -287,7 +318,13 @@ class SchedulerLoop:
         self._monitor.close(linger=0)
         self.workers.close(linger=0)
         self.gateways.close(linger_ms=0)
+        self._stop_auth()
         self.ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
 
 def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
@@ -310,6 +347,12 @@ def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         check_endpoint(request.reply_to)
     except BadEndpointError as e:
         raise InvalidRequestError("reply_to", str(e)) from None
+    if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
+        raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")
+    if request.adapter_rank > MAX_ADAPTER_RANK:
+        raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
+    if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
+        raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
     for name in ("deadline_unix", "arrival_unix"):
         value = getattr(request, name)
         if not math.isfinite(value) or value < 0:

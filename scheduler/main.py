@@ -6,11 +6,13 @@ import argparse
 import logging
 
 from loraserve import telemetry
+from loraserve.grpc_token import server_interceptors
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
+from loraserve.internal_auth import add_internal_keys_argument, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.process import run_service
 from loraserve.scheduler.loop import SchedulerLoop
-from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
+from loraserve.scheduler.policy import POLICIES, PolicyConfig, SchedulerPolicy
 from loraserve.scheduler.service import SchedulerService
 from loraserve.supervise import health_off, supervise
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -36,21 +38,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without a report after which nothing new is placed on a worker",
     )
     parser.add_argument("--prefetch-depth", type=int, default=16, help="queued requests used to predict adapters")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=POLICIES[0],
+        help="scheduling policy: adaptive (cost model, multi-queue, VTC fairness, early refusal, migration, "
+        "scored prefetch) or fcfs (first come first served, busiest worker); see docs/architecture.md",
+    )
+    add_internal_keys_argument(parser)
     telemetry.add_tracing_arguments(parser)
     add_metrics_arguments(parser)
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
     """Serve until `stop_event`; if the loop dies, health goes NOT_SERVING and RoleFailed (exit 1) follows."""
-    config = PolicyConfig(args.max_queue_length, args.worker_timeout, args.prefetch_depth, args.stale_after)
+    config = PolicyConfig(
+        args.max_queue_length, args.worker_timeout, args.prefetch_depth, args.stale_after, policy=args.policy
+    )
     policy = SchedulerPolicy(config)
-    loop = SchedulerLoop(policy, args.worker_address)
-    server, _ = new_server(args.bind)
+    keys = load_optional(args.internal_keys, "scheduler")
+    loop = SchedulerLoop(policy, args.worker_address, keys=keys)
+    server, _ = new_server(args.bind, interceptors=server_interceptors(keys.token if keys else None))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop), server)
     health = add_health_and_reflection(server, [SERVICE])
     await server.start()
     await set_serving(health, [SERVICE], True)
-    log.info("scheduler: gRPC on %s, workers on %s", args.bind, args.worker_address)
+    log.info("scheduler: gRPC on %s, workers on %s, policy %s", args.bind, args.worker_address, config.policy)
     try:
         await supervise("scheduler", {"scheduler loop": loop.run()}, stop_event, health_off(health, [SERVICE]))
     finally:

@@ -8,3 +8,10 @@ QUEUE_LENGTH = Gauge("loraserve_scheduler_queue_length", "Requests waiting for a
 READY_WORKERS = Gauge("loraserve_scheduler_ready_workers", "Workers reporting ready")
 ASSIGNED = Counter("loraserve_scheduler_assigned_requests", "Requests placed on a worker")
 FAILED = Counter("loraserve_scheduler_failed_requests", "Requests the scheduler ended, by gRPC status", ["code"])
+REFUSED = Counter(
+    "loraserve_scheduler_refused_requests",
+    "Submits refused at admission (queue full, early abort), by gRPC status",
+    ["code"],
+)
+PREFETCH_HINTS = Counter("loraserve_scheduler_prefetch_hints", "Adapters named in prefetch hints sent to workers")
+MIGRATED = Counter("loraserve_scheduler_migrated_requests", "Requests moved off an overloaded worker")

@@ -81,10 +81,13 @@ class LocalStack(_LocalStack):
         self.channel = grpc.insecure_channel(self.address)
         self.api = gateway_pb2_grpc.LoraServeStub(self.channel)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(self.ports.scheduler))
+        self.internal_metadata = (("authorization", f"Bearer {self.internal_token}"),)  # internal ports want it
         return self
 
     def cluster(self) -> scheduler_pb2.ClusterState:
-        return self.scheduler.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=5)
+        return self.scheduler.GetClusterState(
+            scheduler_pb2.GetClusterStateRequest(), timeout=5, metadata=self.internal_metadata
+        )
 
     def wait_workers(self, count: int, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

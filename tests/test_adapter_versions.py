@@ -48,10 +48,16 @@ def test_a_watcher_gets_the_snapshot_then_every_change(tmp_path):
         changes, thread = _watch(store)
         snapshot = _next(changes)
         assert (snapshot.name, snapshot.version, snapshot.sha256) == ("a", first.version, first.sha256)
+        assert snapshot.rank == first.rank > 0  # the scheduler weighs requests by it
         assert _next(changes).synced
         second = upload(store, "a", "title")
         change = _next(changes)
-        assert (change.name, change.version, change.sha256) == ("a", second.version, second.sha256)
+        assert (change.name, change.version, change.sha256, change.rank) == (
+            "a",
+            second.version,
+            second.sha256,
+            second.rank,
+        )
         upload(store, "b", "rot13")
         assert _next(changes).name == "b"
         store.stub.Delete(gateway_pb2.DeleteAdapterRequest(name="a"), timeout=10)

@@ -338,6 +338,20 @@ def test_gateway_reads_its_auth_file_from_the_secret():
     parse_auth_config(secret["stringData"][path.name])  # the gateway would start with it
 
 
+def test_every_role_mounts_the_internal_keys_and_workers_never_get_the_token():
+    from loraserve import internal_auth
+
+    for role, container, pod in role_containers():
+        volume = mounted(pod, container, container_env(container)["LORASERVE_INTERNAL_KEYS"])
+        assert volume["secret"]["secretName"] == "loraserve-internal-keys", role
+        items = volume["secret"].get("items")
+        if role == "worker":  # exactly what load(dir, "worker") reads
+            wanted = {f"{r}.key" for r in internal_auth.ROLES} | {"worker.key_secret"}
+            assert {i["key"] for i in items} == wanted and all(i["key"] == i["path"] for i in items)
+        else:
+            assert items is None, f"{role} needs every key and the internal token"
+
+
 # ---- compose ------------------------------------------------------------------------------------
 
 
@@ -345,6 +359,9 @@ def test_compose_has_healthchecks_restart_policies_and_grafana():
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     services = compose["services"]
     for name, service in services.items():
+        if service.get("restart") == "no":  # a one-shot set-up step (the internal keys): no health to check
+            assert service["command"][0] == "keys", name
+            continue
         assert service.get("restart") == "unless-stopped", name
         if "build" not in service:
             continue
@@ -357,6 +374,11 @@ def test_compose_has_healthchecks_restart_policies_and_grafana():
             assert test[-1] == f"127.0.0.1:{bind_port}", name
         else:  # the worker: its metrics say it is ready
             assert ":9100/metrics" in shlex.join(test), name
+    for name, service in services.items():  # every role of the stack authenticates its internal planes
+        if "build" in service and service.get("restart") != "no":
+            assert service["environment"]["LORASERVE_INTERNAL_KEYS"] == "/keys", name
+            assert "internal-keys:/keys:ro" in service["volumes"], name
+            assert service["depends_on"]["internal-keys"]["condition"] == "service_completed_successfully", name
     grafana = services["grafana"]
     assert "3000:3000" in grafana["ports"]
     assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"

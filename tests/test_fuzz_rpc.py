@@ -19,7 +19,7 @@ import grpc
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scheduler_proc import FakeWorker, SchedulerProcess
 from stack import LocalStack
@@ -199,16 +199,20 @@ def scheduler():
         process.stop()
 
 
-@st.composite
-def near_valid_submits(draw) -> scheduler_pb2.SubmitRequest:
-    """A Submit the scheduler would accept, with one field (or a sampling field) taken from a random one."""
-    submit = scheduler_pb2.SubmitRequest(
-        request_id=f"fuzz-{draw(st.integers(0, 2**62))}",
+def _valid_submit(request_id: str) -> scheduler_pb2.SubmitRequest:
+    return scheduler_pb2.SubmitRequest(
+        request_id=request_id,
         prompt_ids=[1, 2, 3],
         max_new_tokens=4,
         reply_to="tcp://127.0.0.1:9",
         arrival_unix=time.time(),
     )
+
+
+@st.composite
+def near_valid_submits(draw) -> scheduler_pb2.SubmitRequest:
+    """A Submit the scheduler would accept, with one field (or a sampling field) taken from a random one."""
+    submit = _valid_submit(f"fuzz-{draw(st.integers(0, 2**62))}")
     donor = draw(messages(scheduler_pb2.SubmitRequest.DESCRIPTOR))
     target, source = (submit, donor)
     if draw(st.booleans()):
@@ -231,6 +235,7 @@ def test_fuzzed_submits_never_fail_internally_and_pass_nothing_invalid_to_a_work
 
     @FUZZ
     @given(near_valid_submits() | messages(submit.input_type) | _RAW)
+    @example(_valid_submit("fuzz-baseline"))  # always run: proves an accepted Submit reaches the worker intact
     def check(message):
         raw = message if isinstance(message, bytes) else message.SerializeToString()
         _call(process.channel, submit, raw, SCHEDULER)

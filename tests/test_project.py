@@ -80,7 +80,7 @@ def test_compose_services_run_real_subcommands():
         for variable in service.get("environment", {}):  # LORASERVE_X_Y is the env twin of --x-y
             assert "--" + variable.removeprefix("LORASERVE_").lower().replace("_", "-") in flags, (name, variable)
         roles.add(command[0])
-    assert roles == {"gateway", "scheduler", "adapter-store", "worker"}
+    assert roles == {"gateway", "scheduler", "adapter-store", "worker", "keys"}  # keys: the one-shot internal keys
     gpu = compose["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
     assert "jaeger" in compose["services"]
@@ -97,5 +97,5 @@ def test_compose_services_run_real_subcommands():
 
 
 def roles_services(compose: dict) -> set[str]:
-    """Names of the compose services that run a loraserve role (built from this repo)."""
-    return {name for name, service in compose["services"].items() if "build" in service}
+    """Names of the compose services that run a loraserve role (built from this repo; not one-shot steps)."""
+    return {name for name, s in compose["services"].items() if "build" in s and s.get("restart") != "no"}

@@ -59,12 +59,13 @@ def test_a_path_the_filesystem_cannot_hold_is_invalid_argument(stack, path):
 )
 def test_undecodable_requests_are_invalid_argument_in_every_role(stack, role, method, payload):
     address = {"gateway": stack.address, "store": stack.ports.store, "scheduler": stack.ports.scheduler}[role]
+    metadata = stack.internal_metadata if role != "gateway" else None
     with grpc.insecure_channel(address) as channel:
         if method.endswith("Stream"):
             call = channel.unary_stream(method)
-            error = _refused(lambda: list(call(payload, timeout=10)))
+            error = _refused(lambda: list(call(payload, timeout=10, metadata=metadata)))
         else:
-            error = _refused(lambda: channel.unary_unary(method)(payload, timeout=10))
+            error = _refused(lambda: channel.unary_unary(method)(payload, timeout=10, metadata=metadata))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
     assert error.details().startswith("request: is not a valid loraserve.v1.")
 

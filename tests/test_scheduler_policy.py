@@ -1,4 +1,7 @@
-"""The scheduler's policy object, alone: admission, Punica placement, prediction, failure handling."""
+"""The scheduler's policy object, alone: admission, Punica placement, prediction, failure handling.
+
+Tests of FCFS's own order name it; the rest run under every policy (the adaptive policy's own
+parts are tested in test_scheduling_policies.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,12 @@ from loraserve.scheduler.policy import (
     WorkerGone,
 )
 from loraserve.wire import WorkerReport
+
+
+@pytest.fixture(params=["fcfs", "adaptive"])
+def kind(request):
+    """The policies every test that is not about FCFS's own order runs under."""
+    return request.param
 
 
 def report(
@@ -47,8 +56,8 @@ def assigned(decisions):
     return [(d.worker_id, d.request.request_id) for d in decisions if isinstance(d, AssignTo)]
 
 
-def test_no_ready_worker_means_unavailable():
-    policy = SchedulerPolicy()
+def test_no_ready_worker_means_unavailable(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     with pytest.raises(UnavailableError):
         policy.add(request("r"), 0.0)
     policy.on_report(report("w", ready=False), 0.0)
@@ -56,8 +65,8 @@ def test_no_ready_worker_means_unavailable():
         policy.add(request("r"), 0.0)
 
 
-def test_bounded_queue():
-    policy = SchedulerPolicy(PolicyConfig(max_queue_length=2))
+def test_bounded_queue(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, max_queue_length=2))
     policy.on_report(report("w", max_batch=0), 0.0)  # no batch room: everything stays queued
     policy.add(request("a"), 0.0)
     policy.add(request("b"), 0.0)
@@ -65,15 +74,15 @@ def test_bounded_queue():
         policy.add(request("c"), 0.0)
 
 
-def test_request_larger_than_any_pool_is_refused():
-    policy = SchedulerPolicy()
+def test_request_larger_than_any_pool_is_refused(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     policy.on_report(report("w"), 0.0)
     with pytest.raises(ResourceExhaustedError, match="can ever hold"):
         policy.add(request("huge", prompt=100 * 16, new=16), 0.0)
 
 
 def test_busiest_worker_with_room_wins():
-    policy = SchedulerPolicy()
+    policy = SchedulerPolicy(PolicyConfig(policy="fcfs"))
     policy.on_report(report("light", running=["x"]), 0.0)
     policy.on_report(report("busy", running=["y", "z"]), 0.0)
     policy.add(request("a"), 0.0)
@@ -84,8 +93,8 @@ def test_busiest_worker_with_room_wins():
     assert assigned(policy.schedule(0.0)) == [("busy", "b"), ("light", "c")]
 
 
-def test_pool_room_is_respected_including_unreported_assignments():
-    policy = SchedulerPolicy()
+def test_pool_room_is_respected_including_unreported_assignments(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     policy.on_report(report("w", free_pages=3, max_batch=10), 0.0)  # 3 pages: one request of 2 pages
     policy.on_report(report("v", free_pages=50, max_batch=10), 0.0)
     for rid in ("a", "b"):
@@ -95,7 +104,7 @@ def test_pool_room_is_respected_including_unreported_assignments():
 
 
 def test_head_of_line_is_not_overtaken():
-    policy = SchedulerPolicy()
+    policy = SchedulerPolicy(PolicyConfig(policy="fcfs"))
     policy.on_report(report("w", free_pages=3, max_batch=10), 0.0)
     policy.add(request("big", prompt=60, new=20), 0.0)  # 5 pages: does not fit now
     policy.add(request("small"), 0.0)
@@ -104,8 +113,8 @@ def test_head_of_line_is_not_overtaken():
     assert assigned(policy.schedule(0.1)) == [("w", "big"), ("w", "small")]
 
 
-def test_silent_worker_is_dropped_and_its_requests_fail():
-    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+def test_silent_worker_is_dropped_and_its_requests_fail(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
     policy.on_report(report("dead"), 0.0)
     policy.on_report(report("alive"), 0.0)
     policy.add(request("a"), 0.0)
@@ -124,8 +133,8 @@ def test_silent_worker_is_dropped_and_its_requests_fail():
     assert assigned(policy.schedule(2.0)) == [(other, "b")]
 
 
-def test_fatal_report_drops_the_worker_at_once():
-    policy = SchedulerPolicy()
+def test_fatal_report_drops_the_worker_at_once(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     policy.on_report(report("w"), 0.0)
     policy.add(request("a"), 0.0)
     policy.schedule(0.0)
@@ -134,8 +143,8 @@ def test_fatal_report_drops_the_worker_at_once():
     assert "w" not in policy.workers
 
 
-def test_queued_deadline_expires():
-    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=100.0))
+def test_queued_deadline_expires(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=100.0))
     policy.on_report(report("w", max_batch=0), 0.0)
     policy.add(request("a", deadline=5.0), 0.0)
     assert policy.schedule(4.9) == []
@@ -143,8 +152,8 @@ def test_queued_deadline_expires():
     assert failure.status == "DEADLINE_EXCEEDED" and not policy.queue
 
 
-def test_cancel_in_queue_and_on_worker():
-    policy = SchedulerPolicy()
+def test_cancel_in_queue_and_on_worker(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     policy.on_report(report("w", max_batch=1), 0.0)
     policy.add(request("running"), 0.0)
     policy.schedule(0.0)
@@ -155,8 +164,8 @@ def test_cancel_in_queue_and_on_worker():
     assert policy.cancel("unknown", "client") == (False, [])
 
 
-def test_finished_requests_free_their_worker():
-    policy = SchedulerPolicy()
+def test_finished_requests_free_their_worker(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     policy.on_report(report("w", max_batch=1), 0.0)
     policy.add(request("a"), 0.0)
     policy.add(request("b"), 0.0)
@@ -168,7 +177,7 @@ def test_finished_requests_free_their_worker():
 
 
 def test_prefetch_predictions_from_the_queue():
-    policy = SchedulerPolicy()
+    policy = SchedulerPolicy(PolicyConfig(policy="fcfs"))
     policy.on_report(report("w", max_batch=0, resident=[("x", 1)]), 0.0)
     policy.add(request("a", adapter=("x", 1)), 0.0)
     policy.add(request("b", adapter=("y", 2)), 0.0)
@@ -178,10 +187,10 @@ def test_prefetch_predictions_from_the_queue():
     assert not [d for d in policy.schedule(0.1) if isinstance(d, PrefetchOn)], "unchanged hints are not resent"
 
 
-def test_a_request_whose_assign_failed_is_forgotten_by_its_worker_too():
+def test_a_request_whose_assign_failed_is_forgotten_by_its_worker_too(kind):
     """The loop could not send an ASSIGN and failed the request itself; when that worker is dropped
     later, the policy must neither fail the request a second time nor crash on its missing entry."""
-    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
     policy.on_report(report("w"), 0.0)
     policy.add(request("a"), 0.0)
     assert assigned(policy.schedule(0.0)) == [("w", "a")]
@@ -192,8 +201,8 @@ def test_a_request_whose_assign_failed_is_forgotten_by_its_worker_too():
     assert not [d for d in decisions if isinstance(d, Fail)]
 
 
-def test_an_unreachable_worker_is_dropped_at_once_and_the_bounced_request_queued_again():
-    policy = SchedulerPolicy()
+def test_an_unreachable_worker_is_dropped_at_once_and_the_bounced_request_queued_again(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     policy.on_report(report("dead"), 0.0)
     policy.add(request("held"), 0.0)
     policy.add(request("bounced"), 0.0)
@@ -206,8 +215,8 @@ def test_an_unreachable_worker_is_dropped_at_once_and_the_bounced_request_queued
     assert assigned(policy.schedule(0.3)) == [("alive", "bounced")]
 
 
-def test_a_report_from_a_new_process_drops_what_the_old_one_held():
-    policy = SchedulerPolicy()
+def test_a_report_from_a_new_process_drops_what_the_old_one_held(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
     policy.on_report(report("w", instance="first"), 0.0)
     policy.add(request("r"), 0.0)
     assert assigned(policy.schedule(0.1)) == [("w", "r")]
@@ -218,8 +227,8 @@ def test_a_report_from_a_new_process_drops_what_the_old_one_held():
     assert policy.on_report(report("w", instance="second"), 1.0) == []  # the same process again: nothing
 
 
-def test_failed_over_requests_are_marked_retry():
-    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+def test_failed_over_requests_are_marked_retry(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
     policy.on_report(report("w"), 0.0)
     policy.add(request("r"), 0.0)
     policy.schedule(0.1)
@@ -228,8 +237,8 @@ def test_failed_over_requests_are_marked_retry():
     assert fail.status == "UNAVAILABLE" and fail.retry
 
 
-def test_no_placement_on_a_stale_or_draining_worker():
-    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=10.0, stale_after_s=0.5))
+def test_no_placement_on_a_stale_or_draining_worker(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=10.0, stale_after_s=0.5))
     policy.on_report(report("quiet"), 0.0)
     policy.add(request("r"), 0.0)
     assert policy.schedule(1.0) == []  # silent for 1 s: not dead yet, but nothing new goes there
@@ -239,8 +248,8 @@ def test_no_placement_on_a_stale_or_draining_worker():
     assert assigned(policy.schedule(1.3)) == [("fresh", "r")]
 
 
-def test_a_dropped_worker_that_comes_back_is_told_to_drop_everything_before_it_rejoins():
-    policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=1.0))
+def test_a_dropped_worker_that_comes_back_is_told_to_drop_everything_before_it_rejoins(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
     policy.on_report(report("w", instance="one"), 0.0)
     policy.add(request("r"), 0.0)
     policy.schedule(0.1)
@@ -252,8 +261,8 @@ def test_a_dropped_worker_that_comes_back_is_told_to_drop_everything_before_it_r
     assert "w" in policy.workers
 
 
-def test_a_new_scheduler_adopts_the_requests_workers_report_so_cancels_still_reach_them():
-    policy = SchedulerPolicy()  # a restarted scheduler: it never placed "r"
+def test_a_new_scheduler_adopts_the_requests_workers_report_so_cancels_still_reach_them(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))  # a restarted scheduler: it never placed "r"
     assert policy.on_report(report("w", running=["r"]), 0.0) == []
     found, decisions = policy.cancel("r", "client cancelled")
     assert found and decisions == [CancelOn("w", ("r",), "client cancelled")]
@@ -261,8 +270,8 @@ def test_a_new_scheduler_adopts_the_requests_workers_report_so_cancels_still_rea
     assert [type(d) for d in dropped] == [WorkerGone], "an adopted request has no gateway known here"
 
 
-def test_a_failed_over_request_goes_to_the_head_of_the_queue_even_when_it_is_full():
-    policy = SchedulerPolicy(PolicyConfig(max_queue_length=2))
+def test_a_failed_over_request_goes_to_the_head_of_the_queue_even_when_it_is_full(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind, max_queue_length=2))
     policy.on_report(report("w", max_batch=0), 0.0)  # no room: everything queues
     policy.add(request("a"), 0.0)
     policy.add(request("b"), 0.0)

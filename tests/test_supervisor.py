@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import free_port_block
 
+from loraserve import internal_auth
 from loraserve.supervisor import CrashLoop, RestartPolicy, Role, SupervisionConfig, Supervisor
 from loraserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -175,10 +176,12 @@ def _generate(address: str) -> list[int]:
         return list(gateway_pb2_grpc.LoraServeStub(channel).Generate(request, timeout=30).token_ids)
 
 
-def _worker_ready(scheduler: str) -> bool:
+def _worker_ready(scheduler: str, keys: Path) -> bool:
+    token = internal_auth.load(keys, "gateway").token  # the scheduler's port wants the internal token
     with grpc.insecure_channel(scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        state = stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=2)
+        request = scheduler_pb2.GetClusterStateRequest()
+        state = stub.GetClusterState(request, timeout=2, metadata=[("authorization", f"Bearer {token}")])
     return any(w.ready for w in state.workers)
 
 
@@ -202,6 +205,8 @@ def test_up_restarts_a_killed_worker_and_gateway_and_keeps_serving(tmp_path):
         "8",
         "--worker-timeout",
         "2",
+        "--internal-keys",
+        str(tmp_path / "keys"),
     ]
     with open(log_path, "w") as log:
         up = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -209,14 +214,14 @@ def test_up_restarts_a_killed_worker_and_gateway_and_keeps_serving(tmp_path):
         _until(lambda: "worker" in _children(up.pid), 30)
         starting = _children(up.pid)["worker"]
         subprocess.run(["kill", "-9", str(starting)], check=True)  # while `up` still waits for health
-        _until(lambda: _serving(gateway) and _worker_ready(scheduler), 120)
+        _until(lambda: _serving(gateway) and _worker_ready(scheduler, tmp_path / "keys"), 120)
         assert up.poll() is None, "a role that dies during start-up is restarted, not fatal"
         before = _generate(gateway)
         for role in ("worker", "gateway"):
             old = _children(up.pid)[role]
             subprocess.run(["kill", "-9", str(old)], check=True)
             _until(lambda role=role, old=old: _children(up.pid).get(role, old) != old, 30)
-            _until(lambda: _serving(gateway) and _worker_ready(scheduler), 90)
+            _until(lambda: _serving(gateway) and _worker_ready(scheduler, tmp_path / "keys"), 90)
             assert up.poll() is None
             assert _generate(gateway) == before, f"after the {role} was restarted"
     finally:

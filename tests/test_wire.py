@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from loraserve.wire import AdapterPayload, Assign, MsgType, Tokens, WireError, WorkerReport, decode, encode
+from loraserve.wire import AdapterPayload, Assign, MsgType, Prefetch, Tokens, WireError, WorkerReport, decode, encode
 
 
 def test_round_trip_keeps_every_field():
@@ -49,6 +49,25 @@ def test_buffers_travel_as_their_own_frames():
 def test_malformed_messages_are_rejected(frames, message):
     with pytest.raises(WireError, match=message):
         decode(frames)
+
+
+def test_prefetch_scores_travel_beside_their_adapters_and_are_checked():
+    scored = Prefetch([("a", 1), ("b", 2)], [0.75, 0.0])
+    assert decode(encode(scored)) == scored
+    assert decode(encode(Prefetch([("a", 1)]))).scores == []  # unknown: the worker's UNKNOWN_SCORE
+    frames = encode(scored)
+    body = msgpack.unpackb(frames[1])
+    for scores, message in [
+        ([0.5], "differ in length"),
+        ([0.5, 0.5, 0.5], "differ in length"),
+        ([0.5, 1.5], r"outside \[0.0, 1.0\]"),
+        ([-0.1, 0.5], r"outside \[0.0, 1.0\]"),
+        ([0.5, float("nan")], "not a finite number"),
+        ([0.5, "high"], "scores"),
+        ([0.5] * 1025, "longer than 1024"),
+    ]:
+        with pytest.raises(WireError, match=message):
+            decode([frames[0], msgpack.packb({**body, "scores": scores})])
 
 
 def test_no_pickle_can_arrive():

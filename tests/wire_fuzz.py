@@ -47,6 +47,7 @@ VALID: list[Message] = [
     ),
     Cancel(["r"], "client cancelled"),
     Prefetch([("x", 1), ("y", 2)]),
+    Prefetch([("x", 1), ("y", 2)], [0.9, 0.25]),
     Tokens("r", [1], "w", True, "stop", timings={"queue_s": 0.1}),
     FetchAdapter("x", 1, {"traceparent": "00-1"}),
     AdapterPayload("x", 1, "safetensors", b"{}", b"weights"),

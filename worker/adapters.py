@@ -11,7 +11,8 @@ A = lora_A.weight [r, d_in], B = lora_B.weight [d_out, r], scale = lora_alpha / 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B)
     config: dict
     sha256: str | None = None  # hex SHA-256 of the weights file it was read from, when the caller checked it
+    # The rows `pack` makes for one pool's geometry and dtype, packed ahead of a load (`with_rows`).
+    packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def scale(self) -> float:
@@ -44,7 +47,9 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        """Host RAM held: the weights, and the packed rows when there are some."""
+        packed = self.packed.nbytes if self.packed is not None else 0
+        return packed + sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
     def layout(self, pool: PoolLayout, model: ModelConfig) -> AdapterLayout:
         return pool.adapter_layout(model, self.rank, self.modules, active_layers=len(self.layers))
@@ -66,6 +71,20 @@ class LoraAdapter:
             rows[layer, block.a_offset : block.a_offset + r * block.c_in] = a_rows
             rows[layer, block.b_offset : block.b_offset + r * block.c_out] = b_rows
         return rows
+
+    def with_rows(self, rows: torch.Tensor) -> LoraAdapter:
+        """This adapter carrying `rows`, what `pack` made for a pool (so that loading it only copies)."""
+        return dataclasses.replace(self, packed=rows)
+
+    def rows(self, pool: PoolLayout, model: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+        """`pack(pool, model, dtype)`: the rows packed ahead of time when they fit that pool, else packed now."""
+        rows = self.packed
+        if rows is not None and rows.dtype == dtype and rows.shape == self._packed_shape(pool, model):
+            return rows
+        return self.pack(pool, model, dtype)
+
+    def _packed_shape(self, pool: PoolLayout, model: ModelConfig) -> tuple[int, int, int]:
+        return (pool.num_layers, self.layout(pool, model).num_rows, pool.row_width)
 
 
 def _chunk_rows(matrix: torch.Tensor, chunks: int, width: int) -> torch.Tensor:

@@ -26,9 +26,10 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -102,6 +103,16 @@ class GenerateResult:
     num_preemptions: int = 0
 
 
+class StepShape(NamedTuple):
+    """One step's batch composition: tokens computed, Σ adapter rank over them, distinct adapters,
+    KV pages the attention read."""
+
+    tokens: int
+    rank_tokens: int
+    adapters: int
+    kv_pages: int
+
+
 class Engine:
     """One model, many adapters, continuous batching over one unified pool (see the module docstring)."""
 
@@ -136,6 +147,7 @@ class Engine:
             if "embed_tokens" not in name or self.model_config.tie_word_embeddings
         )
         self.adapter_bytes_read = 0
+        self.last_step: StepShape | None = None  # the batch composition of the last step (for its cost)
         log.info(
             "unified pool: %d pages x %d rows x %d wide x %d layers (%.1f MiB, %d tokens per KV page)",
             self.layout.num_pages,
@@ -219,14 +231,39 @@ class Engine:
     def adapter_names(self) -> list[str]:
         return self.registry.names()
 
-    def prefetch(self, adapters: Iterable[str | AdapterKey]) -> list[AdapterKey]:
-        """Start copying these adapters (names mean their latest version) into free pool pages."""
-        keys = []
+    def prepare_adapter(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Pack `adapter` for this engine's pool ahead of its load (any thread: the worker's fetch threads)."""
+        return self.pool.prepare(adapter)
+
+    def prefetch(
+        self, adapters: Sequence[str | AdapterKey], scores: Sequence[float] | None = None, *, demand: bool = False
+    ) -> list[AdapterKey]:
+        """Start copying these adapters (names mean their latest version) into the pool in the background.
+
+        `scores`: the predicted likelihood that each is needed here soon, remembered per adapter
+        (also for adapters not registered yet); a prefetch evicts only idle adapters with a lower
+        score (`UnifiedPool`). Does nothing when the engine's `prefetch` is off, unless `demand`:
+        the adapters were just fetched for requests that wait on them (a cold load, not a prediction,
+        copied in the background all the same).
+        """
+        if not (self.config.prefetch or demand):
+            return []
+        keys: list[AdapterKey | None] = []
         for a in adapters:
-            key = self.registry.latest(a) if isinstance(a, str) else a
-            if self.registry.has(key):
-                keys.append(key)
-        return self.pool.prefetch(keys, int(self.layout.num_pages * self.config.prefetch_reserve))
+            try:
+                keys.append(self.registry.latest(a) if isinstance(a, str) else a)
+            except AdapterNotFoundError:
+                keys.append(None)
+        if scores is not None:
+            self.pool.remember_scores((k, s) for k, s in zip(keys, scores, strict=True) if k is not None)
+        return self._prefetch([k for k in keys if k is not None and self.registry.has(k)], demand)
+
+    def _prefetch(self, keys: list[AdapterKey], demand: bool = False) -> list[AdapterKey]:
+        if not keys:
+            return []
+        needed = frozenset(r.adapter for r in self.step_scheduler.waiting if r.adapter is not None)
+        reserve = int(self.layout.num_pages * self.config.prefetch_reserve)
+        return self.pool.prefetch(keys, reserve, needed, demand)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -319,16 +356,22 @@ class Engine:
             return outputs
         scheduled_at = time.monotonic()
         waited = {key: self.pool.wait_ready(key) for key in plan.adapters}
-        if self.config.prefetch:
-            self.prefetch(
-                [
-                    r.adapter
-                    for r in itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
-                    if r.adapter is not None
-                ]
-            )
+        if self.config.prefetch:  # adapters of the requests queued next: needed for sure
+            waiting = itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
+            self._prefetch([r.adapter for r in waiting if r.adapter is not None])
         output = self.runner.execute(plan.batch)
         return outputs + self._update(plan, output, scheduled_at, waited)
+
+    def _shape(self, plan: StepPlan) -> StepShape:
+        """What a step computed, in the terms of the scheduler's step-cost model (scheduler/cost_model.py)."""
+        per_page = self.layout.tokens_per_page
+        tokens = rank_tokens = kv_pages = 0
+        for request, n in plan.scheduled:
+            tokens += n
+            if request.adapter is not None:
+                rank_tokens += n * self.pool.slot(request.adapter).rank
+            kv_pages += -(-(request.num_computed + n) // per_page)
+        return StepShape(tokens, rank_tokens, len(plan.adapters), kv_pages)
 
     def _update(
         self, plan: StepPlan, output: RunnerOutput, scheduled_at: float, waited: dict[AdapterKey, float]
@@ -338,6 +381,7 @@ class Engine:
         self.adapter_bytes_read += self.pool.tensor.element_size() * sum(
             self.pool.slot(key).useful_elements for key in plan.adapters
         )
+        self.last_step = self._shape(plan)
         now = time.monotonic()
         outputs = []
         for request, n in plan.scheduled:

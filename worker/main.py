@@ -9,6 +9,7 @@ import socket
 import threading
 
 from loraserve import telemetry
+from loraserve.internal_auth import add_internal_keys_argument, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.process import add_drain_argument, run_service
 from loraserve.supervise import RoleFailed
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)",
     )
+    add_internal_keys_argument(parser)
     telemetry.add_tracing_arguments(parser)
     add_metrics_arguments(parser)
 
@@ -59,6 +61,7 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
         report_interval_s=args.report_interval,
         drain_timeout_s=args.drain_timeout,
         fetch_timeout_s=args.fetch_timeout,
+        keys=load_optional(args.internal_keys, "worker"),
     )
     service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
     if args.metrics_port:

@@ -3,9 +3,11 @@
 One thread runs everything that touches the engine: between steps it drains the scheduler's
 messages (ASSIGN / CANCEL / PREFETCH), registers adapters that background fetch threads brought
 from the adapter store, aborts requests whose deadline passed, runs a step, streams the new
-tokens to each request's gateway and reports its state to the scheduler. Fetching (network +
-validation) never happens on the step loop; prefetched adapters are copied into the pool in the
-background by the engine.
+tokens to each request's gateway and reports its state to the scheduler. Fetching (network,
+validation, packing into the pool's row layout) never happens on the step loop; prefetched adapters
+are copied into the pool in the background by the engine. A PREFETCH carries the scheduler's
+predicted likelihood of each adapter (`scores`): the engine remembers them and a prefetch never
+evicts an adapter more likely to be used than the one it fetches.
 
 Scheduler messages are checked by `wire.decode` (types, lengths, ranges, the reply_to endpoint)
 before they touch anything; a bad one is logged (rate-limited) and dropped, and an ASSIGN whose
@@ -40,10 +42,22 @@ from loraserve import telemetry
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.dispatch import Dispatcher
 from loraserve.errors import InvalidRequestError, LoraserveError
+from loraserve.internal_auth import Curve, InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
-from loraserve.wire import AdapterKey, Assign, Cancel, Prefetch, StepTokens, Tokens, WireError, WorkerReport, decode
+from loraserve.wire import (
+    MAX_STEP_SAMPLES,
+    AdapterKey,
+    Assign,
+    Cancel,
+    Prefetch,
+    StepTokens,
+    Tokens,
+    WireError,
+    WorkerReport,
+    decode,
+)
 from loraserve.worker import metrics
 from loraserve.worker.adapters import load_adapter_bytes
 from loraserve.worker.engine import Cached, Engine, GenerateRequest, StepOutput
@@ -61,6 +75,10 @@ class WorkerConfig:
     fetch_timeout_s: float = 10.0
     fetch_threads: int = 2
     drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish here
+    keys: InternalKeys | None = None  # CURVE keys: talk to the scheduler, store and gateways as a worker
+
+    def curve_to(self, role: str) -> Curve | None:
+        return self.keys.client_of(role) if self.keys is not None else None
 
 
 @dataclass
@@ -97,14 +115,20 @@ class WorkerService:
         self.engine, self.config = engine, config
         self.ctx = zmq.Context()
         self.scheduler_socket = make_socket(
-            self.ctx, zmq.DEALER, connect=config.scheduler_address, identity=config.worker_id
+            self.ctx,
+            zmq.DEALER,
+            connect=config.scheduler_address,
+            identity=config.worker_id,
+            curve=config.curve_to("scheduler"),
         )
-        self.gateways = PushSockets(self.ctx)
+        self.gateways = PushSockets(self.ctx, curve=config.curve_to("gateway"))
         self._dropped = RateLimitedLog(log)
         self.tracked: dict[str, _Tracked] = {}
         self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
         self.fetched: queue.Queue[_Fetched] = queue.Queue()
         self.finished_since_report: list[str] = []
+        self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since the last report
+        self._sampled_step = 0
         self.ready = False
         self.draining = False
         self._step_seconds = metrics.STEP_SECONDS.labels(config.worker_id)
@@ -135,7 +159,9 @@ class WorkerService:
                 if self.engine.has_unfinished():
                     started = time.perf_counter()
                     outputs = self.engine.step()
-                    self._step_seconds.observe(time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    self._step_seconds.observe(seconds)
+                    self._sample_step(seconds)
                     self._deliver(outputs)
                     self._report()
                 elif time.monotonic() - self._last_report >= self.config.report_interval_s:
@@ -235,11 +261,12 @@ class WorkerService:
             self._cancel(request_id, cancel.reason)
 
     def _on_prefetch(self, prefetch: Prefetch) -> None:
+        if not self.engine.config.prefetch:
+            return
         keys: list[AdapterKey] = list(prefetch.adapters)
-        registered = [k for k in keys if self.engine.registry.has(k)]
-        self.engine.prefetch(registered)
+        self.engine.prefetch(keys, prefetch.scores or None)  # remembers the scores, copies what is here
         for key in keys:
-            if key not in registered and key not in self.awaiting:
+            if not self.engine.registry.has(key) and key not in self.awaiting:
                 self.awaiting[key] = []
                 self._fetch(key, for_prefetch=True, trace_context=None)
 
@@ -252,13 +279,16 @@ class WorkerService:
         result = _Fetched(key, for_prefetch=for_prefetch)
         fetcher = getattr(self._fetchers, "fetcher", None)
         if fetcher is None:
-            fetcher = self._fetchers.fetcher = AdapterFetcher(self.config.store_address, self.config.fetch_timeout_s)
+            fetcher = self._fetchers.fetcher = AdapterFetcher(
+                self.config.store_address, self.config.fetch_timeout_s, curve=self.config.curve_to("store")
+            )
         try:
             got = fetcher.fetch_adapter(key[0], key[1], trace=trace_context)  # weights checked against got.sha256
             m = self.engine
-            result.adapter = load_adapter_bytes(
+            adapter = load_adapter_bytes(
                 got.config_json, got.weights, m.model_config, m.config.max_lora_rank, got.weights_format, got.sha256
             )
+            result.adapter = m.prepare_adapter(adapter)  # packed here, so that loading it is only a copy
         except LoraserveError as e:
             result.error = e
         except Exception as e:  # never let a fetch thread die silently
@@ -280,13 +310,13 @@ class WorkerService:
                 continue
             if not self.engine.registry.has(result.key, result.adapter.sha256 or None):
                 self.engine.add_adapter(result.key[0], result.adapter, version=result.key[1])
-            if result.for_prefetch or waiting:
-                self.engine.prefetch([result.key])
             for request_id in waiting:
                 tracked = self.tracked.get(request_id)
                 if tracked is not None:
                     tracked.fetch_s = result.seconds
                     self._start(tracked)
+            if result.for_prefetch or waiting:  # queued requests make it NEEDED: it may evict any idle one
+                self.engine.prefetch([result.key], demand=bool(waiting))
 
     # ---- deadlines, outputs --------------------------------------------------------------------
     def _expire_deadlines(self) -> None:
@@ -390,6 +420,15 @@ class WorkerService:
         root.end()
 
     # ---- reports -------------------------------------------------------------------------------
+    def _sample_step(self, seconds: float) -> None:
+        """Keep the step's composition and time for the next report (the scheduler fits its cost model
+        to them); past MAX_STEP_SAMPLES between reports, the oldest go."""
+        shape = self.engine.last_step
+        if shape is not None and self.engine.steps != self._sampled_step:
+            self._sampled_step = self.engine.steps
+            self.step_samples.append((*shape, min(seconds, 3600.0)))
+            del self.step_samples[:-MAX_STEP_SAMPLES]
+
     def _report(self, fatal: str | None = None) -> None:
         e = self.engine
         pool = e.pool.page_stats()
@@ -416,10 +455,12 @@ class WorkerService:
             fatal=fatal,
             instance=self.instance,
             draining=self.draining,
+            step_samples=self.step_samples,
         )
         send(self.scheduler_socket, report)
         self.last_report = report  # one reference swap: safe for the scrape thread
         self.finished_since_report = []
+        self.step_samples = []
         self._last_report = time.monotonic()
 
     def _hand_back_everything(self, message: str) -> None:

@@ -9,19 +9,29 @@ adapter frees its pages, forgets its slot and settles its copy in one call.
 
     pool = UnifiedPool(layout, model_config, host_cache, dtype, device)
     pool.ensure(key, keep)            # resident now (copied in if it was not): a miss
+    pool.remember_scores(scores)      # the scheduler's predictions: how likely each adapter is needed
     pool.prefetch(keys, reserve)      # copy these in the background, ahead of need
     pool.make_room(pages, keep, for_kv=True)   # evict idle adapters until pages are free
     pool.wait_ready(key)              # before a step reads the adapter's rows
 
 Adapter weights come from the host cache (`AdapterRegistry`): an adapter's footprint and packed
-rows are computed from its validated weights there.
+rows are computed from its validated weights there. `prepare(adapter)` packs the rows ahead of time
+(pinned for a CUDA pool) on whatever thread calls it (the worker's fetch threads), so that copying
+an adapter in, on the step loop or in the background, is only a copy.
+
+Prefetch never evicts an adapter more likely to be used than the one it fetches. Each adapter has a
+score, the predicted likelihood that it is needed here soon: 1.0 (`NEEDED`) for an adapter a queued
+request needs, else the latest score the scheduler sent (`remember_scores`), else `UNKNOWN_SCORE`.
+A prefetch takes free pages, or pages of idle adapters scored strictly lower than the one it
+fetches; a request's own load (`ensure`) may still evict any idle adapter, least recently used first.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,6 +45,10 @@ from loraserve.worker.page_pool import EvictionPolicy, PagePool, PoolStats
 from loraserve.worker.pool_layout import PoolLayout
 
 log = logging.getLogger(__name__)
+
+NEEDED = 1.0  # the score of an adapter a request queued here needs
+UNKNOWN_SCORE = 0.5  # the score of an adapter nobody predicted (a prefetch then evicts only lower ones)
+MAX_SCORES = 1 << 14  # scores remembered, the most recently updated ones
 
 
 @dataclass
@@ -51,13 +65,14 @@ class AdapterSlot:
     row_index: torch.Tensor  # int64 [num_rows]: physical row of each logical row
     useful_elements: int  # weights stored, over all layers (what a step reads)
     ready: torch.cuda.Event | Future | None = field(default=None, repr=False)  # a pending background copy
+    demand: bool = False  # that copy is for requests already waiting on it: a miss when used, not a hit
 
 
 @dataclass
 class LoadStats:
     prefetch_hits: int = 0  # needed by a step and already copied in by a prefetch
     prefetch_late: int = 0  # prefetch still in flight when needed (the step waited for the rest)
-    misses: int = 0  # copied in on demand (the step waited for all of it)
+    misses: int = 0  # copied in on demand (the step waited for all of it, or its requests for the fetch)
     loads: int = 0
     prefetches: int = 0
     evictions: int = 0
@@ -85,6 +100,7 @@ class UnifiedPool:
         self._pages = PagePool(layout, adapter_pages, policy)
         self._slots: dict[AdapterKey, AdapterSlot] = {}
         self._prefetching: set[AdapterKey] = set()  # pinned while their background copy runs
+        self._scores: OrderedDict[AdapterKey, float] = OrderedDict()  # latest predicted likelihoods
         self.stats = LoadStats()
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._executor = None if self._stream else ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
@@ -110,6 +126,10 @@ class UnifiedPool:
 
     def slot(self, key: AdapterKey) -> AdapterSlot:
         return self._slots[key]
+
+    def score(self, key: AdapterKey) -> float:
+        """The latest predicted likelihood that `key` is needed soon (UNKNOWN_SCORE if none was sent)."""
+        return self._scores.get(key, UNKNOWN_SCORE)
 
     def copying(self) -> bool:
         """True while a prefetch's background copy is in flight."""
@@ -160,27 +180,55 @@ class UnifiedPool:
         self.stats.load_seconds += time.perf_counter() - start
         return True
 
-    def prefetch(self, keys: list[AdapterKey], reserve_pages: int) -> list[AdapterKey]:
-        """Start copying predicted adapters into the pool in the background, most urgent first.
+    def remember_scores(self, scores: Iterable[tuple[AdapterKey, float]]) -> None:
+        """Remember the latest predicted likelihood (in [0, 1]) of each adapter, resident or not."""
+        for key, score in scores:
+            self._scores[key] = min(1.0, max(0.0, score))
+            self._scores.move_to_end(key)
+        while len(self._scores) > MAX_SCORES:
+            self._scores.popitem(last=False)
 
-        A predicted adapter is worth more than an idle cached one, so idle adapters that are not
-        predicted may be evicted to make room; pinned ones never are, and `reserve_pages` stay free
-        for KV growth (ignored in a split pool, where adapters cannot take KV pages anyway).
-        Returns the adapters whose copy started; each stays pinned until its copy is done.
+    def prefetch(
+        self, keys: list[AdapterKey], reserve_pages: int, needed: frozenset = frozenset(), demand: bool = False
+    ) -> list[AdapterKey]:
+        """Start copying predicted adapters into the pool in the background, in the order given.
+
+        Each takes free pages, or the pages of idle adapters with a strictly lower score (see the
+        module docstring; `needed`: adapters queued requests need, scored NEEDED); pinned ones and
+        the other `keys` are never evicted, and `reserve_pages` stay free for KV growth (ignored in
+        a split pool, where adapters cannot take KV pages anyway). An adapter that does not fit so
+        is skipped. Returns the adapters whose copy started; each stays pinned until its copy is done.
+        `demand`: the copies are for requests already waiting on them (an adapter just fetched for
+        them), not predictions: a step using one counts a miss, and `prefetches` does not count them.
         """
         reserve = 0 if self.split else reserve_pages
-        wanted = frozenset(keys)
+        wanted = frozenset(keys) | needed
+
+        def score(key: AdapterKey) -> float:
+            return NEEDED if key in needed else self.score(key)
+
         started = []
         for key in dict.fromkeys(keys):
             if self.is_resident(key):
                 continue
-            if not self._allocate(key, wanted, extra_pages=reserve):
-                break
+            fetched = score(key)
+            likelier = frozenset(k for k in self.resident_adapters() if score(k) >= fetched)
+            if not self._allocate(key, wanted | likelier, extra_pages=reserve):
+                continue
             self._pages.pin(key)  # a page being written must not be handed to anyone else
             self._prefetching.add(key)
+            self._slots[key].demand = demand
             self._copy_in_background(self._slots[key], self.host.get(key))
             started.append(key)
         return started
+
+    def prepare(self, adapter: LoraAdapter) -> LoraAdapter:
+        """`adapter` with its rows packed for this pool, pinned when the pool is on CUDA: the host-side
+        work of a load, done ahead of it. Thread-safe (reads only the pool's fixed geometry)."""
+        rows = adapter.pack(self.layout, self.model, self.tensor.dtype)
+        if self.device.type == "cuda":
+            rows = rows.pin_memory()
+        return adapter.with_rows(rows)
 
     def settle(self) -> None:
         """Unpin the prefetches whose copy finished (called once per step)."""
@@ -194,7 +242,9 @@ class UnifiedPool:
         if slot.ready is None:
             return 0.0
         start = time.perf_counter()
-        if self._copy_done(slot):
+        if slot.demand:
+            self.stats.misses += 1
+        elif self._copy_done(slot):
             self.stats.prefetch_hits += 1
         else:
             self.stats.prefetch_late += 1
@@ -248,10 +298,11 @@ class UnifiedPool:
         return True
 
     def _copy(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
-        """Pack and copy; takes the adapter itself, as a prefetch's copy may outlive its host-cache entry."""
-        rows = adapter.pack(self.layout, self.model, self.tensor.dtype)
+        """Copy (packing first unless `prepare` did); takes the adapter itself, as a prefetch's copy may
+        outlive its host-cache entry."""
+        rows = adapter.rows(self.layout, self.model, self.tensor.dtype)
         if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
+            rows = (rows if rows.is_pinned() else rows.pin_memory()).to(self.device, non_blocking=True)
         self.tensor.index_copy_(1, slot.row_index, rows)
 
     def _copy_in_background(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
@@ -263,7 +314,7 @@ class UnifiedPool:
                 slot.ready.record(self._stream)
         else:
             slot.ready = self._executor.submit(self._copy, slot, adapter)
-        self.stats.prefetches += 1
+        self.stats.prefetches += not slot.demand
         self.stats.loads += 1
 
     @staticmethod

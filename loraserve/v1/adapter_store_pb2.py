@@ -26,7 +26,7 @@ from loraserve.v1 import common_pb2 as loraserve_dot_v1_dot_common__pb2
 from loraserve.v1 import gateway_pb2 as loraserve_dot_v1_dot_gateway__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n loraserve/v1/adapter_store.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\x1a\x1aloraserve/v1/gateway.proto\"\x16\n\x14WatchAdaptersRequest\"_\n\rAdapterChange\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65leted\x18\x04 \x01(\x08\x12\x0e\n\x06synced\x18\x05 \x01(\x08\"\x16\n\x14GetStoreStateRequest\"\xaa\x01\n\nStoreState\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x01(\r\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_adapter_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x18\n\x10retired_versions\x18\x06 \x01(\r\x12\x15\n\rretired_bytes\x18\x07 \x01(\x04\x32\xc0\x04\n\x0c\x41\x64\x61pterStore\x12I\n\x06Upload\x12\".loraserve.v1.UploadAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo(\x01\x12[\n\x10RegisterFromPath\x12,.loraserve.v1.RegisterAdapterFromPathRequest\x1a\x19.loraserve.v1.AdapterInfo\x12M\n\x04List\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12K\n\x08\x44\x65scribe\x12$.loraserve.v1.DescribeAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12Q\n\x06\x44\x65lete\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12M\n\rGetStoreState\x12\".loraserve.v1.GetStoreStateRequest\x1a\x18.loraserve.v1.StoreState\x12J\n\x05Watch\x12\".loraserve.v1.WatchAdaptersRequest\x1a\x1b.loraserve.v1.AdapterChange0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n loraserve/v1/adapter_store.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\x1a\x1aloraserve/v1/gateway.proto\"\x16\n\x14WatchAdaptersRequest\"m\n\rAdapterChange\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65leted\x18\x04 \x01(\x08\x12\x0e\n\x06synced\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\r\"\x16\n\x14GetStoreStateRequest\"\xaa\x01\n\nStoreState\x12\x10\n\x08\x61\x64\x61pters\x18\x01 \x01(\r\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_adapter_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x18\n\x10retired_versions\x18\x06 \x01(\r\x12\x15\n\rretired_bytes\x18\x07 \x01(\x04\x32\xc0\x04\n\x0c\x41\x64\x61pterStore\x12I\n\x06Upload\x12\".loraserve.v1.UploadAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo(\x01\x12[\n\x10RegisterFromPath\x12,.loraserve.v1.RegisterAdapterFromPathRequest\x1a\x19.loraserve.v1.AdapterInfo\x12M\n\x04List\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12K\n\x08\x44\x65scribe\x12$.loraserve.v1.DescribeAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12Q\n\x06\x44\x65lete\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponse\x12M\n\rGetStoreState\x12\".loraserve.v1.GetStoreStateRequest\x1a\x18.loraserve.v1.StoreState\x12J\n\x05Watch\x12\".loraserve.v1.WatchAdaptersRequest\x1a\x1b.loraserve.v1.AdapterChange0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHADAPTERSREQUEST']._serialized_start=105
   _globals['_WATCHADAPTERSREQUEST']._serialized_end=127
   _globals['_ADAPTERCHANGE']._serialized_start=129
-  _globals['_ADAPTERCHANGE']._serialized_end=224
-  _globals['_GETSTORESTATEREQUEST']._serialized_start=226
-  _globals['_GETSTORESTATEREQUEST']._serialized_end=248
-  _globals['_STORESTATE']._serialized_start=251
-  _globals['_STORESTATE']._serialized_end=421
-  _globals['_ADAPTERSTORE']._serialized_start=424
-  _globals['_ADAPTERSTORE']._serialized_end=1000
+  _globals['_ADAPTERCHANGE']._serialized_end=238
+  _globals['_GETSTORESTATEREQUEST']._serialized_start=240
+  _globals['_GETSTORESTATEREQUEST']._serialized_end=262
+  _globals['_STORESTATE']._serialized_start=265
+  _globals['_STORESTATE']._serialized_end=435
+  _globals['_ADAPTERSTORE']._serialized_start=438
+  _globals['_ADAPTERSTORE']._serialized_end=1014
 # @@protoc_insertion_point(module_scope)

@@ -11,18 +11,20 @@ class WatchAdaptersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AdapterChange(_message.Message):
-    __slots__ = ("name", "version", "sha256", "deleted", "synced")
+    __slots__ = ("name", "version", "sha256", "deleted", "synced", "rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     DELETED_FIELD_NUMBER: _ClassVar[int]
     SYNCED_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     sha256: str
     deleted: bool
     synced: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ..., deleted: _Optional[bool] = ..., synced: _Optional[bool] = ...) -> None: ...
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., sha256: _Optional[str] = ..., deleted: _Optional[bool] = ..., synced: _Optional[bool] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class GetStoreStateRequest(_message.Message):
     __slots__ = ()

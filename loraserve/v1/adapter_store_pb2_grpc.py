@@ -28,7 +28,8 @@ if _version_not_supported:
 
 
 class AdapterStoreStub:
-    """Missing associated documentation comment in .proto file."""
+    """Registers, lists and deletes adapters; the gateway forwards its adapter RPCs here.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -74,7 +75,8 @@ class AdapterStoreStub:
 
 
 class AdapterStoreServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Registers, lists and deletes adapters; the gateway forwards its adapter RPCs here.
+    """
 
     def Upload(self, request_iterator, context):
         """Register an adapter from uploaded files (header, then chunks); validated fully before it is stored.
@@ -173,7 +175,8 @@ def add_AdapterStoreServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class AdapterStore:
-    """Missing associated documentation comment in .proto file."""
+    """Registers, lists and deletes adapters; the gateway forwards its adapter RPCs here.
+    """
 
     @staticmethod
     def Upload(request_iterator,

@@ -27,7 +27,9 @@ if _version_not_supported:
 
 
 class LoraServeStub:
-    """Missing associated documentation comment in .proto file."""
+    """The public service: generation, tokenization and adapter management (authentication and
+    statuses: see the top of gateway.proto).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -83,7 +85,9 @@ class LoraServeStub:
 
 
 class LoraServeServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The public service: generation, tokenization and adapter management (authentication and
+    statuses: see the top of gateway.proto).
+    """
 
     def Generate(self, request, context):
         """Generate a whole completion and return it in one message.
@@ -94,6 +98,7 @@ class LoraServeServicer:
 
     def GenerateStream(self, request, context):
         """Generate and stream text pieces and token ids as they are produced, then a summary.
+        It takes Generate's request: the two differ only in how the answer comes back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,7 +210,9 @@ def add_LoraServeServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LoraServe:
-    """Missing associated documentation comment in .proto file."""
+    """The public service: generation, tokenization and adapter management (authentication and
+    statuses: see the top of gateway.proto).
+    """
 
     @staticmethod
     def Generate(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class SchedulerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Places requests on workers; the gateway submits and cancels through it.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +53,8 @@ class SchedulerStub:
 
 
 class SchedulerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Places requests on workers; the gateway submits and cancels through it.
+    """
 
     def Submit(self, request, context):
         """Queue a validated, tokenized request for placement on a worker.
@@ -102,7 +104,8 @@ def add_SchedulerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
-    """Missing associated documentation comment in .proto file."""
+    """Places requests on workers; the gateway submits and cancels through it.
+    """
 
     @staticmethod
     def Submit(request,

@@ -1,0 +1,339 @@
+"""What a worker's step and an adapter load cost, measured on the real engine, for the scheduling simulation.
+
+    costs = measure_costs(DEMO_MODEL_DIR, QUICK_GRID)   # ~30 s on one CPU core
+    costs.step_s(step_shape([(1, 100, 8, "a"), (64, 64, 0, None)]))  # chunks: (tokens, context, rank, adapter)
+    costs.copy_s(rank)                                  # one adapter into the pool (a miss, or a prefetch)
+    costs.fetch_s(rank)                                 # parse, check and pack its bytes (first use on a worker)
+
+The real `Engine` (the worker's, on the given model, torch on one thread) runs batches
+over a grid of compositions — batch sizes, prompt lengths, the base model / one adapter / a distinct
+adapter per request with mixed ranks — and every `engine.step()` is timed, prefill, chunked prefill,
+mixed and decode steps alike, in the CPU time of the stepping thread (torch on one thread, as a
+worker on its own core): on a shared machine, time other processes hold the core is not the
+engine's cost. The grid is run `repeats` times and each step keeps its least time. A linear model is
+fitted to them by least squares weighted by 1/√t (relative error alone lets the many small steps
+outvote the full batches that set capacity), coefficients kept non-negative:
+
+    step_s = c0 + c_seq·seqs + c_tok·tokens + c_ad·adapters + c_lora·Σ tokens_i·rank_i
+             + c_key·Σ_groups G·S + c_score·Σ_groups G·Q·S
+
+where attention's two groups (decoding sequences, prefill chunks) are each padded to their longest
+member: G sequences, S the longest context, Q the longest chunk (`kernels/attention_torch.py`). A
+grid with equal lengths cannot tell padding from useful work, so the grid ends with a batch of
+heavy-tail requests arriving two per step (`Grid.mixed`): continuous batching's mixed lengths at
+full load.
+
+Adapter costs are timed the same way, per rank, fitted as a + b·rank: `UnifiedPool.ensure` (the copy
+into the pool) and the fetch thread's work (`load_adapter_bytes`: safetensors parse and checks, then
+packing the rows for the pool).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# CPU time of the calling thread: what a step costs the core it runs on, without the time other
+# processes held that core (the machine is shared). Valid because torch runs one thread here.
+clock = time.thread_time
+
+FEATURES = ("const", "seqs", "tokens", "adapters", "token_rank", "key_slots", "score_slots")
+RANKS = (8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computes, as the cost model sees it."""
+
+    seqs: int
+    tokens: int  # prefill chunk tokens + one per decoding sequence
+    adapters: int  # distinct adapters
+    token_rank: int  # Σ tokens_i · rank_i over sequences with an adapter
+    # Attention pads each group (decoding sequences, prefill chunks) to its longest member
+    # (kernels/attention_torch.py): per group, G sequences · the longest context S (keys gathered)
+    # and G · the longest chunk Q · S (scores).
+    key_slots: int  # Σ_groups G · S
+    score_slots: int  # Σ_groups G · Q · S
+
+    def vector(self) -> tuple[float, ...]:
+        return (1.0, self.seqs, self.tokens, self.adapters, self.token_rank, self.key_slots, self.score_slots)
+
+
+def step_shape(chunks: list[tuple[int, int, int, object]]) -> StepShape:
+    """The shape of a step from its chunks: (tokens this step, context after it, rank or 0, adapter or None)."""
+    groups = ([c for c in chunks if c[0] == 1], [c for c in chunks if c[0] > 1])  # decode, prefill
+    key_slots = score_slots = 0
+    for group in groups:
+        if group:
+            longest_context = max(c[1] for c in group)
+            key_slots += len(group) * longest_context
+            score_slots += len(group) * max(c[0] for c in group) * longest_context
+    return StepShape(
+        seqs=len(chunks),
+        tokens=sum(c[0] for c in chunks),
+        adapters=len({c[3] for c in chunks if c[3] is not None}),
+        token_rank=sum(c[0] * c[2] for c in chunks),
+        key_slots=key_slots,
+        score_slots=score_slots,
+    )
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The batch compositions timed: every batch size × prompt length × adapter mix."""
+
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    prompt_lens: tuple[int, ...] = (16, 96, 320)
+    mixes: tuple[str, ...] = ("base", "one", "distinct")
+    new_tokens: int = 6
+    load_samples: int = 5
+    repeats: int = 3  # each step's time is the least over the repeats (the machine is shared)
+    mixed: int = 200  # then this many heavy-tail requests at once: realistic mixed steps
+
+
+QUICK_GRID = Grid()
+TINY_GRID = Grid(
+    batch_sizes=(1, 4),
+    prompt_lens=(16, 64),
+    mixes=("base", "distinct"),
+    new_tokens=3,
+    load_samples=2,
+    repeats=1,
+    mixed=12,
+)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    step_coef: tuple[float, ...]  # seconds per unit of each FEATURES entry
+    copy_coef: tuple[float, float]  # copy_s = a + b · rank
+    fetch_coef: tuple[float, float]  # fetch_s = a + b · rank
+    measured_on: dict = field(default_factory=dict)  # machine, model, threads, samples, fit quality
+
+    def step_s(self, shape: StepShape) -> float:
+        return float(sum(c * x for c, x in zip(self.step_coef, shape.vector(), strict=True)))
+
+    def copy_s(self, rank: int) -> float:
+        return self.copy_coef[0] + self.copy_coef[1] * rank
+
+    def fetch_s(self, rank: int) -> float:
+        return self.fetch_coef[0] + self.fetch_coef[1] * rank
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["step_coef"] = dict(zip(FEATURES, self.step_coef, strict=True))
+        return d
+
+
+def fixed_costs() -> CostModel:
+    """A plausible cost model without measuring (unit tests): ~2 ms a step plus per-token costs."""
+    return CostModel((2e-3, 5e-5, 2e-5, 1e-4, 1e-8, 1e-6, 1e-9), (3e-4, 1e-6), (2e-3, 2e-5), {"source": "fixed"})
+
+
+def machine() -> dict:
+    """The CPUs, and how busy the machine was (load averages: other processes inflate the costs)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
+    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": model, "platform": platform.platform(), "loadavg": load}
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+def measure_costs(model_dir: Path, grid: Grid = QUICK_GRID, seed: int = 0) -> CostModel:
+    """Time the real engine over `grid` and fit the cost model (see the module docstring)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core per worker; and `clock` sees only this thread
+    try:
+        return _measure(model_dir, grid, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(model_dir: Path, grid: Grid, seed: int) -> CostModel:
+    from loraserve.bench.engine_system import AdapterBank, warm_up
+    from loraserve.bench.synthetic_adapters import SyntheticAdapters
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+
+    started = time.perf_counter()
+    bank = AdapterBank(SyntheticAdapters(model_dir, seed=seed))
+    n_per_rank = max(grid.batch_sizes) // len(RANKS) + 1
+    adapters = {f"cost-{rank}-{i}": rank for i in range(n_per_rank) for rank in RANKS}
+    engine = Engine(model_dir, EngineConfig(device="cpu", max_batch_size=64, pool_pages=2048, prefetch=False))
+    try:
+        for name, rank in adapters.items():
+            engine.add_adapter(name, bank.get(name, rank))
+        warm_up(engine, adapters)
+        for name in adapters:  # every adapter resident: the steps timed below copy nothing
+            engine.pool.ensure(engine.registry.latest(name))
+        runs = [_time_steps(engine, adapters, grid) for _ in range(grid.repeats)]
+        shapes = runs[0][0]
+        if any(r[0] != shapes for r in runs):
+            raise RuntimeError("the engine scheduled the same batches differently on a repeat")
+        seconds = [min(times) for times in zip(*(r[1] for r in runs), strict=True)]
+        copy = _time_copies(engine, bank, grid.load_samples)
+        fetch = _time_fetches(engine, bank, grid.load_samples)
+    finally:
+        engine.close()
+    coef, quality = fit_step_model(shapes, seconds)
+    return CostModel(
+        tuple(coef),
+        _line(copy),
+        _line(fetch),
+        {
+            **machine(),
+            "model": str(model_dir),
+            "torch_threads": 1,
+            "clock": "thread CPU time",
+            "step_samples": len(seconds),
+            **quality,
+            "measure_wall_s": round(time.perf_counter() - started, 1),
+        },
+    )
+
+
+def _time_steps(engine, adapters: dict[str, int], grid: Grid) -> tuple[list[StepShape], list[float]]:
+    names = list(adapters)
+    batches = []
+    for batch in grid.batch_sizes:
+        for prompt_len in grid.prompt_lens:
+            for mix in grid.mixes:
+                chosen = {"base": [None] * batch, "one": [names[0]] * batch, "distinct": names[:batch]}[mix]
+                batches.append([(prompt_len, grid.new_tokens, a) for a in chosen])
+    shapes, seconds = [], []
+    for batch in batches:
+        requests = [_add(engine, i, request) for i, request in enumerate(batch)]
+        _step_all(engine, requests, adapters, shapes, seconds)
+    if grid.mixed:  # two new requests before each step while they last: a full batch and a queue
+        requests = []
+        for i, request in enumerate(_mixed_batch(adapters, grid.mixed)):
+            requests.append(_add(engine, i, request))
+            if i % 2:
+                _step_all(engine, requests, adapters, shapes, seconds, steps=1)
+        _step_all(engine, requests, adapters, shapes, seconds)
+    return shapes, seconds
+
+
+def _add(engine, i: int, request: tuple[int, int, str | None]):
+    from loraserve.worker.sampling import SamplingParams
+
+    prompt_len, new, adapter = request
+    sampling = SamplingParams(max_new_tokens=new, ignore_eos=True, seed=0)
+    return engine.add_request([5 + (i + j) % 200 for j in range(prompt_len)], sampling, adapter, f"c-{i}")
+
+
+def _step_all(engine, requests, adapters, shapes: list, seconds: list, steps: int | None = None) -> None:
+    """Step until nothing is left (or `steps` times), timing each step and noting its shape."""
+    while engine.has_unfinished() and (steps is None or steps > 0):
+        before = {r.request_id: r.num_computed for r in requests}
+        start = clock()
+        engine.step()
+        seconds.append(clock() - start)
+        shapes.append(_shape(requests, before, adapters))
+        steps = None if steps is None else steps - 1
+
+
+def _mixed_batch(adapters: dict[str, int], n: int) -> list[tuple[int, int, str | None]]:
+    """`n` requests of the heavy-tail scenario's mix (sizes, Zipf adapters of every rank)."""
+    from loraserve.bench.scheduling_traces import heavy_tail
+
+    by_rank: dict[int, list[str]] = {}
+    for name, rank in adapters.items():
+        by_rank.setdefault(rank, []).append(name)
+    trace = heavy_tail(100.0, n / 50.0, seed=7, n_adapters=4 * min(len(v) for v in by_rank.values()))
+    out = []
+    for r in trace.requests[:n]:
+        rank, i = trace.adapters[r.adapter], int(r.adapter.rsplit("-", 1)[1])
+        out.append((r.prompt_len, r.output_len, by_rank[rank][(i // len(RANKS)) % len(by_rank[rank])]))
+    return out
+
+
+def _shape(requests, before: dict[str, int], ranks: dict[str, int]) -> StepShape:
+    chunks = []
+    for r in requests:
+        n = r.num_computed - before[r.request_id]
+        if n > 0:  # scheduled (not preempted: that drops its KV)
+            rank = ranks[r.adapter[0]] if r.adapter is not None else 0
+            chunks.append((n, r.num_computed, rank, r.adapter))
+    return step_shape(chunks)
+
+
+def _prepared(engine, adapter):
+    """The adapter as the worker's fetch thread hands it over (packed for the pool, where the engine does that)."""
+    prepare = getattr(engine, "prepare_adapter", None)
+    return prepare(adapter) if prepare is not None else adapter
+
+
+def _time_copies(engine, bank, samples: int) -> list[tuple[int, float]]:
+    """`UnifiedPool.ensure` of adapters that are not resident: the copy into the pool, per rank."""
+    out = []
+    for rank in RANKS:
+        for i in range(samples):
+            key = engine.add_adapter(f"copy-{rank}-{i}", _prepared(engine, bank.get(f"copy-{rank}-{i}", rank)))
+            start = clock()
+            assert engine.pool.ensure(key)
+            out.append((rank, clock() - start))
+    return out
+
+
+def _time_fetches(engine, bank, samples: int) -> list[tuple[int, float]]:
+    """What a worker's fetch thread does with an adapter's bytes before registering it: parse and check
+    (`load_adapter_bytes`), then pack for the pool; per rank. The store-to-worker transfer is not
+    included (a few hundred KB at most for the demo model's adapters, well under a millisecond)."""
+    from loraserve.worker.adapters import load_adapter_bytes
+
+    out = []
+    for rank in RANKS:
+        for i in range(samples):
+            config, weights = bank.adapters.files(f"fetch-{rank}-{i}", rank)
+            start = clock()
+            _prepared(engine, load_adapter_bytes(config, weights, bank.model, bank.max_rank))
+            out.append((rank, clock() - start))
+    return out
+
+
+def _line(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """a + b·rank through the per-rank medians, both non-negative."""
+    ranks = sorted({r for r, _ in samples})
+    medians = [float(np.median([s for r, s in samples if r == rank])) for rank in ranks]
+    if len(ranks) < 2:
+        return (medians[0], 0.0)
+    b = np.polyfit(ranks, medians, 1)[0]
+    b = max(0.0, float(b))
+    return (max(0.0, float(np.mean(medians) - b * np.mean(ranks))), b)
+
+
+def fit_step_model(shapes: list[StepShape], seconds: list[float]) -> tuple[list[float], dict]:
+    """Least squares weighted by 1/√t, with non-negative coefficients (features that come out
+    negative are dropped and the rest refitted). Returns (coefficients, fit quality)."""
+    x = np.array([s.vector() for s in shapes], dtype=np.float64)
+    y = np.array(seconds, dtype=np.float64)
+    w = 1.0 / np.sqrt(np.maximum(y, 1e-6))  # between absolute error (big steps rule) and relative
+    active = [i for i in range(x.shape[1]) if i == 0 or x[:, i].any()]
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active = [i for i, c in zip(active, sol, strict=True) if c >= 0]
+    predicted = x @ coef
+    rel = np.abs(predicted - y) / y
+    quality = {
+        "fit_median_rel_error": round(float(np.median(rel)), 3),
+        "fit_p90_rel_error": round(float(np.quantile(rel, 0.9)), 3),
+        "step_s_min": round(float(y.min()), 5),
+        "step_s_max": round(float(y.max()), 5),
+    }
+    return [float(c) for c in coef], quality

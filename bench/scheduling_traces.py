@@ -1,0 +1,127 @@
+"""Seeded request traces for the scheduling benchmark: heavy-tailed lengths, Zipf adapters, tenants.
+
+    heavy_tail(rate, duration_s, seed)        short and long requests mixed, Zipf adapters of mixed ranks
+    flood(victim_rate, flooder_rate, ...)     two tenants, each on its own adapters
+    popularity(rate, duration_s, seed, n)     Zipf over many adapters (more than a worker's pool holds)
+
+Arrivals are Poisson. Adapter i of n is drawn with probability ∝ (i + 1)^-alpha, and ranks go round
+robin over `RANKS` in popularity order, so every rank has popular and rare adapters. Lengths:
+
+- heavy-tail: `long_share` of the requests are long (prompt 192–384 tokens, output 48–128), the rest
+  short (prompt 8–48, output a geometric tail of mean 24 capped at 96);
+- flood and popularity: prompt 16–96, output 16–64, uniform.
+
+Prompt + output stays within the demo model's 512 positions, so every step the simulation charges
+was inside the grid the cost model was measured on. Everything is a function of the seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+RANKS = (8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: str
+    arrival_s: float
+    adapter: str | None
+    prompt_len: int
+    output_len: int
+    tenant: str = ""
+    size: str = "short"  # the request's size class: its SLO is set per class
+
+
+@dataclass(frozen=True)
+class SimTrace:
+    name: str
+    requests: tuple[SimRequest, ...]  # sorted by arrival
+    adapters: dict[str, int]  # name -> rank, every adapter that may be asked for
+    params: dict = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.params.get("duration_s", self.requests[-1].arrival_s if self.requests else 0.0))
+
+    def only(self, tenant: str) -> SimTrace:
+        """The same trace with only `tenant`'s requests (the calm run of the flood scenario)."""
+        kept = tuple(r for r in self.requests if r.tenant == tenant)
+        return replace(self, requests=kept, params={**self.params, "only_tenant": tenant})
+
+
+def zipf_adapters(prefix: str, n: int, ranks: tuple[int, ...] = RANKS) -> dict[str, int]:
+    return {f"{prefix}{i:04d}": ranks[i % len(ranks)] for i in range(n)}
+
+
+def _zipf_choice(rng: np.random.Generator, names: list[str], alpha: float, size: int) -> list[str]:
+    weights = np.arange(1, len(names) + 1, dtype=np.float64) ** -alpha
+    picks = rng.choice(len(names), size=size, p=weights / weights.sum())
+    return [names[i] for i in picks]
+
+
+def _arrivals(rng: np.random.Generator, rate: float, duration_s: float) -> np.ndarray:
+    n = rng.poisson(rate * duration_s)
+    return np.sort(rng.uniform(0.0, duration_s, size=n))
+
+
+def heavy_tail(
+    rate: float,
+    duration_s: float,
+    seed: int,
+    n_adapters: int = 64,
+    alpha: float = 1.0,
+    long_share: float = 0.1,
+) -> SimTrace:
+    rng = np.random.default_rng([seed, 1])
+    adapters = zipf_adapters("ht-", n_adapters)
+    times = _arrivals(rng, rate, duration_s)
+    names = _zipf_choice(rng, list(adapters), alpha, len(times))
+    requests = []
+    for i, (t, name) in enumerate(zip(times, names, strict=True)):
+        if rng.random() < long_share:
+            size, prompt, output = "long", int(rng.integers(192, 385)), int(rng.integers(48, 129))
+        else:
+            size, prompt, output = "short", int(rng.integers(8, 49)), min(96, int(rng.geometric(1 / 24)))
+        requests.append(SimRequest(f"ht-{i}", float(t), name, prompt, output, size=size))
+    params = {"rate": rate, "duration_s": duration_s, "seed": seed, "n_adapters": n_adapters, "alpha": alpha}
+    return SimTrace("heavy-tail", tuple(requests), adapters, {**params, "long_share": long_share})
+
+
+def flood(victim_rate: float, flooder_rate: float, duration_s: float, seed: int, n_adapters: int = 16) -> SimTrace:
+    """Tenants `victim` and `flooder`, each with `n_adapters` adapters of its own (Zipf α = 1)."""
+    rng = np.random.default_rng([seed, 2])
+    requests = []
+    adapters: dict[str, int] = {}
+    for tenant, rate in (("victim", victim_rate), ("flooder", flooder_rate)):
+        own = zipf_adapters(f"{tenant}-", n_adapters)
+        adapters |= own
+        times = _arrivals(rng, rate, duration_s)
+        names = _zipf_choice(rng, list(own), 1.0, len(times))
+        for i, (t, name) in enumerate(zip(times, names, strict=True)):
+            prompt, output = int(rng.integers(16, 97)), int(rng.integers(16, 65))
+            requests.append(SimRequest(f"{tenant}-{i}", float(t), name, prompt, output, tenant=tenant))
+    requests.sort(key=lambda r: (r.arrival_s, r.request_id))
+    params = {"victim_rate": victim_rate, "flooder_rate": flooder_rate, "duration_s": duration_s, "seed": seed}
+    return SimTrace("flood", tuple(requests), adapters, params)
+
+
+def popularity(rate: float, duration_s: float, seed: int, n_adapters: int = 1000, alpha: float = 1.0) -> SimTrace:
+    rng = np.random.default_rng([seed, 3])
+    adapters = zipf_adapters("pop-", n_adapters)
+    times = _arrivals(rng, rate, duration_s)
+    names = _zipf_choice(rng, list(adapters), alpha, len(times))
+    requests = [
+        SimRequest(f"pop-{i}", float(t), name, int(rng.integers(16, 97)), int(rng.integers(16, 65)))
+        for i, (t, name) in enumerate(zip(times, names, strict=True))
+    ]
+    params = {"rate": rate, "duration_s": duration_s, "seed": seed, "n_adapters": n_adapters, "alpha": alpha}
+    return SimTrace("popularity", tuple(requests), adapters, params)
+
+
+def burst(trace: SimTrace, n: int) -> SimTrace:
+    """The first `n` requests of `trace`, all arriving at 0: a saturating load to measure capacity."""
+    kept = tuple(replace(r, arrival_s=0.0) for r in trace.requests[:n])
+    return replace(trace, requests=kept, params={**trace.params, "burst": n, "duration_s": 0.0})

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
+name. A request becomes a `GenerateRequest` and runs through the gRPC servicer's own generation path,
+so keys, tenants, quotas, validation, tracing and failover are the gRPC API's; this file translates
+requests in and answers out (`responses.py`), and failures into OpenAI's error shape (`errors.py`).
+Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
+token ids. The caller is authenticated before its body is looked at: no key, no work.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraserve.errors import AdapterNotFoundError, InvalidRequestError, LoraserveError
+from loraserve.gateway.auth import Principal
+from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
+from loraserve.gateway.http.generation import ClientGone, Generation, HttpCall, until_disconnected
+from loraserve.gateway.http.responses import DONE, Answers, Final, sse
+from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.gateway.namespaces import Namespace
+from loraserve.gateway.service import LoraServeService
+from loraserve.gateway.tenants import Scope
+from loraserve.v1 import common_pb2, gateway_pb2
+
+log = logging.getLogger(__name__)
+CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it, the log does
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_app(service: LoraServeService, chat_template: ChatTemplate | None, started_unix: int) -> FastAPI:
+    """The ASGI app serving `service` over HTTP (no docs pages: the API is OpenAI's). A body without a
+    Content-Type is read as JSON too."""
+    routes = OpenAiRoutes(service, chat_template, started_unix)
+    app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None, strict_content_type=False)
+    app.state.routes = routes
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+    app.add_exception_handler(HttpError, _send_error)
+    app.add_exception_handler(LoraserveError, _loraserve_error)
+    app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    return app
+
+
+def _caller(request: Request) -> Principal:
+    return request.app.state.routes.caller(request)
+
+
+Caller = Annotated[Principal, Depends(_caller)]  # every route's first dependency: no key, no work
+
+
+class OpenAiRoutes:
+    def __init__(self, service: LoraServeService, chat_template: ChatTemplate | None, started_unix: int):
+        self.service, self.chat_template, self.started_unix = service, chat_template, started_unix
+        self.base_model = service.config.model_name
+        self.max_body_bytes = 2 * service.limits.max_prompt_bytes + (1 << 16)
+
+    def caller(self, request: Request) -> Principal:
+        """The authenticated caller (a dependency of every route: runs before the body is parsed)."""
+        principal = self.service.authenticate({k.lower(): v for k, v in request.headers.items()})
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise HttpError(
+                413, error_body(f"the request body is over {self.max_body_bytes} bytes", "invalid_request_error")
+            )
+        return principal
+
+    # ---- models ---------------------------------------------------------------------------------
+    async def models(self, principal: Caller) -> dict[str, Any]:
+        return {"object": "list", "data": await self._models(principal)}
+
+    async def model(self, model_id: str, principal: Caller) -> dict[str, Any]:
+        found = next((m for m in await self._models(principal) if m["id"] == model_id), None)
+        if found is None:
+            raise http_error(AdapterNotFoundError(model_id))
+        return found
+
+    async def _models(self, principal: Principal) -> list[dict[str, Any]]:
+        principal.require(Scope.GENERATE, "list models")
+        listing = await self.service.adapters.list(Namespace.of(principal))
+        base = _card(self.base_model, self.started_unix, "loraserve")
+        adapters = [
+            _card(a.name, int(a.created_unix), a.owner or "loraserve", self.base_model) for a in listing.adapters
+        ]
+        return [base, *(a for a in adapters if a["id"] != self.base_model)]
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request, principal: Caller) -> Response:
+        generate = self._generate_request(body)
+        prompt = body.prompt_value()
+        if isinstance(prompt, str):
+            generate.text = prompt
+        else:
+            generate.token_ids.ids.extend(prompt)
+        answers = Answers(f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, include_usage=body.include_usage)
+        return await self._answer(generate, answers, request, bool(body.stream), "prompt")
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
+        if self.chat_template is None:
+            raise bad_request(
+                "messages",
+                f"model {self.base_model!r} has no chat template (no chat_template in its tokenizer_config.json): "
+                "use /v1/completions with a prompt",
+            )
+        generate = self._generate_request(body)
+        try:
+            text = self.chat_template.render(body.conversation())
+            if len(text.encode()) > self.service.limits.max_prompt_bytes:
+                raise InvalidRequestError("messages", f"are longer than {self.service.limits.max_prompt_bytes} bytes")
+        except LoraserveError as e:
+            raise http_error(e, "messages") from None
+        generate.token_ids.ids.extend(self.service.tokenizer.encode(text, add_special_tokens=False))
+        answers = Answers(f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, include_usage=body.include_usage)
+        return await self._answer(generate, answers, request, bool(body.stream), "messages")
+
+    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> gateway_pb2.GenerateRequest:
+        refused = body.unsupported()
+        if refused is not None:
+            raise bad_request(*refused)
+        return gateway_pb2.GenerateRequest(
+            adapter="" if body.model == self.base_model else body.model,
+            sampling=common_pb2.SamplingParameters(**body.sampling()),
+            max_new_tokens=body.new_tokens,
+            stop=body.stops,
+        )
+
+    async def _answer(
+        self, generate: gateway_pb2.GenerateRequest, answers: Answers, request: Request, stream: bool, prompt_param: str
+    ) -> Response:
+        generate.client_request_id = answers.id  # on the request's trace, beside loraserve's own id
+        call = HttpCall(request.headers)
+        generation = Generation(self.service.generate_events(generate, call))
+        try:
+            if not stream:
+                text, final = await until_disconnected(request, generation.collect())
+                return JSONResponse(answers.whole(text, final))
+            first = await until_disconnected(request, generation.next())  # failures before any token: a status
+        except ClientGone:
+            generation.cancel()
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as e:
+            generation.cancel()
+            raise http_error(e, prompt_param, call.retry_after_s) from None
+        return StreamingResponse(
+            _events(first, generation, answers), media_type="text/event-stream", headers=STREAM_HEADERS
+        )
+
+
+async def _events(first: str | Final, generation: Generation, answers: Answers):
+    """The SSE stream, from its first event on; a client that disconnects cancels the generation."""
+    try:
+        opening = answers.opening()
+        if opening is not None:
+            yield sse(opening)
+        item = first
+        while not isinstance(item, Final):
+            yield sse(answers.piece(item))
+            item = await generation.next()
+        yield sse(answers.closing(item))
+        if answers.include_usage:
+            yield sse(answers.usage(item))
+    except Exception as e:  # after the status line: the failure goes in the stream
+        yield sse(http_error(e).body)
+    finally:
+        generation.cancel()
+    yield DONE
+
+
+def _card(model_id: str, created: int, owner: str, parent: str | None = None) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": owner,
+        "root": model_id,
+        "parent": parent,
+    }
+
+
+async def _send_error(_request: Request, error: HttpError) -> JSONResponse:
+    return JSONResponse(error.body, status_code=error.status, headers=error.headers)
+
+
+async def _loraserve_error(request: Request, exc: LoraserveError) -> JSONResponse:
+    return await _send_error(request, http_error(exc))
+
+
+async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """pydantic's complaint as a 400 naming the parameter (FastAPI's default is a 422 of its own shape)."""
+    problem = exc.errors()[0] if exc.errors() else {}
+    location = [str(part) for part in problem.get("loc", ()) if part != "body"]
+    if problem.get("type") == "json_invalid" or not location:
+        why = "send a JSON object with Content-Type: application/json"
+        return await _send_error(request, bad_request("body", f"{problem.get('msg', 'is not valid')}: {why}"))
+    param = location[0]
+    where = ".".join(location)
+    return await _send_error(request, bad_request(param, f"{problem.get('msg', 'is invalid')} (at {where})"))
+
+
+async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)

@@ -1,0 +1,178 @@
+"""The OpenAI request bodies, as pydantic models: types and ranges that the wire format needs.
+
+Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter);
+what the values mean (temperature ranges, context length, stop limits, adapter names) is checked by
+the same validation the gRPC API runs (`gateway/validation.py`), once the body is a GenerateRequest.
+Fields OpenAI defines that loraserve does not serve (`logprobs`, `tools`, `n` > 1, ...) are accepted
+only at their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
+OpenAI-compatible servers do. `top_k`, `repetition_penalty` and `ignore_eos` are extensions (vLLM's names).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UINT32_MAX = 2**32 - 1
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Generation(BaseModel):
+    """The parameters completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = Field(None, ge=0, le=UINT32_MAX)  # extension
+    repetition_penalty: float | None = None  # extension
+    ignore_eos: bool | None = None  # extension: generate max_tokens whatever the model says
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def new_tokens(self) -> int:
+        """max_tokens; 0 (unset) means the gateway's default."""
+        return self.max_tokens or 0
+
+    def sampling(self) -> dict[str, Any]:
+        """The gRPC SamplingParameters fields of this request."""
+        fields: dict[str, Any] = {
+            "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": self.top_k or 0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "ignore_eos": bool(self.ignore_eos),
+        }
+        if self.seed is not None:
+            fields["seed"] = self.seed
+        return fields
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for the first parameter set to something loraserve does not do; else None."""
+        if self.n not in (None, 1):
+            return "n", f"only n = 1 is supported (one choice per request), got {self.n}"
+        if self.logit_bias:
+            return "logit_bias", "is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "is only allowed with stream: true"
+        return None
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    echo: bool | None = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        batch = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list)
+        if batch and len(self.prompt) != 1:
+            return "prompt", f"one prompt per request, got a batch of {len(self.prompt)}"
+        if self.echo:
+            return "echo", "is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", f"only best_of = 1 is supported, got {self.best_of}"
+        if self.logprobs is not None:
+            return "logprobs", "is not supported"
+        if self.suffix:
+            return "suffix", "is not supported"
+        return super().unsupported()
+
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        """The message's text (text parts joined); None if a part is not text."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.type != "text" or part.text is None for part in self.content):
+            return None
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_Generation):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 0
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs is not None:
+            return "logprobs", "is not supported"
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool calling is not supported"
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format", "only {'type': 'text'} is supported"
+        for i, message in enumerate(self.messages):
+            if message.text() is None:
+                return f"messages[{i}].content", "only text content parts are supported"
+        return super().unsupported()
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as a chat template takes them: role, content text (and name, when given)."""
+        out = []
+        for message in self.messages:
+            entry: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
+            if message.name is not None:
+                entry["name"] = message.name
+            out.append(entry)
+        return out

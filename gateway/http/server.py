@@ -1,0 +1,99 @@
+"""uvicorn inside the gateway process, on the gateway's own event loop, beside the gRPC server.
+
+The socket is bound here, before anything runs, so a busy or bad `--http-bind` stops the gateway
+with one line naming the flag (uvicorn itself would call `sys.exit` from inside a task). uvicorn
+leaves the process's signals alone: SIGTERM drains the whole gateway (`gateway/main.py`), and HTTP
+calls get 503 while it drains, as gRPC calls get UNAVAILABLE. `--tls-cert`/`--tls-key` (and
+`--tls-client-ca`) serve HTTPS (mutual TLS) with the same files as the gRPC port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from loraserve.errors import InvalidConfigError
+from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.http.app import build_app
+from loraserve.gateway.service import LoraServeService
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the gateway owns SIGTERM/SIGINT (drain) and SIGHUP (key reload)
+
+
+class HttpServer:
+    """The OpenAI-compatible API on one listening socket; `run()` serves until cancelled."""
+
+    def __init__(
+        self,
+        service: LoraServeService,
+        model_dir: Path,
+        bind: str,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        tls_client_ca: Path | None = None,
+    ):
+        chat_template = ChatTemplate.from_model_dir(model_dir)
+        if chat_template is None:
+            log.warning("gateway: %s has no chat template: /v1/chat/completions answers 400", model_dir)
+        app = build_app(service, chat_template, int(time.time()))
+        self.socket = listen(bind)
+        self.port = self.socket.getsockname()[1]
+        tls: dict = {}
+        if tls_cert is not None:
+            tls = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key)}
+            if tls_client_ca is not None:
+                tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        config = uvicorn.Config(
+            app, lifespan="off", log_config=None, access_log=False, server_header=False, ws="none", **tls
+        )
+        self._server = _Server(config)
+
+    async def run(self) -> None:
+        """Serve until cancelled; then stop listening and close the connections (briefly: the gateway
+        has drained its generations by then)."""
+        try:
+            await self._server.serve(sockets=[self.socket])
+        except asyncio.CancelledError:
+            if self._server.started:
+                self._server.should_exit = self._server.force_exit = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._server.shutdown(sockets=[self.socket]), timeout=2.0)
+            raise
+        finally:
+            self.socket.close()
+
+
+def listen(bind: str) -> socket.socket:
+    """A listening TCP socket on `bind` (`host:port`, `[v6]:port`); InvalidConfigError naming --http-bind."""
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except (ValueError, OSError) as e:
+        raise InvalidConfigError(f"--http-bind {bind!r}: not a usable host:port ({e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise InvalidConfigError(f"--http-bind {bind}: cannot listen there ({e.strerror or e})") from None
+    sock.setblocking(False)
+    return sock

@@ -1,0 +1,159 @@
+"""The `adaptive` policy's planning state, apart from the queue: the step-cost model, placement,
+adapter popularity and what each worker is loading. `SchedulerPolicy` asks it; it holds no
+request state of its own (the policy owns the queue, the workers and the placed requests).
+
+    observe(report)                 measured steps refit the cost model
+    load_of(view, ...)              a worker as placement sees it (`placement.WorkerLoad`)
+    estimate(loads, request, ahead) what admission needs (`admission.ClusterEstimate`)
+    migrations(loads, waiting, now) which waiting requests move (`migration.py`)
+    prefetch(loads, ...)            scored hints per worker (`popularity.py`)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from loraserve.scheduler.admission import ClusterEstimate
+from loraserve.scheduler.cost_model import BatchShape, StepCostModel
+from loraserve.scheduler.migration import Move, WaitingRequest, plan_migrations
+from loraserve.scheduler.placement import Demand, Placement, WorkerLoad
+from loraserve.scheduler.popularity import AdapterPopularity, PrefetchPlan, plan_prefetch
+from loraserve.wire import AdapterKey, WorkerReport
+
+if TYPE_CHECKING:
+    from loraserve.scheduler.policy import PolicyConfig, QueuedRequest, WorkerView
+
+LOADING_S = 2.0  # an adapter hinted to or needed on a worker counts as "being loaded" there this long,
+# or until the worker reports it resident (from then on its reports say whether it still is)
+REPLICATE_SCORE = 0.9  # a popular adapter this likely to be asked for on each worker goes to all
+TYPICAL_PROMPT = 128  # tokens of the request a popular adapter is prefetched for (placement's what-if)
+
+Lookup = Callable[[str], "QueuedRequest | None"]  # request id -> the placed request, if this scheduler placed it
+
+
+class AdaptivePlanner:
+    def __init__(self, config: PolicyConfig):
+        self.config = config
+        self.cost = StepCostModel(config.step_cost)
+        self.placement = Placement(self.cost, config.adapter_load_s)
+        self.popularity = AdapterPopularity(config.popularity_half_life_s)
+        self._loading: dict[str, dict[AdapterKey, float]] = {}  # worker -> adapter -> since
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def observe(self, report: WorkerReport) -> None:
+        for tokens, rank_tokens, adapters, kv_pages, seconds in report.step_samples:
+            self.cost.observe(BatchShape(tokens, rank_tokens, adapters, kv_pages), seconds)
+
+    def loading(self, worker_id: str, adapter: AdapterKey, now: float) -> None:
+        self._loading.setdefault(worker_id, {})[adapter] = now
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._loading.pop(worker_id, None)
+
+    # ---- views ---------------------------------------------------------------------------------
+    def rank(self, request: QueuedRequest) -> int:
+        if request.adapter is None:
+            return 0
+        return request.rank or self.config.size_classes.default_rank
+
+    def demand(self, request: QueuedRequest) -> Demand:
+        return Demand(
+            request.adapter,
+            self.rank(request),
+            request.prompt_len,
+            request.max_new_tokens,
+            self.config.output_fraction * request.max_new_tokens,
+        )
+
+    def load_of(self, view: WorkerView, placed: Lookup, reserved_pages: int, now: float) -> WorkerLoad:
+        report = view.report
+        running = set(report.running)
+        held = running | set(report.waiting) | view.assigned
+        known = [r for r in map(placed, held) if r is not None]
+        loading = self._loading.get(view.worker_id, {})
+        resident = view.resident
+        for adapter, since in list(loading.items()):
+            if now - since > LOADING_S or adapter in resident:
+                del loading[adapter]
+        batch_adapters = frozenset(r.adapter for r in known if r.adapter is not None)
+        return WorkerLoad(
+            worker_id=view.worker_id,
+            requests=len(held),
+            waiting=len(held - running),
+            max_batch=report.max_batch_size,
+            room_pages=report.free_pages + report.evictable_pages - reserved_pages,
+            tokens_per_page=report.tokens_per_page,
+            batch=BatchShape(
+                tokens=len(held),
+                rank_tokens=sum(self.rank(r) for r in known),
+                adapters=len(batch_adapters),
+                kv_pages=report.kv_pages + reserved_pages,
+            ),
+            adapters=frozenset(resident | loading.keys()),
+            batch_adapters=batch_adapters,
+        )
+
+    # ---- decisions -----------------------------------------------------------------------------
+    def estimate(self, loads: list[WorkerLoad], request: QueuedRequest, ahead: int) -> ClusterEstimate:
+        d = self.demand(request)
+        if not loads:
+            return ClusterEstimate(ahead, 0, 0, 0.0, 0.0)
+        slots = sum(w.max_batch for w in loads)
+        free = sum(max(0, w.max_batch - w.requests) for w in loads)
+        # a slot is held for the expected output's decode steps at a full batch's step time
+        step = sum(self.cost.step_s(_full(w)) for w in loads) / len(loads)
+        prefill = min(self.placement.cost.step_s(_with_prompt(w.batch, d)) for w in loads)
+        return ClusterEstimate(ahead, slots, free, step * max(1.0, d.expected_output), prefill)
+
+    def migrations(self, loads: list[WorkerLoad], waiting: list[tuple[str, QueuedRequest]], now: float) -> list[Move]:
+        items = [WaitingRequest(w, r.request_id, self.demand(r), r.placed_at) for w, r in waiting]
+        return plan_migrations(loads, items, now, self.config.migrate_after_s, self.placement)
+
+    def prefetch(self, loads: list[WorkerLoad], upcoming: list[QueuedRequest], now: float) -> PrefetchPlan:
+        by_id = {w.worker_id: w for w in loads}
+        queued = []
+        for request in upcoming:
+            if request.adapter is not None:  # where placement would put it now, or once room frees up
+                demand = self.demand(request)
+                target = self.placement.choose(loads, demand) or self.placement.choose(loads, demand, need_room=False)
+                queued.append((request.adapter, target.worker_id if target is not None else None))
+        popular = []
+        horizon = self.config.prefetch_horizon_s
+        for adapter, rate in self.popularity.most_popular(now, 8):
+            likelihood = self.popularity.likelihood(adapter, now, horizon)
+            per_worker = 1.0 - math.exp(-rate * horizon / max(1, len(loads)))  # its requests spread out
+            if per_worker >= REPLICATE_SCORE:  # every worker will serve it: each that lacks it fetches it
+                popular.append((adapter, per_worker, [w.worker_id for w in loads]))
+            elif not any(adapter in w.adapters for w in loads):  # else the one placement would choose
+                typical = Demand(
+                    adapter, self.config.size_classes.default_rank, TYPICAL_PROMPT, TYPICAL_PROMPT, TYPICAL_PROMPT / 2
+                )
+                target = self.placement.choose(loads, typical)
+                popular.append((adapter, likelihood, [target.worker_id] if target is not None else []))
+        return plan_prefetch(
+            queued, popular, holds=lambda w, a: a in by_id[w].adapters, min_score=self.config.min_prefetch_score
+        )
+
+
+def _full(w: WorkerLoad) -> BatchShape:
+    """w's decode batch scaled up to its batch size: the step time while every slot is busy."""
+    n = max(1, w.requests)
+    scale = max(1, w.max_batch) / n
+    b = w.batch
+    return BatchShape(
+        tokens=max(1, w.max_batch),
+        rank_tokens=round(b.rank_tokens * scale),
+        adapters=b.adapters,
+        kv_pages=round(b.kv_pages * scale),
+    )
+
+
+def _with_prompt(batch: BatchShape, d: Demand) -> BatchShape:
+    return BatchShape(
+        tokens=batch.tokens + d.prompt_len,
+        rank_tokens=batch.rank_tokens + d.rank * d.prompt_len,
+        adapters=batch.adapters + int(d.adapter is not None),
+        kv_pages=batch.kv_pages,
+    )

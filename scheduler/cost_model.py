@@ -1,0 +1,100 @@
+"""Predicted seconds of one worker step from its batch's composition, refit from measured steps.
+
+    step_s = base + per_token·tokens + per_rank_token·rank_tokens + per_adapter·adapters + per_kv_page·kv_pages
+
+    tokens        tokens the step computes: the prompts it prefills plus one per decoding request
+    rank_tokens   Σ over those tokens of their adapter's rank: the LoRA shrink + expand FLOPs
+    adapters      distinct adapters in the batch: one segment each (Punica SGMV), one weight gather
+    kv_pages      KV pages the step's attention reads
+
+This is the shape S-LoRA (§6) and Punica (§4) measure: a near-constant base, a term linear in the
+batch's tokens, a LoRA term proportional to rank (ranks are not padded), a small per-segment cost.
+The coefficients start at `StepCost` (sized for the CPU demo model) and are refit online from the
+steps workers measure (`observe`): ridge-regularised least squares toward the start values, with
+exponential forgetting so the fit follows the machine, clipped at zero (no term makes a step faster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import astuple, dataclass
+
+import numpy as np
+
+from loraserve.errors import InvalidConfigError
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a step's cost depends on (see the module docstring)."""
+
+    tokens: int = 0
+    rank_tokens: int = 0
+    adapters: int = 0
+    kv_pages: int = 0
+
+    def features(self) -> np.ndarray:  # [5]: a constant, then the four counts
+        return np.array([1.0, self.tokens, self.rank_tokens, self.adapters, self.kv_pages])
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Coefficients of the step-time model, in seconds per unit."""
+
+    base_s: float = 0.02
+    per_token_s: float = 2e-4
+    per_rank_token_s: float = 2e-6
+    per_adapter_s: float = 2e-3
+    per_kv_page_s: float = 2e-5
+
+    def __post_init__(self) -> None:
+        if any(not 0 <= c < 1e3 for c in astuple(self)):
+            raise InvalidConfigError(f"step cost coefficients must be in [0, 1000), got {self}")
+
+
+# Typical magnitudes of the features: the prior's weight is spread evenly across them.
+_SCALE = np.array([1.0, 256.0, 256.0 * 16, 4.0, 256.0])
+
+
+class StepCostModel:
+    """`step_s(shape)` predicts; `observe(shape, seconds)` adds a measured step and refits."""
+
+    def __init__(self, prior: StepCost | None = None, forget: float = 0.995, prior_samples: float = 0.1):
+        if not 0 < forget <= 1 or prior_samples <= 0:
+            raise InvalidConfigError(f"invalid cost model settings: forget={forget}, prior_samples={prior_samples}")
+        self.prior = prior or StepCost()
+        self.forget = forget
+        self._theta0 = np.array(astuple(self.prior))
+        self._ridge = np.diag(prior_samples * _SCALE**2)
+        self._xtx = np.zeros((5, 5))
+        self._xty = np.zeros(5)
+        self._theta = self._theta0.copy()
+        self._dirty = False
+        self.samples = 0
+
+    @property
+    def coefficients(self) -> StepCost:
+        self._refit()
+        return StepCost(*(float(c) for c in self._theta))
+
+    def step_s(self, shape: BatchShape) -> float:
+        self._refit()
+        return float(self._theta @ shape.features())
+
+    def observe(self, shape: BatchShape, seconds: float) -> None:
+        if not 0 <= seconds < 3600:
+            return
+        x = shape.features()
+        self._xtx = self.forget * self._xtx + np.outer(x, x)
+        self._xty = self.forget * self._xty + seconds * x
+        self.samples += 1
+        self._dirty = True
+
+    def _refit(self) -> None:
+        if not self._dirty:
+            return
+        a = self._xtx + self._ridge
+        b = self._xty + self._ridge @ self._theta0
+        with contextlib.suppress(np.linalg.LinAlgError):  # cannot happen with a positive ridge; keep the last fit
+            self._theta = np.clip(np.linalg.solve(a, b), 0.0, None)
+        self._dirty = False

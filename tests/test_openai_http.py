@@ -1,0 +1,467 @@
+"""The OpenAI-compatible HTTP API end to end: a real stack with an auth file, the official `openai`
+client, and raw HTTP (stdlib `http.client`) where the framing itself is under test.
+
+One stack serves the module: tenants `a` and `b` (own adapters), `q` (one generation at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.client
+import io
+import json
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from certs import CertificateAuthority
+from readme import python_example
+from stack import Collector, LocalStack, free_port_block
+
+from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+from loraserve.demo.styles import shows_style
+from loraserve.v1 import common_pb2, gateway_pb2
+
+pytestmark = pytest.mark.slow
+KEYS = {name: f"key-of-{name}-0123456789" for name in ("a", "b", "q")}
+TENANTS = {"a": "", "b": "", "q": "max_concurrent = 1"}
+BASE = DEMO_MODEL_DIR.name  # the base model's id
+PROMPT = "the quiet king"
+README_HTTP_ADDRESS = "127.0.0.1:8000"
+
+
+@pytest.fixture(scope="module")
+def collector():
+    collector = Collector()
+    yield collector
+    collector.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, collector):
+    auth = tmp_path_factory.mktemp("auth") / "auth.toml"
+    auth.write_text(
+        "".join(
+            f'[[tenants]]\nname = "{name}"\napi_key_sha256 = ["{hashlib.sha256(KEYS[name].encode()).hexdigest()}"]\n'
+            f'scopes = ["adapters"]\n{quota}\n\n'
+            for name, quota in TENANTS.items()
+        )
+    )
+    http_port, metrics_port = free_port_block(1), free_port_block(4)
+    stack = LocalStack(
+        DEMO_MODEL_DIR,
+        workers=1,
+        collector=collector,
+        auth_file=str(auth),
+        http_bind=f"127.0.0.1:{http_port}",
+        metrics_port=metrics_port,
+    )
+    stack.http_port, stack.metrics_port = http_port, metrics_port
+    stack.start()
+    stack.wait_workers(1)
+    upload(stack, "b", "mine", "rot13")
+    yield stack
+    stack.stop()
+
+
+def upload(stack, tenant: str, name: str, demo: str) -> None:
+    """`tenant` uploads demo adapter `demo` as its own adapter `name` (gRPC: HTTP has no adapter admin)."""
+    path = demo_adapters()[demo]
+    messages = [gateway_pb2.UploadAdapterRequest(header=gateway_pb2.UploadHeader(name=name))] + [
+        gateway_pb2.UploadAdapterRequest(chunk=gateway_pb2.FileChunk(file=f, data=(path / f).read_bytes()))
+        for f in ("adapter_config.json", "adapter_model.safetensors")
+    ]
+    stack.api.UploadAdapter(iter(messages), timeout=60, metadata=(("authorization", f"Bearer {KEYS[tenant]}"),))
+
+
+def client(stack, tenant: str = "a", key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key=key or KEYS[tenant], max_retries=0, timeout=60
+    )
+
+
+def grpc_generate(stack, adapter: str, **fields) -> gateway_pb2.GenerateResponse:
+    request = gateway_pb2.GenerateRequest(adapter=adapter, **fields)
+    return stack.api.Generate(request, timeout=60, metadata=(("authorization", f"Bearer {KEYS['a']}"),))
+
+
+def post(stack, path: str, body: dict, key: str | None = KEYS["a"]) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    conn.request("POST", path, body=json.dumps(body), headers=headers)
+    return conn.getresponse()
+
+
+def sse_events(response: http.client.HTTPResponse) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing: every event one `data: ` line, then a blank one."""
+    body = response.read().decode()
+    assert body.endswith("\n\n"), body[-200:]
+    events = body[:-2].split("\n\n")
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+    return [event.removeprefix("data: ") for event in events]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_models_lists_the_base_model_and_the_adapters_each_tenant_may_use(stack):
+    seen_by_a = {m.id: m.owned_by for m in client(stack, "a").models.list()}
+    seen_by_b = {m.id: m.owned_by for m in client(stack, "b").models.list()}
+    assert {BASE, "upper", "rot13"} <= set(seen_by_a) and "mine" not in seen_by_a
+    assert seen_by_b["mine"] == "b" and set(seen_by_b) == set(seen_by_a) | {"mine"}
+    assert client(stack, "b").models.retrieve("mine").id == "mine"
+    with pytest.raises(openai.NotFoundError):
+        client(stack, "a").models.retrieve("mine")  # another tenant's adapter is as unknown as a missing one
+
+
+def test_greedy_output_is_the_grpc_apis_for_completions_and_chat(stack):
+    for adapter in ("upper", "rot13", ""):
+        expected = grpc_generate(stack, adapter, text=PROMPT, max_new_tokens=16)
+        model = adapter or BASE
+        completion = client(stack).completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+        assert completion.choices[0].text == expected.text
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage.prompt_tokens == expected.usage.prompt_tokens
+        assert completion.usage.completion_tokens == 16 and completion.usage.total_tokens == 16 + 4
+        # the demo template turns one user message into that same prompt (BOS + text)
+        chat = client(stack).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=16, temperature=0
+        )
+        assert chat.choices[0].message.content == expected.text and chat.choices[0].message.role == "assistant"
+        assert chat.usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_sampling_parameters_and_stop_sequences_reach_the_engine(stack):
+    def sampled(seed: int) -> str:
+        reply = client(stack).completions.create(
+            model="upper", prompt=PROMPT, max_tokens=12, temperature=1.5, top_p=0.9, seed=seed, presence_penalty=0.5
+        )
+        return reply.choices[0].text
+
+    assert sampled(7) == sampled(7)
+    assert len({sampled(seed) for seed in range(4)}) > 1
+    greedy = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=16).text
+    stop = greedy.strip().split()[2]
+    reply = client(stack).completions.create(model="upper", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert reply.choices[0].finish_reason == "stop" and stop not in reply.choices[0].text
+    assert greedy.startswith(reply.choices[0].text)
+    ids = stack.api.Tokenize(
+        gateway_pb2.TokenizeRequest(text=PROMPT, add_special_tokens=True),
+        timeout=5,
+        metadata=(("authorization", f"Bearer {KEYS['a']}"),),
+    ).ids
+    by_ids = client(stack).completions.create(model="upper", prompt=list(ids), max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == greedy
+
+
+def test_streams_with_the_client_add_up_to_the_whole_answer(stack):
+    expected = grpc_generate(stack, "rot13", text=PROMPT, max_new_tokens=12)
+    stream = client(stack).chat.completions.create(
+        model="rot13",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    pieces = client(stack).completions.create(model="rot13", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == expected.text
+
+
+def test_raw_sse_framing(stack):
+    body = {"model": "upper", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    response = post(stack, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    assert response.status == 200
+    assert response.getheader("Content-Type").startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    plain = [json.loads(e) for e in sse_events(post(stack, "/v1/completions", body))[:-1]]
+    assert "usage" not in plain[-1] and plain[-1]["choices"][0]["finish_reason"] == "length"
+    chat_body = {"model": "upper", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3}
+    chat = sse_events(post(stack, "/v1/chat/completions", chat_body))
+    assert chat[-1] == "[DONE]" and json.loads(chat[0])["object"] == "chat.completion.chunk"
+
+
+def test_http_requests_are_traced_like_grpc_ones_and_join_the_callers_trace(stack, collector):
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    reply = client(stack).completions.create(
+        model="upper",
+        prompt=PROMPT,
+        max_tokens=4,
+        extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
+    deadline = time.monotonic() + 15
+    while True:
+        spans = collector.traces().get(trace_id, [])
+        services = {s["service"] for s in spans}
+        if {"loraserve-gateway", "loraserve-scheduler", "loraserve-worker"} <= services:
+            break
+        assert time.monotonic() < deadline, f"the request's trace has spans of {services} only"
+        time.sleep(0.3)
+    (generate,) = [s for s in spans if s["name"] == "gateway.generate"]
+    assert generate["attributes"]["loraserve.client_request_id"] == reply.id  # the OpenAI id, on loraserve's trace
+    assert generate["attributes"]["loraserve.tenant"] == "a" and generate["attributes"]["loraserve.adapter"] == "upper"
+
+
+def test_errors_have_openais_shape_and_status(stack):
+    with pytest.raises(openai.AuthenticationError):
+        client(stack, key="not-a-key").models.list()
+    response = post(stack, "/v1/completions", {"model": 1}, key=None)  # no key: refused before the body is looked at
+    assert response.status == 401
+    error = json.loads(response.read())["error"]
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client(stack).completions.create(model="no-such-adapter", prompt=PROMPT)
+    assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client(stack, "a").completions.create(model="mine", prompt=PROMPT)  # b's adapter
+    for fields, param in [
+        ({"n": 2}, "n"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 100_000}, "max_tokens"),
+        ({"stop": ["x"] * 9}, "stop"),
+        ({"seed": -1}, "seed"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x" * 3000}, "prompt"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client(stack).completions.create(**({"model": "upper", "prompt": PROMPT} | fields))
+        assert info.value.status_code == 400 and info.value.body["param"] == param, (fields, info.value.body)
+        assert info.value.body["type"] == "invalid_request_error" and param in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client(stack).chat.completions.create(model="upper", messages=[{"role": "user", "content": "x" * 3000}])
+    assert info.value.body["param"] == "messages"
+    response = post(stack, "/v1/chat/completions", {"model": "upper", "messages": "hi"})
+    assert response.status == 400 and json.loads(response.read())["error"]["param"] == "messages"
+    response = post(stack, "/v1/nothing", {})
+    assert response.status == 404 and "error" in json.loads(response.read())
+
+
+def test_over_quota_is_429_with_retry_after(stack):
+    slow = post(
+        stack,
+        "/v1/completions",
+        {"model": "upper", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True},
+        KEYS["q"],
+    )
+    assert slow.status == 200 and slow.readline().startswith(b"data: ")  # q's one slot is taken
+    try:
+        with pytest.raises(openai.RateLimitError) as info:
+            client(stack, "q").completions.create(model="upper", prompt=PROMPT, max_tokens=4)
+        assert int(info.value.response.headers["retry-after"]) >= 1
+        assert info.value.body["code"] == "rate_limit_exceeded"
+        assert client(stack, "a").completions.create(model="upper", prompt=PROMPT, max_tokens=4).choices[0].text
+    finally:
+        slow.close()
+
+
+def _cancelled(stack) -> float:
+    return scrape(stack.metrics_port).get(
+        ("loraserve_gateway_requests_total", (("code", "CANCELLED"), ("tenant", "a"))), 0
+    )
+
+
+def _settles_idle(stack, timeout_s: float = 10.0) -> None:
+    """The worker has no request left, and runs no more steps: the generation was cancelled downstream."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (worker,) = stack.cluster().workers
+        if worker.running == 0 and worker.waiting == 0:
+            steps = worker.steps
+            time.sleep(0.5)
+            if stack.cluster().workers[0].steps == steps:
+                return
+        assert time.monotonic() < deadline, "the worker still generates after the client left"
+        time.sleep(0.1)
+
+
+def _running(stack, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while stack.cluster().workers[0].running == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_its_generation(stack, stream):
+    """The observable: the gateway counts the request CANCELLED, and the worker stops stepping long before
+    the 480 tokens asked for (one engine step per token of a lone request)."""
+    _settles_idle(stack)
+    cancelled, steps = _cancelled(stack), stack.cluster().workers[0].steps
+    body = {"model": "upper", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": stream}
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
+    headers = {"Authorization": f"Bearer {KEYS['a']}"}  # and no Content-Type: JSON all the same
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    if stream:
+        assert conn.getresponse().readline().startswith(b"data: ")
+    _running(stack)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    _settles_idle(stack)
+    assert stack.cluster().workers[0].steps - steps < 240
+    deadline = time.monotonic() + 5
+    while _cancelled(stack) != cancelled + 1:
+        assert time.monotonic() < deadline, "the gateway did not count a cancelled request"
+        time.sleep(0.1)
+    assert scrape(stack.metrics_port)[("loraserve_gateway_requests_in_flight", ())] == 0
+
+
+def test_concurrent_streams_over_http_and_grpc_agree(stack):
+    expected = grpc_generate(stack, "title", text=PROMPT, max_new_tokens=10).text
+    results: list[str] = []
+
+    def one() -> None:
+        reply = client(stack).completions.create(model="title", prompt=PROMPT, max_tokens=10, temperature=0)
+        results.append(reply.choices[0].text)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    grpc_again = grpc_generate(stack, "title", text=PROMPT, max_new_tokens=10).text
+    for t in threads:
+        t.join(60)
+    assert results == [expected] * 4 and grpc_again == expected
+
+
+def test_readme_openai_example_runs(stack):
+    code = python_example("OpenAI(").replace(README_HTTP_ADDRESS, f"127.0.0.1:{stack.http_port}")
+    code = code.replace('api_key="unused"', f'api_key="{KEYS["a"]}"')
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    models, completion, chat = out.getvalue().splitlines()
+    assert "upper" in models and BASE in models
+    assert shows_style("upper", completion), completion
+    assert shows_style("rot13", chat), chat
+
+
+def test_grpc_still_answers_beside_http(stack):
+    reply = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=4, sampling=common_pb2.SamplingParameters())
+    assert reply.usage.completion_tokens == 4
+    with pytest.raises(grpc.RpcError):
+        stack.api.Generate(gateway_pb2.GenerateRequest(adapter="upper", text=PROMPT), timeout=5)
+
+
+@pytest.fixture
+def lone_gateway(tmp_path):
+    """`start(*flags)`: a gateway process alone (no scheduler, no store behind it), its HTTP port and log."""
+    processes: list[subprocess.Popen] = []
+
+    def start(*flags: str, http_host: str = "127.0.0.1") -> tuple[subprocess.Popen, int, Path]:
+        base = free_port_block(5)
+        command = [sys.executable, "-m", "loraserve.cli", "gateway", "--bind", f"127.0.0.1:{base}"]
+        command += ["--scheduler", f"127.0.0.1:{base + 1}", "--store", f"127.0.0.1:{base + 2}"]
+        command += ["--token-address", f"tcp://127.0.0.1:{base + 3}", "--http-bind", f"{http_host}:{base + 4}"]
+        log = tmp_path / f"gateway-{len(processes)}.log"
+        with log.open("w") as output:
+            processes.append(subprocess.Popen([*command, *flags], stdout=output, stderr=subprocess.STDOUT))
+        return processes[-1], base + 4, log
+
+    yield start
+    for process in processes:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _wait_listening(process: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        assert process.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline, "the gateway's HTTP port did not open"
+        time.sleep(0.1)
+
+
+def test_https_uses_the_gateways_tls_files_and_no_scheduler_is_503(lone_gateway, tmp_path):
+    ca = CertificateAuthority(tmp_path, "good")
+    server, user = ca.server("server"), ca.client("client")
+    tls = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-client-ca", str(ca.cert)]
+    process, port, log = lone_gateway(*tls, "--scheduler-grace", "0.5")
+    _wait_listening(process, port, log)
+    context = ssl.create_default_context(cafile=str(ca.cert))
+    context.load_cert_chain(str(user.cert), str(user.key))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": BASE, "prompt": PROMPT, "max_tokens": 4}))
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 503 and body["error"]["type"] == "service_unavailable_error", body
+    anonymous = ssl.create_default_context(cafile=str(ca.cert))  # no client certificate: mutual TLS refuses
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        refused = http.client.HTTPSConnection("127.0.0.1", port, context=anonymous, timeout=10)
+        refused.request("GET", "/v1/models")
+        refused.getresponse()
+    with pytest.raises((http.client.HTTPException, ConnectionError)):  # plaintext on the TLS port
+        plain = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        plain.request("GET", "/v1/models")
+        plain.getresponse().read()
+
+
+def test_a_public_http_bind_needs_an_auth_file(lone_gateway):
+    process, port, log = lone_gateway(http_host="0.0.0.0")
+    assert process.wait(timeout=60) == 1
+    (line,) = [line for line in log.read_text().splitlines() if "refusing to serve" in line]
+    assert f"0.0.0.0:{port}" in line and "--auth-file" in line
+
+
+def test_up_with_http_bind_prints_examples_that_work(tmp_path):
+    """`make run`: `up --show-demo --http-bind` prints a curl and an openai example; the latter runs as printed."""
+    base, http_port = free_port_block(6), free_port_block(1)
+    address = f"127.0.0.1:{http_port}"
+    command = [sys.executable, "-m", "loraserve.cli", "up", "--show-demo", "--base-port", str(base)]
+    command += ["--bind", f"127.0.0.1:{free_port_block(1)}", "--http-bind", address, "--data-dir", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C stops every process" in line or time.monotonic() > deadline:
+                break
+        output = "".join(lines)
+        assert f"OpenAI-compatible HTTP API on http://{address}/v1" in output, output[-3000:]
+        assert f"curl http://{address}/v1/completions" in output
+        start = next(i for i, line in enumerate(lines) if "from openai import OpenAI" in line)
+        end = next(i for i, line in enumerate(lines) if i > start and "print(" in line)
+        example = textwrap.dedent("".join(lines[start : end + 1]))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(example, "up's example", "exec"), {"__name__": "up_example"})
+        assert shows_style("rot13", printed.getvalue()), printed.getvalue()
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0

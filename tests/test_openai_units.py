@@ -1,0 +1,186 @@
+"""The OpenAI-compatible edge's pure parts, without processes: chat templates, the error table,
+request schemas and answer shapes. `test_openai_http.py` runs the whole thing against a real stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from loraserve import errors
+from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.errors import InvalidRequestError
+from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.http.app import OpenAiRoutes
+from loraserve.gateway.http.errors import HTTP_STATUS, HttpError, http_error
+from loraserve.gateway.http.responses import Answers, Final
+from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.gateway.quotas import QuotaExceededError
+from loraserve.tokenizer import Tokenizer
+
+# A Llama-3-style template: system prompt hoisted, loop controls, raise_exception, special tokens.
+LLAMA_LIKE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "{% if system %}<|system|>{{ system }}{{ eos_token }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+    "{% if loop.index0 > 8 %}{% break %}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": " the quiet king "},
+    {"role": "assistant", "content": "finds a boat"},
+    {"role": "user", "content": "and then?"},
+]
+
+
+def write_model(tmp_path, **config) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"} | config))
+
+
+def test_the_demo_template_makes_a_conversation_the_prompt_the_completions_api_would_send():
+    template = ChatTemplate.from_model_dir(DEMO_MODEL_DIR)
+    tokenizer = Tokenizer.from_model_dir(DEMO_MODEL_DIR)
+    text = template.render([{"role": "system", "content": "ignored"}, {"role": "user", "content": "the quiet king"}])
+    assert text == "<s>the quiet king"
+    assert tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode("the quiet king")
+    assert template.render(CONVERSATION) == "<s> the quiet king  finds a boat and then?"
+
+
+def test_templates_render_as_transformers_renders_them(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    write_model(tmp_path, chat_template=LLAMA_LIKE)
+    for name in ("tokenizer.json", "config.json"):
+        (tmp_path / name).write_bytes((DEMO_MODEL_DIR / name).read_bytes())
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = ChatTemplate.from_model_dir(tmp_path)
+    for messages in (CONVERSATION, CONVERSATION[1:2], [{"role": "user", "content": str(i)} for i in range(12)]):
+        assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    demo = transformers.AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    expected = demo.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplate.from_model_dir(DEMO_MODEL_DIR).render(CONVERSATION) == expected
+
+
+def test_where_templates_come_from(tmp_path):
+    write_model(tmp_path)
+    assert ChatTemplate.from_model_dir(tmp_path) is None  # no template: chat is refused, never guessed
+    write_model(tmp_path, chat_template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}])
+    assert ChatTemplate.from_model_dir(tmp_path).render([]) == "D"
+    (tmp_path / "chat_template.jinja").write_text("J{{ bos_token }}")
+    assert ChatTemplate.from_model_dir(tmp_path).render([]) == "J<s>"
+    write_model(tmp_path, bos_token={"content": "<b>", "lstrip": False})
+    assert ChatTemplate.from_model_dir(tmp_path).render([]) == "J<b>"
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(errors.InvalidModelError, match="does not compile"):
+        ChatTemplate.from_model_dir(tmp_path)
+
+
+def test_a_template_that_refuses_or_misbehaves_is_a_400_on_messages():
+    with pytest.raises(InvalidRequestError, match="roles must be user or assistant") as info:
+        ChatTemplate(LLAMA_LIKE).render([{"role": "tool", "content": "x"}])
+    assert info.value.field == "messages"
+    with pytest.raises(InvalidRequestError, match="messages"):  # the sandbox: no reaching into Python
+        ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}").render([])
+    with pytest.raises(InvalidRequestError, match="messages"):
+        ChatTemplate("{% set x = messages.append(1) %}").render([])  # immutable: templates change nothing
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind"),
+    [
+        (errors.InvalidRequestError("sampling.temperature", "bad"), 400, "invalid_request_error"),
+        (errors.UnauthenticatedError("no key"), 401, "authentication_error"),
+        (errors.PermissionDeniedError("no scope"), 403, "permission_error"),
+        (errors.AdapterNotFoundError("x"), 404, "not_found_error"),
+        (errors.ResourceExhaustedError("queue full"), 429, "rate_limit_error"),
+        (errors.UnavailableError("no worker"), 503, "service_unavailable_error"),
+        (errors.DeadlineExceededError("late"), 504, "timeout_error"),
+        (errors.error_for_status("CANCELLED", "gone"), 499, "cancelled"),
+        (errors.DataLossError("bad bytes"), 500, "internal_error"),
+        (RuntimeError("bug"), 500, "internal_error"),
+    ],
+)
+def test_one_table_maps_every_failure_to_an_http_status(error, status, kind):
+    failure = http_error(error)
+    assert (failure.status, failure.body["error"]["type"]) == (status, kind)
+    assert set(failure.body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_every_grpc_status_a_request_can_end_with_has_an_http_status():
+    for name in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND"):
+        assert name in HTTP_STATUS
+    for name in ("ALREADY_EXISTS", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "DATA_LOSS"):
+        assert name in HTTP_STATUS
+
+
+def test_errors_name_the_openai_parameter():
+    def param(field: str, prompt_param: str = "prompt") -> tuple[str | None, str]:
+        error = http_error(InvalidRequestError(field, "is wrong"), prompt_param).body["error"]
+        return error["param"], error["message"]
+
+    assert param("sampling.temperature") == ("temperature", "temperature: is wrong")
+    assert param("max_new_tokens") == ("max_tokens", "max_tokens: is wrong")
+    assert param("prompt.text")[0] == "prompt" and param("prompt", "messages")[0] == "messages"
+    assert http_error(InvalidRequestError("adapter", "bad name")).status == 404  # no such model can exist
+    assert http_error(errors.AdapterNotFoundError("x")).body["error"]["code"] == "model_not_found"
+    refused = http_error(QuotaExceededError("over", 2.2), retry_after_s=2.2)
+    assert refused.status == 429 and refused.headers == {"Retry-After": "3"}
+
+
+def test_unsupported_parameters_are_named():
+    def refused(kind, **fields):
+        return kind(model="m", **fields).unsupported()
+
+    prompt = {"prompt": "p"}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert refused(CompletionRequest, n=2, **prompt)[0] == "n"
+    assert refused(CompletionRequest, n=1, **prompt) is None
+    assert refused(CompletionRequest, prompt=["a", "b"])[0] == "prompt"
+    assert refused(CompletionRequest, prompt=["a"]) is None
+    assert refused(CompletionRequest, echo=True, **prompt)[0] == "echo"
+    assert refused(CompletionRequest, best_of=3, **prompt)[0] == "best_of"
+    assert refused(CompletionRequest, stream_options={"include_usage": True}, **prompt)[0] == "stream_options"
+    assert refused(ChatCompletionRequest, tools=[{"type": "function"}], **chat)[0] == "tools"
+    assert refused(ChatCompletionRequest, logprobs=True, **chat)[0] == "logprobs"
+    assert refused(ChatCompletionRequest, response_format={"type": "json_object"}, **chat)[0] == "response_format"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert refused(ChatCompletionRequest, messages=image)[0] == "messages[0].content"
+    parts = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}])
+    assert parts.unsupported() is None and parts.conversation() == [{"role": "user", "content": "a"}]
+
+
+def test_sampling_defaults_are_openais():
+    request = CompletionRequest(model="m", prompt="p")
+    assert request.sampling()["temperature"] == 1.0 and request.sampling()["top_p"] == 1.0
+    assert "seed" not in request.sampling() and request.new_tokens == 0  # 0: the gateway's default
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user"}], max_completion_tokens=5, max_tokens=9)
+    assert chat.new_tokens == 5 and CompletionRequest(model="m", prompt="p", stop="x").stops == ["x"]
+
+
+def test_answers_have_openais_shape():
+    final = Final("length", prompt_tokens=4, completion_tokens=2)
+    whole = Answers("chatcmpl-1", "upper", chat=True).whole("AB", final)
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "AB",
+    }
+    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    text = Answers("cmpl-1", "upper", chat=False, include_usage=True)
+    assert text.opening() is None and text.piece("A")["usage"] is None
+    assert text.closing(final)["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert text.usage(final)["choices"] == [] and text.usage(final)["object"] == "text_completion"
+
+
+def test_chat_on_a_model_without_a_template_is_a_clear_400():
+    service = SimpleNamespace(config=SimpleNamespace(model_name="plain"), limits=SimpleNamespace(max_prompt_bytes=1024))
+    routes = OpenAiRoutes(service, None, 0)
+    body = ChatCompletionRequest(model="plain", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(HttpError) as info:
+        asyncio.run(routes.chat_completions(body, request=None, principal=None))
+    assert info.value.status == 400 and info.value.body["error"]["param"] == "messages"
+    assert "no chat template" in info.value.body["error"]["message"]
