@@ -42,8 +42,7 @@ from loraserve.bench.scheduling_costs import QUICK_GRID, CostModel, measure_cost
 from loraserve.bench.scheduling_sim import Outcome, SimConfig, SimResult, Simulation
 from loraserve.bench.scheduling_traces import SimRequest, SimTrace
 from loraserve.model_config import ModelConfig
-from loraserve.scheduler import policy as policy_module
-from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
+from loraserve.scheduler.policy import POLICIES, PolicyConfig, SchedulerPolicy
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +62,11 @@ ADAPTERS = {"heavy-tail": 64, "popularity": 1000}
 
 
 def policies() -> tuple[str, str]:
-    """(the default policy, the baseline): PolicyConfig's default against fcfs (the same when the
-    scheduler has no other policy: then the two runs also check that the simulation is deterministic)."""
-    default = getattr(PolicyConfig(), "policy", BASELINE)
-    return default, BASELINE
+    """(the default policy, the baseline): PolicyConfig's default against fcfs."""
+    return PolicyConfig().policy, BASELINE
 
 
 def make_policy(name: str) -> SchedulerPolicy:
-    if "policy" not in {f.name for f in dataclasses.fields(PolicyConfig)}:
-        return SchedulerPolicy(PolicyConfig())
     return SchedulerPolicy(PolicyConfig(policy=name))
 
 
@@ -319,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
         "simulated": "the stack is simulated: the real scheduler policy and worker step scheduler, "
         "with step and adapter-load times from a cost model measured on the real engine on this machine",
         "policies": dict(zip(("default", "baseline"), policies(), strict=True)),
-        "available_policies": list(getattr(policy_module, "POLICIES", (BASELINE,))),
+        "available_policies": list(POLICIES),
         "costs": costs.as_dict(),
         "settings": {**dataclasses.asdict(settings), "quick": bool(args.quick)},
         "scenarios": scenarios,

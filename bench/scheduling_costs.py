@@ -270,9 +270,8 @@ def _shape(requests, before: dict[str, int], ranks: dict[str, int]) -> StepShape
 
 
 def _prepared(engine, adapter):
-    """The adapter as the worker's fetch thread hands it over (packed for the pool, where the engine does that)."""
-    prepare = getattr(engine, "prepare_adapter", None)
-    return prepare(adapter) if prepare is not None else adapter
+    """The adapter as the worker's fetch thread hands it over (packed for the pool)."""
+    return engine.prepare_adapter(adapter)
 
 
 def _time_copies(engine, bank, samples: int) -> list[tuple[int, float]]:

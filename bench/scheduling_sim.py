@@ -40,24 +40,17 @@ from loraserve.bench.scheduling_traces import SimRequest, SimTrace
 from loraserve.bench.synthetic_adapters import DEFAULT_TARGETS
 from loraserve.errors import LoraserveError
 from loraserve.model_config import ModelConfig
-from loraserve.scheduler import policy as policy_module
-from loraserve.scheduler.policy import AssignTo, CancelOn, Fail, PrefetchOn, QueuedRequest, WorkerGone
+from loraserve.scheduler.policy import AssignTo, CancelOn, Fail, Migrate, PrefetchOn, QueuedRequest, WorkerGone
 from loraserve.wire import AdapterKey, WorkerReport
-from loraserve.worker import unified_pool
 from loraserve.worker.page_pool import PagePool
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.request import FinishReason, Request, Status
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
-from loraserve.worker.unified_pool import LoadStats
+from loraserve.worker.unified_pool import UNKNOWN_SCORE, LoadStats, prefetch_targets
 
 log = logging.getLogger(__name__)
 
-NEEDED = getattr(unified_pool, "NEEDED", 1.0)
-UNKNOWN_SCORE = getattr(unified_pool, "UNKNOWN_SCORE", 0.5)
-Migrate = getattr(policy_module, "Migrate", None)
-QUEUED_FIELDS = {f.name for f in dataclasses.fields(QueuedRequest)}
-REPORT_FIELDS = {f.name for f in dataclasses.fields(WorkerReport)}
 TOKEN = 3  # every generated token (the simulation never looks at token ids)
 
 
@@ -174,18 +167,9 @@ class SimPool:
     ) -> list[AdapterKey]:
         """As `UnifiedPool.prefetch`; `demand`: the copy is for requests already parked on it (a
         fetched adapter), so when a step uses it, it counts as a miss, not as a prefetch hit."""
-        wanted = frozenset(keys) | needed
-
-        def score(key: AdapterKey) -> float:
-            return NEEDED if key in needed else self.score(key)
-
         started = []
-        for key in dict.fromkeys(keys):
-            if self.is_resident(key):
-                continue
-            fetched = score(key)
-            likelier = frozenset(k for k in self.resident_adapters() if score(k) >= fetched)
-            if not self._allocate(key, wanted | likelier, extra_pages=reserve_pages):
+        for key, keep in prefetch_targets(keys, needed, self.is_resident, self.resident_adapters, self.score):
+            if not self._allocate(key, keep, extra_pages=reserve_pages):
                 continue
             self._pages.pin(key)
             done = max(self._now(), self.copier_free) + self._copy_s(key)  # one copy thread
@@ -289,7 +273,7 @@ class SimWorker:
             self._fetch(key, for_prefetch=False)
 
     def _on_prefetch(self, decision: PrefetchOn) -> None:
-        scores = getattr(decision, "scores", ())
+        scores = decision.scores
         keys = list(decision.adapters)
         if scores:
             self.pool.remember_scores(zip(keys, scores, strict=True))
@@ -365,9 +349,8 @@ class SimWorker:
         self._engine_prefetch([r.adapter for r in waiting if r.adapter is not None])
         shape = self._shape(plan)
         seconds = self.costs.step_s(shape) + self.pool.step_copy_s + waited
-        if "step_samples" in REPORT_FIELDS:
-            kv_pages = sum(self.layout.kv_pages_for(r.num_computed + n) for r, n in plan.scheduled)
-            self.step_samples.append((shape.tokens, shape.token_rank, shape.adapters, kv_pages, seconds))
+        kv_pages = sum(self.layout.kv_pages_for(r.num_computed + n) for r, n in plan.scheduled)
+        self.step_samples.append((shape.tokens, shape.token_rank, shape.adapters, kv_pages, seconds))
         self.plan, self.step_started, self.busy = plan, now, True
         self.counters.max_running = max(self.counters.max_running, len(self.scheduler.running))
         self.counters.tokens += shape.tokens
@@ -410,7 +393,6 @@ class SimWorker:
     def report(self, now: float) -> WorkerReport:
         """What `WorkerService._report` sends."""
         pool, stats = self.pool.page_stats(), self.pool.stats
-        extra = {"step_samples": self.step_samples} if "step_samples" in REPORT_FIELDS else {}
         report = WorkerReport(
             worker_id=self.worker_id,
             ready=True,
@@ -431,7 +413,7 @@ class SimWorker:
             prefetch_misses=stats.misses + stats.prefetch_late,
             waste_fraction=pool.waste_fraction,
             instance=f"sim-{self.worker_id}",
-            **extra,
+            step_samples=self.step_samples,
         )
         self.finished, self.step_samples, self.last_report = [], [], now
         return report
@@ -558,7 +540,7 @@ class Simulation:
             reply_to="sim",
             arrival=r.arrival_s,
             payload=r,
-            **{k: v for k, v in optional.items() if k in QUEUED_FIELDS},
+            **optional,
         )
 
     def _deliver(self, data) -> None:
@@ -631,7 +613,7 @@ class Simulation:
             self.decisions[type(d).__name__] += 1
             if isinstance(d, AssignTo | PrefetchOn | CancelOn):
                 self._at(later, "deliver", (self.workers[d.worker_id], d))
-            elif Migrate is not None and isinstance(d, Migrate):
+            elif isinstance(d, Migrate):
                 self.outcomes[d.request.request_id].migrations += 1
                 cancel = CancelOn(d.worker_id, (d.request.request_id,), d.reason)
                 self._at(later, "deliver", (self.workers[d.worker_id], cancel))

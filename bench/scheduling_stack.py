@@ -20,11 +20,8 @@ one worker under `fcfs` (`--out/engine_check.json`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +34,6 @@ from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems import ReplayLimits
 from loraserve.bench.workload import FIRST_TOKEN_ID, Trace, TraceRequest
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.launcher import LocalStack
 from loraserve.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -59,30 +55,6 @@ def workload_trace(trace: SimTrace, vocab_size: int, seed: int) -> Trace:
     return Trace(requests, dict(trace.adapters), {**trace.params, "duration_s": trace.duration_s})
 
 
-@dataclass
-class PolicyStack(StackSystem):
-    """The stack with `workers` workers and the scheduler's `--policy`."""
-
-    workers: int = 2
-    policy: str = scheduling.BASELINE
-
-    def run(self, trace: Trace):
-        with tempfile.TemporaryDirectory(prefix="loraserve-sched-store-") as data_dir:
-            stack = LocalStack(
-                Path(self.adapters.model_dir),
-                workers=self.workers,
-                policy=self.policy,
-                pool_pages=self.pool_pages,
-                max_batch_size=self.max_batch_size,
-                torch_threads=self.torch_threads,
-                data_dir=data_dir,
-            ).start()
-            try:
-                return asyncio.run(self._run(stack, trace))
-            finally:
-                stack.stop()
-
-
 def _summary(ttft: list[float], completed: int, makespan: float, n: int) -> dict:
     return {
         "ttft_p50_s": round(float(np.quantile(ttft, 0.5)), 5) if ttft else None,
@@ -93,6 +65,12 @@ def _summary(ttft: list[float], completed: int, makespan: float, n: int) -> dict
     }
 
 
+def _simulated(sim, n: int) -> dict:
+    ok = [o for o in sim.outcomes if o.status == "ok"]
+    ttft = [o.ttft_s for o in sim.outcomes if o.ttft_s is not None]
+    return _summary(ttft, len(ok), max((o.finished_s for o in ok), default=0.0), n)
+
+
 def validate(args: argparse.Namespace) -> list[dict]:
     costs = scheduling.cost_model_from(json.loads(args.costs.read_text())["costs"])
     model = ModelConfig.from_dir(args.model)
@@ -101,14 +79,8 @@ def validate(args: argparse.Namespace) -> list[dict]:
     out = []
     for policy in scheduling.policies():
         sim = scheduling.simulate(trace, policy, config, costs, model, lambda r: 1.0)
-        ok = [o for o in sim.outcomes if o.status == "ok"]
-        simulated = _summary(
-            [o.ttft_s for o in sim.outcomes if o.ttft_s is not None],
-            len(ok),
-            max((o.finished_s for o in ok), default=0.0),
-            len(trace.requests),
-        )
-        system = PolicyStack(
+        simulated = _simulated(sim, len(trace.requests))
+        system = StackSystem(
             SyntheticAdapters(args.model, seed=args.seed),
             args.pool_pages,
             args.max_batch_size,
@@ -143,13 +115,7 @@ def engine_check(args: argparse.Namespace) -> list[dict]:
     trace = heavy_tail(args.rate, args.duration, args.seed, n_adapters=scheduling.ADAPTERS["heavy-tail"])
     config = SimConfig(workers=1, max_batch_size=args.max_batch_size, pool_pages=args.pool_pages)
     sim = scheduling.simulate(trace, scheduling.BASELINE, config, costs, model, lambda r: 1.0)
-    ok = [o for o in sim.outcomes if o.status == "ok"]
-    simulated = _summary(
-        [o.ttft_s for o in sim.outcomes if o.ttft_s is not None],
-        len(ok),
-        max((o.finished_s for o in ok), default=0.0),
-        len(trace.requests),
-    )
+    simulated = _simulated(sim, len(trace.requests))
     engine_config = EngineConfig(
         device="cpu", max_batch_size=args.max_batch_size, pool_pages=args.pool_pages, seed=args.seed
     )

@@ -35,12 +35,16 @@ class StackSystem:
     torch_threads: int = 1  # the worker's, as the in-process systems get --threads
     name: str = "loraserve-stack"
     device: str = "cpu"  # the worker's
+    workers: int = 1
+    policy: str | None = None  # the scheduler's --policy (None: its default)
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
         with tempfile.TemporaryDirectory(prefix="loraserve-bench-store-") as data_dir:  # uploads: not kept
             stack = LocalStack(
                 Path(self.adapters.model_dir),
+                workers=self.workers,
+                policy=self.policy,
                 pool_pages=self.pool_pages,
                 max_batch_size=self.max_batch_size,
                 torch_threads=self.torch_threads,

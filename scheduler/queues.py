@@ -43,11 +43,11 @@ if TYPE_CHECKING:
     from loraserve.scheduler.policy import QueuedRequest
 
 
-class FifoQueue:
-    """First come, first served (the `fcfs` policy): resumed requests at the head, nobody overtakes."""
+class _Entries:
+    """What both queues answer from `_entries` (request id -> entry, in arrival order): the queue's
+    length, membership, and the ids in arrival order (a copy: safe to remove while iterating)."""
 
-    def __init__(self) -> None:
-        self._entries: OrderedDict[str, QueuedRequest] = OrderedDict()
+    _entries: OrderedDict
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -57,6 +57,13 @@ class FifoQueue:
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._entries))
+
+
+class FifoQueue(_Entries):
+    """First come, first served (the `fcfs` policy): resumed requests at the head, nobody overtakes."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[str, QueuedRequest] = OrderedDict()
 
     def values(self) -> list[QueuedRequest]:
         return list(self._entries.values())
@@ -110,7 +117,7 @@ class SizeClasses:
         return next((i for i, bound in enumerate(self.bounds) if size <= bound), len(self.bounds))
 
 
-class MultiQueue:
+class MultiQueue(_Entries):
     """Size classes per tenant, the smallest first; tenants by VTC; starved and resumed ones first."""
 
     def __init__(self, classes: SizeClasses, starvation_s: float, fairness: VirtualTokenCounter):
@@ -125,15 +132,6 @@ class MultiQueue:
         self._tenants: dict[str, list[deque[tuple[int, str]]]] = {}
         self._counts: dict[str, list[int]] = {}  # tenant -> live requests per class
         self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._entries))
 
     def values(self) -> list[QueuedRequest]:
         return [request for _, request in self._entries.values()]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -47,6 +47,32 @@ from loraserve.worker.pool_layout import PoolLayout
 log = logging.getLogger(__name__)
 
 NEEDED = 1.0  # the score of an adapter a request queued here needs
+
+
+def prefetch_targets(
+    keys: Iterable[AdapterKey],
+    needed: frozenset[AdapterKey],
+    is_resident: Callable[[AdapterKey], bool],
+    resident: Callable[[], Iterable[AdapterKey]],
+    score: Callable[[AdapterKey], float],
+) -> Iterator[tuple[AdapterKey, frozenset[AdapterKey]]]:
+    """The prefetch rule, for the pool and for the scheduling simulation that mirrors it: each hinted
+    adapter not yet resident, in order, with the adapters making room for it must not evict — the
+    other hinted ones, those queued requests need (scored NEEDED), and every resident adapter scored
+    at least as high as it. `resident` is asked again for each, as earlier copies change it."""
+    keys = list(dict.fromkeys(keys))
+    wanted = frozenset(keys) | needed
+
+    def scored(key: AdapterKey) -> float:
+        return NEEDED if key in needed else score(key)
+
+    for key in keys:
+        if is_resident(key):
+            continue
+        fetched = scored(key)
+        yield key, wanted | frozenset(k for k in resident() if scored(k) >= fetched)
+
+
 UNKNOWN_SCORE = 0.5  # the score of an adapter nobody predicted (a prefetch then evicts only lower ones)
 MAX_SCORES = 1 << 14  # scores remembered, the most recently updated ones
 
@@ -202,18 +228,9 @@ class UnifiedPool:
         them), not predictions: a step using one counts a miss, and `prefetches` does not count them.
         """
         reserve = 0 if self.split else reserve_pages
-        wanted = frozenset(keys) | needed
-
-        def score(key: AdapterKey) -> float:
-            return NEEDED if key in needed else self.score(key)
-
         started = []
-        for key in dict.fromkeys(keys):
-            if self.is_resident(key):
-                continue
-            fetched = score(key)
-            likelier = frozenset(k for k in self.resident_adapters() if score(k) >= fetched)
-            if not self._allocate(key, wanted | likelier, extra_pages=reserve):
+        for key, keep in prefetch_targets(keys, needed, self.is_resident, self.resident_adapters, self.score):
+            if not self._allocate(key, keep, extra_pages=reserve):
                 continue
             self._pages.pin(key)  # a page being written must not be handed to anyone else
             self._prefetching.add(key)
