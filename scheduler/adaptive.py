@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from loraserve.scheduler.admission import ClusterEstimate
 from loraserve.scheduler.cost_model import BatchShape, StepCostModel
-from loraserve.scheduler.migration import Move, WaitingRequest, plan_migrations
+from loraserve.scheduler.migration import Move, RunningRequest, WaitingRequest, plan_migrations
 from loraserve.scheduler.placement import Demand, Placement, WorkerLoad
 from loraserve.scheduler.popularity import AdapterPopularity, PrefetchPlan, plan_prefetch
 from loraserve.wire import AdapterKey, WorkerReport
@@ -107,9 +107,28 @@ class AdaptivePlanner:
         prefill = min(self.placement.cost.step_s(_with_prompt(w.batch, d)) for w in loads)
         return ClusterEstimate(ahead, slots, free, step * max(1.0, d.expected_output), prefill)
 
-    def migrations(self, loads: list[WorkerLoad], waiting: list[tuple[str, QueuedRequest]], now: float) -> list[Move]:
+    def migrations(
+        self,
+        loads: list[WorkerLoad],
+        waiting: list[tuple[str, QueuedRequest]],
+        running: list[tuple[str, QueuedRequest]],
+        now: float,
+    ) -> list[Move]:
         items = [WaitingRequest(w, r.request_id, self.demand(r), r.placed_at) for w, r in waiting]
-        return plan_migrations(loads, items, now, self.config.migrate_after_s, self.placement)
+        step_s = {w.worker_id: self.cost.step_s(w.batch) for w in loads}
+        moving = [
+            RunningRequest(w, r.request_id, self.demand(r), r.prompt_len + self._generated(r, step_s.get(w), now))
+            for w, r in running
+        ]
+        return plan_migrations(
+            loads, items, now, self.config.migrate_after_s, self.placement, moving, self.config.max_recompute_tokens
+        )
+
+    @staticmethod
+    def _generated(request: QueuedRequest, step_s: float | None, now: float) -> int:
+        """Tokens a running request has probably generated: one per decode step since it was placed."""
+        steps = (now - request.placed_at) / max(step_s or 0.0, 1e-3)
+        return int(min(request.max_new_tokens, steps))
 
     def prefetch(self, loads: list[WorkerLoad], upcoming: list[QueuedRequest], now: float) -> PrefetchPlan:
         by_id = {w.worker_id: w for w in loads}

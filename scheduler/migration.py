@@ -8,6 +8,12 @@ there, and the gateway submits it again (a new attempt, at the head of the queue
 already streamed recomputed: the same path as failover). Nothing has run yet for a waiting
 request, so the move costs one round trip. A request moves at most once (attempt 0 only), and a
 worker gives up at most one request per round, so load evens out without oscillating.
+
+A *running* request moves only when that is cheap and nothing else helps: its worker has had a
+request waiting for `after_s` that could not move (it fits no idle worker), a worker is idle
+(nothing at all), and the running request has computed at most `max_recompute_tokens` (prompt plus
+the tokens it has probably generated): the idle worker recomputes those in one prefill, and the
+pages it frees let a waiting request start. The youngest (least to recompute) goes first.
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ class WaitingRequest:
 
 
 @dataclass(frozen=True)
+class RunningRequest:
+    worker_id: str
+    request_id: str
+    demand: Demand
+    recompute_tokens: int  # what a new worker must recompute: the prompt and the tokens generated so far
+
+
+@dataclass(frozen=True)
 class Move:
     request_id: str
     source: str
@@ -33,7 +47,13 @@ class Move:
 
 
 def plan_migrations(
-    loads: list[WorkerLoad], waiting: list[WaitingRequest], now: float, after_s: float, placement: Placement
+    loads: list[WorkerLoad],
+    waiting: list[WaitingRequest],
+    now: float,
+    after_s: float,
+    placement: Placement,
+    running: list[RunningRequest] = (),
+    max_recompute_tokens: int = 256,
 ) -> list[Move]:
     by_id = {w.worker_id: w for w in loads}
     moves: list[Move] = []
@@ -53,4 +73,15 @@ def plan_migrations(
         moves.append(Move(item.request_id, source.worker_id, target.worker_id))
         moved_from.add(source.worker_id)
         by_id[target.worker_id] = replace(target, requests=target.requests + 1, waiting=target.waiting + 1)
+    stuck = {item.worker_id for item in waiting if now - item.waiting_since >= after_s} - moved_from
+    for item in sorted(running, key=lambda x: x.recompute_tokens):
+        if item.worker_id not in stuck or item.recompute_tokens > max_recompute_tokens:
+            continue
+        idle = [w for w in by_id.values() if w.worker_id != item.worker_id and w.requests == 0]
+        target = placement.choose(idle, item.demand)
+        if target is None:
+            continue
+        moves.append(Move(item.request_id, item.worker_id, target.worker_id))
+        stuck.discard(item.worker_id)
+        by_id[target.worker_id] = replace(target, requests=1, waiting=1)
     return moves

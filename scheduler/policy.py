@@ -76,6 +76,7 @@ class PolicyConfig:
     step_cost: StepCost = field(default_factory=StepCost)  # the step-time model's starting coefficients (refit online)
     adapter_load_s: float = 0.05  # cost of placing a request where its adapter is not resident
     migrate_after_s: float = 2.0  # a request waiting on its worker this long may move (0: never)
+    max_recompute_tokens: int = 256  # a running request moves (by recompute) only if it has computed at most this
     popularity_half_life_s: float = 30.0  # of the per-adapter EWMA arrival rate
     prefetch_horizon_s: float = 2.0  # popularity scores: the chance of a request within this
     min_prefetch_score: float = 0.2  # popular adapters less likely than this are not prefetched
@@ -92,6 +93,8 @@ class PolicyConfig:
             raise InvalidConfigError(f"invalid scheduler policy config {self}")
         if self.policy not in POLICIES:
             raise InvalidConfigError(f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.max_recompute_tokens < 0:
+            raise InvalidConfigError(f"max_recompute_tokens must be >= 0, got {self.max_recompute_tokens}")
         if self.starvation_s <= 0 or self.adapter_load_s < 0 or self.migrate_after_s < 0 or self.prefetch_hold_s < 0:
             raise InvalidConfigError(f"invalid scheduler policy config {self}")
         if not 0 < self.flood_share <= 1 or not 0 < self.output_fraction <= 1 or not 0 < self.flooder_slot_share <= 1:
@@ -476,14 +479,15 @@ class SchedulerPolicy:
             return []
         workers = self._fresh_workers(now)
         loads = self._loads(now)
-        candidates = []
+        waiting, running = [], []
         for view in workers:
-            for request_id in view.report.waiting:
-                request = self._placed_request(request_id)
-                if request is not None and request.attempt == 0 and self.placed[request_id][0] == view.worker_id:
-                    candidates.append((view.worker_id, request))
+            for ids, into in ((view.report.waiting, waiting), (view.report.running, running)):
+                for request_id in ids:
+                    request = self._placed_request(request_id)
+                    if request is not None and request.attempt == 0 and self.placed[request_id][0] == view.worker_id:
+                        into.append((view.worker_id, request))
         decisions: list[Decision] = []
-        for move in self.planner.migrations(loads, candidates, now):
+        for move in self.planner.migrations(loads, waiting, running, now):
             _, request = self.placed.pop(move.request_id)
             self.workers[move.source].assigned.discard(move.request_id)
             assert request is not None

@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -23,7 +24,7 @@ from loraserve.gateway.validation import Limits, fairness_tenant, validate_gener
 from loraserve.scheduler.admission import ClusterEstimate, check_admission
 from loraserve.scheduler.cost_model import BatchShape, StepCost, StepCostModel
 from loraserve.scheduler.fairness import VirtualTokenCounter, flooder_cap
-from loraserve.scheduler.migration import WaitingRequest, plan_migrations
+from loraserve.scheduler.migration import RunningRequest, WaitingRequest, plan_migrations
 from loraserve.scheduler.placement import Demand, Placement, WorkerLoad
 from loraserve.scheduler.policy import (
     AssignTo,
@@ -251,6 +252,26 @@ def test_migration_plans_a_waiting_request_off_an_overloaded_worker():
     assert (move.request_id, move.source, move.target) == ("r", "over", "idle")
 
 
+def test_a_young_running_request_moves_by_recompute_only_when_a_stuck_waiter_cannot():
+    placement = Placement(StepCostModel())
+    # `over` runs two requests; a big one waits for its pool room and fits no other worker's pool
+    over = WorkerLoad("over", 3, 1, 8, 0, 16, BatchShape(2, 32, 1, 10), frozenset(), frozenset())
+    idle = WorkerLoad("idle", 0, 0, 8, 40, 16, BatchShape(), frozenset(), frozenset())
+    big = [WaitingRequest("over", "big", Demand(None, 0, 900, 100, 50.0), waiting_since=0.0)]
+    young = RunningRequest("over", "young", Demand(None, 0, 30, 30, 15.0), recompute_tokens=40)
+    old = RunningRequest("over", "old", Demand(None, 0, 30, 600, 300.0), recompute_tokens=400)
+    plan = lambda waiting, running, now=2.0: plan_migrations(  # noqa: E731
+        [over, idle], waiting, now, 1.0, placement, running, max_recompute_tokens=256
+    )
+    [move] = plan(big, [old, young])  # the youngest, within the recompute bound; one per worker and round
+    assert (move.request_id, move.source, move.target) == ("young", "over", "idle")
+    assert plan(big, [old]) == []  # too much to recompute
+    assert plan(big, [young], now=0.5) == []  # nobody has waited long enough
+    assert plan([], [young]) == []  # nothing waits there: the running request stays
+    busy = replace(idle, requests=1)
+    assert plan_migrations([over, busy], big, 2.0, 1.0, placement, [young]) == []  # no idle worker
+
+
 def test_the_policy_migrates_a_request_stuck_on_its_worker():
     policy = SchedulerPolicy(PolicyConfig(migrate_after_s=1.0, worker_timeout_s=100.0, stale_after_s=100.0))
     policy.on_report(report("a", max_batch=4), 0.0)
@@ -418,3 +439,21 @@ def test_the_gateway_names_the_tenant_for_fairness_and_checks_the_ttft_target():
     assert valid.ttft_slo_s == 0.5
     with pytest.raises(InvalidRequestError, match="ttft_slo_s"):
         validate_generate(gateway_pb2.GenerateRequest(text="hi", ttft_slo_s=-1.0), limits)
+
+
+def test_the_policy_moves_a_young_running_request_when_its_worker_is_stuck():
+    """Through the policy: worker a runs `young` and holds `big`, which waits for pool room and fits
+    no pool of worker b; b is idle. `young` moves (its gateway resubmits it, b recomputes it)."""
+    policy = SchedulerPolicy(PolicyConfig(migrate_after_s=1.0, worker_timeout_s=100.0, stale_after_s=100.0))
+    policy.on_report(report("a", max_batch=4), 0.0)
+    policy.add(request("young", prompt=30, new=30), 0.0)
+    policy.add(request("big", prompt=900, new=100), 0.0)
+    assert sorted(assigned(policy.schedule(0.0))) == [("a", "big"), ("a", "young")]
+    moves = {}
+    for now in (0.5, 1.5):
+        policy.on_report(report("a", running=["young"], waiting=["big"], free_pages=0), now)
+        policy.on_report(report("b", max_batch=4, free_pages=40), now)  # 40 pages: big (63) does not fit
+        moves[now] = [d for d in policy.schedule(now) if isinstance(d, Migrate)]
+    assert moves[0.5] == []  # big has not waited long enough
+    [move] = moves[1.5]
+    assert (move.worker_id, move.request.request_id) == ("a", "young") and "migrated" in move.reason
