@@ -71,6 +71,12 @@ def _simulated(sim, n: int) -> dict:
     return _summary(ttft, len(ok), max((o.finished_s for o in ok), default=0.0), n)
 
 
+def _measured(records) -> dict:
+    done = [r for r in records if r.finished]
+    ttft = [r.ttft_s for r in records if r.ttft_s is not None]
+    return _summary(ttft, len(done), max((r.finish_s for r in done), default=0.0), len(records))
+
+
 def validate(args: argparse.Namespace) -> list[dict]:
     costs = scheduling.cost_model_from(json.loads(args.costs.read_text())["costs"])
     model = ModelConfig.from_dir(args.model)
@@ -89,13 +95,7 @@ def validate(args: argparse.Namespace) -> list[dict]:
             policy=policy,
         )
         records = system.run(workload_trace(trace, model.vocab_size, args.seed))
-        done = [r for r in records if r.finished]
-        real = _summary(
-            [r.ttft_s for r in records if r.ttft_s is not None],
-            len(done),
-            max((r.finish_s for r in done), default=0.0),
-            len(records),
-        )
+        real = _measured(records)
         errors = sorted({(r.error or "").split(":")[0] for r in records if r.error})
         out.append({"policy": policy, "rate": args.rate, "real": {**real, "errors": errors}, "simulated": simulated})
         log.info("%s: real %s, simulated %s", policy, real, simulated)
@@ -124,13 +124,7 @@ def engine_check(args: argparse.Namespace) -> list[dict]:
         "loraserve", args.model, engine_config, bank, ReplayLimits(drain_s=30.0, progress=False), 0.5
     )
     records = system.run(workload_trace(trace, model.vocab_size, args.seed))
-    done = [r for r in records if r.finished]
-    real = _summary(
-        [r.ttft_s for r in records if r.ttft_s is not None],
-        len(done),
-        max((r.finish_s for r in done), default=0.0),
-        len(records),
-    )
+    real = _measured(records)
     return [{"rate": args.rate, "workers": 1, "engine": real, "simulated": simulated}]
 
 

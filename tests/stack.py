@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import urllib.request
 from collections import defaultdict
 from concurrent import futures
 from pathlib import Path
@@ -95,3 +96,16 @@ class LocalStack(_LocalStack):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} workers not ready after {timeout_s} s")
             time.sleep(0.2)
+
+
+def scrape_metrics(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a role's /metrics, read by prometheus-client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

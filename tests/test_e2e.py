@@ -9,13 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from readme import README_API_ADDRESS, python_example
-from stack import Collector, LocalStack, free_port_block
+from stack import Collector, LocalStack, free_port_block, scrape_metrics
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.demo.corpus import HELD_OUT_PROMPTS
@@ -100,28 +99,15 @@ def test_the_readme_api_example_streams_an_uppercase_continuation(stack):
     assert "time_to_first_token_s" in summary
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of a role's /metrics, read by prometheus-client's parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def test_prometheus_metrics_count_what_the_stack_did(stack):
     gateway, scheduler, store, *workers = range(stack.metrics_port, stack.metrics_port + 5)
-    before = _scrape(gateway)
+    before = scrape_metrics(gateway)
     ok = ("loraserve_gateway_requests_total", (("code", "OK"), ("tenant", "default")))
     not_found = ("loraserve_gateway_requests_total", (("code", "NOT_FOUND"), ("tenant", "default")))
     reply = _generate(stack, adapter="upper", text="the quiet king", max_new_tokens=8)
     with pytest.raises(grpc.RpcError):
         _generate(stack, adapter="no-such-adapter", text="the quiet king")
-    after = _scrape(gateway)
+    after = scrape_metrics(gateway)
     assert after[ok] - before.get(ok, 0) == 1 and after[not_found] - before.get(not_found, 0) == 1
     tokens = ("loraserve_gateway_output_tokens_total", ())
     assert after[tokens] - before.get(tokens, 0) == len(reply.token_ids)
@@ -129,13 +115,13 @@ def test_prometheus_metrics_count_what_the_stack_did(stack):
     assert after[ttft] - before.get(ttft, 0) == 1
     assert after[("loraserve_gateway_requests_in_flight", ())] == 0
 
-    assert _scrape(scheduler)[("loraserve_scheduler_ready_workers", ())] == 2
-    assert _scrape(scheduler)[("loraserve_scheduler_assigned_requests_total", ())] >= 1
-    assert ("process_cpu_seconds_total", ()) in _scrape(store)
+    assert scrape_metrics(scheduler)[("loraserve_scheduler_ready_workers", ())] == 2
+    assert scrape_metrics(scheduler)[("loraserve_scheduler_assigned_requests_total", ())] >= 1
+    assert ("process_cpu_seconds_total", ()) in scrape_metrics(store)
     total_pages = {w.worker_id: w.total_pages for w in stack.cluster().workers}
     served_steps = 0.0
     for port in workers:
-        m = _scrape(port)
+        m = scrape_metrics(port)
         (worker,) = {dict(labels)["worker"] for name, labels in m if name == "loraserve_worker_pool_pages"}
         pages = sum(v for (name, _), v in m.items() if name == "loraserve_worker_pool_pages")
         assert pages == total_pages[worker]

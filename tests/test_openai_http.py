@@ -19,7 +19,6 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,7 @@ import openai
 import pytest
 from certs import CertificateAuthority
 from readme import python_example
-from stack import Collector, LocalStack, free_port_block
+from stack import Collector, LocalStack, free_port_block, scrape_metrics
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.demo.styles import shows_style
@@ -111,18 +110,6 @@ def sse_events(response: http.client.HTTPResponse) -> list[str]:
     for event in events:
         assert event.startswith("data: ") and "\n" not in event, event
     return [event.removeprefix("data: ") for event in events]
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def test_models_lists_the_base_model_and_the_adapters_each_tenant_may_use(stack):
@@ -290,7 +277,7 @@ def test_over_quota_is_429_with_retry_after(stack):
 
 
 def _cancelled(stack) -> float:
-    return scrape(stack.metrics_port).get(
+    return scrape_metrics(stack.metrics_port).get(
         ("loraserve_gateway_requests_total", (("code", "CANCELLED"), ("tenant", "a"))), 0
     )
 
@@ -337,7 +324,7 @@ def test_a_client_that_disconnects_cancels_its_generation(stack, stream):
     while _cancelled(stack) != cancelled + 1:
         assert time.monotonic() < deadline, "the gateway did not count a cancelled request"
         time.sleep(0.1)
-    assert scrape(stack.metrics_port)[("loraserve_gateway_requests_in_flight", ())] == 0
+    assert scrape_metrics(stack.metrics_port)[("loraserve_gateway_requests_in_flight", ())] == 0
 
 
 def test_concurrent_streams_over_http_and_grpc_agree(stack):
