@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers as 
 
 import pytest
 from helpers import KERNEL_DEVICES, TinySpec, make_adapter, make_model
+from stack import Collector
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
@@ -92,3 +93,11 @@ def tiny_adapters(tiny_model: Path, tmp_path_factory) -> dict[str, Path]:
         ),
         "r64-mlp": make_adapter(tiny_model, root / "r64", 64, ["gate_proj", "up_proj", "down_proj"], seed=4, std=0.03),
     }
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[Collector]:
+    """An OTLP trace collector on a free port, for stacks whose spans a test reads."""
+    collector = Collector()
+    yield collector
+    collector.stop()

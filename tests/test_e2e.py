@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from readme import README_API_ADDRESS, python_example
-from stack import Collector, LocalStack, free_port_block, scrape_metrics
+from stack import LocalStack, free_port_block, scrape_metrics
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.demo.corpus import HELD_OUT_PROMPTS
@@ -25,13 +25,6 @@ from loraserve.worker.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def collector():
-    collector = Collector()
-    yield collector
-    collector.stop()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import openai
 import pytest
 from certs import CertificateAuthority
 from readme import python_example
-from stack import Collector, LocalStack, free_port_block, scrape_metrics
+from stack import LocalStack, free_port_block, scrape_metrics
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.demo.styles import shows_style
@@ -38,13 +38,6 @@ TENANTS = {"a": "", "b": "", "q": "max_concurrent = 1"}
 BASE = DEMO_MODEL_DIR.name  # the base model's id
 PROMPT = "the quiet king"
 README_HTTP_ADDRESS = "127.0.0.1:8000"
-
-
-@pytest.fixture(scope="module")
-def collector():
-    collector = Collector()
-    yield collector
-    collector.stop()
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,7 @@ class Engine:
             if "embed_tokens" not in name or self.model_config.tie_word_embeddings
         )
         self.adapter_bytes_read = 0
-        self.last_step: StepShape | None = None  # the batch composition of the last step (for its cost)
+        self.last_step: StepShape | None = None  # the last step's batch composition; None if it computed nothing
         log.info(
             "unified pool: %d pages x %d rows x %d wide x %d layers (%.1f MiB, %d tokens per KV page)",
             self.layout.num_pages,
@@ -349,6 +349,7 @@ class Engine:
             if rid in self.requests
         ]
         self._aborted.clear()
+        self.last_step = None
         self.pool.settle()
         plan = self.step_scheduler.schedule()
         if not plan.scheduled:

@@ -128,7 +128,6 @@ class WorkerService:
         self.fetched: queue.Queue[_Fetched] = queue.Queue()
         self.finished_since_report: list[str] = []
         self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since the last report
-        self._sampled_step = 0
         self.ready = False
         self.draining = False
         self._step_seconds = metrics.STEP_SECONDS.labels(config.worker_id)
@@ -424,8 +423,7 @@ class WorkerService:
         """Keep the step's composition and time for the next report (the scheduler fits its cost model
         to them); past MAX_STEP_SAMPLES between reports, the oldest go."""
         shape = self.engine.last_step
-        if shape is not None and self.engine.steps != self._sampled_step:
-            self._sampled_step = self.engine.steps
+        if shape is not None:
             self.step_samples.append((*shape, min(seconds, 3600.0)))
             del self.step_samples[:-MAX_STEP_SAMPLES]
 

@@ -47,6 +47,8 @@ from loraserve.worker.pool_layout import PoolLayout
 log = logging.getLogger(__name__)
 
 NEEDED = 1.0  # the score of an adapter a request queued here needs
+UNKNOWN_SCORE = 0.5  # the score of an adapter nobody predicted (a prefetch then evicts only lower ones)
+MAX_SCORES = 1 << 14  # scores remembered, the most recently updated ones
 
 
 def prefetch_targets(
@@ -71,10 +73,6 @@ def prefetch_targets(
             continue
         fetched = scored(key)
         yield key, wanted | frozenset(k for k in resident() if scored(k) >= fetched)
-
-
-UNKNOWN_SCORE = 0.5  # the score of an adapter nobody predicted (a prefetch then evicts only lower ones)
-MAX_SCORES = 1 << 14  # scores remembered, the most recently updated ones
 
 
 @dataclass
