@@ -184,3 +184,43 @@ def test_chat_on_a_model_without_a_template_is_a_clear_400():
         asyncio.run(routes.chat_completions(body, request=None, principal=None))
     assert info.value.status == 400 and info.value.body["error"]["param"] == "messages"
     assert "no chat template" in info.value.body["error"]["message"]
+
+
+def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
+    """A client that disconnects while the stream's task waits in `send` (a slow socket) must stop
+    the generation at once, not when the suspended events generator is garbage-collected."""
+    import asyncio
+
+    from loraserve.gateway.http.app import GenerationStream
+
+    class Recorder:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def events():
+        while True:
+            yield b"data: x\n\n"
+
+    async def scenario() -> tuple[bool, bool]:
+        generation, closed = Recorder(), asyncio.Event()
+        sent = 0
+
+        async def send(message) -> None:
+            nonlocal sent
+            sent += 1
+            if sent >= 3:
+                await asyncio.Event().wait()  # the socket stopped draining
+
+        async def receive():
+            await asyncio.sleep(0.05)
+            closed.set()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/", "headers": []}
+        await asyncio.wait_for(GenerationStream(generation, events())(scope, receive, send), 5)
+        return closed.is_set(), generation.cancelled
+
+    disconnected, cancelled = asyncio.run(scenario())
+    assert disconnected and cancelled

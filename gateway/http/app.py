@@ -152,13 +152,30 @@ class OpenAiRoutes:
         except Exception as e:
             generation.cancel()
             raise http_error(e, prompt_param, call.retry_after_s) from None
-        return StreamingResponse(
-            _events(first, generation, answers), media_type="text/event-stream", headers=STREAM_HEADERS
-        )
+        return GenerationStream(generation, _events(first, generation, answers))
+
+
+class GenerationStream(StreamingResponse):
+    """The SSE response of one generation, which it cancels when the response ends in any way.
+
+    A client that disconnects makes Starlette cancel the task sending the stream. That task may be
+    waiting in `send` rather than in the events generator, and then the generator is only closed
+    when it is garbage-collected: cancelling the generation here, as the response itself ends,
+    does not depend on where the cancellation landed."""
+
+    def __init__(self, generation: Generation, events):
+        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.cancel()
 
 
 async def _events(first: str | Final, generation: Generation, answers: Answers):
-    """The SSE stream, from its first event on; a client that disconnects cancels the generation."""
+    """The SSE stream, from its first event on (`GenerationStream` stops the generation after it)."""
     try:
         opening = answers.opening()
         if opening is not None:
@@ -172,8 +189,6 @@ async def _events(first: str | Final, generation: Generation, answers: Answers):
             yield sse(answers.usage(item))
     except Exception as e:  # after the status line: the failure goes in the stream
         yield sse(http_error(e).body)
-    finally:
-        generation.cancel()
     yield DONE
 
 
