@@ -16,6 +16,9 @@ vs_adapters.png / vs_rate.png, and prints a table and the ratios that matter.
 `--suite chaos` runs the failover benchmark instead (`bench/chaos.py`): steady load on many
 adapters while workers are killed, stopped and drained at random, against an undisturbed run.
 
+`--suite abuse` runs the whole stack under connection floods, oversized bodies, idle connections
+and a soak (`bench/abuse.py`), recording outages, role restarts and peak memory.
+
 `--suite scheduling` compares the default scheduling policy with `fcfs` on the same traces
 (`bench/scheduling.py`): a simulated stack driving the real policy, with step costs measured on the
 real engine.
@@ -30,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench import chaos, scheduling
+from loraserve.bench import abuse, chaos, scheduling
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -44,7 +47,7 @@ log = logging.getLogger(__name__)
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
-SUITES = ("serving", "chaos", "scheduling")  # chaos: bench/chaos.py; scheduling: bench/scheduling.py
+SUITES = ("serving", "chaos", "scheduling", "abuse")  # bench/chaos.py, bench/scheduling.py, bench/abuse.py
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
@@ -76,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SUITES,
         default="serving",
         help="serving: the systems on the synthetic trace; chaos: failover under killed workers (bench/chaos.py); "
-        "scheduling: the default policy against fcfs (bench/scheduling.py)",
+        "scheduling: the default policy against fcfs (bench/scheduling.py); "
+        "abuse: the stack under connection floods, huge bodies, idle connections and a soak (bench/abuse.py)",
     )
 
     def preset(key: str) -> str:
@@ -138,6 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     chaos.add_arguments(p)
     scheduling.add_arguments(p)
+    abuse.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -378,6 +383,8 @@ def main(args: argparse.Namespace) -> int:
         return chaos.main(args)
     if args.suite == "scheduling":
         return scheduling.main(args)
+    if args.suite == "abuse":
+        return abuse.main(args)
     args = _resolved(args)
     quiet = max(logging.WARNING, logging.getLogger().level)
     for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):

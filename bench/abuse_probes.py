@@ -1,0 +1,332 @@
+"""What the abuse suite watches and what it sends: the stack's processes, steady traffic, attacks.
+
+- `Roles` follows the role processes of one `loraserve up` (by process title, `loraserve-ROLE`):
+  their resident memory, open file descriptors, and every restart (a role whose pid changed).
+- `Traffic` keeps calls flowing through the public APIs (gRPC unary and stream, HTTP completions)
+  from a few threads and records each call's outcome, so a phase's failures and its longest stretch
+  without a success can be read afterwards.
+- The attacks are plain functions over sockets: TCP connect+close churn, an oversized HTTP body,
+  and idle or trickling HTTP connections held by child processes (one process cannot hold 20,000).
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraserve.client import ApiError, Client
+from loraserve.client.retry import NO_RETRY
+
+ROLES = ("adapter-store", "scheduler", "worker", "gateway")
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (from /proc: each process's parent)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+@dataclass
+class Roles:
+    """Samples the roles under one `up` process every `interval_s`, from a thread."""
+
+    up_pid: int
+    interval_s: float = 0.25
+    pids: dict[str, set[int]] = field(default_factory=dict)  # role -> every pid it has had
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    peak_fds: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        self.sample()
+        threading.Thread(target=self._run, name="roles", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in _children(self.up_pid):
+            role = next((r for r in ROLES if f"loraserve-{r}" in _title(pid)), None)
+            if role is None:
+                continue
+            with self._lock:
+                self.pids.setdefault(role, set()).add(pid)
+                self.peak_rss_mb[role] = max(self.peak_rss_mb.get(role, 0.0), _rss_mb(pid))
+                self.peak_fds[role] = max(self.peak_fds.get(role, 0), _fds(pid))
+
+    def restarts(self) -> dict[str, int]:
+        """Per role: pids seen beyond its first (one worker: 1 pid; a restart adds one)."""
+        with self._lock:
+            return {role: len(pids) - 1 for role, pids in self.pids.items()}
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            self.peak_rss_mb.clear()
+            self.peak_fds.clear()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    started: float
+    ended: float
+    kind: str  # grpc-unary, grpc-stream, http
+    status: str  # OK, or the gRPC status / HTTP code of the failure
+
+
+class Traffic:
+    """`threads` callers in a loop, each call with a deadline and no client-side retry."""
+
+    def __init__(self, grpc_address: str, http_address: str, api_key: str, adapters: list[str], threads: int = 2):
+        self.grpc_address, self.http_address, self.api_key = grpc_address, http_address, api_key
+        self.adapters = adapters
+        self.threads = threads
+        self.outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._workers: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for i in range(self.threads):
+            thread = threading.Thread(target=self._loop, args=(i,), name=f"traffic-{i}", daemon=True)
+            thread.start()
+            self._workers.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._workers:
+            thread.join(timeout=30)
+
+    def _loop(self, index: int) -> None:
+        client = Client(self.grpc_address, api_key=self.api_key, retry=NO_RETRY)
+        calls = (self._unary, self._stream, self._http)
+        n = index
+        try:
+            while not self._stop.is_set():
+                call = calls[n % len(calls)]
+                adapter = self.adapters[n % len(self.adapters)]
+                started = time.time()
+                status = call(client, adapter)
+                with self._lock:
+                    self.outcomes.append(Outcome(started, time.time(), call.__name__.strip("_"), status))
+                n += 1
+        finally:
+            client.close()
+
+    def _unary(self, client: Client, adapter: str) -> str:
+        try:
+            client.generate("the quiet king", adapter=adapter, max_new_tokens=8, timeout=15)
+            return "OK"
+        except ApiError as e:
+            return e.code
+
+    def _stream(self, client: Client, adapter: str) -> str:
+        try:
+            for _ in client.stream("a river runs", adapter=adapter, max_new_tokens=8, timeout=15):
+                pass
+            return "OK"
+        except ApiError as e:
+            return e.code
+
+    def _http(self, client: Client, adapter: str) -> str:
+        host, port = self.http_address.rsplit(":", 1)
+        body = json.dumps({"model": adapter or "demo", "prompt": "the quiet king", "max_tokens": 8})
+        connection = http.client.HTTPConnection(host, int(port), timeout=15)
+        try:
+            connection.request(
+                "POST",
+                "/v1/completions",
+                body,
+                {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"},
+            )
+            response = connection.getresponse()
+            response.read()
+            return "OK" if response.status == 200 else f"HTTP {response.status}"
+        except OSError as e:
+            return f"HTTP {type(e).__name__}"
+        finally:
+            connection.close()
+
+    def window(self, start: float, end: float) -> dict:
+        """The calls that started in [start, end): counts by status, and the longest stretch
+        between two successes (or from `start` to the first, or the last to `end`)."""
+        with self._lock:
+            calls = [o for o in self.outcomes if start <= o.started < end]
+        statuses = Counter(o.status for o in calls)
+        successes = sorted(o.ended for o in calls if o.status == "OK")
+        marks = [start, *successes, end]
+        longest = max((b - a for a, b in itertools.pairwise(marks)), default=end - start)
+        return {
+            "calls": len(calls),
+            "ok": statuses.pop("OK", 0),
+            "failed": dict(statuses),
+            "longest_without_success_s": round(longest, 2),
+        }
+
+
+# ---- attacks ---------------------------------------------------------------------------------------
+def connection_churn(host: str, port: int, cycles: int) -> float:
+    """`cycles` plain TCP connect+close cycles (no handshake, no key); returns the seconds taken."""
+    started = time.time()
+    for _ in range(cycles):
+        with socket.create_connection((host, port), timeout=5):
+            pass
+    return time.time() - started
+
+
+def big_body(address: str, size: int, api_key: str | None, chunk: int = 1 << 20, timeout_s: float = 60.0) -> dict:
+    """POST a `size`-byte body to /v1/completions as fast as the gateway takes it; returns the status
+    the gateway answered, the seconds until then and how many bytes it took before answering."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {size}\r\n"
+    if api_key:
+        head += f"Authorization: Bearer {api_key}\r\n"
+    started, sent = time.time(), 0
+    payload = b"x" * chunk
+    try:
+        sock.sendall((head + "\r\n").encode())
+        sock.setblocking(False)
+        answer = b""
+        while sent < size and time.time() - started < timeout_s:
+            try:
+                answer += sock.recv(65536)
+                if answer:
+                    break
+            except BlockingIOError:
+                pass
+            try:
+                sent += sock.send(payload[: min(chunk, size - sent)])
+            except BlockingIOError:
+                time.sleep(0.001)
+            except OSError:  # the gateway closed the connection: read what it answered
+                break
+        sock.setblocking(True)
+        sock.settimeout(max(1.0, timeout_s - (time.time() - started)))
+        try:
+            while b"\r\n" not in answer:
+                more = sock.recv(65536)
+                if not more:
+                    break
+                answer += more
+        except OSError:
+            pass
+    finally:
+        sock.close()
+    line = answer.split(b"\r\n", 1)[0].decode(errors="replace")
+    status = line.split()[1] if len(line.split()) > 1 else "no answer"
+    return {"status": status, "seconds": round(time.time() - started, 2), "bytes_taken": sent}
+
+
+_HOLDER = r"""
+import resource, socket, sys, time
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+host, port, count, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+trickle = sys.argv[5] == "1"
+socks, refused = [], 0
+for _ in range(count):
+    try:
+        s = socket.create_connection((host, port), timeout=5)
+        s.setblocking(False)
+        socks.append(s)
+    except OSError:
+        refused += 1
+end = time.time() + hold
+while time.time() < end:
+    for s in socks:
+        if trickle and s.fileno() >= 0:
+            try:
+                s.send(b"G")
+            except OSError:
+                s.close()
+    time.sleep(1.0)
+open_ = 0
+for s in socks:
+    if s.fileno() < 0:
+        continue
+    try:
+        data = s.recv(1)
+        alive = data != b""
+    except BlockingIOError:
+        alive = True
+    except OSError:
+        alive = False
+    open_ += alive
+print(f"{len(socks)} {refused} {open_}")
+"""
+
+
+def idle_connections(address: str, total: int, hold_s: float, processes: int = 4) -> dict:
+    """Hold `total` connections to `address` for `hold_s` from child processes: half idle, half
+    trickling a byte a second of a request head. Returns how many connected, were refused, and were
+    still open at the end (a gateway with timeouts closes them)."""
+    host, port = address.rsplit(":", 1)
+    per = total // processes
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, host, port, str(per), str(hold_s), str(i % 2)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    connected = refused = still_open = 0
+    for child in children:
+        out, _ = child.communicate(timeout=hold_s + 120)
+        c, r, o = (int(x) for x in out.split())
+        connected, refused, still_open = connected + c, refused + r, still_open + o
+    return {"asked": per * processes, "connected": connected, "refused": refused, "open_at_end": still_open}

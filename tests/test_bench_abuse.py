@@ -1,0 +1,103 @@
+"""The abuse benchmark's probes (`loraserve bench --suite abuse`) against small real servers: the
+traffic window's figures, connection churn, an oversized body answered early, held connections
+that a server closes; and the suite's flags."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from loraserve.bench import abuse
+from loraserve.bench import main as bench_main
+from loraserve.bench.abuse_probes import Outcome, Traffic, big_body, connection_churn, idle_connections
+from loraserve.flags import EnvArgumentParser
+
+
+class _Server:
+    """A loopback TCP server: each accepted connection goes to `handle` on its own thread."""
+
+    def __init__(self, handle):
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._handle = handle
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_window_counts_by_status_and_finds_the_longest_stretch_without_a_success():
+    traffic = Traffic("127.0.0.1:1", "127.0.0.1:1", "key", [""])
+    traffic.outcomes = [
+        Outcome(100.0, 101.0, "http", "OK"),
+        Outcome(101.0, 102.0, "http", "UNAVAILABLE"),
+        Outcome(102.0, 109.0, "http", "UNAVAILABLE"),
+        Outcome(109.0, 110.0, "http", "OK"),
+        Outcome(200.0, 201.0, "http", "OK"),  # outside the window
+    ]
+    window = traffic.window(100.0, 112.0)
+    assert window == {"calls": 4, "ok": 2, "failed": {"UNAVAILABLE": 2}, "longest_without_success_s": 9.0}
+    assert traffic.window(150.0, 160.0)["longest_without_success_s"] == 10.0  # no call at all
+
+
+def test_connection_churn_connects_and_closes_every_cycle():
+    server = _Server(lambda conn: conn.close())
+    try:
+        connection_churn("127.0.0.1", server.port, 200)
+        deadline = time.time() + 5
+        while server.accepted < 200 and time.time() < deadline:
+            time.sleep(0.01)
+        assert server.accepted == 200
+    finally:
+        server.close()
+
+
+def _answer_401_at_once(conn: socket.socket) -> None:
+    conn.recv(4096)
+    conn.sendall(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+    time.sleep(0.2)
+    conn.close()
+
+
+def test_big_body_reports_an_early_answer_and_how_little_was_sent():
+    server = _Server(_answer_401_at_once)
+    try:
+        result = big_body(f"127.0.0.1:{server.port}", 1 << 30, None, timeout_s=20)
+    finally:
+        server.close()
+    assert result["status"] == "401"
+    assert result["bytes_taken"] < 1 << 30
+
+
+def test_idle_connections_counts_what_a_server_closed():
+    def close_after_a_second(conn: socket.socket) -> None:
+        time.sleep(1.0)
+        conn.close()
+
+    server = _Server(close_after_a_second)
+    try:
+        result = idle_connections(f"127.0.0.1:{server.port}", 40, hold_s=2.5, processes=2)
+    finally:
+        server.close()
+    assert result["asked"] == result["connected"] == 40
+    assert result["refused"] == 0
+    assert result["open_at_end"] == 0
+
+
+def test_the_suite_and_its_flags_are_wired_into_the_bench_command():
+    assert "abuse" in bench_main.SUITES
+    parser = EnvArgumentParser()
+    abuse.add_arguments(parser)
+    args = parser.parse_args(["--abuse-soak-s", "5", "--abuse-idle-connections", "100"])
+    assert (args.abuse_soak_s, args.abuse_idle_connections) == (5.0, 100)
