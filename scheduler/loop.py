@@ -6,7 +6,9 @@ workers, tell gateways about failures). A timer runs a round every `tick_s` even
 arrives, so dead workers and expired deadlines are noticed. A monitor on the workers' socket
 turns a disconnect (a killed worker's TCP connection closing) into a probe of every worker, so a
 dead one is dropped at once instead of after `worker_timeout_s` (a stopped one, whose connection
-stays open, is caught by its missing reports).
+stays open, is caught by its missing reports). The monitor is drained as fast as events come and
+probes are coalesced, at most one round per `PROBE_INTERVAL_S`: connection churn from strangers
+costs the scheduler a bounded amount of work and never stalls the workers' socket.
 
 Nothing from outside reaches the policy unchecked: a Submit is validated here (INVALID_ARGUMENT
 naming the field) against the same limits a worker's decoder will apply to the ASSIGN built
@@ -29,7 +31,6 @@ from dataclasses import asdict, dataclass
 import zmq
 import zmq.asyncio
 from opentelemetry import trace
-from zmq.utils.monitor import parse_monitor_message
 
 from loraserve import telemetry
 from loraserve.convert import sampling_from_pb
@@ -40,6 +41,7 @@ from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.names import SHA256_HEX, TENANT_NAME
 from loraserve.scheduler import metrics
+from loraserve.scheduler.disconnects import DisconnectWatch
 from loraserve.scheduler.policy import (
     AssignTo,
     CancelOn,
@@ -58,6 +60,7 @@ from loraserve.wire import MAX_ID, MAX_LIST, Assign, Cancel, Prefetch, Tokens, W
 
 log = logging.getLogger(__name__)
 MAX_TTFT_SLO_S = 86400.0
+PROBE_INTERVAL_S = 0.5  # at most one probe of every worker per this, however many disconnects
 MAX_ADAPTER_RANK = 4096  # far above any rank a store admits (its --max-lora-rank)
 
 
@@ -94,7 +97,8 @@ class SchedulerLoop:
         self.instance = uuid.uuid4().hex  # in ClusterState: gateways tell a restarted scheduler by it
         self._wake = asyncio.Event()
         self._dropped = RateLimitedLog(log)
-        self._monitor = self.workers.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._disconnects = DisconnectWatch(self.ctx, self.workers)
+        self._disconnected = asyncio.Event()
         self._decide = Dispatcher(
             {
                 AssignTo: self._assign,
@@ -158,6 +162,7 @@ class SchedulerLoop:
                 "receive worker messages": self._receive(),
                 "scheduling rounds": self._rounds(),
                 "watch worker connections": self._watch_connections(),
+                "probe workers after disconnects": self._probe_workers(),
             }
             await run_tasks(tasks, stop)
         finally:
@@ -194,14 +199,24 @@ class SchedulerLoop:
             self._wake.set()
 
     async def _watch_connections(self) -> None:
-        """On a disconnect, probe every worker: ROUTER_MANDATORY refuses a send to a peer that is gone."""
+        await self._disconnects.run(self._on_disconnects)
+
+    def _on_disconnects(self, count: int) -> None:
+        metrics.WORKER_DISCONNECTS.inc(count)
+        self._disconnected.set()
+
+    async def _probe_workers(self) -> None:
+        """After disconnects, probe every worker: ROUTER_MANDATORY refuses a send to a peer that is
+        gone. However many disconnects arrive, at most one probe round runs per
+        `PROBE_INTERVAL_S`, so the cost of churn is bounded by the number of workers."""
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            log.debug("worker socket event %s", event)
+            await self._disconnected.wait()
+            self._disconnected.clear()
             for delay in (0.0, 0.1):  # the ROUTER may forget the peer a moment after the event
                 await asyncio.sleep(delay)
                 for worker_id in list(self.policy.workers):
                     self._to_worker(worker_id, Cancel([], "probe"))
+            await asyncio.sleep(PROBE_INTERVAL_S)
 
     def _run_round(self) -> None:
         self._execute(self.policy.schedule(time.time()))
@@ -314,8 +329,7 @@ class SchedulerLoop:
         )
 
     def close(self) -> None:
-        self.workers.disable_monitor()
-        self._monitor.close(linger=0)
+        self._disconnects.close()
         self.workers.close(linger=0)
         self.gateways.close(linger_ms=0)
         self._stop_auth()

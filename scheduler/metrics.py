@@ -14,4 +14,7 @@ REFUSED = Counter(
     ["code"],
 )
 PREFETCH_HINTS = Counter("loraserve_scheduler_prefetch_hints", "Adapters named in prefetch hints sent to workers")
+WORKER_DISCONNECTS = Counter(
+    "loraserve_scheduler_worker_socket_disconnects", "TCP disconnects seen on the workers' socket (any peer)"
+)
 MIGRATED = Counter("loraserve_scheduler_migrated_requests", "Requests moved off an overloaded worker")

@@ -22,7 +22,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_failed_assign_then_the_worker_dropped_keeps_the_loop_alive():
+def test_a_failed_assign_then_the_worker_dropped_keeps_the_loop_alive(caplog):
     """A worker that reported once and then vanished: the ASSIGN cannot be sent (ROUTER_MANDATORY),
     the request fails to its gateway with UNAVAILABLE, and dropping the worker later is harmless."""
 
@@ -44,7 +44,7 @@ def test_a_failed_assign_then_the_worker_dropped_keeps_the_loop_alive():
             waiting=[],
             resident=[],
         )
-        policy.on_report(report, time.monotonic())  # as if it had reported, then died
+        policy.on_report(report, time.time())  # as if it had reported, then died (the loop keeps time.time())
         stop = asyncio.Event()
         task = asyncio.create_task(loop.run(stop))
         submit = scheduler_pb2.SubmitRequest(
@@ -60,5 +60,7 @@ def test_a_failed_assign_then_the_worker_dropped_keeps_the_loop_alive():
         await asyncio.wait_for(task, 5)
         return failure
 
-    failure = asyncio.run(scenario())
+    with caplog.at_level("WARNING", logger="loraserve.scheduler.loop"):
+        failure = asyncio.run(scenario())
+    assert "cannot reach worker ghost" in caplog.text  # the failed-send branch ran
     assert isinstance(failure, Tokens) and failure.finished and failure.error_status == "UNAVAILABLE"
