@@ -10,14 +10,20 @@ Layout (keys below the data dir or the bucket prefix):
     quarantine/<time>-<id>/...                  entries that failed verification at start, with reason.txt
 
 Order makes every change atomic: a registration writes last_version.json, then the two files,
-then meta.json — the commit point — and only then removes the version it superseded; a deletion
-removes meta.json first. Each object is written atomically by the backend. So after a crash at
-any point, a version is committed exactly when its meta.json exists, files without a meta.json are
-debris to remove, and last_version.json already covers every version a client was ever told about
-(delete `a` at v3, restart, upload `a`: v4). At start, `load` keeps the highest committed version
-of each name, re-checks each file's size and sha256, and moves whatever fails to quarantine/ with
-a log line; the store then validates what passed exactly as a fresh registration
-(`AdapterStore.restore`).
+then meta.json — the commit point — and only then removes the version it superseded (its files
+first, its meta.json last); a deletion removes meta.json first. Each object is written atomically by
+the backend. So after a crash at any point, a version is committed exactly when its meta.json
+exists, and last_version.json already covers every version a client was ever told about (delete `a`
+at v3, restart, upload `a`: v4).
+
+At start, `load` only lists what is there; it changes nothing. The store (`AdapterStore.restore`)
+then walks each name's committed versions newest first, reading each with `read` (sizes and
+sha256 re-checked against meta.json) and validating it as a fresh registration, and serves the
+first good one. Nothing good is ever deleted: a version that fails goes to quarantine/ (with a
+reason.txt and a WARNING) and the next older one is tried; files without a meta.json (an
+interrupted registration or deletion) are quarantined too; an older version is removed only once a
+newer one has passed. These moves are made only after every adapter was loaded, so a store that
+refuses to start moves nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import re
 import secrets
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from loraserve.adapter_config import CONFIG_FILE
@@ -67,10 +73,12 @@ class StoredAdapter:
 
 
 @dataclass(frozen=True)
-class Restored:
-    adapters: list[StoredAdapter]  # the current version of every name, files verified against meta.json
+class Found:
+    """What the storage holds, as listed at start (nothing read, nothing changed yet)."""
+
+    committed: dict[str, list[int]]  # name -> the versions that have a meta.json, newest first
+    uncommitted: list[tuple[str, int]]  # (name, version) with files but no meta.json
     last_versions: dict[str, int]  # name -> highest version ever given out (deleted names included)
-    quarantined: list[str] = field(default_factory=list)  # "name vN: why"
 
 
 def model_identity(model: ModelConfig) -> dict[str, Any]:
@@ -113,8 +121,8 @@ class Catalog:
                 f"{model}); give this model its own data dir or object-store prefix"
             )
 
-    def load(self) -> Restored:
-        """Every name's current version (verified), the high-water marks; debris removed, the rest quarantined."""
+    def load(self) -> Found:
+        """List every stored version and the high-water marks; reads no adapter and changes nothing."""
         counters: dict[str, int] = {}
         files: dict[tuple[str, int], set[str]] = defaultdict(set)
         for key in self.backend.list_keys():
@@ -128,27 +136,32 @@ class Catalog:
             else:
                 log.warning("%s: ignoring %s (not part of the store's layout)", self.location, key)
         last = dict(counters)
-        adapters, quarantined = [], []
-        for name in sorted({name for name, _ in files}):
-            versions = sorted(v for n, v in files if n == name)
-            last[name] = max(last.get(name, 0), versions[-1])
-            committed = [v for v in versions if META in files[(name, v)]]
-            for version in versions:
-                if version not in committed:
-                    log.info("%s: removing %s v%d: never committed (interrupted)", self.location, name, version)
-                    self._remove(name, version, files[(name, version)])
-            if not committed:
-                continue
-            for version in committed[:-1]:
-                log.info("%s: removing %s v%d, superseded by v%d", self.location, name, version, committed[-1])
-                self._remove(name, version, files[(name, version)])
-            current = committed[-1]
-            try:
-                adapters.append(self._read(name, current, files[(name, current)]))
-            except CorruptEntry as e:
-                self.quarantine(name, current, str(e))
-                quarantined.append(f"{name} v{current}: {e}")
-        return Restored(adapters, last, quarantined)
+        committed: dict[str, list[int]] = {}
+        uncommitted = []
+        for (name, version), present in sorted(files.items()):
+            last[name] = max(last.get(name, 0), version)
+            if META in present:
+                committed.setdefault(name, []).insert(0, version)  # sorted ascending: newest ends up first
+            else:
+                uncommitted.append((name, version))
+        return Found(committed, uncommitted, last)
+
+    def read(self, name: str, version: int) -> StoredAdapter:
+        """One committed version, each file's size and sha256 checked against its meta.json.
+
+        Raises CorruptEntry (saying what is wrong) when anything is missing, unreadable or does not match.
+        """
+        prefix = _version_prefix(name, version)
+        try:
+            meta = self._read_meta(prefix, name, version)
+            weights_format = meta["weights_format"]
+            wanted = (CONFIG_FILE, _WEIGHTS_FILE[weights_format])
+            contents = [self._verified(prefix, file, meta["files"][file]) for file in wanted]
+        except OSError as e:
+            raise CorruptEntry(f"unreadable: {e}") from None
+        return StoredAdapter(
+            name, version, contents[0], contents[1], weights_format, meta["source"], float(meta["created_unix"])
+        )
 
     # ---- changes -----------------------------------------------------------------------------------
     def save(self, adapter: StoredAdapter, supersedes: int | None = None) -> None:
@@ -181,17 +194,20 @@ class Catalog:
         self._remove_quietly(name, version)
 
     def quarantine(self, name: str, version: int, reason: str) -> None:
-        """Move a version's objects under quarantine/ with a reason.txt; never fatal (logged)."""
+        """Move a version's objects under quarantine/ with a reason.txt, at WARNING; never fatal (logged)."""
         prefix = _version_prefix(name, version)
         stamp = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
-        log.error(
-            "%s: %s v%d is corrupt or invalid (%s); moved to %s/%s",
+        log.warning(
+            "%s: %s v%d is not served: %s. Its files were moved, not deleted, to %s/%s/%s/%s/ (with reason.txt): "
+            "inspect them, then delete them or register the adapter again",
             self.location,
             name,
             version,
             reason,
+            self.location,
             QUARANTINE,
             stamp,
+            prefix,
         )
         try:
             keys = self.backend.list_keys(under=prefix)
@@ -199,7 +215,28 @@ class Catalog:
             for key in keys:
                 self.backend.quarantine(key, f"{stamp}/{key}")
         except LoraserveError as e:
-            log.error("%s: could not quarantine %s v%d (%s); it is not served", self.location, name, version, e)
+            log.warning(
+                "%s: could not move %s v%d to %s/ (%s); it is not served and stays where it is",
+                self.location,
+                name,
+                version,
+                QUARANTINE,
+                e,
+            )
+
+    def remove_superseded(self, name: str, version: int, by: int) -> None:
+        """Remove a version left behind by a crash, once its newer version `by` has passed every check."""
+        log.warning(
+            "%s: removing %s v%d: superseded by v%d, which passed verification (a crash came between v%d's "
+            "commit and v%d's removal)",
+            self.location,
+            name,
+            version,
+            by,
+            by,
+            version,
+        )
+        self._remove_quietly(name, version)
 
     # ---- internals ---------------------------------------------------------------------------------
     def _read_counter(self, name: str) -> int:
@@ -214,33 +251,35 @@ class Catalog:
             log.error("%s: %s is unreadable (%s); using the highest version found instead", self.location, key, e)
             return 0
 
-    def _read(self, name: str, version: int, present: set[str]) -> StoredAdapter:
-        prefix = _version_prefix(name, version)
+    def _read_meta(self, prefix: str, name: str, version: int) -> dict[str, Any]:
+        """The version's meta.json, checked for shape (not yet against the files)."""
         try:
             meta = json.loads(self.backend.get(f"{prefix}/{META}"))
-            if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
-                raise CorruptEntry(f"{META} is not a schema-{SCHEMA} record")
-            if (meta.get("name"), meta.get("version")) != (name, version):
-                raise CorruptEntry(f"{META} names {meta.get('name')!r} v{meta.get('version')}, not its own path")
-            weights_format = meta.get("weights_format")
-            if weights_format not in _WEIGHTS_FILE:
-                raise CorruptEntry(f"{META}: unknown weights_format {weights_format!r}")
-            source, created = meta.get("source"), meta.get("created_unix")
-            if not isinstance(source, str) or not isinstance(created, int | float):
-                raise CorruptEntry(f"{META}: source or created_unix missing")
-            expected = meta.get("files")
-            wanted = (CONFIG_FILE, _WEIGHTS_FILE[weights_format])
-            if not isinstance(expected, dict) or set(expected) != set(wanted):
-                raise CorruptEntry(f"{META}: 'files' must list exactly {', '.join(wanted)}")
-            contents = [self._verified(prefix, file, expected[file], present) for file in wanted]
-        except (ValueError, TypeError, AttributeError, OSError) as e:
-            raise CorruptEntry(f"unreadable: {e}") from None
-        return StoredAdapter(name, version, contents[0], contents[1], weights_format, source, float(created))
+        except KeyError:
+            raise CorruptEntry(f"{META} is missing") from None
+        except ValueError as e:  # UnicodeDecodeError included
+            raise CorruptEntry(f"{META} is not valid JSON ({e})") from None
+        if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+            raise CorruptEntry(f"{META} is not a schema-{SCHEMA} record")
+        if (meta.get("name"), meta.get("version")) != (name, version):
+            raise CorruptEntry(f"{META} names {meta.get('name')!r} v{meta.get('version')}, not its own path")
+        weights_format = meta.get("weights_format")
+        if weights_format not in _WEIGHTS_FILE:
+            raise CorruptEntry(f"{META}: unknown weights_format {weights_format!r}")
+        source, created = meta.get("source"), meta.get("created_unix")
+        if not isinstance(source, str) or not isinstance(created, int | float) or isinstance(created, bool):
+            raise CorruptEntry(f"{META}: source or created_unix missing")
+        expected = meta.get("files")
+        wanted = (CONFIG_FILE, _WEIGHTS_FILE[weights_format])
+        if not isinstance(expected, dict) or set(expected) != set(wanted):
+            raise CorruptEntry(f"{META}: 'files' must list exactly {', '.join(wanted)}")
+        return meta
 
-    def _verified(self, prefix: str, file: str, expected: Any, present: set[str]) -> bytes:
-        if file not in present:
-            raise CorruptEntry(f"{file} is missing")
-        data = self.backend.get(f"{prefix}/{file}")
+    def _verified(self, prefix: str, file: str, expected: Any) -> bytes:
+        try:
+            data = self.backend.get(f"{prefix}/{file}")
+        except KeyError:
+            raise CorruptEntry(f"{file} is missing") from None
         if not isinstance(expected, dict) or len(data) != expected.get("size"):
             raise CorruptEntry(f"{file} is {len(data)} bytes, {META} says {expected}")
         if _sha256(data) != expected.get("sha256"):
@@ -249,7 +288,7 @@ class Catalog:
 
     def _remove(self, name: str, version: int, present: set[str]) -> None:
         prefix = _version_prefix(name, version)
-        for file in sorted(present, key=lambda f: f != META):  # meta.json first: uncommit, then clean
+        for file in sorted(present, key=lambda f: f == META):  # meta.json last: a torn removal stays committed
             self.backend.delete(f"{prefix}/{file}")
 
     def _remove_quietly(self, name: str, version: int) -> None:
@@ -260,7 +299,12 @@ class Catalog:
             self._remove(name, version, present)
         except LoraserveError as e:
             log.warning(
-                "%s: could not remove %s v%d yet (%s); it is removed at the next start", self.location, name, version, e
+                "%s: could not remove %s v%d yet (%s); the next start removes what is left of it (or quarantines it "
+                "when its meta.json is gone)",
+                self.location,
+                name,
+                version,
+                e,
             )
 
 

@@ -3,8 +3,8 @@
 Start-up: read the base model's config.json, open the data dir or object store (a clear error and
 exit 1 if it cannot be locked or written), bind the data plane (its own thread, see data_plane.py),
 start gRPC with health NOT_SERVING, restore every stored adapter (catalog.py; corrupt ones are
-quarantined), register the preloads (a preload whose files are unchanged keeps its version), then
-SERVING. Stops on
+quarantined, ones over lowered limits skipped in place), register the preloads (a preload whose
+files are unchanged keeps its version), then SERVING. Stops on
 SIGTERM/SIGINT: gRPC drains for a grace period, the data-plane thread closes its socket, exit 0.
 If the data-plane thread or the purge task dies, health goes NOT_SERVING and the store exits 1
 (`loraserve/supervise.py`).
@@ -79,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="directory every registered adapter is written to before the registration is acknowledged, and "
-        "reloaded from (re-verified; corrupt entries moved to DIR/quarantine/) at start "
+        "reloaded from at start (re-verified; corrupt entries moved to DIR/quarantine/, never deleted; "
+        "created private, mode 0700) "
         f"(default: {default_data_dir()})",
     )
     parser.add_argument(

@@ -8,7 +8,9 @@ paths ("adapters/upper/v3/meta.json"); what they mean is the catalog's business,
   file beside the target, fsyncs it, renames it over the target and fsyncs the directory, so a
   reader (or a restart after `kill -9` or a power cut) sees the old object or the new one, never a
   torn one. Leftover temp files of a crash mid-write are removed when the backend opens. An
-  exclusive lock file (flock) keeps a second store off the same directory.
+  exclusive lock file (flock) keeps a second store off the same directory. The directory is
+  private: created 0700, with directories 0700 and files 0600 inside; opening one that group or
+  others can read logs a WARNING (adapters are tenants' data).
 - `S3Backend` (`--object-store s3://...`, `s3.py`): a PUT is atomic per object.
 
 Write failures are statuses an operator expects: a full disk is RESOURCE_EXHAUSTED, anything else
@@ -23,6 +25,7 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -34,6 +37,8 @@ QUARANTINE = "quarantine"  # top-level folder / prefix of moved-away entries; ne
 LOCK_FILE = ".lock"
 _TMP_SUFFIX = ".tmp"  # temp files are ".<name>.<random>.tmp" beside their target
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+DIR_MODE = 0o700  # the data dir and every directory in it
+FILE_MODE = 0o600  # every file in it
 
 
 class StorageConfigError(InvalidConfigError):
@@ -85,8 +90,8 @@ class DirectoryBackend:
         self.location = str(root)
         self._lock: IO[bytes] | None = None
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            self._lock = (root / LOCK_FILE).open("ab")
+            root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)  # missing parents get the usual mode
+            self._lock = os.fdopen(os.open(root / LOCK_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE), "ab")
         except OSError as e:
             raise StorageConfigError(f"data dir {root}: cannot create or open it ({e.strerror or e})") from None
         try:
@@ -98,6 +103,7 @@ class DirectoryBackend:
             ) from None
         self._remove_temp_files()
         self._check_writable()
+        _warn_if_open(root)
 
     # ---- the interface ---------------------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
@@ -106,7 +112,7 @@ class DirectoryBackend:
             self._make_dirs(path.parent)
             tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
                 try:
                     view = memoryview(data)
                     while view:
@@ -175,7 +181,7 @@ class DirectoryBackend:
             missing.append(directory)
             directory = directory.parent
         for new in reversed(missing):
-            new.mkdir(exist_ok=True)
+            new.mkdir(mode=DIR_MODE, exist_ok=True)
             _fsync_dir(new.parent)
 
     def _remove_empty_dirs(self, directory: Path) -> None:
@@ -202,12 +208,25 @@ class DirectoryBackend:
     def _check_writable(self) -> None:
         probe = f".probe-{secrets.token_hex(4)}"
         try:
-            fd = os.open(self.root / probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(self.root / probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             os.close(fd)
             os.unlink(self.root / probe)
         except OSError as e:
             self.close()
             raise StorageConfigError(f"data dir {self.root} is not writable ({e.strerror or e})") from None
+
+
+def _warn_if_open(root: Path) -> None:
+    """A WARNING when group or others may read or enter the data dir: every local user could copy the adapters."""
+    mode = stat.S_IMODE(root.stat().st_mode)
+    if mode & 0o077:
+        log.warning(
+            "data dir %s has mode %o: other local users can reach the adapters kept in it; run `chmod 700 %s` "
+            "(files this store writes are 0600, directories 0700)",
+            root,
+            mode,
+            root,
+        )
 
 
 def _fsync_dir(directory: Path) -> None:

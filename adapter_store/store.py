@@ -16,8 +16,9 @@ Durability (with a `Catalog`, see catalog.py): a registration or a deletion is w
 data dir or object store before it is acknowledged, and before it changes what RAM serves; a
 failed write fails the call (UNAVAILABLE, or RESOURCE_EXHAUSTED for full storage) and changes
 nothing. Writes are serialized by a second lock, so the data plane never waits on storage either.
-`restore` loads every stored adapter at start, through the same validation as a registration, and
-the per-name high-water marks, so versions stay monotonic across restarts. Host RAM remains the
+`restore` loads every stored adapter at start, through the same validation as a registration (the
+newest good version of each name; nothing good is deleted, see `restore`), and the per-name
+high-water marks, so versions stay monotonic across restarts. Host RAM remains the
 serving copy. Without a catalog (tests, the offline tools) the store is RAM only.
 """
 
@@ -29,12 +30,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loraserve.adapter_config import CONFIG_FILE
 from loraserve.adapter_format import WEIGHTS_FILES, check_adapter_bytes
-from loraserve.adapter_store.catalog import Catalog, StoredAdapter
+from loraserve.adapter_store.catalog import ADAPTERS, Catalog, CorruptEntry, StoredAdapter
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB, StoreLimits
 from loraserve.adapter_store.files import (
     AdapterFiles,
@@ -56,10 +57,29 @@ from loraserve.names import STORE_NAME
 log = logging.getLogger(__name__)
 
 WEIGHTS_FORMATS = tuple(WEIGHTS_FILES.values())
+_ANY_RANK = 2**31  # restore validates everything but the rank limit, which it checks itself
+_UNCOMMITTED = (
+    "its files have no meta.json, so they were never committed (a registration or a deletion was interrupted)"
+)
 
 
 class NoAdapterRootError(FailedPreconditionError):
     """RegisterFromPath on a store started without --adapter-root."""
+
+
+class OverLimitError(Exception):
+    """A stored version over today's --max-adapter-mb or --max-lora-rank: skipped at start, never moved."""
+
+
+@dataclass
+class _RestorePlan:
+    """What `restore` decided; the moves are made only once every adapter is loaded."""
+
+    served: int = 0
+    quarantine: list[tuple[str, int, str]] = field(default_factory=list)  # (name, version, why)
+    superseded: list[tuple[str, int, int]] = field(default_factory=list)  # (name, version, superseded by)
+    skipped: list[str] = field(default_factory=list)  # "name vN", over today's limits
+    fallbacks: list[tuple[str, int, list[int]]] = field(default_factory=list)  # (name, served, newer ones that failed)
 
 
 @dataclass(frozen=True)
@@ -183,8 +203,11 @@ class AdapterStore:
         source: str,
         version: int,
         created: float,
+        max_rank: int | None = None,
     ) -> AdapterRecord:
-        """Every check a registration makes, in cost order; the record of what passed."""
+        """Every check a registration makes, in cost order; the record of what passed.
+
+        `max_rank` replaces the configured --max-lora-rank (restore checks the rank itself)."""
         check_name(name)
         if weights_format not in WEIGHTS_FORMATS:
             raise InvalidRequestError(
@@ -197,7 +220,8 @@ class AdapterStore:
         if len(weights) > self.limits.max_adapter_bytes:
             raise ResourceExhaustedError(too_large_message(len(weights), self.limits.max_adapter_bytes))
         self.check_fits(len(config_json) + len(weights))  # cheap refusal before the expensive validation
-        adapter = check_adapter_bytes(config_json, weights, self.model, self.limits.max_lora_rank, weights_format)
+        max_rank = self.limits.max_lora_rank if max_rank is None else max_rank
+        adapter = check_adapter_bytes(config_json, weights, self.model, max_rank, weights_format)
         return AdapterRecord(
             name=name,
             version=version,
@@ -227,51 +251,108 @@ class AdapterStore:
 
     # ---- start-up: what the catalog holds, and preloads ----------------------------------------
     def restore(self) -> int:
-        """Load every adapter the catalog holds (verified, then validated like a registration); returns how many.
+        """Serve, for every stored name, its newest version that passes every check; returns how many.
 
-        An entry that fails validation is quarantined and not served; the high-water marks of all
-        names (deleted and quarantined ones included) are restored, so no version is ever reused.
-        Raises ResourceExhaustedError when the stored adapters do not fit the memory budget.
+        Versions are tried newest first: one that fails verification or validation is quarantined and
+        the next older one tried; one over today's --max-adapter-mb / --max-lora-rank is skipped (not
+        served, left in place: raising the limit serves it again). Files without a meta.json are
+        quarantined; an older version is removed only once a newer one has passed. Those moves are
+        made only after everything was loaded: raising ResourceExhaustedError (the stored adapters do
+        not fit the memory budget) leaves the storage exactly as it was. The high-water marks of all
+        names (deleted, quarantined and skipped ones included) are restored, so no version is reused.
         """
         if self.catalog is None:
             return 0
-        restored = self.catalog.load()
-        loaded = 0
-        for stored in restored.adapters:
-            if len(stored.weights) > self.limits.max_adapter_bytes:  # a limit lowered since: not served
-                why = too_large_message(len(stored.weights), self.limits.max_adapter_bytes)
-                self.catalog.quarantine(stored.name, stored.version, f"no longer passes validation: {why}")
-                continue
+        found = self.catalog.load()
+        plan = _RestorePlan()
+        plan.quarantine += [(name, version, _UNCOMMITTED) for name, version in found.uncommitted]
+        for name, versions in found.committed.items():
+            self._restore_name(self.catalog, name, versions, plan)
+        with self._lock:
+            for name, version in found.last_versions.items():
+                self._last_version[name] = max(version, self._last_version.get(name, 0))
+        for name, version, reason in plan.quarantine:  # the store will start: now move what failed
+            self.catalog.quarantine(name, version, reason)
+        for name, version, by in plan.superseded:
+            self.catalog.remove_superseded(name, version, by)
+        for name, version, newer in plan.fallbacks:
+            log.warning(
+                "%s: serving %s v%d, its newest version that passes every check (newer: %s, quarantined above)",
+                self.catalog.location,
+                name,
+                version,
+                ", ".join(f"v{v}" for v in newer),
+            )
+        log.log(
+            logging.WARNING if plan.quarantine or plan.skipped else logging.INFO,
+            "restored %d adapter(s) from %s; %d version(s) quarantined, %d adapter(s) skipped as over today's limits%s",
+            plan.served,
+            self.catalog.location,
+            len(plan.quarantine),
+            len(plan.skipped),
+            f" ({', '.join(plan.skipped)})" if plan.skipped else "",
+        )
+        return plan.served
+
+    def _restore_name(self, catalog: Catalog, name: str, versions: list[int], plan: _RestorePlan) -> None:
+        """Serve the newest good version of `name` (`versions` newest first), noting in `plan` what to move."""
+        for i, version in enumerate(versions):
             try:
-                record = self._validate(
-                    stored.name,
-                    stored.config_json,
-                    stored.weights,
-                    stored.weights_format,
-                    stored.source,
-                    stored.version,
-                    stored.created_unix,
+                stored = catalog.read(name, version)
+                record = self._validate_stored(stored)
+            except CorruptEntry as e:
+                plan.quarantine.append((name, version, f"it is corrupt ({e})"))
+                continue
+            except OverLimitError as e:
+                log.warning(
+                    "%s: not serving %s v%d: %s. Its files stay in place: restart with a higher limit to serve it "
+                    "again, or remove %s/%s/%s to drop it",
+                    catalog.location,
+                    name,
+                    version,
+                    e,
+                    catalog.location,
+                    ADAPTERS,
+                    name,
                 )
+                plan.skipped.append(f"{name} v{version}")
+                return  # older versions stay too: a raised limit serves this one and removes them then
             except (InvalidRequestError, InvalidAdapterError) as e:
-                self.catalog.quarantine(stored.name, stored.version, f"no longer passes validation: {e}")
+                plan.quarantine.append((name, version, f"it no longer passes validation ({e})"))
                 continue
             except ResourceExhaustedError as e:  # the memory budget: a start-up error, nothing is moved away
-                raise ResourceExhaustedError(
-                    f"restoring {stored.name} v{stored.version} from {self.catalog.location}: {e}"
-                ) from None
+                raise ResourceExhaustedError(f"restoring {name} v{version} from {catalog.location}: {e}") from None
             with self._lock:
                 self._add_locked(record, AdapterFiles(stored.config_json, stored.weights, stored.weights_format))
-            loaded += 1
-        with self._lock:
-            for name, version in restored.last_versions.items():
-                self._last_version[name] = max(version, self._last_version.get(name, 0))
-        log.info(
-            "restored %d adapter(s) from %s (%d quarantined)",
-            loaded,
-            self.catalog.location,
-            len(restored.adapters) - loaded + len(restored.quarantined),
+            plan.served += 1
+            if i:
+                plan.fallbacks.append((name, version, versions[:i]))
+            plan.superseded += [(name, older, version) for older in versions[i + 1 :]]
+            return
+
+    def _validate_stored(self, stored: StoredAdapter) -> AdapterRecord:
+        """Validate a stored version as a registration, but raise OverLimitError for today's size and rank limits."""
+        limit = self.limits.max_adapter_bytes
+        if len(stored.weights) > limit:
+            raise OverLimitError(
+                f"its weights are {len(stored.weights) / MIB:.1f} MiB ({len(stored.weights)} bytes), over this "
+                f"store's --max-adapter-mb of {limit / MIB:.1f} MiB ({limit} bytes)"
+            )
+        record = self._validate(
+            stored.name,
+            stored.config_json,
+            stored.weights,
+            stored.weights_format,
+            stored.source,
+            stored.version,
+            stored.created_unix,
+            max_rank=_ANY_RANK,
         )
-        return loaded
+        if record.rank > self.limits.max_lora_rank:
+            raise OverLimitError(
+                f"its rank {record.rank} is over this store's --max-lora-rank of {self.limits.max_lora_rank}"
+            )
+        return record
 
     def preload(self, name: str, directory: Path) -> AdapterRecord:
         """Register a directory the operator named (anywhere, no root confinement), unless the name's

@@ -247,7 +247,8 @@ def test_a_corrupt_entry_is_quarantined_and_never_served_while_the_others_load(s
     assert set(summary(store)) == {"good"}
     with pytest.raises(NotFoundError):
         store.get_files("bad", 1)
-    assert "bad v1 is corrupt or invalid" in caplog.text and "does not match its sha256" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("bad v1 is not served: it is corrupt" in m and "does not match its sha256" in m for m in warned)
     assert not backend.list_keys(under="adapters/bad/v1")  # moved away, not deleted:
     quarantined = _quarantined(backend)
     assert any(k.endswith(f"adapters/bad/v1/{WEIGHTS}") for k in quarantined)
@@ -255,7 +256,7 @@ def test_a_corrupt_entry_is_quarantined_and_never_served_while_the_others_load(s
     assert store.register("bad", *files("title")).version == 2  # its number is not given out again
 
 
-def test_an_interrupted_registration_is_removed_and_its_version_not_reused(storage):
+def test_an_interrupted_registration_is_quarantined_and_its_version_not_reused(storage):
     backend = storage()
     store = durable(backend)
     store.register("a", *files("upper"))
@@ -267,14 +268,37 @@ def test_an_interrupted_registration_is_removed_and_its_version_not_reused(stora
     backend = storage()
     store = durable(backend)
     assert summary(store)["a"][0] == 1
-    assert backend.list_keys(under="adapters/a/v2") == []
+    assert backend.list_keys(under="adapters/a/v2") == []  # moved away, not deleted:
+    assert {k.split("/", 1)[1] for k in _quarantined(backend)} >= {
+        f"adapters/a/v2/{WEIGHTS}",
+        "adapters/a/v2/reason.txt",
+    }
     assert store.register("a", *files("title")).version == 3
     for key, data in v1_objects.items():  # a crash after v3's commit, before v1 was removed
         backend.put(key, data)
     backend = storage()
     store = durable(backend)
     assert summary(store)["a"][0] == 3
-    assert backend.list_keys(under="adapters/a/v1") == []
+    assert backend.list_keys(under="adapters/a/v1") == []  # v3 passed every check: v1 was only superseded
+
+
+def test_a_corrupt_newest_version_is_quarantined_and_the_good_older_one_keeps_serving(storage, caplog):
+    backend = storage()
+    store = durable(backend)
+    store.register("a", *files("upper"))
+    v1_objects = {k: backend.get(k) for k in backend.list_keys(under="adapters/a/v1")}
+    store.register("a", *files("title"))
+    for key, data in v1_objects.items():  # a crash after v2's commit, before v1 was removed ...
+        backend.put(key, data)
+    backend.put(f"adapters/a/v2/{WEIGHTS}", files("title")[1][:-1])  # ... and v2's weights lost a byte since
+    backend = storage()
+    store = durable(backend)
+    assert summary(store)["a"][:2] == (1, hashlib.sha256(files("upper")[1]).hexdigest())
+    assert {k: backend.get(k) for k in backend.list_keys(under="adapters/a/v1")} == v1_objects
+    assert backend.list_keys(under="adapters/a/v2") == []
+    assert any(k.endswith(f"adapters/a/v2/{WEIGHTS}") for k in _quarantined(backend))
+    assert "serving a v1, its newest version that passes every check (newer: v2" in caplog.text
+    assert store.register("a", *files("title")).version == 3  # v2's number is not given out again
 
 
 def test_a_failed_write_fails_the_call_and_changes_nothing_served(storage, monkeypatch):
@@ -298,15 +322,21 @@ def test_a_failed_write_fails_the_call_and_changes_nothing_served(storage, monke
     assert summary(durable(storage()))["a"][0] == 3
 
 
-def test_an_entry_that_fails_todays_validation_is_quarantined(storage):
+def test_an_entry_over_lowered_limits_is_skipped_in_place_and_served_again_when_they_are_raised(storage, caplog):
     store = durable(storage())
     store.register("r4", *files("upper"))  # rank 4
     store.register("r8", *files("title"))  # rank 8
     store.register("big", *files("reverse"))  # 1.2 MiB
+    before = summary(store)
     backend = storage()
+    kept = {k: backend.get(k) for k in backend.list_keys()}
     store = durable(backend, max_lora_rank=4, max_adapter_bytes=1 * MIB)
     assert set(summary(store)) == {"r4"}
-    assert {k.split("/")[2] for k in _quarantined(backend) if k.endswith("reason.txt")} == {"r8", "big"}
+    assert {k: backend.get(k) for k in backend.list_keys()} == kept and not _quarantined(backend)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("not serving r8 v1" in m and "--max-lora-rank of 4" in m for m in warned)
+    assert any("not serving big v1" in m and "--max-adapter-mb of 1.0 MiB" in m for m in warned)
+    assert summary(durable(storage())) == before
 
 
 def test_stored_adapters_over_the_memory_budget_are_a_start_up_error(storage):

@@ -71,7 +71,9 @@ def test_kill_9_then_restart_serves_the_same_versions_and_bytes_and_never_reuses
         store.stop()
 
 
-def test_a_corrupt_file_is_quarantined_and_debris_of_a_crash_removed_while_the_rest_loads(tmp_path):
+def test_a_corrupt_file_and_files_without_meta_are_quarantined_and_crash_debris_removed_while_the_rest_loads(
+    tmp_path,
+):
     data = tmp_path / "data"
     store = start(tmp_path, data)
     try:
@@ -93,9 +95,10 @@ def test_a_corrupt_file_is_quarantined_and_debris_of_a_crash_removed_while_the_r
             store.fetcher.fetch("bad", 1)
         assert bytes(store.fetcher.fetch("good", 1)[1]) == files("upper")[1]
         assert not debris.exists() and not never_committed.exists()
-        moved = list((data / "quarantine").rglob(WEIGHTS))
-        assert len(moved) == 1 and "adapters/bad/v1" in moved[0].as_posix()
-        assert "bad v1 is corrupt or invalid" in store.output()
+        moved = sorted(p.as_posix().split("/adapters/", 1)[1] for p in (data / "quarantine").rglob(WEIGHTS))
+        assert moved == [f"bad/v1/{WEIGHTS}", f"good/v2/{WEIGHTS}"]  # moved, never deleted
+        assert "WARNING loraserve.adapter_store.catalog" in store.output()
+        assert "bad v1 is not served: it is corrupt" in store.output()
         assert upload(store, "bad", "title").version == 2
         assert upload(store, "good", "title").version == 3  # v2 was begun once: its number stays used
     finally:
