@@ -5,7 +5,9 @@ name. A request becomes a `GenerateRequest` and runs through the gRPC servicer's
 so keys, tenants, quotas, validation, tracing and failover are the gRPC API's; this file translates
 requests in and answers out (`responses.py`), and failures into OpenAI's error shape (`errors.py`).
 Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
-token ids. The caller is authenticated before its body is looked at: no key, no work.
+token ids. `BodyGuard` (`body_guard.py`) stands in front of every route: a caller without a valid
+key gets 401, and a body over the cap 413, before any byte of the body is read; the routes then
+authenticate again (the principal they act for).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraserve.errors import AdapterNotFoundError, InvalidRequestError, LoraserveError
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
 from loraserve.gateway.http.generation import ClientGone, Generation, HttpCall, until_disconnected
 from loraserve.gateway.http.responses import DONE, Answers, Final, sse
-from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.service import LoraServeService
 from loraserve.gateway.tenants import Scope
@@ -50,31 +53,30 @@ def build_app(service: LoraServeService, chat_template: ChatTemplate | None, sta
     app.add_exception_handler(LoraserveError, _loraserve_error)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_middleware(BodyGuard, authenticate=service.authenticate, max_body_bytes=max_body_bytes(service))
     return app
+
+
+def max_body_bytes(service: LoraServeService) -> int:
+    """The largest request body read: room for the longest prompt, JSON-escaped, and the other fields."""
+    return 2 * service.limits.max_prompt_bytes + (1 << 16)
 
 
 def _caller(request: Request) -> Principal:
     return request.app.state.routes.caller(request)
 
 
-Caller = Annotated[Principal, Depends(_caller)]  # every route's first dependency: no key, no work
+Caller = Annotated[Principal, Depends(_caller)]  # every route's: the principal it acts for
 
 
 class OpenAiRoutes:
     def __init__(self, service: LoraServeService, chat_template: ChatTemplate | None, started_unix: int):
         self.service, self.chat_template, self.started_unix = service, chat_template, started_unix
         self.base_model = service.config.model_name
-        self.max_body_bytes = 2 * service.limits.max_prompt_bytes + (1 << 16)
 
     def caller(self, request: Request) -> Principal:
-        """The authenticated caller (a dependency of every route: runs before the body is parsed)."""
-        principal = self.service.authenticate({k.lower(): v for k, v in request.headers.items()})
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            raise HttpError(
-                413, error_body(f"the request body is over {self.max_body_bytes} bytes", "invalid_request_error")
-            )
-        return principal
+        """The authenticated caller (a dependency of every route; `BodyGuard` has refused the others)."""
+        return self.service.authenticate({k.lower(): v for k, v in request.headers.items()})
 
     # ---- models ---------------------------------------------------------------------------------
     async def models(self, principal: Caller) -> dict[str, Any]:
@@ -215,6 +217,8 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     """pydantic's complaint as a 400 naming the parameter (FastAPI's default is a 422 of its own shape)."""
     problem = exc.errors()[0] if exc.errors() else {}
     location = [str(part) for part in problem.get("loc", ()) if part != "body"]
+    if problem.get("type") == INVALID_UNICODE:
+        return await _send_error(request, bad_request(problem["ctx"]["param"], problem["msg"]))
     if problem.get("type") == "json_invalid" or not location:
         why = "send a JSON object with Content-Type: application/json"
         return await _send_error(request, bad_request("body", f"{problem.get('msg', 'is not valid')}: {why}"))

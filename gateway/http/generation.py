@@ -5,7 +5,8 @@
 runs `LoraServeService.generate_events` in one task (so the trace span opens and closes in one
 context) and hands its events over as plain values: text pieces, then a `Final`. Cancelling it — the
 client went away — cancels that task, which cancels the request downstream exactly as a gRPC client's
-cancel does. A dropped client is noticed where the request waits: `until_disconnected` watches the
+cancel does; once the summary has come, the task runs the generation to its end (its outcome: OK).
+A dropped client is noticed where the request waits: `until_disconnected` watches the
 connection while a non-streaming request is generated; Starlette does the same for a stream.
 """
 
@@ -56,22 +57,20 @@ class Generation:
 
     def __init__(self, events: AsyncIterator[gateway_pb2.GenerateStreamResponse]):
         self._queue: asyncio.Queue[str | Final | Exception] = asyncio.Queue()
+        self._finished = False  # the summary came: the generation is over, and ends as OK
         self._task = asyncio.get_running_loop().create_task(self._pump(events))
 
     async def _pump(self, events: AsyncIterator[gateway_pb2.GenerateStreamResponse]) -> None:
         try:
-            async for event in events:
+            async for event in events:  # to its end, past the summary: closing it early would count CANCELLED
                 if event.HasField("chunk"):
                     if event.chunk.text:
                         self._queue.put_nowait(event.chunk.text)
-                else:
-                    summary = event.summary
-                    reason = _REASON_NAMES.get(summary.finish_reason, "stop")
-                    usage = summary.usage
-                    final = Final(OPENAI_FINISH_REASONS[reason], usage.prompt_tokens, usage.completion_tokens)
-                    self._queue.put_nowait(final)
-                    return
-            self._queue.put_nowait(LoraserveError("the generation ended without a summary"))
+                elif not self._finished:
+                    self._finished = True
+                    self._queue.put_nowait(_final(event.summary))
+            if not self._finished:
+                self._queue.put_nowait(LoraserveError("the generation ended without a summary"))
         except Exception as e:  # the request's failure, for the HTTP side to send
             self._queue.put_nowait(e)
         finally:
@@ -101,8 +100,16 @@ class Generation:
         raise AssertionError("unreachable: pieces() ends with a Final")
 
     def cancel(self) -> None:
-        """Stop generating (a no-op once it has finished): the request is cancelled downstream."""
-        self._task.cancel()
+        """Stop generating, which cancels the request downstream; a no-op once the summary has come (what
+        remains is the generation's own clean-up, and its outcome is OK)."""
+        if not self._finished:
+            self._task.cancel()
+
+
+def _final(summary: gateway_pb2.GenerateResponse) -> Final:
+    reason = _REASON_NAMES.get(summary.finish_reason, "stop")
+    usage = summary.usage
+    return Final(OPENAI_FINISH_REASONS[reason], usage.prompt_tokens, usage.completion_tokens)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

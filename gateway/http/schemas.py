@@ -6,24 +6,85 @@ the same validation the gRPC API runs (`gateway/validation.py`), once the body i
 Fields OpenAI defines that loraserve does not serve (`logprobs`, `tools`, `n` > 1, ...) are accepted
 only at their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
 OpenAI-compatible servers do. `top_k`, `repetition_penalty` and `ignore_eos` are extensions (vLLM's names).
+Every string anywhere in a body (values and keys, known fields or not) must be Unicode text: JSON can
+spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused whole
+(`invalid_unicode`, naming where the surrogate is) before any field is looked at.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 UINT32_MAX = 2**32 - 1
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+INVALID_UNICODE = "invalid_unicode"  # the pydantic error type of a body holding a lone surrogate
+
+
+def lone_surrogate(value: Any) -> tuple[list[str | int], str, bool] | None:
+    """(path, character, in a key) of a string in `value` (JSON as Python: dicts, lists, scalars) that
+    holds a lone surrogate; None when every string is Unicode text. The walk keeps its own stack: a
+    deeply nested body cannot exhaust Python's."""
+    pending: list[tuple[list[str | int], Any]] = [([], value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            bad = _surrogate(item)
+            if bad is not None:
+                return path, bad, False
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                bad = _surrogate(key) if isinstance(key, str) else None
+                if bad is not None:
+                    return [*path, key], bad, True
+                pending.append(([*path, key], child))
+        elif isinstance(item, list):
+            pending.extend(([*path, i], child) for i, child in reversed(list(enumerate(item))))
+    return None
+
+
+def _surrogate(text: str) -> str | None:
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        return text[e.start]
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: refused whole when any string in it is not Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            path, char, in_key = found
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{_printable(p)}" for p in path).lstrip(".")
+            where = f"the key {where}" if in_key else where
+            param = path[0] if path and isinstance(path[0], str) and _surrogate(path[0]) is None else "body"
+            raise PydanticCustomError(
+                INVALID_UNICODE,
+                "holds a lone surrogate ({char}) at {where}, which is not Unicode text: send valid UTF-8 "
+                "(a character beyond U+FFFF as one surrogate pair)",
+                {"char": _printable(char), "where": where or "body", "param": param},
+            )
+        return data
+
+
+def _printable(text: str) -> str:
+    """`text` with any surrogate written as its escape (`\\ud800`), safe to put in an answer."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Generation(BaseModel):
+class _Generation(_Body):
     """The parameters completions and chat completions share."""
 
     model_config = ConfigDict(extra="ignore")

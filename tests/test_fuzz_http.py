@@ -1,0 +1,207 @@
+"""Property-based fuzzing of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`).
+
+Hypothesis builds request bodies field by field: each OpenAI parameter absent, well formed, at an
+edge (0, negative, huge, NaN as a string, empty) or any JSON value at all, strings that include lone
+surrogates and control characters, plus unknown fields and raw bytes that are not JSON (or not
+UTF-8). One stack on the embedded demo model (one worker, the HTTP port) serves the module; the
+bodies are sent over a real socket. Properties: no answer is a 5xx, a stream never carries an
+internal error, and the gateway still generates afterwards. `max_tokens` stays small when it is a
+valid number, so that accepted requests finish quickly.
+
+Examples are few by default (the module stays well under 30 s) and derandomized when CI is set; for
+a longer hunt: LORASERVE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q tests/test_fuzz_http.py
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from stack import LocalStack, free_port_block
+
+from loraserve.demo.assets import DEMO_MODEL_DIR
+
+pytestmark = pytest.mark.slow
+EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "60"))
+CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=CI)
+BASE = DEMO_MODEL_DIR.name
+PROMPT = "the quiet king"
+SURROGATES = ["\ud800", "\udfff", "a\udc80b", "\ud83d"]  # lone halves: JSON can spell them, UTF-8 cannot
+
+_TEXT = st.one_of(st.text(max_size=24), st.sampled_from([PROMPT, "upper", "x", "\n"]))
+_ODD_TEXT = st.one_of(
+    st.text(st.characters(codec=None, categories=["Cs", "Cc", "Co", "Zs", "Lo"]), max_size=8),  # Cs: surrogates
+    st.sampled_from([*SURROGATES, "", " ", "\x00", "a" * 3000, "<|endoftext|>"]),
+)
+_NUMBER = st.one_of(
+    st.integers(-3, 8),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0, -1, 2**32, 2**63, 2**64, 1e308, -0.0, 0.5, 2.5]),
+)
+_JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), _NUMBER, _TEXT, _ODD_TEXT),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.one_of(_TEXT, _ODD_TEXT), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_TOKEN_IDS = st.lists(st.integers(0, 300), min_size=1, max_size=12)
+
+# values the gateway takes, mostly (a mutation below puts anything else in any parameter)
+_SHARED = {
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(0, 50),
+    "seed": st.integers(0, 2**63 - 1),
+    "stop": st.one_of(_TEXT, st.lists(_TEXT, max_size=4)),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "n": st.just(1),
+    "stream": st.booleans(),
+    "user": _TEXT,
+    "ignore_eos": st.booleans(),
+}
+_OTHER = ["stream_options", "logit_bias", "unknown_field"]  # fields only mutations set
+_MODEL = st.sampled_from(["upper", "rot13", "title", BASE, BASE, "no-such-adapter"])
+
+
+def _bodies(required: dict, optional: dict, other: list[str]) -> st.SearchStrategy:
+    """Bodies the gateway mostly takes, half of them with one or two fields (`other` ones too) set to any
+    JSON value, odd strings included."""
+    fields = sorted([*required, *optional, *_OTHER, *other])
+    changes = st.dictionaries(st.sampled_from(fields), st.one_of(_JSON, _ODD_TEXT), min_size=1, max_size=2)
+    base = st.fixed_dictionaries(required, optional=optional)
+    return st.builds(lambda body, changed: body | changed, base, st.one_of(st.just({}), changes))
+
+
+COMPLETIONS = _bodies(
+    {"model": _MODEL, "prompt": st.one_of(_TEXT.filter(bool), _TOKEN_IDS), "max_tokens": st.integers(1, 4)},
+    _SHARED,
+    ["echo", "best_of", "logprobs", "suffix"],
+)
+_CONTENT = st.one_of(_TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=3))
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system"]), "content": _CONTENT}, optional={"name": _TEXT}
+)
+CHAT = _bodies(
+    {"model": _MODEL, "messages": st.lists(_MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)},
+    _SHARED | {"max_completion_tokens": st.integers(1, 4)},
+    ["tools", "tool_choice", "response_format", "logprobs", "top_logprobs"],
+)
+DEEP = b"[" * 50_000  # nested past Python's recursion limit
+DEEP_SURROGATE = b'{"model": "upper", "prompt": "x", "deep": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}"
+RAW = st.one_of(
+    st.binary(max_size=80),
+    st.sampled_from(
+        [
+            b"",
+            b"{",
+            b"[]",
+            b"null",
+            b'{"model": "upper", "prompt": "\xff\xfe"}',
+            b'{"prompt": "\\ud800"',
+            b"\xef\xbb\xbf{}",
+            DEEP,
+            DEEP_SURROGATE,
+        ]
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    http_port = free_port_block(1)
+    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{http_port}")
+    stack.http_port = http_port
+    stack.start()
+    stack.wait_workers(1)
+    yield stack
+    stack.stop()
+
+
+def send(stack, path: str, body: bytes, content_type: str | None = "application/json") -> tuple[int, bytes]:
+    """POST `body` to `path`: (status, whole answer body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=30)
+    try:
+        conn.request("POST", path, body, {"Content-Type": content_type} if content_type else {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def check(stack, path: str, body: bytes) -> None:
+    """The properties of one request's answer."""
+    status, answer = send(stack, path, body)
+    assert status < 500, f"{path} {body[:300]!r} -> {status} {answer[:300]!r}"
+    if status == 200 and answer.startswith(b"data: "):  # a stream: a failure after the start is an event
+        assert b'"type":"internal_error"' not in answer, f"{path} {body[:300]!r} -> {answer[-300:]!r}"
+
+
+def _json(value: dict) -> bytes:
+    """`value` as JSON, lone surrogates escaped as JSON spells them (`\\ud800`)."""
+    return json.dumps(value, ensure_ascii=True).encode()
+
+
+@FUZZ
+@given(body=COMPLETIONS)
+@example(body={"model": "upper", "prompt": "\ud800"})
+@example(body={"model": "upper", "prompt": PROMPT, "stop": ["\udfff"], "max_tokens": 2})
+def test_fuzzed_completions_never_fail_internally(stack, body):
+    check(stack, "/v1/completions", _json(body))
+
+
+@FUZZ
+@given(body=CHAT)
+@example(body={"model": "upper", "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2})
+@example(body={"model": "upper", "messages": [{"role": "user\udc80", "content": "hi"}], "max_tokens": 2})
+def test_fuzzed_chat_completions_never_fail_internally(stack, body):
+    check(stack, "/v1/chat/completions", _json(body))
+
+
+@FUZZ
+@given(raw=RAW, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@example(raw=DEEP, path="/v1/completions")
+@example(raw=DEEP_SURROGATE, path="/v1/completions")
+def test_raw_bodies_never_fail_internally(stack, raw, path):
+    check(stack, path, raw)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": "upper", "prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {"model": "upper", "prompt": ["\udfff"]}, "prompt"),
+        ("/v1/completions", {"model": "upper", "prompt": PROMPT, "stop": ["ok", "\ud800"]}, "stop"),
+        ("/v1/completions", {"model": "upper\ud800", "prompt": PROMPT}, "model"),
+        ("/v1/completions", {"model": "upper", "prompt": PROMPT, "user": "\ud800"}, "user"),
+        ("/v1/chat/completions", {"model": "upper", "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": "upper", "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "upper", "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]},
+            "messages",
+        ),
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(stack, path, body, param):
+    status, answer = send(stack, path, _json(body))
+    error = json.loads(answer)["error"]
+    assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", (status, error)
+    assert "lone surrogate" in error["message"] and "UTF-8" in error["message"], error
+
+
+def test_the_gateway_still_generates_afterwards(stack):
+    status, answer = send(stack, "/v1/completions", _json({"model": "upper", "prompt": PROMPT, "max_tokens": 4}))
+    assert status == 200 and json.loads(answer)["choices"][0]["text"], answer
