@@ -15,6 +15,11 @@ one of three ways:
   stream with no token missing or repeated;
 - it makes no progress for `inactivity_timeout_s`: UNAVAILABLE.
 
+A lost attempt's successor waits for a worker: while its submission is refused UNAVAILABLE (no
+worker is ready, as in a one-worker stack whose worker the supervisor is replacing, or no scheduler
+answers), it is tried again with backoff for up to `failover_wait_s` from the loss, and only then
+does the request end UNAVAILABLE.
+
 A separate id per attempt means a late message from a lost attempt (a stopped worker resumed) can
 never mix into the stream: the sink drops messages for ids nobody reads. After `max_failovers`
 lost attempts the request ends UNAVAILABLE.
@@ -49,13 +54,19 @@ class FailoverConfig:
     max_failovers: int = 3  # lost attempts a request survives; one more ends it UNAVAILABLE
     inactivity_timeout_s: float = 60.0  # no message for this long: the request failed somewhere
     scheduler_grace_s: float = 10.0  # requests no worker took fail when no scheduler answers this long
+    failover_wait_s: float = 15.0  # a lost attempt's successor waits this long for a worker to take it
 
     def __post_init__(self) -> None:
         if self.max_failovers < 0 or self.inactivity_timeout_s <= 0 or self.scheduler_grace_s <= 0:
             raise InvalidConfigError(f"invalid failover config {self}")
+        if not 0 <= self.failover_wait_s < math.inf:
+            raise InvalidConfigError(
+                f"failover_wait_s must be a finite number of seconds >= 0, not {self.failover_wait_s}"
+            )
 
 
 UNAVAILABLE = "UNAVAILABLE"
+RESUBMIT_BACKOFF_S = (0.1, 1.0)  # first and longest pause between submissions of a waiting successor
 
 
 class _Lost(Exception):
@@ -74,6 +85,7 @@ class FailoverStream:
         self.worker_id = ""  # the current attempt's worker, once it acknowledged the request
         self.placed_at: float | None = None  # monotonic time of that acknowledgement
         self.scheduler_instance = ""  # the scheduler that queued the current attempt
+        self.lost_at: float | None = None  # monotonic time the last attempt was lost
         self._queue: asyncio.Queue[Tokens] | None = None
 
     async def messages(self) -> AsyncIterator[Tokens]:
@@ -82,7 +94,7 @@ class FailoverStream:
             attempt_id = self.attempt_id
             self._queue = self.sink.open(attempt_id)
             try:
-                self.scheduler_instance = await self._submit(attempt_id, self.failovers, list(self.output_ids))
+                self.scheduler_instance = await self._submit_attempt(attempt_id)
                 async for message in self._attempt(self._queue):
                     yield message
                 return
@@ -109,6 +121,25 @@ class FailoverStream:
             self._queue.put_nowait(
                 Tokens(self.attempt_id, [], finished=True, error_status=status, error=reason, retry=retry)
             )
+
+    async def _submit_attempt(self, attempt_id: str) -> str:
+        """Submit the current attempt; a successor of a lost one waits (bounded) for a worker to take it."""
+        if self.lost_at is None:
+            return await self._submit(attempt_id, self.failovers, list(self.output_ids))
+        deadline = self.lost_at + self.config.failover_wait_s
+        pause, longest = RESUBMIT_BACKOFF_S
+        while True:
+            try:
+                return await self._submit(attempt_id, self.failovers, list(self.output_ids))
+            except UnavailableError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UnavailableError(
+                        f"the request lost its worker and no worker could take it over within "
+                        f"{self.config.failover_wait_s:g} s ({e}); retry it"
+                    ) from None
+                await asyncio.sleep(min(pause, left))
+                pause = min(2 * pause, longest)
 
     async def _attempt(self, queue: asyncio.Queue[Tokens]) -> AsyncIterator[Tokens]:
         while True:
@@ -142,6 +173,7 @@ class FailoverStream:
             )
         self.attempt_id = f"{self.request_id}.{self.failovers}"
         self.worker_id, self.placed_at, self._queue = "", None, None
+        self.scheduler_instance, self.lost_at = "", time.monotonic()  # no scheduler holds the successor yet
         log.info(
             "request %s: attempt %s lost (%s); continuing as %s after %d tokens",
             self.request_id,

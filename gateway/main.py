@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds without a scheduler before requests no worker has taken fail UNAVAILABLE",
     )
+    parser.add_argument(
+        "--failover-wait",
+        type=float,
+        default=15.0,
+        help="seconds a request that lost its worker waits for another one (e.g. a restarted worker) before it fails",
+    )
     add_drain_argument(parser, "to let streams in flight finish before stopping")
     telemetry.add_tracing_arguments(parser)
     add_metrics_arguments(parser)
@@ -197,7 +203,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         Path(args.model).name,
         model.model_type,
         args.max_lora_rank,
-        failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace),
+        failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace, args.failover_wait),
     )
     service = LoraServeService(config, limits, tokenizer, sink, scheduler, store, auth)
     http = _http_server(args, service, tls) if args.http_bind else None  # its socket first: a busy port stops here

@@ -43,13 +43,15 @@ from loraserve.gateway.tenant_adapters import TenantAdapters, renamed_uploads, s
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits, ValidRequest, check_context, fairness_tenant, validate_generate
-from loraserve.grpc_utils import forward_stream, internal_call, refuse_stream
+from loraserve.grpc_utils import RETRY_AFTER_KEY, forward_stream, internal_call, refuse_stream
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
+from loraserve.v1.adapter_store_pb2 import GetStoreStateRequest
 
 log = logging.getLogger(__name__)
-RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED quota refusal
+# statuses of a store call that may say its connection broke rather than give the store's answer
+_MAYBE_TRANSPORT = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
 
 
 class CallContext(Protocol):
@@ -93,7 +95,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         self.streams = Streams(config.failover)  # live generations; the cluster watch reports to it
         self.adapter_versions = AdapterVersions()  # kept by the store's Watch (main.py)
         self.adapters = TenantAdapters(self._store, self.adapter_versions)  # names as each tenant sees them
-        self.quotas = Quotas(time.monotonic)  # per-tenant slots and token buckets
+        self.quotas = Quotas()  # per-tenant generation slots (token quotas: the scheduler's)
         self.draining = False
         self._background: set[asyncio.Task] = set()
 
@@ -146,8 +148,6 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             metadata = _metadata(context)
             events = self._generate_traced(request, principal, metadata, context, arrival)
             async for event in events:
-                if event.HasField("chunk"):
-                    self.quotas.generated(principal.tenant, principal.limits, len(event.chunk.token_ids))
                 yield event
         except BaseException as e:
             code = metrics.outcome(e)
@@ -184,10 +184,11 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             span.set_attribute("loraserve.adapter", valid.adapter or "")
 
             tenant = fairness_tenant(principal.tenant, self.auth.open, metadata)
+            quota = principal.limits.tokens_per_minute or 0  # metered by the scheduler, for every gateway
 
             async def submit(attempt_id: str, attempt: int, output_ids: list[int]) -> str:
                 return await self._submit(
-                    attempt_id, attempt, valid, prompt_ids, version, context, arrival, output_ids, tenant
+                    attempt_id, attempt, valid, prompt_ids, version, context, arrival, output_ids, tenant, quota
                 )
 
             stream = FailoverStream(request_id, self.sink, submit, self._cancel_downstream, self.config.failover)
@@ -233,8 +234,10 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         arrival: float,
         output_ids: list[int],
         tenant: str = "",
+        tokens_per_minute: int = 0,
     ) -> str:
-        """Queue one attempt with the scheduler; returns the instance of the scheduler that took it."""
+        """Queue one attempt with the scheduler; returns the instance of the scheduler that took it.
+        Its quota refusal's retry hint goes on to the client (trailing metadata `retry-after-ms`)."""
         remaining = context.time_remaining()
         submit = scheduler_pb2.SubmitRequest(
             request_id=request_id,
@@ -253,14 +256,22 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             attempt=attempt,
             tenant=tenant,
             ttft_slo_s=valid.ttft_slo_s,
+            tokens_per_minute=tokens_per_minute,
         )
-        with telemetry.tracer().start_as_current_span("gateway.submit"):
-            response = await internal_call(
-                "the scheduler",
-                lambda: self.scheduler.Submit(
+
+        async def call() -> scheduler_pb2.SubmitResponse:
+            try:
+                return await self.scheduler.Submit(
                     submit, timeout=self.config.internal_timeout_s, metadata=telemetry.grpc_metadata()
-                ),
-            )
+                )
+            except grpc.aio.AioRpcError as e:
+                hint = [(k, v) for k, v in e.trailing_metadata() or () if k == RETRY_AFTER_KEY]
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and hint:
+                    context.set_trailing_metadata(hint[:1])
+                raise
+
+        with telemetry.tracer().start_as_current_span("gateway.submit"):
+            response = await internal_call("the scheduler", call)
         return response.instance
 
     async def _stream(self, request_id, valid: ValidRequest, prompt_ids, stream: FailoverStream, arrival, version):
@@ -399,10 +410,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             targets: list[str] = []
             renamed = renamed_uploads(ns, request_iterator, targets)
             try:
-                info = await internal_call(
-                    "the adapter store",
-                    lambda: forward_stream(self.store.Upload, renamed, timeout, telemetry.grpc_metadata()),
-                )
+                info = await internal_call("the adapter store", lambda: self._relay_upload(renamed, timeout))
             except LoraserveError:
                 record.adapter = targets[0] if targets else "-"
                 await refuse_stream(request_iterator, context)
@@ -410,6 +418,33 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             record.adapter, record.version = info.name, info.version
             self.adapter_versions.learned(info)
             return shown(ns, info)
+
+    async def _relay_upload(self, requests: AsyncIterator[gateway_pb2.UploadAdapterRequest], timeout: float):
+        """The store's Upload fed with `requests`. A transport failure of that call (the store died or
+        its connection broke mid-upload) ends UNAVAILABLE, saying the upload may be retried: any
+        UNAVAILABLE, and any INTERNAL, UNKNOWN or CANCELLED while the store does not answer (grpc.aio
+        reports a write to a connection that just broke as INTERNAL, hiding why)."""
+        try:
+            return await forward_stream(self.store.Upload, requests, timeout, telemetry.grpc_metadata())
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                why = e.details() or "unreachable"
+            elif e.code() in _MAYBE_TRANSPORT and not await self._store_answers():
+                why = "its connection broke during the upload"
+            else:
+                raise
+            log.warning("upload relay: the adapter store went away (%s: %s)", e.code().name, e.details())
+            raise UnavailableError(
+                f"the adapter store is unavailable ({why}): the upload did not complete and may be retried"
+            ) from None
+
+    async def _store_answers(self) -> bool:
+        """Does the adapter store answer a call at all (any status but UNAVAILABLE or a timeout)?"""
+        try:
+            await self.store.GetStoreState(GetStoreStateRequest(), timeout=1.0, metadata=telemetry.grpc_metadata())
+        except grpc.aio.AioRpcError as e:
+            return e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return True
 
     async def RegisterAdapterFromPath(self, request, context):
         with audited("register") as record:

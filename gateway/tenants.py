@@ -10,7 +10,7 @@ secrets: only digests of keys (`loraserve keys new` makes a key and its line).
     api_key_sha256 = ["9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
     scopes = ["generate", "adapters"]
     max_concurrent = 8          # generations in flight (optional)
-    tokens_per_minute = 20000   # generated tokens (optional)
+    tokens_per_minute = 20000   # prompt + output tokens, metered by the scheduler (optional)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from loraserve.errors import InvalidConfigError
 from loraserve.names import SHA256_HEX, TENANT_NAME
 
 _KEYS = {"name", "api_key_sha256", "scopes", "max_concurrent", "tokens_per_minute"}
+MAX_QUOTA = 2**32 - 1  # quotas travel to the scheduler as uint32
 
 
 class Scope(enum.Enum):
@@ -48,7 +49,7 @@ def granted(scopes: frozenset[Scope]) -> frozenset[Scope]:
 @dataclass(frozen=True)
 class QuotaLimits:
     max_concurrent: int | None = None  # generations in flight; None: unlimited
-    tokens_per_minute: int | None = None  # generated tokens; None: unlimited
+    tokens_per_minute: int | None = None  # prompt + max_tokens per request, cluster-wide (scheduler); None: unlimited
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,6 @@ def _positive(table: dict, key: str, where: str) -> int | None:
     value = table.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidConfigError(f"{where}: {key}: must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUOTA:
+        raise InvalidConfigError(f"{where}: {key}: must be a positive integer up to {MAX_QUOTA}, got {value!r}")
     return value

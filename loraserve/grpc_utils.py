@@ -164,6 +164,7 @@ async def internal_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
 
 
 REFUSED_KEY = "loraserve-refused"  # initial metadata a server sends the moment it refuses a request stream
+RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED quota refusal: when to retry
 REFUSAL_DRAIN_S = 0.5  # how long a refusing server keeps reading, waiting for the client to stop...
 REFUSAL_DRAIN_BYTES = 4 * 2**20  # ...and how much it reads at most
 

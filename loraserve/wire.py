@@ -23,6 +23,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
 
@@ -75,8 +76,14 @@ MAX_LIST = 1 << 20  # elements of any list (a 1M-token prompt)
 INT64 = Limit(-(2**63), 2**63 - 1)
 
 MAX_ID = 256  # request ids, worker ids, adapter names
-MAX_IDS = 1 << 16  # request ids in one report or cancel
-MAX_ADAPTERS = 1 << 16  # adapters resident in one worker's pool
+MAX_IDS = 1 << 16  # request ids in one cancel or step message
+# A worker's report is read by the scheduler after every step of every worker, so its lists are
+# bounded by what a real worker holds: the scheduler never gives a worker more than its batch
+# size (at most MAX_BATCH), and a worker names at most MAX_RESIDENT of its resident adapters
+# (its most recently used ones). A report beyond these is refused, not trimmed.
+MAX_BATCH = 1024  # a worker's max_batch_size (vLLM's default is 256, ours 64)
+MAX_REPORTED_IDS = 2 * MAX_BATCH  # request ids in one list of a report (running, waiting, finished)
+MAX_RESIDENT = 4096  # resident adapters named in one report
 MAX_PREFETCH = 1024  # adapters in one prefetch hint
 MAX_STEP_SAMPLES = 64  # measured steps in one report
 
@@ -89,6 +96,7 @@ Seconds = float  # finite, any sign (clocks of two hosts may disagree a little)
 AdapterRef = tuple[Id, Version]  # (name, version) on the wire
 AdapterKey = tuple[str, int]  # (name, version) in every role: an adapter version's one name
 Ids = Annotated[list[Id], Limit(max_len=MAX_IDS)]
+ReportedIds = Annotated[list[Id], Limit(max_len=MAX_REPORTED_IDS)]
 Probability = Annotated[float, Limit(0.0, 1.0)]
 StepSample = tuple[Count, Count, Count, Count, Annotated[float, Limit(0.0, 3600.0)]]
 TraceCarrier = Annotated[dict[Id, Annotated[str, Limit(max_len=1024)]], Limit(max_len=16)]  # W3C trace context
@@ -113,15 +121,16 @@ class WorkerReport(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_REPORT
     worker_id: Id
     ready: bool
-    max_batch_size: Count
+    max_batch_size: Annotated[int, Limit(0, MAX_BATCH)]
     total_pages: Count
     free_pages: Count
     kv_pages: Count
     adapter_pages: Count
-    running: Ids  # request ids in the running batch
-    waiting: Ids  # request ids assigned but not yet running
-    resident: Annotated[list[AdapterRef], Limit(max_len=MAX_ADAPTERS)]  # [(adapter name, version), ...]
-    finished: Ids = field(default_factory=list)  # request ids that ended since the last report
+    running: ReportedIds  # request ids in the running batch
+    waiting: ReportedIds  # request ids assigned but not yet running
+    # [(adapter name, version), ...], least recently used first; the most recent MAX_RESIDENT at most
+    resident: Annotated[list[AdapterRef], Limit(max_len=MAX_RESIDENT)]
+    finished: ReportedIds = field(default_factory=list)  # request ids that ended since the last report
     evictable_pages: Count = 0  # pages of cached adapters no request uses (reclaimable for KV)
     tokens_per_page: Annotated[int, Limit(1, 1 << 20)] = 16
     steps: Count = 0
@@ -337,6 +346,9 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     if typing.get_origin(hint) is Annotated:
         hint, *extra = typing.get_args(hint)
         constraints = tuple(extra)
+    for constraint in constraints:  # a list too long is refused before any of its items is looked at
+        if isinstance(constraint, Limit) and isinstance(value, list | tuple | dict | str):
+            _within(value, constraint, where)
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
         return _check_union(value, hint, constraints, where)
@@ -378,7 +390,7 @@ def _apply(constraint: Any, value: Any, where: str) -> None:
 def _within(value: Any, limit: Limit, where: str) -> None:
     if isinstance(value, str | list | tuple | dict):
         if limit.max_len is not None and len(value) > limit.max_len:
-            raise WireError(f"{where}: longer than {limit.max_len}")
+            raise WireError(f"{where}: longer than {limit.max_len} (got {len(value)})")
         return
     if (limit.lo is not None and value < limit.lo) or (limit.hi is not None and value > limit.hi):
         raise WireError(f"{where}: {value!r} is outside [{limit.lo}, {limit.hi}]")
@@ -432,7 +444,52 @@ def _check_list(value: Any, hint: Any, where: str) -> list:
     _expect(value, list, where)
     _within(value, Limit(max_len=MAX_LIST), where)
     (item,) = typing.get_args(hint) or (Any,)
+    fast = _fast_check(item)
+    if fast is not None:  # the common case of a long list of ids or (name, version) pairs
+        checked = list(map(fast, value))
+        if _MISMATCH not in checked:
+            return checked
     return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+_MISMATCH = object()  # what a fast check returns for a value it does not accept
+
+
+@functools.cache
+def _fast_check(hint: Any) -> Callable[[Any], Any] | None:
+    """A quick version of `_check` for the simple hints that fill long lists (bounded strings and
+    ints, and fixed tuples of them): returns the value as `_check` would, or `_MISMATCH`, in which
+    case `_check` runs to name the fault. None for hints it does not cover. Keeps the cost of a
+    report at its bounds to a few microseconds per item."""
+    limit = Limit()
+    if typing.get_origin(hint) is Annotated:
+        hint, *extra = typing.get_args(hint)
+        if len(extra) != 1 or not isinstance(extra[0], Limit):
+            return None
+        limit = extra[0]
+    if hint is str:
+        most = min(MAX_TEXT, limit.max_len if limit.max_len is not None else MAX_TEXT)
+        return lambda v: v if type(v) is str and len(v) <= most else _MISMATCH
+    if hint is int:
+        lo = max(INT64.lo, limit.lo if limit.lo is not None else INT64.lo)
+        hi = min(INT64.hi, limit.hi if limit.hi is not None else INT64.hi)
+        return lambda v: v if type(v) is int and lo <= v <= hi else _MISMATCH
+    if typing.get_origin(hint) is tuple and limit == Limit():
+        items = typing.get_args(hint)
+        checks = [_fast_check(h) for h in items]
+        if not items or Ellipsis in items or None in checks:
+            return None
+
+        size = len(checks)
+
+        def check_tuple(v: Any) -> Any:
+            if (type(v) is not list and type(v) is not tuple) or len(v) != size:
+                return _MISMATCH
+            out = tuple([c(x) for c, x in zip(checks, v)])  # noqa: B905 (lengths checked above)
+            return _MISMATCH if _MISMATCH in out else out
+
+        return check_tuple
+    return None
 
 
 def _check_tuple(value: Any, hint: Any, where: str) -> tuple:

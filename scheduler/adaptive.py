@@ -12,7 +12,9 @@ request state of its own (the policy owns the queue, the workers and the placed 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from loraserve.scheduler.admission import ClusterEstimate
@@ -69,30 +71,53 @@ class AdaptivePlanner:
 
     def load_of(self, view: WorkerView, placed: Lookup, reserved_pages: int, now: float) -> WorkerLoad:
         report = view.report
-        running = set(report.running)
-        held = running | set(report.waiting) | view.assigned
-        known = [r for r in map(placed, held) if r is not None]
+        unreported = view.unreported()  # the report's sets are built once per report (WorkerView)
+        known = [r for r in map(placed, (*view.reported, *unreported)) if r is not None]
         loading = self._loading.get(view.worker_id, {})
         resident = view.resident
         for adapter, since in list(loading.items()):
             if now - since > LOADING_S or adapter in resident:
                 del loading[adapter]
         batch_adapters = frozenset(r.adapter for r in known if r.adapter is not None)
+        held = len(view.reported) + len(unreported)
         return WorkerLoad(
             worker_id=view.worker_id,
-            requests=len(held),
-            waiting=len(held - running),
+            requests=held,
+            waiting=held - len(view.running),
             max_batch=report.max_batch_size,
             room_pages=report.free_pages + report.evictable_pages - reserved_pages,
             tokens_per_page=report.tokens_per_page,
             batch=BatchShape(
-                tokens=len(held),
+                tokens=held,
                 rank_tokens=sum(self.rank(r) for r in known),
                 adapters=len(batch_adapters),
                 kv_pages=report.kv_pages + reserved_pages,
             ),
-            adapters=frozenset(resident | loading.keys()),
+            adapters=_Union(resident, loading.keys()) if loading else resident,  # no copy of a big set per call
             batch_adapters=batch_adapters,
+        )
+
+    def with_request(self, load: WorkerLoad, request: QueuedRequest) -> WorkerLoad:
+        """`load` once `request` is assigned there and not yet reported: what `load_of` would
+        return after the assignment, without going through the worker's requests again."""
+        pages = -(-(request.prompt_len + request.max_new_tokens) // max(1, load.tokens_per_page))
+        adapter = request.adapter
+        new_segment = adapter is not None and adapter not in load.batch_adapters
+        batch = load.batch
+        return replace(
+            load,
+            requests=load.requests + 1,
+            waiting=load.waiting + 1,
+            room_pages=load.room_pages - pages,
+            batch=replace(
+                batch,
+                tokens=batch.tokens + 1,
+                rank_tokens=batch.rank_tokens + self.rank(request),
+                adapters=batch.adapters + int(new_segment),
+                kv_pages=batch.kv_pages + pages,
+            ),
+            adapters=load.adapters if adapter is None else _Union(load.adapters, {adapter}),
+            batch_adapters=load.batch_adapters | {adapter} if new_segment else load.batch_adapters,
         )
 
     # ---- decisions -----------------------------------------------------------------------------
@@ -154,6 +179,23 @@ class AdaptivePlanner:
         return plan_prefetch(
             queued, popular, holds=lambda w, a: a in by_id[w].adapters, min_score=self.config.min_prefetch_score
         )
+
+
+class _Union(AbstractSet[AdapterKey]):
+    """A worker's resident adapters and those it is loading, as one set without copying either."""
+
+    def __init__(self, resident: AbstractSet[AdapterKey], loading: AbstractSet[AdapterKey]):
+        self._resident, self._loading = resident, loading
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._resident or key in self._loading
+
+    def __iter__(self) -> Iterator[AdapterKey]:
+        yield from self._resident
+        yield from (k for k in self._loading if k not in self._resident)
+
+    def __len__(self) -> int:
+        return len(self._resident) + sum(1 for k in self._loading if k not in self._resident)
 
 
 def _full(w: WorkerLoad) -> BatchShape:

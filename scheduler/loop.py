@@ -53,6 +53,7 @@ from loraserve.scheduler.policy import (
     SchedulerPolicy,
     WorkerGone,
 )
+from loraserve.scheduler.quotas import QuotaExceededError, TokenQuotas
 from loraserve.sockets import PushSockets, make_socket, send, sent_or_raise
 from loraserve.supervise import run_tasks
 from loraserve.v1 import scheduler_pb2
@@ -93,6 +94,7 @@ class SchedulerLoop:
             raise
         self.gateways = PushSockets(self.ctx, curve=keys.client_of("gateway") if keys is not None else None)
         self.pending: dict[str, _Pending] = {}
+        self.quotas = TokenQuotas()  # each tenant's tokens_per_minute, for every gateway at once
         self.tick_s = tick_s
         self.instance = uuid.uuid4().hex  # in ClusterState: gateways tell a restarted scheduler by it
         self._wake = asyncio.Event()
@@ -117,6 +119,12 @@ class SchedulerLoop:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         sampling = asdict(sampling_from_pb(request.sampling, request.max_new_tokens, list(request.stop_token_ids)))
         now = time.time()
+        cost = 0 if request.attempt else len(request.prompt_ids) + request.max_new_tokens  # attempts: charged once
+        try:
+            self.quotas.charge(request.tenant, request.tokens_per_minute, cost, now)
+        except QuotaExceededError:
+            metrics.REFUSED.labels("RESOURCE_EXHAUSTED").inc()
+            raise
         generated = len(request.output_ids)
         queued = QueuedRequest(
             request_id=request.request_id,
@@ -136,6 +144,7 @@ class SchedulerLoop:
         try:
             position = self.policy.add(queued, now, resumed=request.attempt > 0)
         except Exception as e:
+            self.quotas.refund(request.tenant, request.tokens_per_minute, cost, now)
             metrics.REFUSED.labels(getattr(e, "status", "INTERNAL")).inc()
             span.record_exception(e)
             span.end()

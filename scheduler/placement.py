@@ -21,6 +21,7 @@ Nothing is placed beyond a worker's batch or pool room, so consolidation never s
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from loraserve.scheduler.cost_model import BatchShape, StepCostModel
@@ -38,7 +39,7 @@ class WorkerLoad:
     room_pages: int  # pool pages free or reclaimable, minus what unreported assignments will take
     tokens_per_page: int
     batch: BatchShape  # its decode step now
-    adapters: frozenset[AdapterKey]  # resident, or being loaded
+    adapters: AbstractSet[AdapterKey]  # resident, or being loaded
     batch_adapters: frozenset[AdapterKey]  # adapters of the requests it holds (one segment each)
 
 

@@ -29,7 +29,8 @@ registered as it is, requests included (*adopted*): after a scheduler restart, s
 go on, and cancels still reach them.
 
 Queued requests whose deadline passed fail with DEADLINE_EXCEEDED; when no worker is left,
-queued requests fail with UNAVAILABLE after `worker_timeout_s`.
+queued requests fail with UNAVAILABLE and `retry` after `worker_timeout_s` (their gateways wait
+for a worker, within a bound, and submit them again).
 
 `PolicyConfig.policy` picks how the queue is ordered, requests placed and adapters predicted:
 `fcfs` is the behaviour described above; `adaptive` (the default) composes the parts in this
@@ -125,14 +126,39 @@ class QueuedRequest:
 
 @dataclass
 class WorkerView:
+    """A worker as the policy sees it: its last report, and sets derived from the report's lists.
+    Placement asks for the sets many times a round, so they are built once per report, and only
+    when the list they come from changed (`update`): a report costs what changed in it."""
+
     worker_id: str
     last_report: float
     report: WorkerReport
     assigned: set[str] = field(default_factory=set)  # request ids held by this worker
+    resident: frozenset[AdapterKey] = field(init=False)  # report.resident
+    running: frozenset[str] = field(init=False)  # report.running
+    reported: frozenset[str] = field(init=False)  # report.running + report.waiting
 
-    @property
-    def resident(self) -> set[AdapterKey]:
-        return {(name, int(version)) for name, version in self.report.resident}
+    def __post_init__(self) -> None:
+        self.resident = frozenset((name, int(version)) for name, version in self.report.resident)
+        self.running = frozenset(self.report.running)
+        self.reported = self.running | frozenset(self.report.waiting)
+
+    def update(self, report: WorkerReport, now: float) -> None:
+        old, self.report, self.last_report = self.report, report, now
+        if report.resident != old.resident:
+            self.resident = frozenset((name, int(version)) for name, version in report.resident)
+        if report.running != old.running:
+            self.running = frozenset(report.running)
+        if report.running != old.running or report.waiting != old.waiting:
+            self.reported = self.running | frozenset(report.waiting)
+
+    def held(self) -> int:
+        """Requests the worker holds: reported running/waiting plus assignments not yet reported."""
+        return len(self.reported) + sum(1 for r in self.assigned if r not in self.reported)
+
+    def unreported(self) -> list[str]:
+        """Assignments the worker has not reported yet."""
+        return [r for r in self.assigned if r not in self.reported]
 
 
 # ---- decisions --------------------------------------------------------------------------------
@@ -206,6 +232,10 @@ class SchedulerPolicy:
         self._zombies: OrderedDict[str, str] = OrderedDict()  # dropped worker id -> its instance then
         self._prefetch_sent: dict[str, tuple] = {}
         self._no_worker_since: float | None = None
+        # Within `schedule`: each worker's (requests held, KV pages reserved) and placement view,
+        # computed once a round and updated in place as the round assigns to it (see `_counts`).
+        self._round_counts: dict[str, tuple[int, int]] | None = None
+        self._round_loads: dict[str, WorkerLoad] | None = None
 
     # ---- inputs --------------------------------------------------------------------------------
     def ready_workers(self) -> list[WorkerView]:
@@ -294,7 +324,7 @@ class SchedulerPolicy:
                 if request_id not in self.placed:
                     view.assigned.add(request_id)
                     self.placed[request_id] = (report.worker_id, None)
-        view.report, view.last_report = report, now
+        view.update(report, now)
         self.planner.observe(report)
         for request_id in report.finished:
             view.assigned.discard(request_id)
@@ -317,6 +347,13 @@ class SchedulerPolicy:
 
     # ---- the scheduling round ------------------------------------------------------------------
     def schedule(self, now: float) -> list[Decision]:
+        self._round_counts, self._round_loads = {}, {}
+        try:
+            return self._schedule(now)
+        finally:
+            self._round_counts = self._round_loads = None
+
+    def _schedule(self, now: float) -> list[Decision]:
         decisions: list[Decision] = []
         for view in list(self.workers.values()):
             if now - view.last_report > self.config.worker_timeout_s:
@@ -332,6 +369,7 @@ class SchedulerPolicy:
 
     def _drop(self, view: WorkerView, reason: str) -> list[Decision]:
         del self.workers[view.worker_id]
+        self._forget_round(view.worker_id)
         self._prefetch_sent.pop(view.worker_id, None)
         self.planner.forget_worker(view.worker_id)
         self._zombies[view.worker_id] = view.report.instance
@@ -356,7 +394,8 @@ class SchedulerPolicy:
             self._no_worker_since = self._no_worker_since or now
             if now - self._no_worker_since >= self.config.worker_timeout_s:
                 for request in self.queue.values():
-                    decisions.append(Fail(request, "UNAVAILABLE", "no worker is available to serve the request"))
+                    message = "no worker is available to serve the request"
+                    decisions.append(Fail(request, "UNAVAILABLE", message, retry=True))  # its gateway waits for one
                 self.queue.clear()
         return decisions
 
@@ -378,6 +417,7 @@ class SchedulerPolicy:
             self.queue.remove(request.request_id)
             self.queue.taken(request)
             request.placed_at = now
+            self._round_assigned(worker, request)
             worker.assigned.add(request.request_id)
             self.placed[request.request_id] = (worker.worker_id, request)
             if request.adapter is not None:
@@ -417,8 +457,34 @@ class SchedulerPolicy:
 
     def _load(self, view: WorkerView) -> int:
         """Requests the worker holds: reported running/waiting plus assignments not yet reported."""
-        reported = set(view.report.running) | set(view.report.waiting)
-        return len(reported | view.assigned)
+        return self._counts(view)[0]
+
+    def _counts(self, view: WorkerView) -> tuple[int, int]:
+        """(requests held, KV pages reserved by unreported assignments). Within a round they are
+        computed once per worker, however many requests the round tries: a worker's lists can be
+        thousands long (bounded by the wire), and a round tries up to 64 requests on each worker."""
+        counts = self._round_counts.get(view.worker_id) if self._round_counts is not None else None
+        if counts is None:
+            requests = (self.placed[r][1] for r in view.unreported() if r in self.placed)
+            counts = view.held(), sum(self._kv_pages(view, r) for r in requests if r is not None)
+            if self._round_counts is not None:
+                self._round_counts[view.worker_id] = counts
+        return counts
+
+    def _round_assigned(self, view: WorkerView, request: QueuedRequest) -> None:
+        """Keep this round's cached view of `view` true after `request` is assigned to it."""
+        if self._round_counts is not None and view.worker_id in self._round_counts:
+            held, reserved = self._round_counts[view.worker_id]
+            self._round_counts[view.worker_id] = held + 1, reserved + self._kv_pages(view, request)
+        if self._round_loads is not None and view.worker_id in self._round_loads:
+            load = self._round_loads[view.worker_id]
+            self._round_loads[view.worker_id] = self.planner.with_request(load, request)
+
+    def _forget_round(self, worker_id: str) -> None:
+        """`worker_id` lost requests (or is gone): compute its view again when asked."""
+        for cache in (self._round_counts, self._round_loads):
+            if cache is not None:
+                cache.pop(worker_id, None)
 
     def _room_pages(self, view: WorkerView) -> int:
         """Pool pages still free for KV, counting what unreported assignments will take."""
@@ -427,10 +493,7 @@ class SchedulerPolicy:
 
     def _reserved_pages(self, view: WorkerView) -> int:
         """KV pages that assignments the worker has not reported yet will take."""
-        report = view.report
-        unreported = view.assigned - set(report.running) - set(report.waiting)
-        requests = (self.placed[r][1] for r in unreported if r in self.placed)
-        return sum(self._kv_pages(view, r) for r in requests if r is not None)
+        return self._counts(view)[1]
 
     def _placed_request(self, request_id: str) -> QueuedRequest | None:
         placed = self.placed.get(request_id)
@@ -452,7 +515,15 @@ class SchedulerPolicy:
     def _loads(self, now: float) -> list[WorkerLoad]:
         """The fresh workers as adaptive placement sees them."""
         workers = self._fresh_workers(now)
-        return [self.planner.load_of(w, self._placed_request, self._reserved_pages(w), now) for w in workers]
+        return [self._load_of(w, now) for w in workers]
+
+    def _load_of(self, view: WorkerView, now: float) -> WorkerLoad:
+        load = self._round_loads.get(view.worker_id) if self._round_loads is not None else None
+        if load is None:
+            load = self.planner.load_of(view, self._placed_request, self._reserved_pages(view), now)
+            if self._round_loads is not None:
+                self._round_loads[view.worker_id] = load
+        return load
 
     def _choose(self, request: QueuedRequest, now: float) -> WorkerView | None:
         if self.adaptive:
@@ -490,6 +561,7 @@ class SchedulerPolicy:
         for move in self.planner.migrations(loads, waiting, running, now):
             _, request = self.placed.pop(move.request_id)
             self.workers[move.source].assigned.discard(move.request_id)
+            self._forget_round(move.source)
             assert request is not None
             reason = f"migrated from overloaded worker {move.source} to idle worker {move.target}"
             decisions.append(Migrate(move.source, request, reason))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
+from loraserve.grpc_utils import RETRY_AFTER_KEY
 from loraserve.scheduler.loop import SchedulerLoop
+from loraserve.scheduler.quotas import QuotaExceededError
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -15,7 +19,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.loop = loop
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
-        position = self.loop.submit(request, context.invocation_metadata())
+        try:
+            position = self.loop.submit(request, context.invocation_metadata())
+        except QuotaExceededError as e:  # the gateway passes the hint on to its client
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(e.retry_after_s * 1000))),))
+            raise
         return scheduler_pb2.SubmitResponse(queue_position=position, instance=self.loop.instance)
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest, context: grpc.aio.ServicerContext):

@@ -42,6 +42,7 @@ def test_a_valid_file_parses_with_implied_scopes_and_quotas():
         (tenant("a", "k", '"generate", "root"'), "tenant 'a': scopes: unknown ['root']"),
         (tenant("a~b", "k"), "tenant 'a~b': name must be"),
         (tenant("a", "k", extra="max_concurrent = 0"), "tenant 'a': max_concurrent: must be a positive"),
+        (tenant("a", "k", extra="tokens_per_minute = 4294967296"), "tenant 'a': tokens_per_minute: must be a positive"),
         ('[[tenants]]\nname = "a"\nscopes = ["generate"]\n', "tenant 'a': api_key_sha256: required"),
         ("[server]\nport = 1\n", "unknown top-level key(s) ['server']"),
         ("[[tenants]\n", "not valid TOML"),
@@ -86,16 +87,8 @@ def test_a_tenant_reads_its_own_namespace_then_public_names_and_writes_only_its_
     assert owner_of("b~style") == "b" and owner_of("upper") == ""
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_max_concurrent_counts_slots_per_tenant():
-    quotas, limits = Quotas(Clock()), QuotaLimits(max_concurrent=2)
+    quotas, limits = Quotas(), QuotaLimits(max_concurrent=2)
     quotas.admit("a", limits)
     quotas.admit("a", limits)
     with pytest.raises(QuotaExceededError) as info:
@@ -105,28 +98,8 @@ def test_max_concurrent_counts_slots_per_tenant():
     quotas.release("a")
     quotas.admit("a", limits)
     assert quotas.in_flight("a") == 2
-
-
-def test_tokens_per_minute_is_a_bucket_that_refills_and_tells_when():
-    clock = Clock()
-    quotas, limits = Quotas(clock), QuotaLimits(tokens_per_minute=60)  # one token a second
-    quotas.admit("a", limits)
-    quotas.generated("a", limits, 65)  # a running generation is never cut off: 5 tokens of debt
-    quotas.release("a")
-    with pytest.raises(QuotaExceededError) as info:
-        quotas.admit("a", limits)
-    assert info.value.retry_after_s == pytest.approx(6.0)
-    quotas.admit("b", limits)  # b's bucket is its own
-    clock.now += 5.9
-    with pytest.raises(QuotaExceededError):
-        quotas.admit("a", limits)
-    clock.now += 0.2
-    quotas.admit("a", limits)
-    clock.now += 1000  # the bucket holds at most a minute's tokens
-    quotas.generated("a", limits, 60)
-    quotas.release("a")
-    with pytest.raises(QuotaExceededError):
-        quotas.admit("a", limits)
+    quotas.admit("c", QuotaLimits(tokens_per_minute=1))  # token quotas are the scheduler's (test_quotas_cluster.py)
+    quotas.admit("c", QuotaLimits(tokens_per_minute=1))
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Tenants end to end: a stack with an auth file, real processes, a real gRPC client.
 
 One stack serves the whole module. Tenants: `a` and `b` (own adapters), `viewer` (generate only),
-`ops` (admin), `q` (one generation at a time) and `t` (30 tokens a minute).
+`ops` (admin), `q` (one generation at a time) and `t` (30 tokens a minute, prompt and output).
 """
 
 from __future__ import annotations
@@ -230,15 +230,18 @@ def test_quota_overruns_are_resource_exhausted_and_leave_other_tenants_alone(sta
                 raise
             time.sleep(0.1)
 
-    greedy_40 = {
-        "text": "the quiet king",
-        "max_new_tokens": 40,
-        "sampling": common_pb2.SamplingParameters(ignore_eos=True),
-    }
-    assert generate(stack, "t", **greedy_40).usage.completion_tokens == 40  # a run is never cut off
-    over = error_of(lambda: generate(stack, "t", **GREEDY))
-    assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_per_minute" in over.details()
-    assert int(dict(over.trailing_metadata())["retry-after-ms"]) > 10_000  # 10 tokens of debt at 0.5 a second
+    # t's 30 tokens a minute: a request costs its prompt (4 tokens) + max_new_tokens, charged at admission.
+    ignore_eos = common_pb2.SamplingParameters(ignore_eos=True)
+    never = error_of(lambda: generate(stack, "t", text="the quiet king", max_new_tokens=40))  # 44 > 30
+    assert never.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "can never be admitted" in never.details()
+    assert "retry-after-ms" not in dict(never.trailing_metadata())  # waiting would not help
+    assert (
+        generate(stack, "t", text="the quiet king", max_new_tokens=20, sampling=ignore_eos).usage.completion_tokens
+        == 20
+    )
+    over = error_of(lambda: generate(stack, "t", **GREEDY))  # 16 more, 6 left
+    assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_per_minute = 30" in over.details()
+    assert int(dict(over.trailing_metadata())["retry-after-ms"]) > 5_000  # 10 tokens short at 0.5 a second
     assert generate(stack, "viewer", **GREEDY).usage.completion_tokens > 0
 
 

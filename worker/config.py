@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.errors import InvalidConfigError
+from loraserve.wire import MAX_BATCH
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -45,6 +46,8 @@ class EngineConfig:
         for name in ("max_batch_size", "max_batched_tokens", "max_lora_rank", "prefetch_depth"):
             if getattr(self, name) < 1:
                 bad(name, "must be >= 1")
+        if self.max_batch_size > MAX_BATCH:
+            bad("max_batch_size", f"must be at most {MAX_BATCH} (what the scheduler accepts in a report)")
         if self.rows_per_page < 2 or self.rows_per_page % 2:
             bad("rows_per_page", "must be an even number >= 2")
         if self.pool_pages is not None and self.pool_pages < 1:

@@ -14,6 +14,13 @@ before they touch anything; a bad one is logged (rate-limited) and dropped, and 
 sampling values SamplingParams refuses ends that request with INVALID_ARGUMENT. A gateway
 address that cannot be connected to loses that request's tokens, never the worker.
 
+A generation whose gateway is gone stops (`_GatewayWatch`): each gateway's PUSH socket is watched
+by a ZMQ socket monitor, and when its connection drops (the gateway died, was restarted, or the
+network broke: a PUSH socket never fails a send for that, it queues) every request streaming to it
+is aborted and handed back with UNAVAILABLE and `retry`. A gateway that is still alive receives that
+once it reconnects and fails the request over with the tokens it did receive; a dead one's
+generations no longer run on to `max_new_tokens`.
+
 Every ASSIGN is acknowledged to its gateway at once (an empty TOKENS message naming this worker),
 so the gateway knows the request left the scheduler. An ASSIGN may continue a request another
 worker started (`output_ids`: failover); the engine recomputes those tokens and goes on.
@@ -37,6 +44,7 @@ from dataclasses import dataclass, field
 
 import zmq
 from opentelemetry import trace
+from zmq.utils.monitor import recv_monitor_message
 
 from loraserve import telemetry
 from loraserve.adapter_store.client import AdapterFetcher
@@ -47,6 +55,7 @@ from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
 from loraserve.wire import (
+    MAX_RESIDENT,
     MAX_STEP_SAMPLES,
     AdapterKey,
     Assign,
@@ -122,6 +131,7 @@ class WorkerService:
             curve=config.curve_to("scheduler"),
         )
         self.gateways = PushSockets(self.ctx, curve=config.curve_to("gateway"))
+        self._gateway_watch = _GatewayWatch()
         self._dropped = RateLimitedLog(log)
         self.tracked: dict[str, _Tracked] = {}
         self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
@@ -153,6 +163,8 @@ class WorkerService:
                     self._start_draining()
                 busy = self.engine.has_unfinished()
                 self._drain_scheduler(block_s=0.0 if busy else min(0.05, self.config.report_interval_s))
+                for address in self._gateway_watch.disconnected():
+                    self._gateway_gone(address)
                 self._register_fetched()
                 self._expire_deadlines()
                 if self.engine.has_unfinished():
@@ -254,6 +266,20 @@ class WorkerService:
                 if request_id in waiting:
                     waiting.remove(request_id)
             self._end(request_id, error_status="CANCELLED", error=reason or "cancelled")
+
+    def _gateway_gone(self, address: str) -> None:
+        """The connection to the gateway at `address` dropped: stop its generations, hand them back."""
+        orphans = [rid for rid, tracked in self.tracked.items() if tracked.assign.reply_to == address]
+        for request_id in orphans:
+            if self.tracked[request_id].request is not None:
+                self.engine.abort(request_id)  # pages are freed at the next step; its output is not sent
+            for waiting in self.awaiting.values():
+                if request_id in waiting:
+                    waiting.remove(request_id)
+            error = f"the connection from worker {self.config.worker_id} to the gateway was lost"
+            self._end(request_id, error_status="UNAVAILABLE", error=error, retry=True)
+        if orphans:
+            self._dropped.warning(address, "disconnect", "gateway disconnected: stopped %d generations", len(orphans))
 
     def _on_cancel(self, cancel: Cancel) -> None:
         for request_id in cancel.request_ids:
@@ -377,7 +403,9 @@ class WorkerService:
     def _send(self, address: str, message: Tokens | StepTokens, going_on: Sequence[str] = ()) -> None:
         """Push to a gateway without waiting; if it cannot take it, abort the requests `going_on`."""
         try:
-            send(self.gateways.get(address), message, flags=zmq.NOBLOCK)
+            sock = self.gateways.get(address)
+            self._gateway_watch.watch(address, sock)
+            send(sock, message, flags=zmq.NOBLOCK)
         except (zmq.ZMQError, BadEndpointError) as e:  # gone, stuck or unreachable: stop spending compute on it
             self._dropped.warning(address, "tokens", "not taken (%s); aborting %d requests", e, len(going_on))
             for request_id in going_on:
@@ -442,7 +470,7 @@ class WorkerService:
             adapter_pages=pool.adapter_pages,
             running=[r.request_id for r in e.step_scheduler.running],
             waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
-            resident=[list(k) for k in e.pool.resident_adapters()],
+            resident=[list(k) for k in e.pool.resident_adapters()[-MAX_RESIDENT:]],  # the most recently used
             finished=self.finished_since_report,
             evictable_pages=e.pool.evictable_pages(),
             tokens_per_page=e.layout.tokens_per_page,
@@ -468,10 +496,50 @@ class WorkerService:
 
     def close(self) -> None:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._gateway_watch.close()
         self.scheduler_socket.close(linger=200)
         self.gateways.close(linger_ms=200)
         self.ctx.term()
         self.engine.close()
+
+
+class _GatewayWatch:
+    """Which gateways' connections dropped: a ZMQ monitor on each gateway PUSH socket.
+
+    `PushSockets` may close a socket (least recently used) and make a new one for the same address;
+    `watch` then moves the monitor to the new socket.
+    """
+
+    def __init__(self) -> None:
+        self._monitors: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # address -> (socket, its monitor)
+
+    def watch(self, address: str, sock: zmq.Socket) -> None:
+        known = self._monitors.get(address)
+        if known is not None and known[0] is sock:
+            return
+        if known is not None:
+            known[1].close(linger=0)
+        for other in [a for a, (watched, _) in self._monitors.items() if watched.closed]:
+            self._monitors.pop(other)[1].close(linger=0)
+        self._monitors[address] = (sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+
+    def disconnected(self) -> list[str]:
+        """Addresses whose connection dropped since the last call (never waits)."""
+        gone = []
+        for address, (sock, monitor) in self._monitors.items():
+            while not sock.closed:  # a socket PushSockets closed itself says nothing about its gateway
+                try:
+                    event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED and address not in gone:
+                    gone.append(address)
+        return gone
+
+    def close(self) -> None:
+        for _, monitor in self._monitors.values():
+            monitor.close(linger=0)
+        self._monitors.clear()
 
 
 def _sampling(fields: dict) -> SamplingParams:
