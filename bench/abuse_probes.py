@@ -26,6 +26,7 @@ from pathlib import Path
 
 from loraserve.client import ApiError, Client
 from loraserve.client.retry import NO_RETRY
+from loraserve.demo.assets import DEMO_MODEL_DIR
 
 ROLES = ("adapter-store", "scheduler", "worker", "gateway")
 
@@ -129,9 +130,17 @@ class Outcome:
 class Traffic:
     """`threads` callers in a loop, each call with a deadline and no client-side retry."""
 
-    def __init__(self, grpc_address: str, http_address: str, api_key: str, adapters: list[str], threads: int = 2):
+    def __init__(
+        self,
+        grpc_address: str,
+        http_address: str,
+        api_key: str,
+        adapters: list[str],
+        base_model: str = DEMO_MODEL_DIR.name,
+        threads: int = 2,
+    ):
         self.grpc_address, self.http_address, self.api_key = grpc_address, http_address, api_key
-        self.adapters = adapters
+        self.adapters, self.base_model = adapters, base_model
         self.threads = threads
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
@@ -182,7 +191,7 @@ class Traffic:
 
     def _http(self, client: Client, adapter: str) -> str:
         host, port = self.http_address.rsplit(":", 1)
-        body = json.dumps({"model": adapter or "demo", "prompt": "the quiet king", "max_tokens": 8})
+        body = json.dumps({"model": adapter or self.base_model, "prompt": "the quiet king", "max_tokens": 8})
         connection = http.client.HTTPConnection(host, int(port), timeout=15)
         try:
             connection.request(
