@@ -33,6 +33,7 @@ from loraserve.gateway.audit import audited
 from loraserve.gateway.auth import Authenticator
 from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.failover import FailoverConfig
+from loraserve.gateway.http.connections import ConnectionLimits
 from loraserve.gateway.service import GatewayConfig, LoraServeService
 from loraserve.gateway.tenants import load_auth_file
 from loraserve.gateway.tls import add_tls_arguments, load_server_tls
@@ -63,6 +64,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http-bind",
         default=None,
         help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000); unset: off",
+    )
+    http = ConnectionLimits()
+    parser.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=http.max_connections,
+        help="open HTTP connections at most; one more is answered 503 and closed",
+    )
+    parser.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=http.header_timeout_s,
+        help="seconds an HTTP client has to send a whole request head (else 408, closed)",
+    )
+    parser.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=http.body_timeout_s,
+        help="seconds an HTTP client has to send a whole request body after its head (else 408, closed)",
+    )
+    parser.add_argument(
+        "--http-keep-alive",
+        type=float,
+        default=http.keep_alive_s,
+        help="seconds an idle HTTP keep-alive connection is kept open",
     )
     add_auth_arguments(parser)
     add_tls_arguments(parser)
@@ -238,7 +264,12 @@ def _http_server(args: argparse.Namespace, service: LoraServeService, tls):
     """The OpenAI-compatible HTTP API on --http-bind (imported only then: FastAPI is not light)."""
     from loraserve.gateway.http.server import HttpServer
 
-    http = HttpServer(service, args.model, args.http_bind, args.tls_cert, args.tls_key, args.tls_client_ca)
+    limits = ConnectionLimits(
+        args.http_max_connections, args.http_header_timeout, args.http_body_timeout, args.http_keep_alive
+    )
+    http = HttpServer(
+        service, args.model, args.http_bind, args.tls_cert, args.tls_key, args.tls_client_ca, limits=limits
+    )
     security = "HTTP" if tls is None else "HTTPS, mutual TLS" if tls.mutual else "HTTPS"
     log.info("gateway: OpenAI-compatible API (%s) on %s (port %d)", security, args.http_bind, http.port)
     return http

@@ -35,6 +35,14 @@ REQUEST_DURATION = Histogram(
 PROMPT_TOKENS = Counter("loraserve_gateway_prompt_tokens", "Prompt tokens of completed requests")
 OUTPUT_TOKENS = Counter("loraserve_gateway_output_tokens", "Tokens generated for completed requests")
 FAILOVERS = Counter("loraserve_gateway_failovers", "Times a request lost its worker and was continued on another one")
+HTTP_CONNECTIONS_REFUSED = Counter(
+    "loraserve_gateway_http_connections_refused", "HTTP connections closed at once: --http-max-connections were open"
+)
+HTTP_CONNECTIONS_TIMED_OUT = Counter(
+    "loraserve_gateway_http_connections_timed_out",
+    "HTTP connections closed because the client was too slow to send a request head or body",
+    ["waiting_for"],
+)
 
 
 def outcome(error: BaseException) -> str:

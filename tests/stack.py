@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -17,7 +24,7 @@ from loraserve.launcher import LocalStack as _LocalStack
 from loraserve.launcher import free_port_block
 from loraserve.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["Collector", "LocalStack", "free_port_block"]
+__all__ = ["Collector", "LocalStack", "LoneGateway", "free_port_block", "lone_gateway"]
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -109,3 +116,39 @@ def scrape_metrics(port: int) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+@dataclass
+class LoneGateway:
+    process: subprocess.Popen
+    http_port: int
+    key: str  # the one tenant's API key (scope generate)
+
+
+@contextlib.contextmanager
+def lone_gateway(home: Path, *flags: str, key: str = "key-of-a-0123456789") -> Iterator[LoneGateway]:
+    """A real gateway process with the HTTP API and an auth file (one tenant, `key`), alone: no
+    scheduler or store behind it, so it answers what it decides by itself (auth, limits, refusals)."""
+    auth = home / "auth.toml"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    auth.write_text(f'[[tenants]]\nname = "a"\napi_key_sha256 = ["{digest}"]\nscopes = ["generate"]\n')
+    base = free_port_block(5)
+    command = [sys.executable, "-m", "loraserve.cli", "gateway", "--bind", f"127.0.0.1:{base}"]
+    command += ["--scheduler", f"127.0.0.1:{base + 1}", "--store", f"127.0.0.1:{base + 2}"]
+    command += ["--token-address", f"tcp://127.0.0.1:{base + 3}", "--http-bind", f"127.0.0.1:{base + 4}"]
+    command += ["--auth-file", str(auth), "--scheduler-grace", "0.5", *flags]
+    log = home / "gateway.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", base + 4), timeout=1):
+                break
+            assert process.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the gateway's HTTP port did not open"
+            time.sleep(0.1)
+        yield LoneGateway(process, base + 4, key)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

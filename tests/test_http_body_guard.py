@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import pytest
-from stack import free_port_block
+from stack import LoneGateway, lone_gateway
 
 from loraserve.errors import UnauthenticatedError
 from loraserve.gateway.http.body_guard import BodyGuard
@@ -42,42 +38,10 @@ ANSWER_WITHIN_S = 5.0
 PIECE = b"x" * (1 << 20)  # what the client sends, over and over
 
 
-@dataclass
-class Gateway:
-    process: subprocess.Popen
-    port: int
-
-
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory) -> Iterator[Gateway]:
-    home = tmp_path_factory.mktemp("guard")
-    auth = home / "auth.toml"
-    digest = hashlib.sha256(KEY.encode()).hexdigest()
-    auth.write_text(f'[[tenants]]\nname = "a"\napi_key_sha256 = ["{digest}"]\nscopes = ["generate"]\n')
-    base = free_port_block(5)
-    command = [sys.executable, "-m", "loraserve.cli", "gateway", "--bind", f"127.0.0.1:{base}"]
-    command += ["--scheduler", f"127.0.0.1:{base + 1}", "--store", f"127.0.0.1:{base + 2}"]
-    command += ["--token-address", f"tcp://127.0.0.1:{base + 3}", "--http-bind", f"127.0.0.1:{base + 4}"]
-    command += ["--auth-file", str(auth), "--scheduler-grace", "0.5"]
-    log = home / "gateway.log"
-    with log.open("w") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    try:
-        _wait_listening(process, base + 4, log)
-        yield Gateway(process, base + 4)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def _wait_listening(process: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        assert process.poll() is None, log.read_text()[-2000:]
-        assert time.monotonic() < deadline, "the gateway's HTTP port did not open"
-        time.sleep(0.1)
+def gateway(tmp_path_factory) -> Iterator[LoneGateway]:
+    with lone_gateway(tmp_path_factory.mktemp("guard"), key=KEY) as started:
+        yield started
 
 
 class PeakRss:
@@ -182,7 +146,7 @@ def _whole(received: bytes) -> bool:
 @pytest.mark.parametrize("key", [None, "not-a-key"], ids=["no-key", "unknown-key"])
 def test_a_2gib_body_without_a_valid_key_is_refused_401_before_it_is_read(gateway, key, chunked):
     with PeakRss(gateway.process.pid) as rss:
-        answer = upload(gateway.port, key, chunked)
+        answer = upload(gateway.http_port, key, chunked)
     assert answer.status == 401 and answer.body["error"]["type"] == "authentication_error", answer
     assert answer.seconds < ANSWER_WITHIN_S, answer
     assert answer.sent < BODY_BYTES // 8, answer  # the client was cut off long before the end
@@ -193,7 +157,7 @@ def test_a_2gib_body_without_a_valid_key_is_refused_401_before_it_is_read(gatewa
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_a_2gib_body_with_a_valid_key_is_refused_413_early(gateway, chunked):
     with PeakRss(gateway.process.pid) as rss:
-        answer = upload(gateway.port, KEY, chunked)
+        answer = upload(gateway.http_port, KEY, chunked)
     assert answer.status == 413 and str(CAP) in answer.body["error"]["message"], answer
     assert answer.seconds < ANSWER_WITHIN_S, answer
     assert answer.sent < BODY_BYTES // 8, answer
@@ -204,7 +168,7 @@ def test_bodies_within_the_cap_still_reach_the_routes(gateway):
     """The control: a key and a body under the cap, announced or chunked, are read and validated (a JSON
     body of `CAP - 1` bytes is not valid JSON, so 400 from the routes, not 413 from the guard)."""
     for chunked in (False, True):
-        answer = upload(gateway.port, KEY, chunked, total=CAP - len(PIECE) // 2)
+        answer = upload(gateway.http_port, KEY, chunked, total=CAP - len(PIECE) // 2)
         assert answer.status == 400 and answer.body["error"]["param"] == "body", answer
 
 

@@ -4,7 +4,8 @@ The socket is bound here, before anything runs, so a busy or bad `--http-bind` s
 with one line naming the flag (uvicorn itself would call `sys.exit` from inside a task). uvicorn
 leaves the process's signals alone: SIGTERM drains the whole gateway (`gateway/main.py`), and HTTP
 calls get 503 while it drains, as gRPC calls get UNAVAILABLE. `--tls-cert`/`--tls-key` (and
-`--tls-client-ca`) serve HTTPS (mutual TLS) with the same files as the gRPC port.
+`--tls-client-ca`) serve HTTPS (mutual TLS) with the same files as the gRPC port. Connections
+are bounded in number and in how long a client may take to send a request (`connections.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import uvicorn
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http.app import build_app
+from loraserve.gateway.http.connections import ConnectionLimits, ensure_descriptors, guarded_protocol
 from loraserve.gateway.service import LoraServeService
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,10 @@ class HttpServer:
         tls_cert: Path | None = None,
         tls_key: Path | None = None,
         tls_client_ca: Path | None = None,
+        limits: ConnectionLimits | None = None,
     ):
+        limits = limits or ConnectionLimits()
+        ensure_descriptors(limits)
         chat_template = ChatTemplate.from_model_dir(model_dir)
         if chat_template is None:
             log.warning("gateway: %s has no chat template: /v1/chat/completions answers 400", model_dir)
@@ -58,7 +63,15 @@ class HttpServer:
             if tls_client_ca is not None:
                 tls |= {"ssl_ca_certs": str(tls_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, server_header=False, ws="none", **tls
+            app,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            ws="none",
+            http=guarded_protocol(limits),
+            timeout_keep_alive=limits.keep_alive_s,
+            **tls,
         )
         self._server = _Server(config)
 

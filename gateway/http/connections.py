@@ -1,0 +1,152 @@
+"""How many HTTP connections the gateway holds, and how long a client may take to send a request.
+
+uvicorn alone accepts every connection and waits forever for a request head or body, so idle or
+trickling clients with no key can hold sockets until the process runs out of file descriptors and
+fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with three bounds:
+
+- **a connection limit**: a connection accepted beyond `max_connections` open ones is answered
+  `503` and closed at once, so the gateway's descriptors stay bounded whatever clients do;
+- **a request-head deadline**: from the moment a connection is ready for a request (accepted, or
+  its previous response sent) the whole head must arrive within `header_timeout_s`, however it is
+  trickled (uvicorn's keep-alive timer restarts on every byte);
+- **a request-body deadline**: once the head is in, the whole body must arrive within
+  `body_timeout_s`.
+
+A client that misses a deadline gets `408` (when no response has begun) and the connection is
+closed. While the gateway answers (a generation, a stream) no deadline runs: the client owes
+nothing then. Idle keep-alive connections are closed after `keep_alive_s` by uvicorn itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from loraserve.errors import InvalidConfigError
+from loraserve.gateway import metrics
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\nretry-after: 1\r\n\r\n"
+_TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int = 2048  # open HTTP connections; more are answered 503 and closed
+    header_timeout_s: float = 10.0  # to send a whole request head, from connect or the previous response
+    body_timeout_s: float = 60.0  # to send a whole request body, from the end of its head
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise InvalidConfigError(f"--http-max-connections must be at least 1, not {self.max_connections}")
+        for flag, value in (
+            ("--http-header-timeout", self.header_timeout_s),
+            ("--http-body-timeout", self.body_timeout_s),
+            ("--http-keep-alive", self.keep_alive_s),
+        ):
+            if not 0 < value < float("inf"):
+                raise InvalidConfigError(f"{flag} must be a positive number of seconds, not {value}")
+
+
+DESCRIPTOR_HEADROOM = 512  # the gateway's other descriptors: gRPC, ZMQ, logs, the model files
+
+
+def ensure_descriptors(limits: ConnectionLimits) -> None:
+    """Raise the process's open-file limit to what `limits.max_connections` needs, if the hard limit
+    allows; otherwise say at start that the connection limit cannot protect the gateway."""
+    needed = limits.max_connections + DESCRIPTOR_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = raised
+    if soft < needed:
+        log.warning(
+            "gateway: --http-max-connections %d needs %d open files, but the limit is %d: lower "
+            "--http-max-connections or raise the limit (ulimit -n)",
+            limits.max_connections,
+            needed,
+            soft,
+        )
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with `limits` (pass it as `uvicorn.Config(http=...)`)."""
+    import h11  # here: the gateway imports this module whether or not it serves HTTP
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _limits = limits
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._refused = len(self.connections) >= self._limits.max_connections
+            self._deadline: asyncio.TimerHandle | None = None
+            self._owed: str | None = None  # what the client owes now: "head", "body" or nothing
+            if self._refused:
+                metrics.HTTP_CONNECTIONS_REFUSED.inc()
+                transport.write(_BUSY)
+                transport.close()
+                return
+            super().connection_made(transport)
+            self._track()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            self._set_deadline(None)
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            self._track()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._track()
+
+        def _track(self) -> None:
+            """Arm the deadline for what the client owes in the connection's present state."""
+            if self.transport.is_closing():
+                owed = None
+            elif self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+                owed = "head"
+            elif self.conn.their_state is h11.SEND_BODY:
+                owed = "body"
+            else:
+                owed = None
+            self._set_deadline(owed)
+
+        def _set_deadline(self, owed: str | None) -> None:
+            if owed == self._owed:
+                return  # a deadline runs from when the debt began, not from the last byte
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            self._owed = owed
+            if owed is not None:
+                seconds = self._limits.header_timeout_s if owed == "head" else self._limits.body_timeout_s
+                self._deadline = self.loop.call_later(seconds, self._too_slow, owed)
+
+        def _too_slow(self, owed: str) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            metrics.HTTP_CONNECTIONS_TIMED_OUT.labels(owed).inc()
+            if self.conn.our_state is h11.IDLE:  # no response begun: say why
+                self.transport.write(_TOO_SLOW)
+            self.transport.close()
+
+    return GuardedH11Protocol
