@@ -31,11 +31,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 * 2**20
+KEEPALIVE_TIME_MS = 20_000  # how often a connection with nothing to send pings its peer
+MIN_PING_INTERVAL_MS = 1_000  # servers accept a client's pings this often, calls or not
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.enable_retries", 0),
+]
+# Servers must accept the pings clients send, or they answer GOAWAY "too_many_pings" and every call
+# on the connection fails UNAVAILABLE. gRPC's default server policy allows one ping per 5 minutes
+# without data, far below the 20 s keepalive of the roles' channels (and of many public clients).
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),  # finds clients that vanished
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
 ]
 
 
@@ -254,7 +266,7 @@ def new_server(
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the error interceptor, listening on `bind` (TLS with `credentials`,
     else plaintext); returns (server, port)."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(), *(interceptors or [])], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(), *(interceptors or [])], options=SERVER_OPTIONS)
     port = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
     if port == 0:
         raise errors.UnavailableError(f"cannot listen on {bind} (address in use?)")
