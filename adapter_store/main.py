@@ -37,7 +37,7 @@ from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
 from loraserve.grpc_token import server_interceptors
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
-from loraserve.internal_auth import add_internal_keys_argument, load_optional
+from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.model_config import ModelConfig
 from loraserve.process import run_service
@@ -124,6 +124,8 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         budget_bytes=int(args.memory_budget_gb * GIB),
         retention_s=args.retention_s,
     )
+    keys = load_optional(args.internal_keys, "store")
+    check_open_planes("store", keys, [args.bind, args.data_address], args.insecure_no_internal_auth)
     return StoreConfig(
         model_dir=Path(args.model),
         limits=limits,
@@ -132,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         adapter_root=args.adapter_root,
         preload=tuple(preload),
         persistence=persistence_from_args(args),
-        keys=load_optional(args.internal_keys, "store"),
+        keys=keys,
     )
 
 

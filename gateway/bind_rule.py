@@ -7,21 +7,10 @@ needs `--auth-file`, or `--insecure-no-auth` to say that someone else guards the
 
 from __future__ import annotations
 
-import ipaddress
-
+from loraserve.endpoints import is_loopback
 from loraserve.errors import InvalidConfigError
 
-
-def is_loopback(bind: str) -> bool:
-    """Whether a gRPC bind address (`host:port`, `[v6]:port`, `localhost:port`) is loopback only."""
-    host = bind.rsplit(":", 1)[0] if ":" in bind else bind
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name, "", "0.0.0.0" or "[::]" all reach beyond this machine
+__all__ = ["check_bind", "is_loopback"]
 
 
 def check_bind(bind: str, auth_file: object | None, insecure_no_auth: bool) -> None:

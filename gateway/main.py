@@ -40,7 +40,7 @@ from loraserve.gateway.tls import add_tls_arguments, load_server_tls
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
-from loraserve.internal_auth import add_internal_keys_argument, load_optional
+from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.model_config import ModelConfig
 from loraserve.process import add_drain_argument, run_service
@@ -219,6 +219,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         default_max_new_tokens=args.default_max_new_tokens,
     )
     keys = load_optional(args.internal_keys, "gateway")
+    check_open_planes("gateway", keys, [args.token_address], args.insecure_no_internal_auth)
     token = keys.token if keys is not None else None
     sink = TokenSink(args.token_address, keys)
     if args.token_advertise:

@@ -11,6 +11,7 @@ where the caller says so, since it is meaningless across processes.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 MAX_ENDPOINT_LEN = 512
@@ -52,3 +53,20 @@ def _check_tcp(address: str) -> None:
 def _check_path(address: str, path: str, limit: int) -> None:
     if not path or len(path.encode()) > limit or not _PRINTABLE.fullmatch(path):
         raise BadEndpointError(f"{address[:64]!r}: the path must be 1-{limit} printable ASCII bytes")
+
+
+def is_loopback(bind: str) -> bool:
+    """Whether a listening address reaches this machine only: a gRPC bind (`host:port`, `[v6]:port`,
+    `localhost:port`) or a ZMQ one (`tcp://HOST:PORT`; `ipc://` and `inproc://` are local by nature).
+    A host name, `*`, `0.0.0.0` or `[::]` reach beyond it."""
+    if bind.startswith(("ipc://", "inproc://")):
+        return True
+    bind = bind.removeprefix("tcp://")
+    host = bind.rsplit(":", 1)[0] if ":" in bind else bind
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

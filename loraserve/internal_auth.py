@@ -25,6 +25,7 @@ gRPC (`loraserve/grpc_token.py`): the scheduler's and the store's ports require 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -34,7 +35,10 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from loraserve.endpoints import is_loopback
 from loraserve.errors import InvalidConfigError
+
+log = logging.getLogger(__name__)
 
 ROLES = ("gateway", "scheduler", "store", "worker")
 # The roles allowed to connect to each role's bound ZMQ socket.
@@ -160,4 +164,33 @@ def add_internal_keys_argument(parser) -> None:
         help="directory of the stack's internal keys (CURVE key pairs, internal gRPC token): only the stack's "
         "own roles may then use the internal ports. Without it the internal planes are unauthenticated "
         "(keep them on loopback). 'loraserve up' makes one; 'loraserve keys internal' makes one to copy",
+    )
+    parser.add_argument(
+        "--insecure-no-internal-auth",
+        action="store_true",
+        help="serve internal ports beyond loopback without --internal-keys (anyone who reaches them could act "
+        "as any role): only where something else guards the network",
+    )
+
+
+def check_open_planes(role: str, keys: InternalKeys | None, binds: list[str], insecure: bool) -> None:
+    """Without internal keys a role's internal ports are open to whoever reaches them: refuse to
+    start (InvalidConfigError) when one of `binds` reaches beyond loopback, unless `insecure`; say so
+    in a WARNING in every case."""
+    if keys is not None:
+        return
+    public = [bind for bind in binds if not is_loopback(bind)]
+    if public and not insecure:
+        raise InvalidConfigError(
+            f"refusing to serve the {role}'s internal ports {', '.join(public)} without authentication: anyone "
+            "who reaches them could register a fake worker, read prompts, submit requests or fetch and delete "
+            "adapters. Give --internal-keys DIR (made by 'loraserve keys internal'), bind 127.0.0.1, or pass "
+            "--insecure-no-internal-auth if something else guards this network"
+        )
+    where = ", ".join(binds) if binds else "its connections to the other roles"
+    log.warning(
+        "%s: no --internal-keys: %s are unauthenticated; every local user (or, beyond loopback, every host "
+        "that reaches them) can act as any role",
+        role,
+        where,
     )

@@ -8,7 +8,7 @@ import logging
 from loraserve import telemetry
 from loraserve.grpc_token import server_interceptors
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
-from loraserve.internal_auth import add_internal_keys_argument, load_optional
+from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.process import run_service
 from loraserve.scheduler.loop import SchedulerLoop
@@ -57,6 +57,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     )
     policy = SchedulerPolicy(config)
     keys = load_optional(args.internal_keys, "scheduler")
+    check_open_planes("scheduler", keys, [args.bind, args.worker_address], args.insecure_no_internal_auth)
     loop = SchedulerLoop(policy, args.worker_address, keys=keys)
     server, _ = new_server(args.bind, interceptors=server_interceptors(keys.token if keys else None))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop), server)

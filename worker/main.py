@@ -9,7 +9,7 @@ import socket
 import threading
 
 from loraserve import telemetry
-from loraserve.internal_auth import add_internal_keys_argument, load_optional
+from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
 from loraserve.metrics import add_metrics_arguments
 from loraserve.process import add_drain_argument, run_service
 from loraserve.supervise import RoleFailed
@@ -54,6 +54,8 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    keys = load_optional(args.internal_keys, "worker")
+    check_open_planes("worker", keys, [], args.insecure_no_internal_auth)  # it listens nowhere: a warning
     config = WorkerConfig(
         worker_id=worker_id,
         scheduler_address=args.scheduler_address,
@@ -61,7 +63,7 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
         report_interval_s=args.report_interval,
         drain_timeout_s=args.drain_timeout,
         fetch_timeout_s=args.fetch_timeout,
-        keys=load_optional(args.internal_keys, "worker"),
+        keys=keys,
     )
     service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
     if args.metrics_port:
