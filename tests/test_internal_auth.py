@@ -171,15 +171,19 @@ def test_adapter_bytes_go_to_workers_only(stack):
 
 def test_tokens_never_reach_a_reply_to_that_is_not_a_gateway(stack):
     """Even a caller holding the internal token cannot have tokens streamed to its own socket: a
-    worker pushes only to a peer that proves it holds the gateway's secret key."""
+    worker pushes only to a peer that proves it holds the gateway's secret key. The control: the same
+    Submit to a socket that does hold it (as a gateway's sink) gets the tokens."""
     ctx = zmq.Context()
+    gateway = internal_auth.load(stack.internal_keys, "gateway")
+    auth = gateway.authenticator(ctx)  # admits the worker's key, as the gateway's sink does
     plain = make_socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:*")
     public, secret = zmq.curve_keypair()
     impostor = make_socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:*", curve=Curve(public, secret, domain="x"))
+    legitimate = make_socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:*", curve=gateway.server())
     try:
         with grpc.insecure_channel(stack.ports.scheduler) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            for i, sink in enumerate((plain, impostor)):
+            for i, sink in enumerate((plain, impostor, legitimate)):
                 submit = scheduler_pb2.SubmitRequest(
                     request_id=f"redirected-{i}",
                     prompt_ids=[5, 6, 7],
@@ -188,12 +192,15 @@ def test_tokens_never_reach_a_reply_to_that_is_not_a_gateway(stack):
                 )
                 stub.Submit(submit, timeout=5, metadata=stack.internal_metadata)
         _serves_as_before(stack, 3)
+        assert legitimate.poll(30_000), "the control got no tokens: the path under test delivers nothing at all"
+        assert decode(legitimate.recv_multipart()).request_id == "redirected-2"
         for sink in (plain, impostor):
             if sink.poll(1000):
                 raise AssertionError(f"tokens reached a stranger's socket: {decode(sink.recv_multipart())}")
     finally:
-        plain.close(linger=0)
-        impostor.close(linger=0)
+        for sink in (plain, impostor, legitimate):
+            sink.close(linger=0)
+        auth.stop()
         ctx.term()
 
 
