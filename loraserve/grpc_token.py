@@ -36,6 +36,15 @@ async def _refuse(request, context) -> None:
     )
 
 
+async def _refuse_stream(requests, context) -> None:
+    """Refuse a client-streaming call the way every refusal mid-upload is made (`refuse_stream`: say
+    so first, let the client stop writing), so the caller sees UNAUTHENTICATED and not a write race."""
+    from loraserve.grpc_utils import refuse_stream  # here: grpc_utils imports this module
+
+    await refuse_stream(requests, context)
+    await _refuse(None, context)
+
+
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that refuses the call."""
     args = (handler.request_deserializer, handler.response_serializer)
@@ -44,8 +53,8 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(_refuse, *args)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_refuse, *args)
-    return grpc.stream_stream_rpc_method_handler(_refuse, *args)
+        return grpc.stream_unary_rpc_method_handler(_refuse_stream, *args)
+    return grpc.stream_stream_rpc_method_handler(_refuse_stream, *args)
 
 
 def server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
