@@ -173,14 +173,14 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         request_id = uuid.uuid4().hex
         parent = telemetry.context_from(metadata)
-        with telemetry.tracer().start_as_current_span(
-            "gateway.generate", context=parent, kind=trace.SpanKind.SERVER
-        ) as span:
+        span = telemetry.tracer().start_span("gateway.generate", context=parent, kind=trace.SpanKind.SERVER)
+        try:  # the span is made current step by step (`current_while_producing`), never across a yield
             span.set_attribute("loraserve.request_id", request_id)
             span.set_attribute("loraserve.tenant", principal.tenant)
             if request.client_request_id:
                 span.set_attribute("loraserve.client_request_id", request.client_request_id[:128])
-            valid, prompt_ids, version = await self._prepare(request, principal)
+            with trace.use_span(span, end_on_exit=False):
+                valid, prompt_ids, version = await self._prepare(request, principal)
             span.set_attribute("loraserve.adapter", valid.adapter or "")
 
             tenant = fairness_tenant(principal.tenant, self.auth.open, metadata)
@@ -194,8 +194,9 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             stream = FailoverStream(request_id, self.sink, submit, self._cancel_downstream, self.config.failover)
             self.streams.add(stream)
             finished = False
+            events = self._stream(request_id, valid, prompt_ids, stream, arrival, version)
             try:
-                async for event in self._stream(request_id, valid, prompt_ids, stream, arrival, version):
+                async for event in telemetry.current_while_producing(span, events):
                     if event.HasField("summary"):
                         finished = True
                     yield event
@@ -207,6 +208,8 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                 span.set_attribute("loraserve.failovers", stream.failovers)
                 if not finished:
                     self._cancel_downstream(stream.attempt_id, "the gateway stopped reading")
+        finally:
+            span.end()
 
     async def _prepare(self, request, principal: Principal) -> tuple[ValidRequest, list[int], AdapterVersion]:
         tracer = telemetry.tracer()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -19,6 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXPORTERS = ("none", "console", "otlp")
 _provider: TracerProvider | None = None
@@ -82,3 +84,19 @@ def context_from(source: Mapping[str, str] | Iterable[tuple[str, str]] | None) -
     if not isinstance(source, Mapping):
         source = {k: v for k, v in source if isinstance(v, str)}
     return extract(dict(source))
+
+
+async def current_while_producing(span: trace.Span, items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Yield what `items` yields, with `span` current while each item is produced.
+
+    A span made current across a generator's `yield` is detached wherever the generator is closed,
+    and a client that cancels a stream closes it in another context ("Failed to detach context").
+    Here the span is attached and detached within each step, never across a `yield`."""
+    iterator = aiter(items)
+    while True:
+        with trace.use_span(span, end_on_exit=False):
+            try:
+                item = await anext(iterator)
+            except StopAsyncIteration:
+                return
+        yield item
