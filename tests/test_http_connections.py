@@ -7,16 +7,20 @@ Without the limits, uvicorn kept every connection open for as long as its client
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import resource
+import selectors
 import socket
+import ssl
 import time
 import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from certs import CertificateAuthority
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import LoneGateway, lone_gateway
 
@@ -77,38 +81,93 @@ def _fds(pid: int) -> int:
 
 
 def test_connections_beyond_the_limit_are_answered_503_and_closed_at_once(gateway):
+    time.sleep(0.2)  # what earlier tests opened is closed
+    before = _fds(gateway.process.pid)
     held = _open(gateway.http_port, MAX_CONNECTIONS)
+    extra: list[socket.socket] = []
     try:
         time.sleep(0.2)  # the gateway has accepted them all
-        extra = _open(gateway.http_port, 20)
-        answers = [_closed_by_server(sock, within_s=0.5) for sock in extra]
+        extra = _open(gateway.http_port, 5 * MAX_CONNECTIONS)
+        answers = _answers(extra, within_s=2.0)
         assert all(a is not None and a.startswith(b"HTTP/1.1 503") for a in answers), answers
-        assert _fds(gateway.process.pid) < 200
+        assert _fds(gateway.process.pid) <= before + MAX_CONNECTIONS + 5
     finally:
         for sock in held + extra:
             sock.close()
 
 
-def test_idle_and_trickling_clients_are_cut_off_at_their_deadline(gateway):
+def _answers(socks: list[socket.socket], within_s: float) -> list[bytes | None]:
+    """What the server sent on each of `socks` before closing it, or None where it is still open
+    after `within_s` (one deadline for all)."""
+    received: dict[socket.socket, bytes] = {sock: b"" for sock in socks}
+    open_ = set(socks)
+    deadline = time.monotonic() + within_s
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ)
+        while open_ and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                sock = key.fileobj
+                try:
+                    chunk = sock.recv(4096)
+                except ConnectionResetError:
+                    chunk = b""
+                received[sock] += chunk
+                if not chunk:
+                    open_.discard(sock)
+                    selector.unregister(sock)
+    return [None if sock in open_ else received[sock] for sock in socks]
+
+
+def test_idle_trickling_and_kept_alive_clients_are_cut_off_at_their_deadline(gateway):
     idle = _open(gateway.http_port, 5)
     head = _open(gateway.http_port, 5)
     body = _open(gateway.http_port, 5)
-    started = time.monotonic()
+    kept = _open(gateway.http_port, 5)
     for sock in body:  # a whole head announcing a body that never comes whole
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            + f"authorization: Bearer {gateway.key}\r\ncontent-length: 100\r\n\r\n{{".encode()
-        )
-    for _ in range(int(3 * DEADLINE_S / 0.2)):  # a byte of head every 0.2 s, on each
-        for sock in head + body:
+        sock.sendall(_head(gateway, "POST", length=100) + b"{")
+    for sock in kept:  # one whole request answered (400: no `model`), then nothing: an idle keep-alive
+        sock.sendall(_head(gateway, "POST", length=2) + b"{}")
+    started = time.monotonic()
+    closed: dict[socket.socket, float] = {}
+    answers: dict[socket.socket, bytes] = {sock: b"" for sock in idle + head + body + kept}
+    while len(closed) < len(answers) and time.monotonic() < started + 3 * DEADLINE_S:
+        for sock in head + body:  # a byte every 0.1 s: each keeps uvicorn's own keep-alive timer at bay
             with contextlib.suppress(OSError):
                 sock.send(b"x" if sock in head else b" ")
-        time.sleep(0.2)
+        for sock, chunk in _readable(set(answers) - set(closed), within_s=0.1).items():
+            answers[sock] += chunk
+            if not chunk:
+                closed[sock] = time.monotonic() - started
+    assert len(closed) == len(answers), f"{len(answers) - len(closed)} still open after {3 * DEADLINE_S} s"
+    assert all(0.8 * DEADLINE_S <= t <= DEADLINE_S + 1.0 for t in closed.values()), sorted(closed.values())
     for sock in idle + head + body:
-        answer = _closed_by_server(sock, within_s=0.5)
-        assert answer is not None, f"still open {time.monotonic() - started:.1f} s after connecting"
-        assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer
+        assert answers[sock] == b"" or answers[sock].startswith(b"HTTP/1.1 408"), answers[sock]
+    for sock in kept:
+        assert answers[sock].startswith(b"HTTP/1.1 400") and b"408" not in answers[sock], answers[sock]
+    for sock in answers:
         sock.close()
+
+
+def _head(gateway: LoneGateway, method: str, length: int) -> bytes:
+    return (
+        f"{method} /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {gateway.key}\r\ncontent-length: {length}\r\n\r\n"
+    ).encode()
+
+
+def _readable(socks: set[socket.socket], within_s: float) -> dict[socket.socket, bytes]:
+    """What each readable one of `socks` has to read within `within_s` (b"": closed by the server)."""
+    ready: dict[socket.socket, bytes] = {}
+    with selectors.DefaultSelector() as selector:
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ)
+        for key, _ in selector.select(within_s):
+            try:
+                ready[key.fileobj] = key.fileobj.recv(4096)
+            except ConnectionResetError:
+                ready[key.fileobj] = b""
+    return ready
 
 
 def test_the_gateway_keeps_serving_while_its_connections_are_full(gateway):
@@ -153,3 +212,20 @@ def test_the_open_file_limit_is_raised_to_what_the_connection_limit_needs(caplog
             assert "raise the limit" in caplog.text
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_tls_handshake_that_never_comes_is_cut_off_at_the_head_deadline(tmp_path):
+    ca = CertificateAuthority(tmp_path, "good")
+    server = ca.server("server")
+    flags = ["--tls-cert", str(server.cert), "--tls-key", str(server.key), "--http-header-timeout", str(DEADLINE_S)]
+    with lone_gateway(tmp_path, *flags) as tls_gateway:
+        silent = _open(tls_gateway.http_port, 20)  # connected, and never a ClientHello
+        started = time.monotonic()
+        answers = _answers(silent, within_s=DEADLINE_S + 1.0)
+        assert all(a == b"" for a in answers), f"still open {time.monotonic() - started:.1f} s on: {answers}"
+        context = ssl.create_default_context(cafile=str(ca.cert))
+        request = http.client.HTTPSConnection("127.0.0.1", tls_gateway.http_port, context=context, timeout=5)
+        request.request("POST", "/v1/completions", b"{}", {"Authorization": f"Bearer {tls_gateway.key}"})
+        assert request.getresponse().status == 400  # answered by the app: the body names no model
+        for sock in silent:
+            sock.close()

@@ -13,7 +13,9 @@ fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with 
   `body_timeout_s`.
 
 A client that misses a deadline gets `408` (when no response has begun) and the connection is
-closed. While the gateway answers (a generation, a stream) no deadline runs: the client owes
+closed. Under TLS the protocol starts once the handshake is done: `server.py` gives the handshake
+`header_timeout_s` (not the loop's 60 s), so a connection in its handshake, which the limit does
+not count yet, is bounded in time. While the gateway answers (a generation, a stream) no deadline runs: the client owes
 nothing then. Idle keep-alive connections are closed after `keep_alive_s` by uvicorn itself.
 """
 

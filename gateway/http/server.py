@@ -31,9 +31,34 @@ log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float):
+        super().__init__(config)
+        self._handshake_timeout_s = handshake_timeout_s
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # the gateway owns SIGTERM/SIGINT (drain) and SIGHUP (key reload)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up, but the listeners are made here: uvicorn gives a TLS handshake the
+        loop's default of 60 s, and a connection in its handshake holds a descriptor that no limit
+        counts yet, so here the handshake must end within the head deadline."""
+        await super().startup(sockets=[])
+        if self.should_exit or not sockets:
+            return
+
+        def protocol() -> asyncio.Protocol:
+            return self.config.http_protocol_class(  # as uvicorn's own start-up makes it
+                config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            ssl_args = {} if self.config.ssl is None else {"ssl_handshake_timeout": self._handshake_timeout_s}
+            server = await loop.create_server(
+                protocol, sock=sock, ssl=self.config.ssl, backlog=self.config.backlog, **ssl_args
+            )
+            self.servers.append(server)
 
 
 class HttpServer:
@@ -73,7 +98,7 @@ class HttpServer:
             timeout_keep_alive=limits.keep_alive_s,
             **tls,
         )
-        self._server = _Server(config)
+        self._server = _Server(config, handshake_timeout_s=limits.header_timeout_s)
 
     async def run(self) -> None:
         """Serve until cancelled; then stop listening and close the connections (briefly: the gateway
