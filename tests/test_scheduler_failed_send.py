@@ -15,6 +15,7 @@ from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
 from loraserve.v1 import scheduler_pb2
 from loraserve.wire import Tokens, WorkerReport, decode
+from tests.scheduler_proc import report
 
 WORKER_TIMEOUT_S = 2.0  # far longer than the test: only a failed send can drop the ghost in time
 
@@ -28,18 +29,7 @@ def _free_port() -> int:
 
 
 def _ghost_report() -> WorkerReport:
-    return WorkerReport(
-        worker_id="ghost",
-        ready=True,
-        max_batch_size=4,
-        total_pages=100,
-        free_pages=100,
-        kv_pages=0,
-        adapter_pages=0,
-        running=[],
-        waiting=[],
-        resident=[],
-    )
+    return report("ghost", max_batch_size=4, total_pages=100, free_pages=100)
 
 
 def test_a_failed_assign_drops_the_worker_at_once_and_keeps_the_loop_alive(caplog: pytest.LogCaptureFixture):
