@@ -307,13 +307,14 @@ open_ = 0
 for s in socks:
     if s.fileno() < 0:
         continue
+    alive = False
     try:
-        data = s.recv(1)
-        alive = data != b""
+        while s.recv(65536):  # what the server said (a 503, a 408) before it closed, if it did
+            pass
     except BlockingIOError:
-        alive = True
+        alive = True  # nothing more to read, and no end: still open
     except OSError:
-        alive = False
+        pass
     open_ += alive
 print(f"{len(socks)} {refused} {open_}")
 """

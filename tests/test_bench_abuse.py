@@ -83,6 +83,7 @@ def test_big_body_reports_an_early_answer_and_how_little_was_sent():
 def test_idle_connections_counts_what_a_server_closed():
     def close_after_a_second(conn: socket.socket) -> None:
         time.sleep(1.0)
+        conn.sendall(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")  # an answer, then the end
         conn.close()
 
     server = _Server(close_after_a_second)
