@@ -2,9 +2,10 @@
 
 Inner code raises `loraserve.errors` exceptions; `ErrorInterceptor` (one per server) turns them
 into the status they name, and anything unexpected into INTERNAL with an id that points at the
-logged traceback. It also wraps every request deserializer: a message that is not valid protobuf
-(corrupt wire format, invalid UTF-8 in a string field) is the caller's mistake, so it becomes
-INVALID_ARGUMENT naming the message type, not the UNKNOWN grpc picks for a deserializer that raises.
+logged traceback; a call whose client has gone (its status cannot be sent) ends quietly. It also
+wraps every request deserializer: a message that is not valid protobuf (corrupt wire format,
+invalid UTF-8 in a string field) is the caller's mistake, so it becomes INVALID_ARGUMENT naming the
+message type, not the UNKNOWN grpc picks for a deserializer that raises.
 Calls to another role go through `internal_call`, which turns that role's status back into the
 same exception (or UNAVAILABLE when it cannot be reached), so a failure crosses hops unchanged.
 """
@@ -32,7 +33,8 @@ T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 KEEPALIVE_TIME_MS = 20_000  # how often a connection with nothing to send pings its peer
-MIN_PING_INTERVAL_MS = 1_000  # servers accept a client's pings this often, calls or not
+MIN_PING_INTERVAL_MS = 500  # servers accept a client's pings this often, calls or not
+MAX_PING_STRIKES = 2  # pings that come faster are tolerated this many times, then GOAWAY too_many_pings
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -41,13 +43,16 @@ CHANNEL_OPTIONS = [
 ]
 # Servers must accept the pings clients send, or they answer GOAWAY "too_many_pings" and every call
 # on the connection fails UNAVAILABLE. gRPC's default server policy allows one ping per 5 minutes
-# without data, far below the 20 s keepalive of the roles' channels (and of many public clients).
+# without data and none at all with no call open, far below the 20 s keepalive of the roles' channels
+# (and of many public clients). gRPC core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS is
+# the "min_ping_interval_without_data_ms" key.
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),  # finds clients that vanished
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+    ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
 ]
 
 
@@ -132,6 +137,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+async def _answer(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with the status `exc` names, unless it has ended already.
+
+    A status that went out, or was attempted (an abort whose client had left: grpc raises from the
+    abort then), leaves nothing to answer: a second abort would only raise "Abort already called!"
+    and have grpc log it as an unexpected error. The call's end is grpc's to finish quietly."""
+    if context.done():
+        log.debug("call already ended: %r", exc)
+        return
+    code, message = _code_and_message(exc)
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception as e:  # the client left while the status was being sent: nobody to tell
+        log.debug("could not send %s to a client that left: %r", code.name, e)
+
+
 def _wrap_unary(behavior, streaming: bool):
     async def wrapper(request, context):
         try:
@@ -139,8 +162,7 @@ def _wrap_unary(behavior, streaming: bool):
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            code, message = _code_and_message(exc)
-            await context.abort(code, message)
+            await _answer(context, exc)
 
     return wrapper
 
@@ -156,8 +178,7 @@ def _wrap_stream(behavior, streaming: bool):
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            code, message = _code_and_message(exc)
-            await context.abort(code, message)
+            await _answer(context, exc)
 
     return wrapper
 

@@ -185,7 +185,8 @@ def check_open_planes(role: str, keys: InternalKeys | None, binds: list[str], in
             f"refusing to serve the {role}'s internal ports {', '.join(public)} without authentication: anyone "
             "who reaches them could register a fake worker, read prompts, submit requests or fetch and delete "
             "adapters. Give --internal-keys DIR (made by 'loraserve keys internal'), bind 127.0.0.1, or pass "
-            "--insecure-no-internal-auth if something else guards this network"
+            "--insecure-no-internal-auth (env LORASERVE_INSECURE_NO_INTERNAL_AUTH=1) if something else guards "
+            "this network"
         )
     where = ", ".join(binds) if binds else "its connections to the other roles"
     log.warning(

@@ -4,9 +4,9 @@ Real role processes; the refusals must come before anything listens."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import time
 
 import pytest
 from stack import free_port_block
@@ -15,10 +15,25 @@ from loraserve.endpoints import is_loopback
 from loraserve.internal_auth import check_open_planes
 
 
-def _role(*args: str) -> subprocess.Popen:
+def _role(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("LORASERVE_")} | (env or {})
     return subprocess.Popen(
-        [sys.executable, "-m", "loraserve.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "loraserve.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
     )
+
+
+def _exit_output(role: str, process: subprocess.Popen, timeout_s: float = 30.0) -> str:
+    """What `process` wrote before it exited; fails (and stops it) when it is still running."""
+    try:
+        return process.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output = process.communicate()[0]
+        pytest.fail(f"the {role} started instead of refusing: {output[-2000:]}")
 
 
 def _commands(base: int, tmp_path) -> dict[str, list[str]]:
@@ -48,35 +63,60 @@ def _commands(base: int, tmp_path) -> dict[str, list[str]]:
 
 
 def test_roles_with_internal_ports_beyond_loopback_and_no_keys_refuse_to_start(tmp_path):
-    processes = {role: _role(*command) for role, command in _commands(free_port_block(6), tmp_path).items()}
+    base = free_port_block(6)
+    public = {"scheduler": f"0.0.0.0:{base}", "store": f"tcp://*:{base + 3}", "gateway": f"tcp://0.0.0.0:{base + 5}"}
+    processes = {role: _role(*command) for role, command in _commands(base, tmp_path).items()}
     for role, process in processes.items():
-        output, _ = process.communicate(timeout=60)
+        output = _exit_output(role, process)
         assert process.returncode != 0, f"{role} started: {output[-2000:]}"
-        assert "without authentication" in output and "--internal-keys" in output, output[-2000:]
-        assert "--insecure-no-internal-auth" in output
+        assert "without authentication" in output and public[role] in output, output[-2000:]
+        assert "--internal-keys" in output and "--insecure-no-internal-auth" in output, output[-2000:]
         assert "Traceback" not in output
 
 
-@pytest.mark.parametrize("bind", ["0.0.0.0", "127.0.0.1"])
-def test_a_scheduler_told_so_or_on_loopback_starts_with_a_warning(bind):
+@pytest.mark.parametrize(
+    ("bind", "told"),
+    [("0.0.0.0", "flag"), ("0.0.0.0", "env"), ("127.0.0.1", None)],
+    ids=["public-flag", "public-env", "loopback"],
+)
+def test_a_scheduler_told_so_or_on_loopback_starts_with_a_warning(bind, told):
     base = free_port_block(2)
     command = ["scheduler", "--bind", f"{bind}:{base}", "--worker-address", f"tcp://127.0.0.1:{base + 1}"]
-    if bind == "0.0.0.0":
+    if told == "flag":
         command.append("--insecure-no-internal-auth")
-    process = _role(*command)
+    env = {"LORASERVE_INSECURE_NO_INTERNAL_AUTH": "1"} if told == "env" else None
+    process = _role(*command, env=env)
     try:
-        time.sleep(0.5)
-        lines = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("scheduler: gRPC on" in line for line in lines):
-            line = process.stdout.readline()
-            assert line, "".join(lines)[-2000:]
-            lines.append(line)
+        lines = _lines_until(process, "scheduler: gRPC on")
         warning = [line for line in lines if "WARNING" in line and "no --internal-keys" in line]
         assert warning, "".join(lines)[-2000:]
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_worker_without_keys_starts_with_a_warning():
+    """A worker listens nowhere: it never refuses, but says that its connections are unauthenticated."""
+    base = free_port_block(2)
+    process = _role(
+        "worker", "--scheduler-address", f"tcp://127.0.0.1:{base}", "--store-address", f"tcp://127.0.0.1:{base + 1}"
+    )
+    try:
+        lines = _lines_until(process, "no --internal-keys")
+        assert "WARNING" in lines[-1] and "worker" in lines[-1], lines[-1]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _lines_until(process: subprocess.Popen, text: str) -> list[str]:
+    """The process's output lines up to the first one containing `text` (fails if it exits first)."""
+    lines: list[str] = []
+    while not lines or text not in lines[-1]:
+        line = process.stdout.readline()
+        assert line, f"exited with {process.wait()} before saying {text!r}: {''.join(lines)[-2000:]}"
+        lines.append(line)
+    return lines
 
 
 @pytest.mark.parametrize(

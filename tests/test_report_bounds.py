@@ -111,4 +111,6 @@ def test_a_report_at_the_bounds_costs_the_scheduler_a_bounded_time(kind: str):
         assert any(isinstance(d, AssignTo) for d in policy.schedule(now))
         spent += time.thread_time() - started
     per_report = spent / len(reports)
-    assert per_report < 0.04, f"{per_report * 1000:.1f} ms of CPU per report at the bounds"
+    # A bound on the order of cost, not a benchmark: about 8 ms alone, up to 45 ms seen while the
+    # whole suite shares two cores; the rebuild-per-candidate code cost 228 ms (adaptive).
+    assert per_report < 0.15, f"{per_report * 1000:.1f} ms of CPU per report at the bounds"
