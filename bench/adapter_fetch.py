@@ -1,4 +1,4 @@
-"""Adapter fetch latency, store → worker, over loopback ZMQ (issue 5's target: ≤ 20 ms at 7B shapes).
+"""Adapter fetch latency, store → worker, over loopback ZMQ (the target: ≤ 20 ms at 7B shapes).
 
     python -m loraserve.bench.adapter_fetch [--iterations 30] [--rank 16] [--modules q_proj k_proj v_proj o_proj]
         [--transport tcp|ipc] [--torch-threads 1] [--json OUT]

@@ -1,4 +1,4 @@
-"""How the in-process engine's throughput changes with the number of adapters (issue 3's check).
+"""How the in-process engine's throughput changes with the number of adapters.
 
     python -m loraserve.bench.engine_scaling [--adapters 1 10 100 1000] [--requests 1000]
         [--prompt-len 16] [--output-len 32] [--max-batch-size 32] [--ranks 64 32 16 8] [--json OUT]

@@ -239,7 +239,7 @@ def add_ratios(records: list[dict]) -> None:
 
 
 def targets(records: list[dict]) -> list[dict]:
-    """Issue 13's targets, each {name, goal, value, met}, for the scenarios the records cover."""
+    """The scheduling targets, each {name, goal, value, met}, for the scenarios the records cover."""
 
     def find(scenario: str, **tags) -> dict | None:
         def matches(r: dict) -> bool:

@@ -1,4 +1,4 @@
-"""Issue 9, finding 7: a worker's adapters in host RAM are an LRU cache with a byte budget.
+"""A worker's adapters in host RAM are an LRU cache with a byte budget.
 
 The registry is a plain object, tested directly: versions no request holds are evicted least
 recently used first once the budget is passed; held versions never are; an evicted version is

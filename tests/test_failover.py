@@ -1,4 +1,4 @@
-"""Failover, drain and restarts on a real two-worker stack (issue 12, items 2-5).
+"""Failover, drain and restarts on a real two-worker stack.
 
 Each test first runs a batch of concurrent streams undisturbed (the reference), then the same
 batch again while a role is killed, stopped, restarted or drained, and checks that every stream

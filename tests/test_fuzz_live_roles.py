@@ -1,4 +1,4 @@
-"""Issue 9: fuzzed internal messages sent to a running worker and to the adapter store's data plane.
+"""Fuzzed internal messages sent to a running worker and to the adapter store's data plane.
 
 Real processes: an adapter store (one preloaded adapter) and a worker connected to a scheduler
 socket this test owns (a ZMQ ROUTER speaking the scheduler's side of the protocol). Everything in

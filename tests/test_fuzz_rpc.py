@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every public RPC against a running stack (issue 9).
+"""Property-based fuzzing of every public RPC against a running stack.
 
 Hypothesis builds random, validly typed messages for each request of `loraserve.v1.LoraServe`
 straight from the proto descriptors (every scalar, enum, repeated, nested and oneof field), and

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every internal wire message type (issue 9).
+"""Property-based fuzzing of every internal wire message type.
 
 (a) pure: random frames, random maps and valid messages with one field replaced by a random
     value go into `wire.decode`: it raises WireError and nothing else, and whatever it accepts

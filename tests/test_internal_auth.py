@@ -1,4 +1,4 @@
-"""Authenticated internal planes (issue 11): only the stack's own roles use its internal ports.
+"""Authenticated internal planes: only the stack's own roles use its internal ports.
 
 One stack started by the launcher (which makes the internal keys) on the demo model. Strangers try
 what an attacker on the network would: register as a worker on the scheduler's ZMQ port (no CURVE

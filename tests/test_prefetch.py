@@ -1,4 +1,4 @@
-"""Issue 13, item 6 (worker side): prefetch that hits, never at the cost of a likelier adapter.
+"""Prefetch that hits, never at the cost of a likelier adapter.
 
 Real parts throughout: the demo model and its adapters, the unified pool, the engine, and for the
 last test a worker and an adapter store as child processes.

@@ -1,4 +1,4 @@
-"""Malicious internal messages and dying tasks (issue 9, findings 4 and 8), against real processes.
+"""Malicious internal messages and dying tasks, against real processes.
 
 A well-formed msgpack message with wrong element types once killed the scheduler's receive task
 silently (finished=[[1]]) or crashed the scheduler later (resident=[1] then an adapter request);

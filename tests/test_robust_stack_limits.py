@@ -1,4 +1,4 @@
-"""Issue 9, findings 6 and 7 through a whole stack: bounded worker adapter cache, oversized uploads.
+"""Bounded worker adapter cache, oversized uploads.
 
 One real stack whose worker may keep almost no adapter in host RAM (`--adapter-cache-gb` tiny) and
 whose store accepts weights files up to 1 MiB (`LORASERVE_MAX_ADAPTER_MB`, the flag's env twin):

@@ -1,4 +1,4 @@
-"""Issue 9, finding 6: refusals leave every role with INVALID_ARGUMENT (or RESOURCE_EXHAUSTED), promptly.
+"""Refusals leave every role with INVALID_ARGUMENT (or RESOURCE_EXHAUSTED), promptly.
 
 Real processes on real sockets, driven by real gRPC clients: a path component the filesystem cannot
 hold, bytes that are not protobuf (or carry invalid UTF-8) sent to each role's server, upload

@@ -1,4 +1,4 @@
-"""What a worker tells the scheduler's cost model (issue 13): each step's batch composition, measured.
+"""What a worker tells the scheduler's cost model: each step's batch composition, measured.
 
 The engine records every step's shape — tokens computed, Σ adapter rank over them, distinct
 adapters, KV pages read — as scheduler/cost_model.py defines them; the worker sends them with the

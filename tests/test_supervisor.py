@@ -1,4 +1,4 @@
-"""Supervision in `loraserve up` (issue 12, item 6): a role that exits or stops answering is restarted.
+"""Supervision in `loraserve up`: a role that exits or stops answering is restarted.
 
 The restart policy alone on a simulated clock; the Supervisor over real child processes; and a
 real `loraserve up` whose worker and gateway are killed: it restarts them and keeps serving.
