@@ -15,10 +15,10 @@ launch (a distinct batch of >= 5 has all five; identical uses adapter 0 alone, r
 Measured in the same run:
 
     triton   lora_apply_triton (the token path for decode-shaped steps, the segment path otherwise)
-    loop     lora_apply_torch, the engine's torch path: per adapter segment, gather A and B from the
-             pool and two torch matmuls (or, for many short segments, its per-token "pairs" form).
-             Its index plan is cached in the batch during warm-up, as the engine builds it once
-             per step and reuses it in every layer; planning is not in the figure.
+    loop     lora_apply_torch, the engine's torch path: adapters bucketed by rank and token count,
+             per bucket one gather of A and B from the pool and torch bmm calls. Its plan is
+             prepared once, as the engine prepares it once per step for every layer; planning is
+             not in the figure.
     bmm      lora_apply_bmm: gather every adapter padded to the largest rank, then torch.bmm
              (torch.nonzero synchronises: eager only)
     roofline bytes that must move / measured bandwidth:
@@ -58,15 +58,15 @@ from typing import Any
 
 import torch
 
-from loraserve.kernels.lora_bmm import lora_apply_bmm
-from loraserve.kernels.lora_torch import lora_apply_torch
+from loraserve.kernels.lora_bmm import lora_apply_bmm, prepare_lora_bmm
+from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 from loraserve.kernels.synthetic import (
     POPULARITIES,
     LoraGeometry,
     SyntheticAdapter,
     assign_adapters,
     make_bench_lora_pool,
-    make_lora_batch,
+    make_lora_plan,
 )
 
 # by device-name substring, first match wins: HBM3e / HBM3 (SXM) / PCIe
@@ -375,15 +375,20 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def run_case(case: Case, config: LoraConfig, device: torch.device, timers: Timers, pools: Pools) -> Result:
     """Build the case's batch on `device` (pool shared per rank) and time the three implementations."""
-    from loraserve.kernels.lora_triton import TOKEN_PATH_MAX_SEG_LEN, lora_apply_triton
+    from loraserve.kernels.lora_triton import TOKEN_PATH_MAX_SEG_LEN, lora_apply_triton, prepare_lora_triton
 
     dtype = getattr(torch, config.dtype)
     geometry, pool, adapters = lora_pool(case.rank, config, device, pools)
     assigned = assign_adapters(case.popularity, case.batch_size, seed=case.batch_size)
     per_request = tokens_per_request(case, config)
     requests = [(a, per_request) for a in sorted(assigned)]  # grouped by adapter, as the scheduler batches them
-    batch = make_lora_batch(geometry, adapters, requests, device=device)
+    batch = make_lora_plan(geometry, adapters, requests, device=device)
     assert batch is not None
+    plans = {
+        lora_apply_triton: replace(batch, prepared=prepare_lora_triton(batch, dtype)),
+        lora_apply_torch: replace(batch, prepared=prepare_lora_torch(batch, dtype)),
+        lora_apply_bmm: replace(batch, prepared=prepare_lora_bmm(batch, dtype)),
+    }
     num_tokens = per_request * case.batch_size
     g = torch.Generator(device=device).manual_seed(case.batch_size)
     x = torch.randn(num_tokens, config.hidden, generator=g, device=device, dtype=dtype)
@@ -396,13 +401,15 @@ def run_case(case: Case, config: LoraConfig, device: torch.device, timers: Timer
         result.note = f"prefill cut to {per_request} tokens/request ({config.max_prefill_tokens} tokens at most)"
 
     def call(fn: Callable) -> Fn:
-        return lambda: fn(y, x, layer, batch, 0, 0)
+        if fn is lora_apply_triton:
+            return lambda: fn(y, x, layer, plans[fn], 0, 0)
+        return lambda: fn((y,), x, layer, plans[fn], 0, 0)
 
-    if config.check:  # also the warm-up: compiles the kernels, caches the loop's plan in the batch
+    if config.check:  # also the warm-up: compiles the kernels
         outs = []
         for fn in (lora_apply_triton, lora_apply_torch):
             y.zero_()
-            fn(y, x, layer, batch, 0, 0)
+            call(fn)()
             outs.append(y.clone())
         result.max_abs_err, result.rel_err, result.ok = _errors(*outs)
     result.triton_us = timed(result, "triton", timers.eager, call(lora_apply_triton))

@@ -1,27 +1,30 @@
 """The kernel backend: chosen once from configuration, logged, then passed to the model.
 
-Both backends implement the same three operations with the same semantics (see each module's
-docstring); the torch one is the reference and what runs on CPU.
+Both backends implement the same operations with the same semantics (see each module's
+docstring); the torch one is the reference and what runs on CPU. LoRA is planned once per step
+(`prepare_lora`, from the step's `LoraPlan`) and then applied per layer and projection group
+(`lora_apply`), which only launches kernels or multiplies.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from loraserve.kernels.attention_torch import attention_torch, write_kv_torch
-from loraserve.kernels.lora_bmm import lora_apply_bmm
-from loraserve.kernels.lora_torch import lora_apply_torch
-from loraserve.kernels.metadata import AttentionBatch, LoraBatch
+from loraserve.kernels.lora_bmm import lora_apply_bmm, prepare_lora_bmm
+from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
+from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton", "torch-bmm")  # torch-bmm: the padded baseline, for benchmarks
 
-LoraApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LoraBatch, int, int], None]
+PrepareLora = Callable[[LoraPlan, torch.dtype], object]
+LoraApply = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor, LoraPlan, int, int], None]
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch], None]
 Attend = Callable[[torch.Tensor, torch.Tensor, AttentionBatch, int, float], torch.Tensor]
 
@@ -29,13 +32,14 @@ Attend = Callable[[torch.Tensor, torch.Tensor, AttentionBatch, int, float], torc
 @dataclass(frozen=True)
 class KernelBackend:
     name: str
-    lora_apply: LoraApply  # (y, x, pool_layer, lora_batch, layer, module) -> None, y updated in place
+    prepare_lora: PrepareLora  # (plan, dtype) -> the backend's per-step work, stored as plan.prepared
+    lora_apply: LoraApply  # (outputs, x, pool_layer, plan, layer, group) -> None, outputs updated in place
     write_kv: WriteKV  # (pool_layer, k, v, attention_batch) -> None
     attention: Attend  # (q, pool_layer, attention_batch, num_kv_heads, scale) -> out
 
 
-TORCH = KernelBackend("torch", lora_apply_torch, write_kv_torch, attention_torch)
-TORCH_BMM = KernelBackend("torch-bmm", lora_apply_bmm, write_kv_torch, attention_torch)
+TORCH = KernelBackend("torch", prepare_lora_torch, lora_apply_torch, write_kv_torch, attention_torch)
+TORCH_BMM = KernelBackend("torch-bmm", prepare_lora_bmm, lora_apply_bmm, write_kv_torch, attention_torch)
 
 
 def select_backend(name: str, device: torch.device) -> KernelBackend:

@@ -1,6 +1,6 @@
 """Building a step's kernel metadata from plain data: the one builder the runner and the kernel tests share.
 
-    lora = build_lora_batch(geometry, [(adapter_or_None, num_tokens), ...], buffers)
+    lora = build_lora_plan(geometry, [(adapter_or_None, num_tokens), ...], buffers, backend.prepare_lora)
     attention = build_attention_batch([(kv_page_table, start, num_tokens), ...], tokens_per_page, window, buffers)
 
 Sequences are given in step order. For LoRA, consecutive sequences of one adapter merge into one
@@ -15,15 +15,18 @@ tables are built by the same code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
 
-from loraserve.kernels.metadata import AttentionBatch, LoraBatch
+from loraserve.kernels.metadata import AttentionBatch, LoraPlan, LoraTables
 from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
-from loraserve.model_config import LORA_MODULES
+from loraserve.model_config import LORA_GROUPS, LORA_MODULES
+
+# Every module its own group: what kernel tests and benchmarks apply, one module at a time.
+ONE_MODULE_GROUPS = tuple((m,) for m in range(len(LORA_MODULES)))
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -64,7 +67,6 @@ class PooledAdapter(Protocol):
     a_offsets: Sequence[int]  # [7]: first logical row of each module's A block, -1 if not targeted
     b_offsets: Sequence[int]
     layers: Sequence[bool]  # [L]: it has weights in that layer
-    row_index: torch.Tensor  # int64 [num_rows]: physical row of each logical row
 
 
 def _staging(target: StepBuffers | torch.device | str, sizes: dict[str, int]) -> tuple[StepBuffers, bool]:
@@ -89,12 +91,37 @@ def _padded(rows: list[list[int]], width: int) -> list[int]:
     return flat
 
 
-def build_lora_batch(
+def lora_order(adapters: Sequence[Hashable | None], ranks: Sequence[int], tokens: Sequence[int]) -> list[int]:
+    """An order of a step's sequences (given their adapter, its rank and their token counts) that
+    puts each adapter's sequences together, adapters of one rank and one token count side by side,
+    and sequences without adapter last. A LoRA plan of the step in this order has one segment per
+    adapter, and the torch path's buckets are spans of the step (`kernels.lora_torch`)."""
+    count: dict[Hashable, int] = {}
+    first: dict[Hashable, int] = {}
+    for i, (a, n) in enumerate(zip(adapters, tokens, strict=True)):
+        if a is not None:
+            count[a] = count.get(a, 0) + n
+            first.setdefault(a, i)
+
+    def key(i: int) -> tuple:
+        a = adapters[i]
+        if a is None:
+            return (1, 0, 0, i)
+        return (0, ranks[i], count[a], first[a])
+
+    return sorted(range(len(adapters)), key=key)
+
+
+def build_lora_plan(
     geometry: LoraGeometry,
     seqs: Sequence[tuple[PooledAdapter | None, int]],
     buffers: StepBuffers | torch.device | str,
-) -> LoraBatch | None:
-    """LoraBatch for sequences of (adapter or None, tokens this step); None when no token uses an adapter."""
+    prepare: Callable[[LoraPlan], object] | None = None,
+    groups: tuple[tuple[int, ...], ...] = LORA_GROUPS,
+) -> LoraPlan | None:
+    """The step's LoRA plan for sequences of (adapter or None, tokens this step); None when no token
+    uses an adapter. `prepare` (a backend's `prepare_lora`) derives the backend's per-step work from
+    it once; `groups` are the module groups the backend will be called with."""
     adapters: list[PooledAdapter] = []
     index: dict[int, int] = {}  # id(adapter) -> its row in the per-adapter tables
     segments: list[tuple[int, int, int]] = []
@@ -132,7 +159,7 @@ def build_lora_batch(
     b_offsets = [list(a.b_offsets) for a in adapters]
     layers = [[bool(x) for x in a.layers] for a in adapters]
     modules = len(LORA_MODULES)
-    batch = LoraBatch(
+    tables = LoraTables(
         seg_start=buffers.put("seg_start", [s for s, _, _ in segments]),
         seg_len=buffers.put("seg_len", [n for _, n, _ in segments]),
         seg_adapter=buffers.put("seg_adapter", [a for _, _, a in segments]),
@@ -143,12 +170,17 @@ def build_lora_batch(
         a_offset=buffers.put("a_offset", _padded(a_offsets, modules), (num_adapters, modules)),
         b_offset=buffers.put("b_offset", _padded(b_offsets, modules), (num_adapters, modules)),
         layer_active=buffers.put("layer_active", _padded(layers, num_layers), (num_adapters, num_layers)),
+    )
+    plan = LoraPlan(
+        tables=tables,
+        groups=groups,
         c_in=geometry.c_in,
         c_out=geometry.c_out,
         d_in=geometry.d_in,
         d_out=geometry.d_out,
         rows_per_page=geometry.rows_per_page,
         row_width=geometry.row_width,
+        num_tokens=start,
         max_seg_len=max(n for _, n, _ in segments),
         segments=segments,
         ranks=[a.rank for a in adapters],
@@ -156,11 +188,13 @@ def build_lora_batch(
         a_offsets=a_offsets,
         b_offsets=b_offsets,
         layers_active=layers,
-        row_index=[a.row_index for a in adapters],
+        pages=pages,
     )
     if own:
         buffers.upload()
-    return batch
+    if prepare is not None:
+        plan.prepared = prepare(plan)
+    return plan
 
 
 def build_attention_batch(

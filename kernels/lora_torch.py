@@ -1,148 +1,188 @@
 """Batched LoRA over the unified pool, in plain torch: the reference and the CPU path.
 
-    for each segment s (adapter a = seg_adapter[s], tokens t in the segment):
-        if module m is targeted by a and a has weights in this layer:
-            A = rows of a's A block for m, reassembled to [r, d_in]
-            B = rows of a's B block for m, reassembled to [r, d_out]      (B here is lora_B^T)
-            y[t] += ((x[t] @ A^T) @ B) * scale[a]
+    for each adapter a of the step and each group of projections sharing the input x (q/k/v, ...):
+        v[t]    = x[t] @ A^T                  A: the group's A blocks of a, stacked [k*r, d_in]
+        y_m[t] += v[t, m's r columns] @ B_m * scale[a]     for each module m of the group a targets
 
-Shapes: x [T, d_in], y [T, d_out] (updated in place), pool_layer [rows, W].
+(B here is lora_B^T, [r, d_out].) Shapes: x [T, d_in], each y_m [T, d_out_m] (updated in place),
+pool_layer [rows, W].
 
-Two ways to compute the same thing, neither padding ranks:
-  segments  one gather of A and B and two matmuls per segment. Used for long segments (prefill
-            chunks, many requests of one adapter) and when a step has few segments.
-  pairs     short segments (decode tokens of many adapters), when there are many: one *pair* per
-            token and rank vector, P = sum over tokens of their adapter's rank. Per layer:
-                v[p] = x[token p] · A row(p)        (gathered rows, multiply and sum)
-                y[token p] += v[p] * scale[p] * B row(p)      (one index_add over all pairs)
-            The pairs' row indices depend only on the step and the module, so they are built once
-            per step (cached in the batch) and every layer reuses them: on CPU each torch call
-            costs microseconds, and a loop over segments × layers × modules dominated decode steps
-            with many adapters.
+`prepare_lora_torch` plans the whole step once, for every layer and group. Each adapter's tokens
+form a *tile*; tiles of the same rank, targeted modules and token count form a *bucket*, with the
+index tables its calls need. Per layer and group a bucket then costs a fixed handful of torch
+calls however many adapters it holds, and each adapter's weights are read once, not once per token:
+
+    xs = x[tokens]                           [n, t, d_in]       n tiles of t tokens
+    A  = pool_layer[a_rows]                  [n, k*r, d_in]     the stacked A blocks
+    v  = bmm(xs, A^T) * weight[layer]        [n, t, k*r]        weight: scale, 0 in layers the adapter skips
+    B  = pool_layer[b_rows]                  [n, r * Σ c_out, W]
+    per module m:  y_m[tokens] += bmm(v[..., m's columns], B_m)
+
+The runner orders a step's sequences by adapter (`kernels.batch.lora_order`), so that a bucket's tokens are
+usually one contiguous span of the step: x is then read as a view and y updated in place by
+`baddbmm_`, with no gather or scatter of activations. Any other order works through index tables.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from loraserve.kernels.metadata import LoraBatch
-
-PAIRS_MIN_SEGMENTS = 4  # below this, a few per-segment matmuls cost less than building the pairs
-# Segments up to this many tokens go through the pairs. A pair gathers its adapter's rows for its
-# own token, so a segment of n tokens reads its weights n times: worth it for decode (n = 1) and
-# short chunks, where the per-segment loop's call overhead dominates.
-SHORT_SEGMENT = 8
-# The pairs path gathers [P, d] temporaries; above this many elements it falls back to the loop
-# (e.g. 512 short tokens of rank 128 adapters at d = 4096 would need 1 GiB in float32).
-PAIRS_MAX_ELEMENTS = 1 << 24
+from loraserve.kernels.metadata import LoraPlan
 
 
-def gather_lora_weights(
-    pool_layer: torch.Tensor, batch: LoraBatch, adapter: int, module: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [r, d_in], B [r, d_out]) of one adapter's module, gathered from its pool rows."""
-    r, w = batch.ranks[adapter], batch.row_width
-    rows = batch.row_index[adapter]
-    c_in, c_out = batch.c_in[module], batch.c_out[module]
-    a_off, b_off = batch.a_offsets[adapter][module], batch.b_offsets[adapter][module]
-    a = pool_layer.index_select(0, rows[a_off : a_off + r * c_in]).view(r, c_in * w)[:, : batch.d_in[module]]
-    b = pool_layer.index_select(0, rows[b_off : b_off + r * c_out]).view(r, c_out * w)[:, : batch.d_out[module]]
-    return a, b
+@dataclass(frozen=True)
+class _Output:
+    """Where one module of a bucket writes: its output slot in the group, and its slice of v and B."""
+
+    slot: int  # index into the group's outputs
+    v_cols: slice  # its r columns of v
+    b_rows: slice  # its r * c_out rows of the gathered B
+    c_out: int
+    d_out: int
 
 
-@dataclass
-class _Pairs:
-    """Row indices of every (token, rank vector) pair of the short segments, for one module."""
+@dataclass(frozen=True)
+class _Bucket:
+    """Tiles of one rank, one set of targeted modules and one token count (see the module docstring)."""
 
-    token: torch.Tensor  # int64 [P]
-    a_rows: torch.Tensor  # int64 [P * c_in]: physical rows of each pair's A chunks
-    b_rows: torch.Tensor  # int64 [P * c_out]
-    weight: torch.Tensor  # [L, P]: scale of the pair's adapter, 0 in layers the adapter skips
+    n: int  # tiles
+    t: int  # tokens per tile
+    rank: int
+    span: slice | None  # the bucket's tokens when they are one contiguous span of the step, in tile order
+    tokens: torch.Tensor | None  # int64 [n * t]: else the token of each slot
+    a_rows: torch.Tensor  # int64 [n * k * r * c_in]: physical rows of each tile's stacked A
+    b_rows: torch.Tensor  # int64 [n * r * Σ c_out]: physical rows of each tile's B blocks
+    weight: torch.Tensor  # [L, n, 1, 1]: scale, 0 where the adapter skips the layer
+    c_in: int
+    d_in: int
+    outputs: tuple[_Output, ...]
 
 
-@dataclass
-class _Plan:
-    pairs: _Pairs | None
-    segments: list[tuple[int, int, int]]  # the ones the loop handles
+def prepare_lora_torch(plan: LoraPlan, dtype: torch.dtype) -> list[list[_Bucket]]:
+    """The buckets of every group of `plan.groups` (see the module docstring), built once per step."""
+    steps = _StepRows(plan)
+    tokens = _adapter_tokens(plan)
+    device = plan.tables.rank.device
+    layers = np.asarray(plan.layers_active, dtype=np.float32).reshape(len(plan.ranks), -1)  # [A, L]
+    weights = torch.from_numpy(layers * np.asarray(plan.scales, dtype=np.float32)[:, None]).to(dtype)
+    return [_group_buckets(plan, group, tokens, weights, steps, device) for group in plan.groups]
+
+
+class _StepRows:
+    """The physical pool row of every logical row of every adapter of the step, in one array."""
+
+    def __init__(self, plan: LoraPlan):
+        rpp, within = plan.rows_per_page, np.arange(plan.rows_per_page, dtype=np.int64)
+        per_adapter = [(np.asarray(p, dtype=np.int64)[:, None] * rpp + within).ravel() for p in plan.pages]
+        self.rows = np.concatenate(per_adapter)
+        self.base = np.cumsum([0] + [len(r) for r in per_adapter[:-1]])  # [A]: where each adapter's rows start
+        self.a_offsets = np.asarray(plan.a_offsets, dtype=np.int64)  # [A, M]
+        self.b_offsets = np.asarray(plan.b_offsets, dtype=np.int64)
+
+    def blocks(self, adapters: list[int], offsets: np.ndarray, modules: list[int], lengths: list[int]) -> np.ndarray:
+        """Physical rows of each adapter's blocks of `modules` (module i: lengths[i] rows), adapter by adapter."""
+        first = self.base[adapters][:, None] + offsets[adapters][:, modules]  # [n, k]
+        index = np.concatenate([first[:, [i]] + np.arange(n) for i, n in enumerate(lengths)], axis=1)
+        return self.rows[index.ravel()]
 
 
 def lora_apply_torch(
-    y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, batch: LoraBatch, layer: int, module: int
+    outputs: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    plan: LoraPlan,
+    layer: int,
+    group: int,
 ) -> None:
-    plan = batch.cache.get(("lora_torch", module))
-    if plan is None:
-        plan = batch.cache[("lora_torch", module)] = _plan(batch, module, x.dtype)
-    if plan.pairs is not None:
-        _apply_pairs(y, x, pool_layer, batch, module, layer, plan.pairs)
+    """outputs[i] += the LoRA term of module plan.groups[group][i], for every adapter token of the step."""
+    w = pool_layer.shape[1]
+    for b in plan.prepared[group]:
+        xs = x[b.span] if b.span is not None else x.index_select(0, b.tokens)
+        a = pool_layer.index_select(0, b.a_rows).view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
+        v = torch.bmm(xs.view(b.n, b.t, -1), a.transpose(1, 2)).mul_(b.weight[layer])  # [n, t, k*r]
+        bw = pool_layer.index_select(0, b.b_rows).view(b.n, -1, w)
+        for out in b.outputs:
+            bm = bw[:, out.b_rows].reshape(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]
+            y = outputs[out.slot]
+            if b.span is not None:
+                y[b.span].view(b.n, b.t, -1).baddbmm_(v[:, :, out.v_cols], bm)
+            else:
+                y.index_add_(0, b.tokens, torch.bmm(v[:, :, out.v_cols], bm).view(b.n * b.t, -1))
+
+
+def _adapter_tokens(plan: LoraPlan) -> list[np.ndarray]:
+    """The step's token indices of each adapter, in step order."""
+    runs: list[list[np.ndarray]] = [[] for _ in plan.ranks]
     for start, length, adapter in plan.segments:
-        if not batch.layers_active[adapter][layer]:
+        runs[adapter].append(np.arange(start, start + length, dtype=np.int64))
+    return [np.concatenate(r) for r in runs]
+
+
+def _contiguous(tokens: np.ndarray) -> bool:
+    return int(tokens[-1]) - int(tokens[0]) == len(tokens) - 1
+
+
+def _tiles(plan: LoraPlan, group: tuple[int, ...], tokens: list[np.ndarray]) -> list[tuple[tuple, list[int]]]:
+    """Adapters that target the group, as (bucket key, adapters): runs of adapters with one key whose
+    tokens follow each other in the step, then the other adapters grouped by key."""
+    spans: list[tuple[tuple, list[int]]] = []
+    scattered: dict[tuple, list[int]] = {}
+    for a in sorted(range(len(plan.ranks)), key=lambda a: int(tokens[a][0])):
+        targeted = tuple(i for i, m in enumerate(group) if plan.a_offsets[a][m] >= 0)
+        if not targeted:
             continue
-        a, b = gather_lora_weights(pool_layer, batch, adapter, module)
-        end = start + length
-        y[start:end] += ((x[start:end] @ a.t()) @ b) * batch.scales[adapter]
+        key = (plan.ranks[a], targeted, len(tokens[a]))
+        if not _contiguous(tokens[a]):
+            scattered.setdefault(key, []).append(a)
+        elif spans and spans[-1][0] == key and int(tokens[spans[-1][1][-1]][-1]) + 1 == int(tokens[a][0]):
+            spans[-1][1].append(a)
+        else:
+            spans.append((key, [a]))
+    return [((*key, True), adapters) for key, adapters in spans] + [
+        ((*key, False), adapters) for key, adapters in scattered.items()
+    ]
 
 
-def _plan(batch: LoraBatch, module: int, dtype: torch.dtype) -> _Plan:
-    targeted = [s for s in batch.segments if batch.a_offsets[s[2]][module] >= 0]
-    short = [s for s in targeted if s[1] <= SHORT_SEGMENT]
-    n_pairs = sum(length * batch.ranks[a] for _, length, a in short)
-    width = max(batch.c_in[module], batch.c_out[module]) * batch.row_width
-    if len(short) < PAIRS_MIN_SEGMENTS or n_pairs * width > PAIRS_MAX_ELEMENTS:
-        return _Plan(None, targeted)
-    return _Plan(_pairs(batch, module, short, dtype), [s for s in targeted if s[1] > SHORT_SEGMENT])
+def _group_buckets(
+    plan: LoraPlan,
+    group: tuple[int, ...],
+    tokens: list[np.ndarray],
+    weights: torch.Tensor,
+    rows: _StepRows,
+    device: torch.device,
+) -> list[_Bucket]:
+    buckets = []
+    for (r, targeted, t, spanned), adapters in _tiles(plan, group, tokens):
+        modules = [group[i] for i in targeted]
+        c_in, c_out = plan.c_in[modules[0]], [plan.c_out[m] for m in modules]
+        a_rows = rows.blocks(adapters, rows.a_offsets, modules, [r * c_in] * len(modules))
+        b_rows = rows.blocks(adapters, rows.b_offsets, modules, [r * c for c in c_out])
+        outputs, v_col, b_row = [], 0, 0
+        for i, m, co in zip(targeted, modules, c_out, strict=True):
+            outputs.append(_Output(i, slice(v_col, v_col + r), slice(b_row, b_row + r * co), co, plan.d_out[m]))
+            v_col, b_row = v_col + r, b_row + r * co
+        first = int(tokens[adapters[0]][0])
+        buckets.append(
+            _Bucket(
+                n=len(adapters),
+                t=t,
+                rank=r,
+                span=slice(first, first + len(adapters) * t) if spanned else None,
+                tokens=None if spanned else _tensor(np.concatenate([tokens[a] for a in adapters]), device),
+                a_rows=_tensor(a_rows, device),
+                b_rows=_tensor(b_rows, device),
+                weight=weights[adapters].T[:, :, None, None].to(device),
+                c_in=c_in,
+                d_in=plan.d_in[modules[0]],
+                outputs=tuple(outputs),
+            )
+        )
+    return buckets
 
 
-@dataclass
-class _PairBase:
-    """What every module's pairs share for one set of short segments: tokens, ranks, pages."""
-
-    token: torch.Tensor  # int64 [P]
-    j: torch.Tensor  # int64 [P]: the pair's rank vector
-    adapter: torch.Tensor  # int64 [P]
-    pages: torch.Tensor  # int64 [P, max_pages]
-    weight: torch.Tensor  # [L, P]: scale of the pair's adapter, 0 in layers the adapter skips
-
-
-def _pair_base(batch: LoraBatch, segments: list[tuple[int, int, int]], dtype: torch.dtype) -> _PairBase:
-    key = ("lora_torch_pairs", tuple(segments))
-    if key in batch.cache:
-        return batch.cache[key]
-    # Built from the host-side lists, then moved once: no device synchronisation.
-    token = torch.cat([torch.arange(start, start + length) for start, length, _ in segments])
-    adapter = torch.tensor([a for _, length, a in segments for _ in range(length)])
-    rank = torch.tensor([batch.ranks[a] for _, length, a in segments for _ in range(length)])
-    owner = torch.repeat_interleave(torch.arange(len(token)), rank)  # [P]: the pair's token
-    j = torch.arange(len(owner)) - (torch.cumsum(rank, 0) - rank)[owner]
-    device = batch.page_table.device
-    pair_adapter = adapter[owner].to(device)
-    pages = batch.page_table.index_select(0, pair_adapter).long()
-    token, j = token[owner].to(device), j.to(device)
-    scale = batch.scale.index_select(0, pair_adapter).to(dtype)
-    weight = batch.layer_active.index_select(0, pair_adapter).t().to(dtype) * scale
-    batch.cache[key] = base = _PairBase(token, j, pair_adapter, pages, weight)
-    return base
-
-
-def _pairs(batch: LoraBatch, module: int, segments: list[tuple[int, int, int]], dtype: torch.dtype) -> _Pairs:
-    base = _pair_base(batch, segments, dtype)
-    rpp = batch.rows_per_page
-
-    def rows(offsets: torch.Tensor, chunks: int) -> torch.Tensor:
-        first = offsets.index_select(0, base.adapter)[:, module] + base.j * chunks  # [P]
-        logical = first[:, None] + torch.arange(chunks, device=first.device)  # [P, chunks]
-        return (base.pages.gather(1, logical // rpp) * rpp + logical % rpp).view(-1)
-
-    a_rows = rows(batch.a_offset.long(), batch.c_in[module])
-    return _Pairs(base.token, a_rows, rows(batch.b_offset.long(), batch.c_out[module]), base.weight)
-
-
-def _apply_pairs(
-    y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, batch: LoraBatch, module: int, layer: int, p: _Pairs
-) -> None:
-    n = len(p.token)
-    a = pool_layer.index_select(0, p.a_rows).view(n, -1)[:, : batch.d_in[module]]  # [P, d_in]
-    b = pool_layer.index_select(0, p.b_rows).view(n, -1)[:, : batch.d_out[module]]  # [P, d_out]
-    v = (x.index_select(0, p.token) * a).sum(-1) * p.weight[layer]  # [P]
-    y.index_add_(0, p.token, b * v[:, None])
+def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(values).to(device)

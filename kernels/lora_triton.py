@@ -9,7 +9,8 @@
     B_a[j, c*W + n] = pool[row(a, b_offset[a, m] + j*c_out + c), n]
     row(a, l)       = page_table[a, l // R] * R + l % R
 
-Shapes: x [T, d_in], y [T, d_out] (updated in place), pool_layer [rows, W]; metadata in LoraBatch.
+Shapes: x [T, d_in], y [T, d_out] (updated in place), pool_layer [rows, W]; metadata in the step's
+`LoraPlan` (its device `tables`).
 
 Both factors are read row by row straight from the adapter's pages: nothing is padded to a
 maximum rank in memory, and adapters of different ranks share one launch (the rank BLOCK is a
@@ -30,20 +31,25 @@ sums the partial vectors, so the result does not depend on the order of any atom
     shrink grid (S, ceil(max_seg_len / BLOCK_M), SPLITS)
     expand grid (S, ceil(max_seg_len / BLOCK_M), c_out * ceil(W / BLOCK_N))
 
-`lora_apply_triton` takes the token path when every segment is one token long (a pure decode step
-with no adapter shared by two requests in a row), the segment path otherwise: a segment of n
-tokens then reads its adapter once per tile rather than n times.
+`prepare_lora_triton` makes every host-side choice once per step (the path: the token path when
+every segment is one token long, a pure decode step with no adapter shared by two requests in a
+row, the segment path otherwise, where a segment of n tokens reads its adapter once per tile
+rather than n times; block sizes; reduction splits; the float32 buffer v), so that applying a
+group in a layer (`lora_apply_triton_group`) only launches kernels. `lora_apply_triton` applies one
+module with the same launches after checking its arguments, for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.metadata import LoraBatch
+from loraserve.kernels.metadata import LoraPlan
 from loraserve.model_config import LORA_MODULES
 
 # Integer arguments that change from step to step, layer to layer or module to module. Triton would
@@ -309,169 +315,205 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+_SMS: dict[torch.device, int] = {}
+
+
 def _num_splits(programs: int, k_blocks: int, device: torch.device) -> int:
     """Split the d_in reduction until the shrink fills the GPU (about two programs per SM); 1 on CPU."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(k_blocks, 16, triton.cdiv(2 * sms, max(programs, 1))))
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(k_blocks, 16, triton.cdiv(2 * _SMS[device], max(programs, 1))))
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, batch: LoraBatch, module: int) -> None:
+@dataclass(frozen=True)
+class _ModulePlan:
+    """One module's launches for the step, decided once (see `prepare_lora_triton`)."""
+
+    layers: frozenset[int]  # layers in which some adapter of the step has weights for the module
+    path: str  # "token" or "segment"
+    block_r: int
+    block_k: int
+    block_n: int
+    block_m: int
+    splits: int
+    v: torch.Tensor  # float32 [splits, T, block_r]: the shrink's output, the expand's input
+
+
+def _module_plan(
+    plan: LoraPlan, module: int, device: torch.device, path: str, splits: int | None
+) -> _ModulePlan | None:
+    targeting = [a for a, offsets in enumerate(plan.a_offsets) if offsets[module] >= 0]
+    if not targeting or plan.num_tokens == 0:
+        return None
+    layers = frozenset(i for a in targeting for i, on in enumerate(plan.layers_active[a]) if on)
+    block_r = _pow2_at_least(max(plan.ranks[a] for a in targeting), 16)  # tl.dot needs K >= 16 on GPU
+    w, width = plan.row_width, triton.next_power_of_2(plan.row_width)
+    if path == "auto":
+        path = "token" if plan.max_seg_len <= TOKEN_PATH_MAX_SEG_LEN else "segment"
+    if path == "token":
+        # weight tiles of at most 8192 elements: [BLOCK_R, BLOCK_K] stays in registers at rank 128
+        block_k = block_n = min(width, max(16, 8192 // block_r))
+        block_m, programs = 1, plan.num_tokens
+    else:
+        block_m = 16 if plan.max_seg_len <= 16 or device.type != "cuda" else 32
+        block_k = block_n = max(16, min(width, 64))  # tl.dot needs K and N >= 16 on GPU
+        programs = len(plan.segments) * triton.cdiv(plan.max_seg_len, block_m)
+    splits = splits or _num_splits(programs, plan.c_in[module] * triton.cdiv(w, block_k), device)
+    v = torch.empty(splits, plan.num_tokens, block_r, dtype=torch.float32, device=device)
+    return _ModulePlan(layers, path, block_r, block_k, block_n, block_m, splits, v)
+
+
+def prepare_lora_triton(
+    plan: LoraPlan, dtype: torch.dtype, *, path: str = "auto", splits: int | None = None
+) -> list[_ModulePlan | None]:
+    """Per module: the step's path, block sizes, splits and v buffer (None: no adapter targets it).
+    `path` ("auto", "token", "segment") and `splits` are for tests and benchmarks; the result does
+    not depend on them beyond rounding."""
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+    device = plan.tables.rank.device
+    return [_module_plan(plan, m, device, path, splits) for m in range(len(LORA_MODULES))]
+
+
+def lora_apply_triton_group(
+    outputs: Sequence[torch.Tensor], x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, group: int
+) -> None:
+    """outputs[i] += the LoRA term of module plan.groups[group][i]: only launches (see the module docstring)."""
+    for y, module in zip(outputs, plan.groups[group], strict=True):
+        _launch(y, x, pool_layer, plan, layer, module)
+
+
+def lora_apply_triton(
+    y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, module: int
+) -> None:
+    """y[t] += ((x[t] @ A^T) @ B) * scale[a] for every token t of an adapter segment (see module doc),
+    after checking the arguments. Shapes: y [T, d_out] (in place), x [T, d_in], pool_layer [rows, W].
+    `plan.prepared` must come from `prepare_lora_triton`."""
+    _check(y, x, pool_layer, plan, module)
+    _launch(y, x, pool_layer, plan, layer, module)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, module: int) -> None:
     if not 0 <= module < len(LORA_MODULES):
         raise ValueError(f"module index {module} is not in [0, {len(LORA_MODULES)})")
     name = LORA_MODULES[module]
-    d_in, d_out = batch.d_in[module], batch.d_out[module]
+    d_in, d_out = plan.d_in[module], plan.d_out[module]
     if x.dim() != 2 or y.dim() != 2 or x.shape[1] != d_in or y.shape[1] != d_out or x.shape[0] != y.shape[0]:
         raise ValueError(f"{name}: expected x [T, {d_in}] and y [T, {d_out}], got x {list(x.shape)}, y {list(y.shape)}")
-    if x.shape[0] != batch.token_adapter.shape[0]:
-        raise ValueError(f"{name}: x has {x.shape[0]} tokens, the LoRA batch {batch.token_adapter.shape[0]}")
-    if pool_layer.dim() != 2 or pool_layer.shape[1] != batch.row_width:
-        raise ValueError(f"pool_layer must be [rows, {batch.row_width}], got {list(pool_layer.shape)}")
+    if x.shape[0] != plan.num_tokens:
+        raise ValueError(f"{name}: x has {x.shape[0]} tokens, the LoRA plan {plan.num_tokens}")
+    if pool_layer.dim() != 2 or pool_layer.shape[1] != plan.row_width:
+        raise ValueError(f"pool_layer must be [rows, {plan.row_width}], got {list(pool_layer.shape)}")
     if not pool_layer.is_contiguous():
         raise ValueError("pool_layer must be contiguous (row stride == row width)")
     if x.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError(f"x and y need unit stride along features, got {x.stride()} and {y.stride()}")
     if not x.dtype == y.dtype == pool_layer.dtype:
         raise ValueError(f"x, y and pool_layer must share a dtype, got {x.dtype}, {y.dtype}, {pool_layer.dtype}")
-    tables = (batch.token_adapter, batch.seg_start, batch.seg_len, batch.seg_adapter, batch.rank)
-    tables += (batch.page_table, batch.a_offset, batch.b_offset, batch.layer_active)
-    devices = {t.device for t in (y, x, pool_layer, batch.scale, *tables)}
+    tables = plan.tables.all()
+    devices = {t.device for t in (y, x, pool_layer, *tables)}
     if len(devices) != 1:
-        raise ValueError(f"x, y, pool_layer and the LoRA batch's tables must be on one device, got {devices}")
-    if any(t.dtype != torch.int32 for t in tables) or batch.scale.dtype != torch.float32:
-        raise ValueError("LoraBatch tables must be int32 (scale float32)")
+        raise ValueError(f"x, y, pool_layer and the LoRA plan's tables must be on one device, got {devices}")
+    integer = [t for t in tables if t is not plan.tables.scale]
+    if any(t.dtype != torch.int32 for t in integer) or plan.tables.scale.dtype != torch.float32:
+        raise ValueError("LoRA tables must be int32 (scale float32)")
     if any(not t.is_contiguous() for t in tables):
-        raise ValueError("LoraBatch tables must be contiguous")
+        raise ValueError("LoRA tables must be contiguous")
+    if not isinstance(plan.prepared, list):
+        raise ValueError("the LoRA plan was not prepared for the triton backend (prepare_lora_triton)")
 
 
-def lora_apply_triton(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    pool_layer: torch.Tensor,
-    batch: LoraBatch,
-    layer: int,
-    module: int,
-    *,
-    path: str = "auto",
-    splits: int | None = None,
+def _launch(
+    y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, module: int
 ) -> None:
-    """y[t] += ((x[t] @ A^T) @ B) * scale[a] for every token t of an adapter segment (see module doc).
-
-    Shapes: y [T, d_out] (in place), x [T, d_in], pool_layer [rows, W]. `path` ("auto", "token",
-    "segment") and `splits` (the shrink's reduction split) are for tests and benchmarks; the
-    result does not depend on them beyond rounding.
-    """
-    if path not in PATHS:
-        raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
-    _check(y, x, pool_layer, batch, module)
-    # Host mirrors: which adapters do anything here, and the largest rank among them.
-    ranks = [
-        r
-        for r, offsets, layers in zip(batch.ranks, batch.a_offsets, batch.layers_active, strict=True)
-        if offsets[module] >= 0 and layers[layer]
-    ]
-    if batch.empty or not ranks or x.shape[0] == 0:
+    p = plan.prepared[module]
+    if p is None or layer not in p.layers:
         return
-    num_tokens = x.shape[0]
-    w, rpp = batch.row_width, batch.rows_per_page
-    c_in, c_out = batch.c_in[module], batch.c_out[module]
-    block_r = _pow2_at_least(max(ranks), 16)  # tl.dot needs K >= 16 on GPU; data is never padded
-    width = triton.next_power_of_2(w)
-    if path == "auto":
-        path = "token" if batch.max_seg_len <= TOKEN_PATH_MAX_SEG_LEN else "segment"
-    common = (batch.page_table, batch.page_table.stride(0))
-    active = (batch.layer_active, batch.layer_active.stride(0), module, layer, num_tokens)
-
-    if path == "token":
-        # weight tiles of at most 8192 elements: [BLOCK_R, BLOCK_K] stays in registers at rank 128
-        block_k = block_n = min(width, max(16, 8192 // block_r))
-        k_blocks = c_in * triton.cdiv(w, block_k)
-        splits = splits or _num_splits(num_tokens, k_blocks, x.device)
-        v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
-        _shrink_token_kernel[(num_tokens, splits)](
+    t = plan.tables
+    num_tokens, w, rpp = plan.num_tokens, plan.row_width, plan.rows_per_page
+    c_in, c_out = plan.c_in[module], plan.c_out[module]
+    common = (t.page_table, t.page_table.stride(0))
+    active = (t.layer_active, t.layer_active.stride(0), module, layer, num_tokens)
+    if p.path == "token":
+        _shrink_token_kernel[(num_tokens, p.splits)](
             x,
             x.stride(0),
             pool_layer,
-            v,
-            batch.token_adapter,
-            batch.rank,
+            p.v,
+            t.token_adapter,
+            t.rank,
             *common,
-            batch.a_offset,
+            t.a_offset,
             *active,
-            batch.d_in[module],
+            plan.d_in[module],
             c_in,
-            splits,
+            p.splits,
             W=w,
             R=rpp,
-            BLOCK_R=block_r,
-            BLOCK_K=block_k,
+            BLOCK_R=p.block_r,
+            BLOCK_K=p.block_k,
         )
-        _expand_token_kernel[(num_tokens, c_out * triton.cdiv(w, block_n))](
+        _expand_token_kernel[(num_tokens, c_out * triton.cdiv(w, p.block_n))](
             y,
             y.stride(0),
             pool_layer,
-            v,
-            batch.token_adapter,
-            batch.rank,
-            batch.scale,
+            p.v,
+            t.token_adapter,
+            t.rank,
+            t.scale,
             *common,
-            batch.b_offset,
+            t.b_offset,
             *active,
-            batch.d_out[module],
+            plan.d_out[module],
             c_out,
-            splits,
+            p.splits,
             W=w,
             R=rpp,
-            BLOCK_R=block_r,
-            BLOCK_N=block_n,
+            BLOCK_R=p.block_r,
+            BLOCK_N=p.block_n,
         )
         return
-
-    block_m = 16 if batch.max_seg_len <= 16 or x.device.type != "cuda" else 32
-    block_k = block_n = max(16, min(width, 64))  # tl.dot needs K and N >= 16 on GPU
-    num_segments, tiles = len(batch.segments), triton.cdiv(batch.max_seg_len, block_m)
-    k_blocks = c_in * triton.cdiv(w, block_k)
-    splits = splits or _num_splits(num_segments * tiles, k_blocks, x.device)
+    num_segments, tiles = len(plan.segments), triton.cdiv(plan.max_seg_len, p.block_m)
     precision = "ieee" if x.dtype == torch.float32 else None  # exact float32 products, not tf32
-    v = torch.empty(splits, num_tokens, block_r, dtype=torch.float32, device=x.device)
-    segs = (batch.seg_start, batch.seg_len, batch.seg_adapter, batch.rank)
-    _shrink_segment_kernel[(num_segments, tiles, splits)](
+    segs = (t.seg_start, t.seg_len, t.seg_adapter, t.rank)
+    _shrink_segment_kernel[(num_segments, tiles, p.splits)](
         x,
         x.stride(0),
         pool_layer,
-        v,
+        p.v,
         *segs,
         *common,
-        batch.a_offset,
+        t.a_offset,
         *active,
-        batch.d_in[module],
+        plan.d_in[module],
         c_in,
-        splits,
+        p.splits,
         W=w,
         R=rpp,
-        BLOCK_M=block_m,
-        BLOCK_R=block_r,
-        BLOCK_K=block_k,
+        BLOCK_M=p.block_m,
+        BLOCK_R=p.block_r,
+        BLOCK_K=p.block_k,
         PRECISION=precision,
     )
-    _expand_segment_kernel[(num_segments, tiles, c_out * triton.cdiv(w, block_n))](
+    _expand_segment_kernel[(num_segments, tiles, c_out * triton.cdiv(w, p.block_n))](
         y,
         y.stride(0),
         pool_layer,
-        v,
+        p.v,
         *segs,
-        batch.scale,
+        t.scale,
         *common,
-        batch.b_offset,
+        t.b_offset,
         *active,
-        batch.d_out[module],
+        plan.d_out[module],
         c_out,
-        splits,
+        p.splits,
         W=w,
         R=rpp,
-        BLOCK_M=block_m,
-        BLOCK_R=block_r,
-        BLOCK_N=block_n,
+        BLOCK_M=p.block_m,
+        BLOCK_R=p.block_r,
+        BLOCK_N=p.block_n,
         PRECISION=precision,
     )

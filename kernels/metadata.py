@@ -16,20 +16,14 @@ import torch
 
 
 @dataclass
-class LoraBatch:
-    """Segments of tokens that share an adapter, and the adapters' rows in the pool.
+class LoraTables:
+    """The step's LoRA tables on the compute device: what the Triton kernels read.
 
     Tokens [seg_start[s], seg_start[s] + seg_len[s]) use adapter seg_adapter[s] (an index into the
     per-adapter tables). Tokens in no segment use no adapter. Segments are disjoint and sorted.
-
-    Per adapter a (A adapters in the step, M = 7 modules, L layers):
-      rank[a], scale[a]          LoRA rank and PEFT scale (alpha / r or alpha / sqrt(r))
-      page_table[a, :]           the adapter's pages; logical row l is at physical row
-                                 page_table[a, l // rows_per_page] * rows_per_page + l % rows_per_page
-      a_offset[a, m], b_offset[a, m]   first logical row of module m's A / B block (-1: not targeted)
-      layer_active[a, layer]     0 where the adapter has no weights in that layer
-    Per module m (same for every adapter): c_in[m], c_out[m] row chunks per rank vector; d_in[m],
-    d_out[m] true widths.
+    A adapters in the step, M = 7 modules (module m is LORA_MODULES[m]), L layers, S segments,
+    T tokens. An adapter's logical row l is at physical row
+    page_table[a, l // rows_per_page] * rows_per_page + l % rows_per_page.
     """
 
     seg_start: torch.Tensor  # int32 [S]
@@ -37,32 +31,56 @@ class LoraBatch:
     seg_adapter: torch.Tensor  # int32 [S]
     token_adapter: torch.Tensor  # int32 [T]: adapter index of each token, -1 for none
     rank: torch.Tensor  # int32 [A]
-    scale: torch.Tensor  # float32 [A]
-    page_table: torch.Tensor  # int32 [A, max_pages]
-    a_offset: torch.Tensor  # int32 [A, 7]
-    b_offset: torch.Tensor  # int32 [A, 7]
-    layer_active: torch.Tensor  # int32 [A, L]
-    c_in: tuple[int, ...]  # [7]
-    c_out: tuple[int, ...]  # [7]
-    d_in: tuple[int, ...]  # [7]
-    d_out: tuple[int, ...]  # [7]
+    scale: torch.Tensor  # float32 [A]: PEFT scale, alpha / r or alpha / sqrt(r)
+    page_table: torch.Tensor  # int32 [A, max_pages]: each adapter's pages, in logical order
+    a_offset: torch.Tensor  # int32 [A, M]: first logical row of module m's A block, -1 if not targeted
+    b_offset: torch.Tensor  # int32 [A, M]: the same for B
+    layer_active: torch.Tensor  # int32 [A, L]: 0 where the adapter has no weights in that layer
+
+    def all(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.seg_start,
+            self.seg_len,
+            self.seg_adapter,
+            self.token_adapter,
+            self.rank,
+            self.scale,
+            self.page_table,
+            self.a_offset,
+            self.b_offset,
+            self.layer_active,
+        )
+
+
+@dataclass
+class LoraPlan:
+    """One step's LoRA work, planned once on the host for every layer and module.
+
+    `tables` are the device tables; the rest are host values, so that no kernel call synchronizes
+    with the device or re-derives anything. `groups` are the projection groups the model applies
+    LoRA to in one call (module indices sharing an input, `LORA_GROUPS` in the engine); `prepared`
+    is what the step's kernel backend derived from the plan once (`KernelBackend.prepare_lora`):
+    index tables for the torch path, block sizes and paths for the Triton one.
+    """
+
+    tables: LoraTables
+    groups: tuple[tuple[int, ...], ...]
+    c_in: tuple[int, ...]  # [M]: row chunks per A rank vector of module m (the same for every adapter)
+    c_out: tuple[int, ...]  # [M]
+    d_in: tuple[int, ...]  # [M]: true widths
+    d_out: tuple[int, ...]  # [M]
     rows_per_page: int
     row_width: int
+    num_tokens: int
     max_seg_len: int
-    # Host mirrors, so torch code and grid sizing never synchronize with the device.
-    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (start, length, adapter)
-    ranks: list[int] = field(default_factory=list)
-    scales: list[float] = field(default_factory=list)
-    a_offsets: list[list[int]] = field(default_factory=list)
-    b_offsets: list[list[int]] = field(default_factory=list)
-    layers_active: list[list[bool]] = field(default_factory=list)
-    row_index: list[torch.Tensor] = field(default_factory=list)  # per adapter: int64 physical row of each logical row
-    # Built lazily by a backend and reused by every layer of the step (index plans, per module).
-    cache: dict = field(default_factory=dict)
-
-    @property
-    def empty(self) -> bool:
-        return not self.segments
+    segments: list[tuple[int, int, int]]  # (start, length, adapter)
+    ranks: list[int]  # [A]
+    scales: list[float]  # [A]
+    a_offsets: list[list[int]]  # [A][M]
+    b_offsets: list[list[int]]  # [A][M]
+    layers_active: list[list[bool]]  # [A][L]
+    pages: list[list[int]]  # [A]: each adapter's pages, in logical order
+    prepared: object = None
 
 
 @dataclass

@@ -16,14 +16,15 @@ so a float32 dense recomputation from them is exact up to the kernels' arithmeti
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_batch
+from loraserve.kernels.batch import ONE_MODULE_GROUPS, LoraGeometry, build_attention_batch, build_lora_plan
 from loraserve.kernels.batch import ceil_div as _ceil_div
-from loraserve.kernels.metadata import AttentionBatch, LoraBatch
-from loraserve.model_config import LORA_MODULES
+from loraserve.kernels.metadata import AttentionBatch, LoraPlan
+from loraserve.model_config import LORA_GROUPS, LORA_MODULES
 
 POPULARITIES = ("distinct", "uniform", "zipf", "identical")
 
@@ -50,6 +51,21 @@ def _chunk(matrix: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
     return padded.reshape(r * chunks, width)
 
 
+def _offsets(
+    targeted: set[int], r: int, c_in: tuple[int, ...], c_out: tuple[int, ...], stacked: bool
+) -> tuple[list[int], list[int], int]:
+    """(a_offsets, b_offsets, rows) of a rank-r adapter targeting these modules (see make_lora_pool)."""
+    a_offsets, b_offsets, off = [-1] * len(LORA_MODULES), [-1] * len(LORA_MODULES), 0
+    for group in LORA_GROUPS if stacked else ONE_MODULE_GROUPS:
+        present = [m for m in group if m in targeted]
+        b_off = off + r * sum(c_in[m] for m in present)
+        for m in present:
+            a_offsets[m], b_offsets[m] = off, b_off
+            off, b_off = off + r * c_in[m], b_off + r * c_out[m]
+        off = b_off
+    return a_offsets, b_offsets, off
+
+
 def make_lora_pool(
     geometry: LoraGeometry,
     ranks: list[int],
@@ -59,10 +75,13 @@ def make_lora_pool(
     seed: int = 0,
     inactive_layers: list[tuple[int, ...]] | None = None,
     spare_pages: int = 3,
+    stacked: bool = False,
 ) -> tuple[torch.Tensor, list[SyntheticAdapter]]:
     """A pool [L, pages * R, W] holding one adapter per rank, in scattered pages; the rest is noise.
 
     modules[i]: module indices adapter i targets; inactive_layers[i]: layers where it has no weights.
+    `stacked`: lay each adapter out as the engine's pool does, the A blocks of each group of
+    `LORA_GROUPS` stacked; else module by module, A then B (any layout the offsets describe works).
     Weights are N(0, 1/d) so that x @ A^T @ B stays O(|x|) whatever the widths and ranks.
     """
     g = torch.Generator().manual_seed(seed)
@@ -71,12 +90,7 @@ def make_lora_pool(
     packed: list[tuple[torch.Tensor, SyntheticAdapter]] = []
     for i, r in enumerate(ranks):
         targeted = set(modules[i])
-        off = 0
-        a_offsets, b_offsets = [-1] * len(LORA_MODULES), [-1] * len(LORA_MODULES)
-        for m in range(len(LORA_MODULES)):
-            if m in targeted:
-                a_offsets[m], b_offsets[m] = off, off + r * c_in[m]
-                off += r * (c_in[m] + c_out[m])
+        a_offsets, b_offsets, off = _offsets(targeted, r, c_in, c_out, stacked)
         inactive = set(inactive_layers[i]) if inactive_layers else set()
         layers = [layer not in inactive for layer in range(num_layers)]
         rows = torch.zeros(num_layers, max(off, 1), w)
@@ -130,22 +144,26 @@ def assign_adapters(popularity: str, num_requests: int, seed: int = 0) -> list[i
 
 
 def adapters_used(requests: list[tuple[int | None, int]]) -> list[int]:
-    """Adapters the requests use, in order of first use: LoraBatch's adapter a is adapters_used[a]."""
+    """Adapters the requests use, in order of first use: the LoRA plan's adapter a is adapters_used[a]."""
     return list(dict.fromkeys(a for a, n in requests if a is not None and n > 0))
 
 
-def make_lora_batch(
+def make_lora_plan(
     geometry: LoraGeometry,
     adapters: list[SyntheticAdapter],
     requests: list[tuple[int | None, int]],
     device: torch.device | str = "cpu",
-) -> LoraBatch | None:
-    """Metadata for a step whose requests are (adapter index or None, tokens): the runner's own builder.
+    prepare: Callable[[LoraPlan], object] | None = None,
+    groups: tuple[tuple[int, ...], ...] = ONE_MODULE_GROUPS,
+) -> LoraPlan | None:
+    """The LoRA plan of a step whose requests are (adapter index or None, tokens): the runner's own
+    builder. `groups` default to one module per group (kernel tests apply one module at a time).
 
     Consecutive requests of one adapter merge into one segment; only adapters some request uses are
     in the per-adapter tables (renumbered in order of first use). None when no token uses an adapter.
     """
-    return build_lora_batch(geometry, [(None if a is None else adapters[a], n) for a, n in requests], device)
+    seqs = [(None if a is None else adapters[a], n) for a, n in requests]
+    return build_lora_plan(geometry, seqs, device, prepare, groups)
 
 
 @dataclass

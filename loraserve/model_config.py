@@ -15,10 +15,13 @@ from loraserve.errors import InvalidModelError
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # The seven projections a LoRA adapter may target, in the order the pool lays out an adapter's
-# blocks and the kernels' per-module tables (LoraBatch) are indexed: module m is LORA_MODULES[m].
+# blocks and the kernels' per-module tables (`LoraTables`) are indexed: module m is LORA_MODULES[m].
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODULE_INDEX = {m: i for i, m in enumerate(LORA_MODULES)}
 ATTENTION_MODULES = LORA_MODULES[:4]  # under self_attn; the other three under mlp
+# Projections that read the same input, as module indices: q/k/v, o, gate/up, down. One LoRA shrink
+# serves a whole group (its adapters' A blocks are stacked in the pool, see worker/pool_layout.py).
+LORA_GROUPS = ((0, 1, 2), (3,), (4, 5), (6,))
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from loraserve.bench import attention_bench
 from loraserve.bench import kernels as bench
 from loraserve.kernels.attention_torch import attention_torch
-from loraserve.kernels.lora_torch import lora_apply_torch
+from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 from loraserve.kernels.synthetic import (
     LoraGeometry,
     make_bench_lora_pool,
-    make_lora_batch,
+    make_lora_plan,
     make_uniform_attention_case,
 )
 
@@ -124,11 +124,11 @@ def test_bench_lora_pool_has_make_lora_pools_layout():
     geometry = LoraGeometry.uniform(40, 72, 32, 8)  # widths not multiples of the row: padded chunks
     pool, adapters = make_bench_lora_pool(geometry, [3, 8, 5], (0, 4), torch.float32, keep_weights=True)
     requests = [(2, 3), (None, 1), (0, 1), (1, 2)]
-    batch = make_lora_batch(geometry, adapters, requests)
+    plan = make_lora_plan(geometry, adapters, requests, prepare=lambda p: prepare_lora_torch(p, torch.float32))
     x = torch.randn(7, 40)
     for module in (0, 4):
         y = torch.zeros(7, 72)
-        lora_apply_torch(y, x, pool[0], batch, 0, module)
+        lora_apply_torch((y,), x, pool[0], plan, 0, module)
         expected = torch.zeros(7, 72)
         for (adapter, _), rows in zip(requests, ([0, 1, 2], [3], [4], [5, 6]), strict=True):
             if adapter is not None:

@@ -17,22 +17,22 @@ y itself (|y| ~ 1-10) and of the rank vector the reference rounds to the input d
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
 from helpers import needs_cuda
 
-from loraserve.kernels.lora_torch import lora_apply_torch
-from loraserve.kernels.lora_triton import lora_apply_triton
-from loraserve.kernels.metadata import LoraBatch
+from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
+from loraserve.kernels.lora_triton import lora_apply_triton, prepare_lora_triton
+from loraserve.kernels.metadata import LoraPlan
 from loraserve.kernels.synthetic import (
     POPULARITIES,
     LoraGeometry,
     SyntheticAdapter,
     adapters_used,
     assign_adapters,
-    make_lora_batch,
+    make_lora_plan,
     make_lora_pool,
 )
 from loraserve.model_config import LORA_MODULES
@@ -62,14 +62,14 @@ def dense_reference(
     x: torch.Tensor,
     adapters: list[SyntheticAdapter],
     requests: list[tuple[int | None, int]],
-    batch: LoraBatch,
+    plan: LoraPlan,
     layer: int,
     module: int,
 ) -> torch.Tensor:
     """float32: y[t] + x[t] @ A^T @ B * scale, straight from the adapters' original matrices."""
     out, x32 = y.float().clone(), x.float()
     used = adapters_used(requests)
-    for t, a in enumerate(batch.token_adapter.tolist()):
+    for t, a in enumerate(plan.tables.token_adapter.tolist()):
         adapter = adapters[used[a]] if a >= 0 else None
         if adapter is None or (layer, module) not in adapter.weights:
             continue
@@ -97,19 +97,22 @@ def _run_both(
     seed: int = 0,
 ) -> None:
     device = pool.device
-    batch = make_lora_batch(geometry, adapters, requests, device=device)
-    assert batch is not None
+    plan = make_lora_plan(geometry, adapters, requests, device=device)
+    assert plan is not None
     g = torch.Generator().manual_seed(seed)
     num_tokens = sum(n for _, n in requests)
     x = torch.randn(num_tokens, geometry.d_in[module], generator=g).to(device=device, dtype=dtype)
     y0 = torch.randn(num_tokens, geometry.d_out[module], generator=g).to(device=device, dtype=dtype)
     reference = y0.clone()
-    lora_apply_torch(reference, x, pool[layer], batch, layer, module)
-    dense = dense_reference(y0, x, adapters, requests, batch, layer, module)
-    untouched = batch.token_adapter < 0
+    lora_apply_torch(
+        (reference,), x, pool[layer], replace(plan, prepared=prepare_lora_torch(plan, dtype)), layer, module
+    )
+    dense = dense_reference(y0, x, adapters, requests, plan, layer, module)
+    untouched = plan.tables.token_adapter < 0
     for path in paths:
         y = y0.clone()
-        lora_apply_triton(y, x, pool[layer], batch, layer, module, path=path, splits=splits)
+        prepared = prepare_lora_triton(plan, dtype, path=path, splits=splits)
+        lora_apply_triton(y, x, pool[layer], replace(plan, prepared=prepared), layer, module)
         _close(y, reference, dtype)
         _close(y, dense, dtype)
         assert torch.equal(y[untouched], y0[untouched]), f"{path}: a token without adapter changed"
@@ -169,32 +172,28 @@ def test_nothing_to_do_leaves_y_untouched(kernel_device: str):
     pool, adapters = make_lora_pool(
         SMALL, [4, 8], [(0,), (0,)], torch.float32, device=device, inactive_layers=[(1,), ()]
     )
-    batch = make_lora_batch(SMALL, adapters, [(0, 2), (None, 1)], device=device)
-    assert batch is not None
+    plan = make_lora_plan(SMALL, adapters, [(0, 2), (None, 1)], device, lambda p: prepare_lora_triton(p, torch.float32))
+    assert plan is not None
     x, y0 = torch.randn(3, 48, device=device), torch.randn(3, 80, device=device)
     y = y0.clone()
-    lora_apply_triton(y, x, pool[1], batch, 1, 0)  # adapter 0 has no weights in layer 1
-    lora_apply_triton(y, x, pool[0], batch, 0, 3)  # no adapter targets o_proj
+    lora_apply_triton(y, x, pool[1], plan, 1, 0)  # adapter 0 has no weights in layer 1
+    lora_apply_triton(y, x, pool[0], plan, 0, 3)  # no adapter targets o_proj
     assert torch.equal(y, y0)
     empty_i32 = torch.zeros(0, dtype=torch.int32, device=device)
-    empty = dataclasses.replace(
-        batch,
-        seg_start=empty_i32,
-        seg_len=empty_i32,
-        seg_adapter=empty_i32,
-        token_adapter=empty_i32,
-        segments=[],
-        max_seg_len=0,
+    tables = replace(
+        plan.tables, seg_start=empty_i32, seg_len=empty_i32, seg_adapter=empty_i32, token_adapter=empty_i32
     )
+    empty = replace(plan, tables=tables, segments=[], max_seg_len=0, num_tokens=0)
+    empty.prepared = prepare_lora_triton(empty, torch.float32)
     y = torch.zeros(0, 80, device=device)
     lora_apply_triton(y, torch.zeros(0, 48, device=device), pool[0], empty, 0, 0)  # an empty step
-    assert make_lora_batch(SMALL, adapters, [(None, 3)], device=device) is None  # the runner passes none then
+    assert make_lora_plan(SMALL, adapters, [(None, 3)], device=device) is None  # the runner passes none then
 
 
 def test_rejects_bad_arguments(kernel_device: str):
     device = kernel_device
     pool, adapters = make_lora_pool(SMALL, [4], [ALL], torch.float32, device=device)
-    batch = make_lora_batch(SMALL, adapters, [(0, 2)], device=device)
+    batch = make_lora_plan(SMALL, adapters, [(0, 2)], device, lambda p: prepare_lora_triton(p, torch.float32))
     assert batch is not None
     x, y = torch.randn(2, 48, device=device), torch.randn(2, 80, device=device)
     with pytest.raises(ValueError, match="share a dtype"):
@@ -210,7 +209,9 @@ def test_rejects_bad_arguments(kernel_device: str):
     with pytest.raises(ValueError, match="module index"):
         lora_apply_triton(y, x, pool[0], batch, 0, 7)
     with pytest.raises(ValueError, match="unknown path"):
-        lora_apply_triton(y, x, pool[0], batch, 0, 0, path="bgmv")
+        prepare_lora_triton(batch, torch.float32, path="bgmv")
+    with pytest.raises(ValueError, match="not prepared for the triton backend"):
+        lora_apply_triton(y, x, pool[0], replace(batch, prepared=None), 0, 0)
     if device == "cuda":  # CPU tensors are refused before they reach a kernel compiled for the GPU
         with pytest.raises(ValueError, match="one device"):
             lora_apply_triton(y.cpu(), x.cpu(), pool[0], batch, 0, 0)

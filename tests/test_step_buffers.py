@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_batch
+from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_plan
 from loraserve.kernels.step_buffers import StepBuffers, StepCapacity, StepCapacityError
 from loraserve.model_config import LORA_MODULES, ModelConfig
 from loraserve.worker.config import EngineConfig
@@ -43,7 +43,7 @@ class _Recorder:
         tensors = {"input_ids": input_ids, "positions": batch.positions}
         tensors |= {f"attention.{n}": getattr(batch.attention, n) for n in ATTENTION_TABLES}
         if batch.lora is not None:
-            tensors |= {f"lora.{n}": getattr(batch.lora, n) for n in LORA_TABLES}
+            tensors |= {f"lora.{n}": getattr(batch.lora.tables, n) for n in LORA_TABLES}
         self.steps.append({name: t.data_ptr() for name, t in tensors.items()})
         return self.model(input_ids, batch)
 
@@ -84,10 +84,7 @@ def test_engine_steps_refill_the_same_storage(tiny_model, tiny_adapters):
 
 def _adapter(rank: int, pages: list[int], layers=(True, True)) -> SimpleNamespace:
     offsets = [0, -1, 2 * rank, -1, -1, -1, -1]
-    rows = torch.arange(len(pages) * GEOMETRY.rows_per_page)
-    return SimpleNamespace(
-        rank=rank, scale=0.5, pages=pages, a_offsets=offsets, b_offsets=offsets, layers=list(layers), row_index=rows
-    )
+    return SimpleNamespace(rank=rank, scale=0.5, pages=pages, a_offsets=offsets, b_offsets=offsets, layers=list(layers))
 
 
 def _same(a, b, names) -> None:
@@ -101,18 +98,19 @@ def test_shared_buffers_build_what_fresh_ones_do():
     also after a wider step left other values in the storage."""
     buffers = StepBuffers(StepCapacity(32, 4, 8, 4, 8, 2), "cpu")
     wide, narrow = _adapter(4, [5, 1, 7, 2, 9]), _adapter(2, [3])
-    build_lora_batch(GEOMETRY, [(wide, 3), (narrow, 5), (None, 2), (wide, 1)], buffers)
+    build_lora_plan(GEOMETRY, [(wide, 3), (narrow, 5), (None, 2), (wide, 1)], buffers)
     build_attention_batch([([4, 8, 1, 3, 6], 36, 3), ([2], 0, 5)], 8, None, buffers)
     buffers.upload()
 
     seqs = [(narrow, 2), (None, 1), (_adapter(8, [0, 6], layers=(False, True)), 3)]
-    staged = build_lora_batch(GEOMETRY, seqs, buffers)
+    staged = build_lora_plan(GEOMETRY, seqs, buffers)
     attention = build_attention_batch([([3, 0, 5], 17, 1), ([7, 2], 4, 2)], 8, 4, buffers)
     buffers.upload()
-    _same(staged, build_lora_batch(GEOMETRY, seqs, "cpu"), LORA_TABLES)
+    _same(staged.tables, build_lora_plan(GEOMETRY, seqs, "cpu").tables, LORA_TABLES)
     _same(attention, build_attention_batch([([3, 0, 5], 17, 1), ([7, 2], 4, 2)], 8, 4, "cpu"), ATTENTION_TABLES)
     assert attention.page_table.tolist() == [[3, 0, 5], [7, 0, 0]]  # only the pages the tokens occupy
-    assert staged.layer_active.tolist() == [[1, 1], [0, 1]] and staged.token_adapter.tolist() == [0, 0, -1, 1, 1, 1]
+    tables = staged.tables
+    assert tables.layer_active.tolist() == [[1, 1], [0, 1]] and tables.token_adapter.tolist() == [0, 0, -1, 1, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -132,9 +130,9 @@ def test_an_oversized_step_raises(seqs, limit):
 def test_oversized_adapters_raise():
     buffers = StepBuffers(StepCapacity(8, 4, 4, 2, 2, 2), "cpu")
     with pytest.raises(StepCapacityError, match="max_adapter_pages=3"):
-        build_lora_batch(GEOMETRY, [(_adapter(4, [1, 2, 3]), 1)], buffers)
+        build_lora_plan(GEOMETRY, [(_adapter(4, [1, 2, 3]), 1)], buffers)
     with pytest.raises(StepCapacityError, match="max_adapters=3"):
-        build_lora_batch(GEOMETRY, [(_adapter(1, [i]), 1) for i in range(3)], buffers)
+        build_lora_plan(GEOMETRY, [(_adapter(1, [i]), 1) for i in range(3)], buffers)
     with pytest.raises(StepCapacityError, match="'input_ids' needs 9 entries"):
         buffers.put("input_ids", list(range(9)))
 

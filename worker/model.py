@@ -2,8 +2,10 @@
 
 A step's tokens — prefill chunks and decode tokens of many requests — are concatenated into one
 [T, hidden] tensor. Every projection runs once for the whole batch (x W^T), then the backend adds
-each adapter segment's LoRA term from the unified pool; attention reads and writes KV in the pool
-through the step's page tables. Nothing is global: the step's metadata arrives in `ForwardBatch`.
+the adapters' LoRA terms from the unified pool, once per group of projections that share an input
+(q/k/v, o, gate/up, down: `LORA_GROUPS`), as the step's LoRA plan prepared them; attention reads
+and writes KV in the pool through the step's page tables. Nothing is global: the step's metadata
+arrives in `ForwardBatch`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from torch import nn
 
 from loraserve.errors import InvalidModelError
 from loraserve.kernels.backend import KernelBackend
-from loraserve.kernels.metadata import AttentionBatch, LoraBatch
-from loraserve.model_config import MODULE_INDEX, ModelConfig
+from loraserve.kernels.metadata import AttentionBatch, LoraPlan
+from loraserve.model_config import LORA_GROUPS, LORA_MODULES, ModelConfig
 from loraserve.worker.rope import inverse_frequencies
 from loraserve.worker.weights import iter_tensors
 
@@ -32,9 +34,24 @@ class ForwardBatch:
 
     positions: torch.Tensor  # int64 [T]
     attention: AttentionBatch
-    lora: LoraBatch | None  # None when no token of the step uses an adapter
+    lora: LoraPlan | None  # None when no token of the step uses an adapter
     pool: torch.Tensor  # [L, rows, W]: the unified pool
     backend: KernelBackend
+
+    def add_lora(self, layer: int, group: int, x: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
+        """outputs[i] += the LoRA term of module LORA_GROUPS[group][i] on input x, for every adapter token."""
+        if self.lora is not None:
+            self.backend.lora_apply(outputs, x, self.pool[layer], self.lora, layer, group)
+
+
+# Index of each projection group in LORA_GROUPS, as the model applies them.
+QKV, O_PROJ, GATE_UP, DOWN = range(4)
+assert [tuple(LORA_MODULES[m] for m in g) for g in LORA_GROUPS] == [
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+]
 
 
 class RMSNorm(nn.Module):
@@ -51,19 +68,15 @@ class RMSNorm(nn.Module):
 
 
 class Projection(nn.Module):
-    """y = x W^T (+ b) for the whole batch, plus the LoRA term of each adapter segment."""
+    """y = x W^T (+ b) for the whole batch; the LoRA terms are added per group (`ForwardBatch.add_lora`)."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool, layer: int, name: str):
+    def __init__(self, d_in: int, d_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(d_out), requires_grad=False) if bias else None
-        self.layer, self.module = layer, MODULE_INDEX[name]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, d_out]
-        if batch.lora is not None:
-            batch.backend.lora_apply(y, x, batch.pool[self.layer], batch.lora, self.layer, self.module)
-        return y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [T, d_out]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,34 +91,43 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
         self.layer = layer
-        self.q_proj = Projection(c.hidden_size, c.q_width, c.qkv_bias, layer, "q_proj")
-        self.k_proj = Projection(c.hidden_size, c.kv_width, c.qkv_bias, layer, "k_proj")
-        self.v_proj = Projection(c.hidden_size, c.kv_width, c.qkv_bias, layer, "v_proj")
-        self.o_proj = Projection(c.q_width, c.hidden_size, c.o_bias, layer, "o_proj")
+        self.q_proj = Projection(c.hidden_size, c.q_width, c.qkv_bias)
+        self.k_proj = Projection(c.hidden_size, c.kv_width, c.qkv_bias)
+        self.v_proj = Projection(c.hidden_size, c.kv_width, c.qkv_bias)
+        self.o_proj = Projection(c.q_width, c.hidden_size, c.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x, batch).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, batch).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, batch)  # [T, H_kv * D]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # v: [T, H_kv * D]
+        batch.add_lora(self.layer, QKV, x, (q, k, v))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         q = q * cos[:, None] + rotate_half(q) * sin[:, None]
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
         pool_layer = batch.pool[self.layer]
         batch.backend.write_kv(pool_layer, k.reshape(t, -1), v, batch.attention)
-        out = batch.backend.attention(q, pool_layer, batch.attention, self.num_kv_heads, self.scale)
-        return self.o_proj(out.reshape(t, -1), batch)
+        out = batch.backend.attention(q, pool_layer, batch.attention, self.num_kv_heads, self.scale).reshape(t, -1)
+        y = self.o_proj(out)
+        batch.add_lora(self.layer, O_PROJ, out, (y,))
+        return y
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Projection(h, i, bias, layer, "gate_proj")
-        self.up_proj = Projection(h, i, bias, layer, "up_proj")
-        self.down_proj = Projection(i, h, bias, layer, "down_proj")
+        self.layer = layer
+        self.gate_proj = Projection(h, i, bias)
+        self.up_proj = Projection(h, i, bias)
+        self.down_proj = Projection(i, h, bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, batch)) * self.up_proj(x, batch), batch)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        batch.add_lora(self.layer, GATE_UP, x, (gate, up))
+        hidden = F.silu(gate) * up
+        y = self.down_proj(hidden)
+        batch.add_lora(self.layer, DOWN, hidden, (y,))
+        return y
 
 
 class DecoderLayer(nn.Module):

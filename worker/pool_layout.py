@@ -20,9 +20,12 @@ c_out = ceil(d_out / W):
     A block: r × c_in rows,  row j*c_in + c  = lora_A[j, c*W : (c+1)*W]     (lora_A: [r, d_in])
     B block: r × c_out rows, row j*c_out + c = lora_B[c*W : (c+1)*W, j]     (lora_B: [d_out, r])
 
-Blocks of the adapter's modules follow each other in `LORA_MODULES` order in the adapter's
-*logical* row space; logical row ℓ lives at physical row  pages[ℓ // R] * R + ℓ % R. Every layer
-uses the same logical layout, so one page list per adapter serves all layers. Widths that are
+Blocks of the adapter's modules follow each other group by group (`LORA_GROUPS`: q/k/v, o,
+gate/up, down) in the adapter's *logical* row space: first the A blocks of the group's targeted
+modules (in `LORA_MODULES` order), then their B blocks. The A blocks of projections that share an
+input are thus one stacked [k*r, d_in] matrix, read by one shrink. Logical row ℓ lives at physical
+row  pages[ℓ // R] * R + ℓ % R. Every layer uses the same logical layout, so one page list per
+adapter serves all layers. Widths that are
 multiples of W (hidden size, KV width and, in most models, the MLP width: 14336 = 14 × 1024 in
 Llama-3-8B) waste nothing; otherwise only the last chunk of each rank vector is padded.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from loraserve.model_config import LORA_MODULES, ModelConfig
+from loraserve.model_config import LORA_GROUPS, LORA_MODULES, ModelConfig
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -116,14 +119,19 @@ class PoolLayout:
         if unknown:
             raise ValueError(f"unknown LoRA modules {sorted(unknown)}")
         blocks, offset, useful = [], 0, 0
-        for module in LORA_MODULES:
-            if module not in modules:
-                continue
-            d_in, d_out = config.module_shape(module)
-            c_in, c_out = ceil_div(d_in, self.row_width), ceil_div(d_out, self.row_width)
-            blocks.append(ModuleBlock(module, d_in, d_out, c_in, c_out, offset, offset + rank * c_in))
-            offset += rank * (c_in + c_out)
-            useful += rank * (d_in + d_out)
+        for group in LORA_GROUPS:
+            targeted = [LORA_MODULES[m] for m in group if LORA_MODULES[m] in modules]
+            shapes = [config.module_shape(module) for module in targeted]
+            c_in = [ceil_div(d_in, self.row_width) for d_in, _ in shapes]
+            c_out = [ceil_div(d_out, self.row_width) for _, d_out in shapes]
+            b_offset = offset + rank * sum(c_in)  # the group's A blocks first, stacked, then its B blocks
+            for module, (d_in, d_out), ci, co in zip(targeted, shapes, c_in, c_out, strict=True):
+                blocks.append(ModuleBlock(module, d_in, d_out, ci, co, offset, b_offset))
+                offset += rank * ci
+                b_offset += rank * co
+                useful += rank * (d_in + d_out)
+            offset = b_offset
+        blocks.sort(key=lambda b: LORA_MODULES.index(b.module))
         layers = self.num_layers if active_layers is None else active_layers
         return AdapterLayout(
             rank=rank,

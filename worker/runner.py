@@ -9,12 +9,13 @@ metadata tensor the kernels read sits at the same address every step (what CUDA 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from loraserve.kernels.backend import KernelBackend
-from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_batch
+from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_plan, lora_order
 from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.model_config import LORA_MODULES, ModelConfig
 from loraserve.worker.config import EngineConfig
@@ -74,23 +75,34 @@ class ModelRunner:
         if capacity is None:
             capacity = step_capacity(EngineConfig(), layout, model.config, model.config.max_position_embeddings)
         self.buffers = StepBuffers(capacity, self.device)
+        dtype = pool_tensor.dtype
+        self._prepare = lambda plan: backend.prepare_lora(plan, dtype)
+        self.host_seconds = 0.0  # cumulative: building each step's metadata and plan, before its forward pass
 
     @torch.inference_mode()
     def execute(self, batch: list[SeqChunk]) -> RunnerOutput:
+        started = time.perf_counter()
         buffers = self.buffers
+        order = lora_order(
+            [None if c.adapter is None else id(c.adapter) for c in batch],
+            [0 if c.adapter is None else c.adapter.rank for c in batch],
+            [len(c.token_ids) for c in batch],
+        )
+        batch = [batch[i] for i in order]
         attention = build_attention_batch(
             [(c.kv_pages, c.start, len(c.token_ids)) for c in batch],
             self.layout.tokens_per_page,
             self.model.config.sliding_window,
             buffers,
         )
-        lora = build_lora_batch(self.geometry, [(c.adapter, len(c.token_ids)) for c in batch], buffers)
+        lora = build_lora_plan(self.geometry, [(c.adapter, len(c.token_ids)) for c in batch], buffers, self._prepare)
         ids = buffers.put("input_ids", [t for c in batch for t in c.token_ids])
         positions = buffers.put("positions", [p for c in batch for p in range(c.start, c.start + len(c.token_ids))])
         sampling = [(i, c) for i, c in enumerate(batch) if c.sample is not None]
         last = buffers.put("last", [attention.query_starts[i + 1] - 1 for i, _ in sampling])
         buffers.upload()
         forward = ForwardBatch(positions, attention, lora, self.pool_tensor, self.backend)
+        self.host_seconds += time.perf_counter() - started
         hidden = self.model(ids, forward)
         if not sampling:
             return RunnerOutput({})
