@@ -91,9 +91,9 @@ def test_first_step_logits_match_peft(tiny_model, tiny_adapters):
     first = seen[0]  # one row per request, in the runner's order (grouped by adapter, base-only last)
     assert first.shape[0] == len(requests)
     unmatched = list(range(len(requests)))
-    for i, r in enumerate(requests):
+    for r in requests:
         expected = hf_logits(tiny_model, tiny_adapters.get(r.adapter), r.prompt_ids)
-        # the row of request i: the closest one; it must then match within the tolerance
+        # the request's row: the closest one; it must then match within the tolerance
         row = min(unmatched, key=lambda row: float((first[row] - expected).abs().max()))
         torch.testing.assert_close(first[row], expected, atol=LOGITS_TOL["float32"], rtol=LOGITS_TOL["float32"])
         unmatched.remove(row)
