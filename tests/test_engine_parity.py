@@ -6,6 +6,8 @@ equivalent summation orders: batched GEMMs, SDPA over the pool); greedy tokens a
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import TinySpec, hf_greedy, hf_logits, make_adapter, make_model
@@ -68,8 +70,8 @@ def test_mixed_batch_is_token_exact_with_peft(tiny_model, tiny_adapters, oracle)
 
 @pytest.mark.parametrize(
     "variant",
-    [{"backend": "torch-bmm"}, {"adapter_pool_fraction": 0.7, "pool_pages": 400}],
-    ids=["bmm", "split-pool"],
+    [{"backend": "torch-bmm"}, {"adapter_pool_fraction": 0.7, "pool_pages": 400}, {"pad_decode_steps": True}],
+    ids=["bmm", "split-pool", "padded-decode"],
 )
 def test_benchmark_variants_are_token_exact(tiny_model, tiny_adapters, oracle, variant):
     """The ablations `loraserve bench` measures compute the same thing, only differently."""
@@ -205,3 +207,37 @@ def test_half_precision_logits_close_to_float32(tiny_model, tiny_adapters, dtype
     engine.step()
     expected = hf_logits(tiny_model, tiny_adapters["r16-all-rslora"], PROMPTS[0])
     torch.testing.assert_close(seen[0][0], expected, atol=tol * expected.abs().max().item(), rtol=0)
+
+
+def test_padded_decode_steps_match_unpadded(tiny_model, tiny_adapters):
+    """Decode steps padded to the CUDA-graph batch sizes give the same tokens and logits as unpadded
+    ones, whatever the batch size (requests finish at different lengths, so the padding varies)."""
+    requests = [
+        GenerateRequest(prompt_ids=p, adapter=a, sampling=SamplingParams(max_new_tokens=3 + 2 * i, ignore_eos=True))
+        for i, (p, a) in enumerate(zip(PROMPTS * 2, [None, *tiny_adapters] * 2, strict=True))
+    ]
+    runs = {}
+    for padded in (False, True):
+        engine = _engine(tiny_model, tiny_adapters, pad_decode_steps=padded, max_batch_size=12)
+        logits: list[torch.Tensor] = []
+        original = engine.model.logits
+        engine.model.logits = lambda hidden, original=original, logits=logits: (
+            logits.append(original(hidden)) or logits[-1]
+        )
+        sizes: list[tuple[int, int]] = []  # (sequences, after padding) of each padded step
+        if padded:
+            pad = engine.runner.decode_padding.pad
+            engine.runner.decode_padding = SimpleNamespace(
+                pad=lambda b, pad=pad, sizes=sizes: sizes.append((len(b), len(p := pad(b)))) or p
+            )
+        runs[padded] = ([r.token_ids for r in engine.generate(requests)], logits)
+        engine.pool.check_invariants()
+        assert engine.stats()["pool"]["kv_pages"] == (1 if padded else 0)  # the pads' page stays reserved
+    assert runs[True][0] == runs[False][0]
+    for padded_logits, plain in zip(runs[True][1], runs[False][1], strict=True):
+        torch.testing.assert_close(padded_logits, plain, atol=1e-5, rtol=1e-5)
+        if padded:
+            decode = [(n, m) for n, m in sizes if n != m or n in engine.config.decode_buckets()]
+            assert any(n < m for n, m in decode), "some decode step was padded"
+            assert all(m in engine.config.decode_buckets() for _, m in decode)
+    assert engine.config.decode_buckets() == [1, 2, 4, 8, 12]

@@ -32,6 +32,9 @@ class EngineConfig:
     prefetch_reserve: float = 0.10  # share of pages prefetch leaves free for KV growth
     seed: int = 0  # seeds requests that carry no seed of their own, in arrival order
     adapter_cache_bytes: int | None = None  # host RAM for adapter weights (LRU); None: keep every adapter
+    # Pad decode-only steps to a batch-size bucket (`decode_buckets`), the fixed shapes a CUDA graph
+    # is captured at; the pads are sequences of one token on a KV page kept aside for them.
+    pad_decode_steps: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -62,6 +65,11 @@ class EngineConfig:
             bad("max_model_len", "must be >= 2")
         if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:
             bad("adapter_cache_bytes", "must be >= 0, or unset to keep every adapter")
+
+    def decode_buckets(self) -> list[int]:
+        """The batch sizes decode steps are padded to: 1, 2, 4, 8, then every multiple of 8, up to max_batch_size."""
+        sizes = [b for b in (1, 2, 4) if b < self.max_batch_size] + list(range(8, self.max_batch_size, 8))
+        return [*sizes, self.max_batch_size]
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -44,12 +44,14 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.model import load_model
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.request import FinishReason, Request
-from loraserve.worker.runner import ModelRunner, RunnerOutput, step_capacity
+from loraserve.worker.runner import DecodePadding, ModelRunner, RunnerOutput, step_capacity
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
 from loraserve.worker.unified_pool import UnifiedPool
 
 log = logging.getLogger(__name__)
+
+PAD_SEQUENCE = object()  # owns the KV page padded decode steps write to (no request id can equal it)
 
 
 class Cached(enum.Enum):
@@ -134,7 +136,10 @@ class Engine:
         self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
         backend = select_backend(config.backend, self.device)
         capacity = step_capacity(config, self.layout, self.model_config, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend, capacity)
+        padding = None
+        if config.pad_decode_steps:
+            padding = DecodePadding(tuple(config.decode_buckets()), self.pool.reserve_kv_page(PAD_SEQUENCE))
+        self.runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend, capacity, padding)
         self.requests: dict[str, Request] = {}
         self._aborted: dict[str, str | None] = {}  # request id -> error (None: cancelled), ended next step
         self._seeds = itertools.count(config.seed)

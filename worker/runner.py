@@ -47,6 +47,26 @@ def step_capacity(config: EngineConfig, layout: PoolLayout, model: ModelConfig, 
     )
 
 
+@dataclass(frozen=True)
+class DecodePadding:
+    """Pads a decode-only step (every sequence one token) to the next of `buckets` sequences.
+
+    A pad is a sequence of one token (id 0) at position 0 on `scratch_page`, a KV page the engine
+    keeps aside: it writes and reads only that page, uses no adapter and is not sampled, so the
+    real sequences compute what they would unpadded. Steps with a prefill chunk are not padded.
+    """
+
+    buckets: tuple[int, ...]  # ascending; the last is the largest step
+    scratch_page: int
+
+    def pad(self, batch: list[SeqChunk]) -> list[SeqChunk]:
+        if not batch or any(len(c.token_ids) != 1 for c in batch):
+            return batch
+        target = next(b for b in self.buckets if b >= len(batch))
+        pad = SeqChunk("", [0], 0, [self.scratch_page], None, None)
+        return batch + [pad] * (target - len(batch))
+
+
 class ModelRunner:
     """The forward pass of one step over plain data, its metadata staged in buffers allocated once.
 
@@ -61,6 +81,7 @@ class ModelRunner:
         layout: PoolLayout,
         backend: KernelBackend,
         capacity: StepCapacity | None = None,
+        decode_padding: DecodePadding | None = None,
     ):
         self.model, self.pool_tensor, self.layout, self.backend = model, pool_tensor, layout, backend
         self.device = pool_tensor.device
@@ -75,6 +96,7 @@ class ModelRunner:
         if capacity is None:
             capacity = step_capacity(EngineConfig(), layout, model.config, model.config.max_position_embeddings)
         self.buffers = StepBuffers(capacity, self.device)
+        self.decode_padding = decode_padding
         dtype = pool_tensor.dtype
         self._prepare = lambda plan: backend.prepare_lora(plan, dtype)
         self.host_seconds = 0.0  # cumulative: building each step's metadata and plan, before its forward pass
@@ -89,6 +111,8 @@ class ModelRunner:
             [len(c.token_ids) for c in batch],
         )
         batch = [batch[i] for i in order]
+        if self.decode_padding is not None:
+            batch = self.decode_padding.pad(batch)
         attention = build_attention_batch(
             [(c.kv_pages, c.start, len(c.token_ids)) for c in batch],
             self.layout.tokens_per_page,

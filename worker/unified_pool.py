@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraserve.errors import ResourceExhaustedError
 from loraserve.model_config import ModelConfig
 from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
@@ -175,6 +176,12 @@ class UnifiedPool:
     def grow_kv(self, seq: Hashable, num_tokens: int) -> bool:
         """Room for `num_tokens` tokens of `seq` from free pages (never evicts); False if there is none."""
         return self._pages.grow_kv(seq, num_tokens)
+
+    def reserve_kv_page(self, seq: Hashable) -> int:
+        """One KV page for `seq`, kept for the pool's lifetime (padded steps write there); its number."""
+        if not self._pages.grow_kv(seq, 1):
+            raise ResourceExhaustedError("no free page left to reserve for decode padding")
+        return self._pages.kv_page_table(seq)[0]
 
     def free_kv(self, seq: Hashable) -> None:
         self._pages.free_kv(seq)
