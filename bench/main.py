@@ -19,6 +19,10 @@ adapters while workers are killed, stopped and drained at random, against an und
 `--suite abuse` runs the whole stack under connection floods, oversized bodies, idle connections
 and a soak (`bench/abuse.py`), recording outages, role restarts and peak memory.
 
+`--suite overhead` measures what LoRA costs over the base model in the offline engine
+(`bench/overhead.py`): the same requests with 32 adapters and with none, per model, and the
+throughput with 1000 distinct adapters over one.
+
 `--suite scheduling` compares the default scheduling policy with `fcfs` on the same traces
 (`bench/scheduling.py`): a simulated stack driving the real policy, with step costs measured on the
 real engine.
@@ -33,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench import abuse, chaos, scheduling
+from loraserve.bench import abuse, chaos, overhead, scheduling
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -47,7 +51,7 @@ log = logging.getLogger(__name__)
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
-SUITES = ("serving", "chaos", "scheduling", "abuse")  # bench/chaos.py, bench/scheduling.py, bench/abuse.py
+SUITES = ("serving", "chaos", "scheduling", "abuse", "overhead")  # bench/<suite>.py
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
@@ -143,6 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chaos.add_arguments(p)
     scheduling.add_arguments(p)
     abuse.add_arguments(p)
+    overhead.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -385,6 +390,8 @@ def main(args: argparse.Namespace) -> int:
         return scheduling.main(args)
     if args.suite == "abuse":
         return abuse.main(args)
+    if args.suite == "overhead":
+        return overhead.main(args)
     args = _resolved(args)
     quiet = max(logging.WARNING, logging.getLogger().level)
     for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):

@@ -1,0 +1,264 @@
+"""`loraserve bench --suite overhead`: what LoRA costs over the base model, in the offline engine.
+
+    loraserve bench --suite overhead --quick --out /tmp/overhead     # a few minutes on 2 CPU cores
+    loraserve bench --suite overhead --out results/                   # three models, n = 1000
+
+Per model, the same requests run with adapters and with none, alternately, in one process: `batch`
+requests queued at once (prompts of 8–32 random tokens, 16–128 output tokens, greedy, EOS ignored),
+request i using adapter i mod n (32 distinct adapters of ranks 8/16/32 on q/k/v/o by default). Each
+side runs `repeats` times and keeps its fastest run, so both are measured under the same conditions.
+Models: the demo model and random Llamas of ~25M and ~100M parameters (`bench/random_model.py`,
+written once under the adapter cache).
+
+Then, on the ~25M model (else the first model measured), the scaling ratio: LoRA tokens/s with n
+distinct adapters (1000; 200 in --quick) over one adapter, saturated (every request queued at
+once, batch 64).
+
+DIR/results.json is {"machine": ..., "records": [...]}; an overhead record has
+`kind, model, parameters, backend, threads, n_adapters, ranks, batch, tokens, tokens_per_s_base,
+tokens_per_s_lora, overhead` (lora time / base time - 1), `step_ms_base, step_ms_lora,
+host_ms_per_step` (the runner's host-side planning per step, in the LoRA run) and
+`adapter_mb_per_step`; a scaling record has `kind, model, n_adapters, ranks, batch,
+tokens_per_s_n1, tokens_per_s_n, ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.bench.engine_system import AdapterBank, warm_up
+from loraserve.bench.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.workload import round_robin_ranks
+from loraserve.demo.assets import DEMO_MODEL_DIR
+
+log = logging.getLogger(__name__)
+
+OVERHEAD_RANKS = (8, 16, 32)
+
+
+@dataclass(frozen=True)
+class RandomShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+RANDOM_MODELS = {
+    "random-25m": RandomShape(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536),
+    "random-100m": RandomShape(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    models: tuple[str, ...]
+    repeats: int
+    output_len: tuple[int, int]
+    scaling_n: int
+    scaling_requests: int
+    scaling_output: int
+
+
+FULL = Preset(("demo", "random-25m", "random-100m"), 3, (16, 128), 1000, 256, 32)
+QUICK = Preset(("demo", "random-25m"), 2, (16, 64), 200, 128, 16)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overhead-batch", type=int, default=64, help="overhead suite: requests queued at once")
+    p.add_argument("--overhead-adapters", type=int, default=32, help="overhead suite: distinct adapters")
+    p.add_argument(
+        "--overhead-models", nargs="+", help="overhead suite: demo, random-25m, random-100m (default: the preset's)"
+    )
+    p.add_argument("--overhead-scaling-n", type=int, help="overhead suite: distinct adapters of the scaling ratio")
+    p.add_argument("--overhead-output-len", type=int, nargs=2, help="overhead suite: output tokens, low high")
+    p.add_argument("--overhead-repeats", type=int, help="overhead suite: runs per side, the fastest kept")
+
+
+def model_dir(name: str, cache: Path) -> Path:
+    """The model's directory; a random model is written under `cache` the first time."""
+    if name == "demo":
+        return DEMO_MODEL_DIR
+    from loraserve.bench.random_model import write_random_llama
+
+    shape = RANDOM_MODELS[name]
+    path = cache / f"{name}-h{shape.hidden}-l{shape.layers}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        write_random_llama(tmp, seed=0, **vars(shape))
+        tmp.rename(path)
+    return path
+
+
+def _requests(batch: int, output_len: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, 1000) for _ in range(rng.randrange(8, 33))], rng.randrange(output_len[0], output_len[1] + 1))
+        for _ in range(batch)
+    ]
+
+
+def _run(engine, requests, adapters: list[str | None]) -> dict:
+    """Every request queued at once, run to the end: seconds, steps, host seconds, adapter bytes."""
+    from loraserve.worker.sampling import SamplingParams
+
+    steps0, host0, read0 = engine.steps, engine.runner.host_seconds, engine.adapter_bytes_read
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(requests):
+        sampling = SamplingParams(max_new_tokens=n, ignore_eos=True, seed=0)
+        engine.add_request(prompt, sampling, adapters[i % len(adapters)], f"r{time.monotonic_ns()}-{i}")
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    seconds = time.perf_counter() - start
+    steps = engine.steps - steps0
+    return {
+        "seconds": seconds,
+        "steps": steps,
+        "tokens": tokens,
+        "host_s": engine.runner.host_seconds - host0,
+        "adapter_bytes": engine.adapter_bytes_read - read0,
+    }
+
+
+def _engine(path: Path, batch: int, adapters: dict[str, int], bank: AdapterBank, backend: str):
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+
+    config = EngineConfig(device="cpu", backend=backend, max_batch_size=batch, cpu_pool_memory_gb=2.0)
+    engine = Engine(path, config)
+    for name, rank in adapters.items():
+        engine.add_adapter(name, bank.get(name, rank))
+    warm_up(engine, adapters)
+    return engine
+
+
+def measure_overhead(name: str, path: Path, args: argparse.Namespace, preset: Preset) -> dict:
+    """One model: the same requests with adapters and without, alternately; the fastest of each."""
+    adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
+    bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
+    engine = _engine(path, args.overhead_batch, adapters, bank, "torch")
+    requests = _requests(args.overhead_batch, preset.output_len, args.seed)
+    names = list(adapters)
+    try:
+        base, lora = [], []
+        for _ in range(preset.repeats):
+            base.append(_run(engine, requests, [None]))
+            lora.append(_run(engine, requests, names))
+    finally:
+        engine.close()
+    b, lo = min(base, key=lambda r: r["seconds"]), min(lora, key=lambda r: r["seconds"])
+    if b["tokens"] != lo["tokens"]:
+        raise RuntimeError(f"{name}: base run generated {b['tokens']} tokens, LoRA run {lo['tokens']}")
+    parameters = sum(p.numel() for p in engine.model.parameters())
+    return {
+        "kind": "overhead",
+        "model": name,
+        "parameters": parameters,
+        "backend": "torch",
+        "threads": args.threads,
+        "n_adapters": len(names),
+        "ranks": list(OVERHEAD_RANKS),
+        "batch": args.overhead_batch,
+        "tokens": b["tokens"],
+        "tokens_per_s_base": round(b["tokens"] / b["seconds"], 1),
+        "tokens_per_s_lora": round(lo["tokens"] / lo["seconds"], 1),
+        "overhead": round(lo["seconds"] / b["seconds"] - 1, 4),
+        "step_ms_base": round(1000 * b["seconds"] / b["steps"], 3),
+        "step_ms_lora": round(1000 * lo["seconds"] / lo["steps"], 3),
+        "host_ms_per_step": round(1000 * lo["host_s"] / lo["steps"], 3),
+        "adapter_mb_per_step": round(lo["adapter_bytes"] / lo["steps"] / 2**20, 2),
+        "base_mb_per_step": round(engine.base_bytes / 2**20, 2),
+    }
+
+
+def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: Preset) -> dict:
+    """LoRA tokens/s with n distinct adapters over one adapter, the same saturated requests."""
+    n = args.overhead_scaling_n or preset.scaling_n
+    adapters = round_robin_ranks(n, OVERHEAD_RANKS)
+    bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
+    requests = _requests(preset.scaling_requests, (preset.scaling_output, preset.scaling_output), args.seed)
+    engine = _engine(path, args.overhead_batch, adapters, bank, "torch")
+    try:
+        one = [_run(engine, requests, [next(iter(adapters))]) for _ in range(preset.repeats)]
+        many = [_run(engine, requests, list(adapters)) for _ in range(preset.repeats)]
+    finally:
+        engine.close()
+    t1 = max(r["tokens"] / r["seconds"] for r in one)
+    tn = max(r["tokens"] / r["seconds"] for r in many)
+    return {
+        "kind": "scaling",
+        "model": name,
+        "backend": "torch",
+        "threads": args.threads,
+        "n_adapters": n,
+        "ranks": list(OVERHEAD_RANKS),
+        "batch": args.overhead_batch,
+        "requests": len(requests),
+        "tokens_per_s_n1": round(t1, 1),
+        "tokens_per_s_n": round(tn, 1),
+        "ratio": round(tn / t1, 3),
+    }
+
+
+def print_report(records: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="LoRA overhead (offline engine)")
+    columns = ("model", "n_adapters", "batch", "tokens_per_s_base", "tokens_per_s_lora", "overhead")
+    columns += ("step_ms_base", "step_ms_lora", "host_ms_per_step", "adapter_mb_per_step")
+    for c in columns:
+        table.add_column(c, justify="left" if c == "model" else "right")
+    for r in records:
+        if r["kind"] == "overhead":
+            table.add_row(*[str(r[c]) for c in columns])
+    console = Console(width=160)
+    console.print(table)
+    for r in records:
+        if r["kind"] == "scaling":
+            console.print(
+                f"{r['model']}: n={r['n_adapters']} / n=1, saturated: {r['tokens_per_s_n']} / {r['tokens_per_s_n1']}"
+                f" tokens/s = {r['ratio']}"
+            )
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    preset = QUICK if args.quick else FULL
+    preset = Preset(
+        tuple(args.overhead_models or preset.models),
+        args.overhead_repeats or preset.repeats,
+        tuple(args.overhead_output_len or preset.output_len),
+        preset.scaling_n,
+        preset.scaling_requests,
+        preset.scaling_output,
+    )
+    torch.set_num_threads(args.threads)
+    for noisy in ("loraserve.worker", "loraserve.kernels"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
+    records = []
+    for name in preset.models:
+        records.append(measure_overhead(name, model_dir(name, cache), args, preset))
+        log.info("overhead %s: %s", name, records[-1])
+    scaling = "random-25m" if "random-25m" in preset.models else preset.models[0]
+    records.append(measure_scaling(scaling, model_dir(scaling, cache), args, preset))
+    print_report(records)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        cpu = platform.processor() or platform.machine()
+        machine = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+        (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))
+        print(f"results: {args.out / 'results.json'}")
+    return 0

@@ -1,0 +1,59 @@
+"""`loraserve bench --suite overhead` through its CLI, at a tiny size: the records and their arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraserve.bench import main as bench_main
+from loraserve.bench import overhead
+from loraserve.flags import EnvArgumentParser
+
+OVERHEAD_FIELDS = (
+    "model",
+    "backend",
+    "n_adapters",
+    "ranks",
+    "batch",
+    "tokens_per_s_base",
+    "tokens_per_s_lora",
+    "overhead",
+    "step_ms_base",
+    "step_ms_lora",
+    "host_ms_per_step",
+)
+
+
+def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
+    measured = []
+    run = overhead._run
+    monkeypatch.setattr(overhead, "_run", lambda e, r, a: measured.append((len(a), out := run(e, r, a))) or out)
+    parser = EnvArgumentParser()
+    bench_main.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            *("--suite", "overhead", "--quick", "--overhead-models", "demo", "--overhead-batch", "8"),
+            *("--overhead-adapters", "4", "--overhead-output-len", "3", "6", "--overhead-repeats", "1"),
+            *("--overhead-scaling-n", "6", "--out", str(tmp_path / "out")),
+        ]
+    )
+    assert bench_main.main(args) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {"cpu", "cores", "torch"} <= set(results["machine"])
+    (record,) = [r for r in results["records"] if r["kind"] == "overhead"]
+    assert all(record[k] is not None for k in OVERHEAD_FIELDS), record
+    assert record["model"] == "demo" and record["n_adapters"] == 4 and record["batch"] == 8
+    assert record["ranks"] == [8, 16, 32] and record["backend"] == "torch"
+    assert record["tokens_per_s_base"] > 0 and record["tokens_per_s_lora"] > 0
+    assert record["step_ms_base"] > 0 and record["step_ms_lora"] > 0 and record["host_ms_per_step"] > 0
+    # overhead is lora time / base time - 1 over the same tokens: the tokens/s ratio
+    ratio = record["tokens_per_s_base"] / record["tokens_per_s_lora"] - 1
+    assert record["overhead"] == pytest.approx(ratio, abs=2e-3)
+    base_runs = [m for n, m in measured[:2] if n == 1]  # one repeat of each side, then the scaling runs
+    lora_runs = [m for n, m in measured[:2] if n == 4]
+    assert base_runs and lora_runs and {m["tokens"] for m in base_runs + lora_runs} == {record["tokens"]}
+    assert lora_runs[0]["adapter_bytes"] > 0 and base_runs[0]["adapter_bytes"] == 0  # the LoRA run used adapters
+    (scaling,) = [r for r in results["records"] if r["kind"] == "scaling"]
+    assert scaling["n_adapters"] == 6 and scaling["tokens_per_s_n1"] > 0 and scaling["tokens_per_s_n"] > 0
+    assert scaling["ratio"] == pytest.approx(scaling["tokens_per_s_n"] / scaling["tokens_per_s_n1"], abs=2e-3)
