@@ -112,6 +112,30 @@ def lora_order(adapters: Sequence[Hashable | None], ranks: Sequence[int], tokens
     return sorted(range(len(adapters)), key=key)
 
 
+class ReusePrepared:
+    """A backend's `prepare_lora` that returns the last result again when the plan's host values are
+    unchanged: in steady decode, consecutive steps run the same adapters in the same order with the
+    same token counts. What a backend prepares depends on nothing else, so reuse is exact."""
+
+    def __init__(self, prepare: Callable[[LoraPlan], object]):
+        self._prepare = prepare
+        self._key: tuple | None = None
+        self._prepared: object = None
+
+    def __call__(self, plan: LoraPlan) -> object:
+        key = (
+            plan.num_tokens,
+            plan.groups,
+            tuple(plan.segments),
+            tuple(plan.ranks),
+            tuple(plan.scales),
+            *(tuple(map(tuple, rows)) for rows in (plan.a_offsets, plan.b_offsets, plan.layers_active, plan.pages)),
+        )
+        if key != self._key:
+            self._key, self._prepared = key, self._prepare(plan)
+        return self._prepared
+
+
 def build_lora_plan(
     geometry: LoraGeometry,
     seqs: Sequence[tuple[PooledAdapter | None, int]],

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from loraserve.kernels.batch import lora_order
+from loraserve.kernels.batch import ReusePrepared, lora_order
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 from loraserve.kernels.synthetic import LoraGeometry, adapters_used, assign_adapters, make_lora_plan, make_lora_pool
 from loraserve.model_config import LORA_GROUPS
@@ -147,3 +147,28 @@ def test_engine_tokens_identical_in_any_step_order(monkeypatch):
     monkeypatch.setattr(runner, "lora_order", lambda adapters, ranks, tokens: list(range(len(adapters))))
     assert run() == ordered
     assert math.prod(len(t) for t in ordered) > 0
+
+
+def test_prepared_work_is_reused_only_for_an_unchanged_plan():
+    _, adapters = make_lora_pool(GEOMETRY, [8, 16, 8], [ALL] * 3, torch.float32, seed=4, stacked=True)
+    calls = []
+    prepare = ReusePrepared(lambda p: calls.append(p) or prepare_lora_torch(p, torch.float32))
+    requests = [(0, 1), (1, 1), (2, 1), (None, 1)]
+    first = make_lora_plan(GEOMETRY, adapters, requests, prepare=prepare, groups=LORA_GROUPS)
+    again = make_lora_plan(GEOMETRY, adapters, requests, prepare=prepare, groups=LORA_GROUPS)
+    assert again.prepared is first.prepared and len(calls) == 1  # a steady decode step: nothing re-planned
+    changed = [
+        [(0, 1), (1, 1), (2, 1), (None, 2)],  # more tokens without adapter
+        [(0, 2), (1, 1), (2, 1), (None, 1)],  # more tokens of one adapter
+        [(1, 1), (0, 1), (2, 1), (None, 1)],  # another order
+    ]
+    for other in changed:
+        plan = make_lora_plan(GEOMETRY, adapters, other, prepare=prepare, groups=LORA_GROUPS)
+        assert plan.prepared is not first.prepared
+    moved = [dict(vars(a)) for a in adapters]
+    moved[2]["pages"] = list(reversed(moved[2]["pages"]))  # the same adapter copied into other pages
+    moved_adapters = [type(a)(**m) for a, m in zip(adapters, moved, strict=True)]
+    plan = make_lora_plan(GEOMETRY, moved_adapters, requests, prepare=prepare, groups=LORA_GROUPS)
+    assert plan.prepared is not first.prepared
+    scaled = [type(a)(**{**vars(a), "scale": a.scale * 2}) for a in adapters]
+    assert make_lora_plan(GEOMETRY, scaled, requests, prepare=prepare, groups=LORA_GROUPS).prepared is not plan.prepared

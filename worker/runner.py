@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from loraserve.kernels.backend import KernelBackend
-from loraserve.kernels.batch import LoraGeometry, build_attention_batch, build_lora_plan, lora_order
+from loraserve.kernels.batch import LoraGeometry, ReusePrepared, build_attention_batch, build_lora_plan, lora_order
 from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.model_config import LORA_MODULES, ModelConfig
 from loraserve.worker.config import EngineConfig
@@ -98,7 +98,7 @@ class ModelRunner:
         self.buffers = StepBuffers(capacity, self.device)
         self.decode_padding = decode_padding
         dtype = pool_tensor.dtype
-        self._prepare = lambda plan: backend.prepare_lora(plan, dtype)
+        self._prepare = ReusePrepared(lambda plan: backend.prepare_lora(plan, dtype))
         self.host_seconds = 0.0  # cumulative: building each step's metadata and plan, before its forward pass
 
     @torch.inference_mode()
