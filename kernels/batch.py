@@ -112,6 +112,27 @@ def lora_order(adapters: Sequence[Hashable | None], ranks: Sequence[int], tokens
     return sorted(range(len(adapters)), key=key)
 
 
+ModuleApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LoraPlan, int, int], None]
+
+
+def module_by_module(apply_module: ModuleApply):
+    """A group apply (outputs, x, pool_layer, plan, layer, group) from a per-module one
+    (y, x, pool_layer, plan, layer, module): the group's modules one after another."""
+
+    def apply(
+        outputs: Sequence[torch.Tensor],
+        x: torch.Tensor,
+        pool_layer: torch.Tensor,
+        plan: LoraPlan,
+        layer: int,
+        group: int,
+    ) -> None:
+        for y, module in zip(outputs, plan.groups[group], strict=True):
+            apply_module(y, x, pool_layer, plan, layer, module)
+
+    return apply
+
+
 class ReusePrepared:
     """A backend's `prepare_lora` that returns the last result again when the plan's host values are
     unchanged: in steady decode, consecutive steps run the same adapters in the same order with the

@@ -10,10 +10,9 @@ per-token weight gathering cost against the planned path. Shapes as in lora_torc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from loraserve.kernels.batch import module_by_module
 from loraserve.kernels.metadata import LoraPlan
 
 
@@ -25,13 +24,6 @@ def prepare_lora_bmm(plan: LoraPlan, dtype: torch.dtype) -> list[torch.Tensor]:
         logical = torch.arange(len(pages) * rpp)
         rows.append((torch.tensor(pages, dtype=torch.int64)[logical // rpp] * rpp + logical % rpp).to(device))
     return rows
-
-
-def lora_apply_bmm(
-    outputs: Sequence[torch.Tensor], x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, group: int
-) -> None:
-    for y, module in zip(outputs, plan.groups[group], strict=True):
-        _apply_module(y, x, pool_layer, plan, layer, module)
 
 
 def _apply_module(
@@ -57,3 +49,6 @@ def _apply_module(
     shrunk = torch.bmm(x[tokens].unsqueeze(1), a_pad[adapter].transpose(1, 2))  # [n, 1, r_max]
     expanded = torch.bmm(shrunk, b_pad[adapter]).squeeze(1)  # [n, d_out]
     y.index_add_(0, tokens, expanded * scale[adapter, None])
+
+
+lora_apply_bmm = module_by_module(_apply_module)

@@ -42,13 +42,13 @@ module with the same launches after checking its arguments, for tests and benchm
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from loraserve.kernels.batch import module_by_module
 from loraserve.kernels.metadata import LoraPlan
 from loraserve.model_config import LORA_MODULES
 
@@ -377,14 +377,6 @@ def prepare_lora_triton(
     return [_module_plan(plan, m, device, path, splits) for m in range(len(LORA_MODULES))]
 
 
-def lora_apply_triton_group(
-    outputs: Sequence[torch.Tensor], x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, group: int
-) -> None:
-    """outputs[i] += the LoRA term of module plan.groups[group][i]: only launches (see the module docstring)."""
-    for y, module in zip(outputs, plan.groups[group], strict=True):
-        _launch(y, x, pool_layer, plan, layer, module)
-
-
 def lora_apply_triton(
     y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, module: int
 ) -> None:
@@ -517,3 +509,7 @@ def _launch(
         BLOCK_N=p.block_n,
         PRECISION=precision,
     )
+
+
+# The engine's path: the modules of a group one after another, launches only (see the module docstring).
+lora_apply_triton_group = module_by_module(_launch)
