@@ -64,12 +64,12 @@ class _Bucket:
 
 def prepare_lora_torch(plan: LoraPlan, dtype: torch.dtype) -> list[list[_Bucket]]:
     """The buckets of every group of `plan.groups` (see the module docstring), built once per step."""
-    steps = _StepRows(plan)
+    rows = _StepRows(plan)
     tokens = _adapter_tokens(plan)
     device = plan.tables.rank.device
     layers = np.asarray(plan.layers_active, dtype=np.float32).reshape(len(plan.ranks), -1)  # [A, L]
     weights = torch.from_numpy(layers * np.asarray(plan.scales, dtype=np.float32)[:, None]).to(dtype)
-    return [_group_buckets(plan, group, tokens, weights, steps, device) for group in plan.groups]
+    return [_group_buckets(plan, group, tokens, weights, rows, device) for group in plan.groups]
 
 
 class _StepRows:

@@ -5,6 +5,11 @@ specs): never a `Request`, never the page allocator, and it changes no state but
 KV rows the forward pass writes. The metadata is built by `kernels.batch`, the same builder the
 kernel tests use, into `StepBuffers` allocated once: every step refills the same storage, so each
 metadata tensor the kernels read sits at the same address every step (what CUDA graphs need).
+
+Each step, the runner first orders the sequences by adapter (`lora_order`, which the LoRA plan's
+buckets rely on to be spans of the step), pads a decode-only step to its batch-size bucket when
+asked (`DecodePadding`), then builds the step's tables and its one LoRA plan, which the backend
+prepares once for every layer (`ReusePrepared` keeps a steady decode step from preparing again).
 """
 
 from __future__ import annotations
