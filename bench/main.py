@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="serving",
         help="serving: the systems on the synthetic trace; chaos: failover under killed workers (bench/chaos.py); "
         "scheduling: the default policy against fcfs (bench/scheduling.py); "
-        "abuse: the stack under connection floods, huge bodies, idle connections and a soak (bench/abuse.py)",
+        "abuse: the stack under connection floods, huge bodies, idle connections and a soak (bench/abuse.py); "
+        "overhead: LoRA's cost over the base model in the offline engine (bench/overhead.py)",
     )
 
     def preset(key: str) -> str:

@@ -7,6 +7,8 @@ Per model, the same requests run with adapters and with none, alternately, in on
 requests queued at once (prompts of 8–32 random tokens, 16–128 output tokens, greedy, EOS ignored),
 request i using adapter i mod n (32 distinct adapters of ranks 8/16/32 on q/k/v/o by default). Each
 side runs `repeats` times and keeps its fastest run, so both are measured under the same conditions.
+The pool is sized from the model to hold a full batch's KV and every adapter at once, and every
+adapter is copied in before the clock starts: no run loads or evicts one.
 Models: the demo model and random Llamas of ~25M and ~100M parameters (`bench/random_model.py`,
 written once under the adapter cache).
 
@@ -16,10 +18,10 @@ once, batch 64).
 
 DIR/results.json is {"machine": ..., "records": [...]}; an overhead record has
 `kind, model, parameters, backend, threads, n_adapters, ranks, batch, tokens, tokens_per_s_base,
-tokens_per_s_lora, overhead` (lora time / base time - 1), `step_ms_base, step_ms_lora,
-host_ms_per_step` (the runner's host-side planning per step, in the LoRA run) and
-`adapter_mb_per_step`; a scaling record has `kind, model, n_adapters, ranks, batch,
-tokens_per_s_n1, tokens_per_s_n, ratio`.
+tokens_per_s_lora, overhead` (lora time / base time - 1), `steps_base, steps_lora, step_ms_base,
+step_ms_lora, host_ms_per_step` (the runner's host-side planning per step, in the LoRA run),
+`adapter_mb_per_step`, `adapter_loads` (in the kept LoRA run: 0) and `pool_pages`; a scaling record
+has `kind, model, n_adapters, ranks, batch, tokens_per_s_n1, tokens_per_s_n, ratio`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench.engine_system import AdapterBank, warm_up
+from loraserve.bench.engine_system import AdapterBank, adapter_counters, warm_up
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.workload import round_robin_ranks
 from loraserve.demo.assets import DEMO_MODEL_DIR
@@ -42,6 +44,7 @@ from loraserve.demo.assets import DEMO_MODEL_DIR
 log = logging.getLogger(__name__)
 
 OVERHEAD_RANKS = (8, 16, 32)
+PROMPT_LEN = (8, 32)
 
 
 @dataclass(frozen=True)
@@ -100,11 +103,27 @@ def model_dir(name: str, cache: Path) -> Path:
 
 
 def _requests(batch: int, output_len: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
+    """(prompt of random token ids, output tokens) per request, seeded."""
     rng = random.Random(seed)
+    low, high = PROMPT_LEN
     return [
-        ([rng.randrange(3, 1000) for _ in range(rng.randrange(8, 33))], rng.randrange(output_len[0], output_len[1] + 1))
+        ([rng.randrange(3, 1000) for _ in range(rng.randrange(low, high + 1))], rng.randint(*output_len))
         for _ in range(batch)
     ]
+
+
+def pool_pages(path: Path, batch: int, longest: int, adapters: dict[str, int], modules: tuple[str, ...]) -> int:
+    """Pages for a full batch of KV at `longest` tokens each plus every adapter resident at once,
+    with a quarter to spare (prefetch leaves a share free for KV; the padded steps keep a page)."""
+    from loraserve.model_config import ModelConfig
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.pool_layout import PoolLayout
+
+    config = ModelConfig.from_dir(path)
+    layout = PoolLayout.for_model(config, EngineConfig().rows_per_page, 1)
+    per_rank = {r: layout.adapter_layout(config, r, modules).num_pages for r in set(adapters.values())}
+    need = batch * layout.kv_pages_for(longest) + sum(per_rank[r] for r in adapters.values())
+    return need + need // 4 + 8
 
 
 def _run(engine, requests, adapters: list[str | None]) -> dict:
@@ -112,6 +131,7 @@ def _run(engine, requests, adapters: list[str | None]) -> dict:
     from loraserve.worker.sampling import SamplingParams
 
     steps0, host0, read0 = engine.steps, engine.runner.host_seconds, engine.adapter_bytes_read
+    loads0 = adapter_counters(engine)["loads"]
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(requests):
         sampling = SamplingParams(max_new_tokens=n, ignore_eos=True, seed=0)
@@ -127,26 +147,41 @@ def _run(engine, requests, adapters: list[str | None]) -> dict:
         "tokens": tokens,
         "host_s": engine.runner.host_seconds - host0,
         "adapter_bytes": engine.adapter_bytes_read - read0,
+        "adapter_loads": adapter_counters(engine)["loads"] - loads0,
     }
 
 
-def _engine(path: Path, batch: int, adapters: dict[str, int], bank: AdapterBank, backend: str):
+def _engine(path: Path, batch: int, longest: int, adapters: dict[str, int], bank: AdapterBank, backend: str):
+    """An engine whose pool holds every adapter and a full batch's KV; warmed up, every adapter resident."""
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
 
-    config = EngineConfig(device="cpu", backend=backend, max_batch_size=batch, cpu_pool_memory_gb=2.0)
-    engine = Engine(path, config)
+    pages = pool_pages(path, batch, longest, adapters, bank.adapters.target_modules)
+    engine = Engine(path, EngineConfig(device="cpu", backend=backend, max_batch_size=batch, pool_pages=pages))
     for name, rank in adapters.items():
         engine.add_adapter(name, bank.get(name, rank))
     warm_up(engine, adapters)
+    _load_all(engine, list(adapters))
     return engine
+
+
+def _load_all(engine, names: list[str]) -> None:
+    """One one-token request per adapter, all queued at once: every adapter is copied into the pool."""
+    from loraserve.worker.sampling import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    for i, name in enumerate(names):
+        engine.add_request([5, 6, 7, 8], sampling, name, f"load-{i}")
+    while engine.has_unfinished():
+        engine.step()
 
 
 def measure_overhead(name: str, path: Path, args: argparse.Namespace, preset: Preset) -> dict:
     """One model: the same requests with adapters and without, alternately; the fastest of each."""
     adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
     bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
-    engine = _engine(path, args.overhead_batch, adapters, bank, "torch")
+    longest = PROMPT_LEN[1] + preset.output_len[1]
+    engine = _engine(path, args.overhead_batch, longest, adapters, bank, "torch")
     requests = _requests(args.overhead_batch, preset.output_len, args.seed)
     names = list(adapters)
     try:
@@ -160,6 +195,8 @@ def measure_overhead(name: str, path: Path, args: argparse.Namespace, preset: Pr
     if b["tokens"] != lo["tokens"]:
         raise RuntimeError(f"{name}: base run generated {b['tokens']} tokens, LoRA run {lo['tokens']}")
     parameters = sum(p.numel() for p in engine.model.parameters())
+    if lo["adapter_loads"]:
+        log.warning("%s: the kept LoRA run loaded %d adapters", name, lo["adapter_loads"])
     return {
         "kind": "overhead",
         "model": name,
@@ -173,11 +210,15 @@ def measure_overhead(name: str, path: Path, args: argparse.Namespace, preset: Pr
         "tokens_per_s_base": round(b["tokens"] / b["seconds"], 1),
         "tokens_per_s_lora": round(lo["tokens"] / lo["seconds"], 1),
         "overhead": round(lo["seconds"] / b["seconds"] - 1, 4),
+        "steps_base": b["steps"],
+        "steps_lora": lo["steps"],
         "step_ms_base": round(1000 * b["seconds"] / b["steps"], 3),
         "step_ms_lora": round(1000 * lo["seconds"] / lo["steps"], 3),
         "host_ms_per_step": round(1000 * lo["host_s"] / lo["steps"], 3),
         "adapter_mb_per_step": round(lo["adapter_bytes"] / lo["steps"] / 2**20, 2),
         "base_mb_per_step": round(engine.base_bytes / 2**20, 2),
+        "adapter_loads": lo["adapter_loads"],
+        "pool_pages": engine.layout.num_pages,
     }
 
 
@@ -187,10 +228,13 @@ def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: Pre
     adapters = round_robin_ranks(n, OVERHEAD_RANKS)
     bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
     requests = _requests(preset.scaling_requests, (preset.scaling_output, preset.scaling_output), args.seed)
-    engine = _engine(path, args.overhead_batch, adapters, bank, "torch")
+    longest = PROMPT_LEN[1] + preset.scaling_output
+    engine = _engine(path, args.overhead_batch, longest, adapters, bank, "torch")
+    one, many = [], []
     try:
-        one = [_run(engine, requests, [next(iter(adapters))]) for _ in range(preset.repeats)]
-        many = [_run(engine, requests, list(adapters)) for _ in range(preset.repeats)]
+        for _ in range(preset.repeats):  # alternately, like the overhead runs
+            one.append(_run(engine, requests, [next(iter(adapters))]))
+            many.append(_run(engine, requests, list(adapters)))
     finally:
         engine.close()
     t1 = max(r["tokens"] / r["seconds"] for r in one)

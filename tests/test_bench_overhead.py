@@ -22,6 +22,11 @@ OVERHEAD_FIELDS = (
     "step_ms_base",
     "step_ms_lora",
     "host_ms_per_step",
+    "steps_base",
+    "steps_lora",
+    "adapter_mb_per_step",
+    "adapter_loads",
+    "pool_pages",
 )
 
 
@@ -54,6 +59,8 @@ def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
     lora_runs = [m for n, m in measured[:2] if n == 4]
     assert base_runs and lora_runs and {m["tokens"] for m in base_runs + lora_runs} == {record["tokens"]}
     assert lora_runs[0]["adapter_bytes"] > 0 and base_runs[0]["adapter_bytes"] == 0  # the LoRA run used adapters
+    assert record["steps_base"] == base_runs[0]["steps"] and record["steps_lora"] == lora_runs[0]["steps"]
+    assert record["adapter_loads"] == 0  # every adapter was resident before the clock started
     (scaling,) = [r for r in results["records"] if r["kind"] == "scaling"]
     assert scaling["n_adapters"] == 6 and scaling["tokens_per_s_n1"] > 0 and scaling["tokens_per_s_n"] > 0
     assert scaling["ratio"] == pytest.approx(scaling["tokens_per_s_n"] / scaling["tokens_per_s_n1"], abs=2e-3)
