@@ -33,6 +33,13 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def page_rows(pages: Sequence[int], rows_per_page: int) -> torch.Tensor:
+    """int64 [len(pages) * rows_per_page]: the physical pool row of each logical row of something
+    stored on `pages` (logical row l is row l % rows_per_page of pages[l // rows_per_page])."""
+    first = torch.as_tensor(list(pages), dtype=torch.int64)[:, None] * rows_per_page
+    return (first + torch.arange(rows_per_page)).view(-1)
+
+
 @dataclass(frozen=True)
 class LoraGeometry:
     """Widths of the 7 projections (LORA_MODULES order) and the pool's row/page shape."""

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.kernels.batch import module_by_module
+from loraserve.kernels.batch import module_by_module, page_rows
 from loraserve.kernels.metadata import LoraPlan
 
 
 def prepare_lora_bmm(plan: LoraPlan, dtype: torch.dtype) -> list[torch.Tensor]:
     """Per adapter: int64 physical row of each logical row, on the plan's device."""
-    rpp, device = plan.rows_per_page, plan.tables.rank.device
-    rows = []
-    for pages in plan.pages:
-        logical = torch.arange(len(pages) * rpp)
-        rows.append((torch.tensor(pages, dtype=torch.int64)[logical // rpp] * rpp + logical % rpp).to(device))
-    return rows
+    return [page_rows(pages, plan.rows_per_page).to(plan.tables.rank.device) for pages in plan.pages]
 
 
 def _apply_module(

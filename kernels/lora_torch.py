@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loraserve.kernels.batch import page_rows
 from loraserve.kernels.metadata import LoraPlan
 
 
@@ -76,8 +77,7 @@ class _StepRows:
     """The physical pool row of every logical row of every adapter of the step, in one array."""
 
     def __init__(self, plan: LoraPlan):
-        rpp, within = plan.rows_per_page, np.arange(plan.rows_per_page, dtype=np.int64)
-        per_adapter = [(np.asarray(p, dtype=np.int64)[:, None] * rpp + within).ravel() for p in plan.pages]
+        per_adapter = [page_rows(p, plan.rows_per_page).numpy() for p in plan.pages]
         self.rows = np.concatenate(per_adapter)
         self.base = np.cumsum([0] + [len(r) for r in per_adapter[:-1]])  # [A]: where each adapter's rows start
         self.a_offsets = np.asarray(plan.a_offsets, dtype=np.int64)  # [A, M]

@@ -10,7 +10,7 @@ LORA_MODULES[m]).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -38,18 +38,7 @@ class LoraTables:
     layer_active: torch.Tensor  # int32 [A, L]: 0 where the adapter has no weights in that layer
 
     def all(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.seg_start,
-            self.seg_len,
-            self.seg_adapter,
-            self.token_adapter,
-            self.rank,
-            self.scale,
-            self.page_table,
-            self.a_offset,
-            self.b_offset,
-            self.layer_active,
-        )
+        return tuple(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass

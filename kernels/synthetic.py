@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraserve.kernels.batch import ONE_MODULE_GROUPS, LoraGeometry, build_attention_batch, build_lora_plan
+from loraserve.kernels.batch import ONE_MODULE_GROUPS, LoraGeometry, build_attention_batch, build_lora_plan, page_rows
 from loraserve.kernels.batch import ceil_div as _ceil_div
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES
@@ -114,8 +114,7 @@ def make_lora_pool(
     pool = torch.randn(num_layers, num_pages * rpp, w, generator=g).to(dtype)  # noise where nothing lives
     for (rows, adapter), n in zip(packed, need, strict=True):
         adapter.pages, order = order[:n], order[n:]
-        logical = torch.arange(rows.shape[1])
-        adapter.row_index = torch.tensor(adapter.pages, dtype=torch.int64)[logical // rpp] * rpp + logical % rpp
+        adapter.row_index = page_rows(adapter.pages, rpp)[: rows.shape[1]]
         pool.index_copy_(1, adapter.row_index, rows.to(dtype))
     for _, adapter in packed:
         adapter.row_index = adapter.row_index.to(device)
@@ -263,8 +262,7 @@ def make_bench_lora_pool(
     adapters = []
     for i, (r, (a_offsets, b_offsets, rows), n) in enumerate(zip(ranks, layouts, need, strict=True)):
         pages, order = order[:n], order[n:]
-        logical = torch.arange(rows)
-        row_index = (torch.tensor(pages, dtype=torch.int64)[logical // rpp] * rpp + logical % rpp).to(dev)
+        row_index = page_rows(pages, rpp)[:rows].to(dev)
         weights = {}
         for layer in range(num_layers):
             for m in sorted(modules):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.errors import ResourceExhaustedError
+from loraserve.kernels.batch import page_rows
 from loraserve.model_config import ModelConfig
 from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
@@ -303,9 +304,6 @@ class UnifiedPool:
         if not self.make_room(layout.num_pages + extra_pages, keep=keep):
             return False
         pages = self._pages.allocate_adapter(key, layout.num_pages, layout.useful_elements)
-        rpp = self.layout.rows_per_page
-        logical = torch.arange(layout.num_rows)
-        page_tensor = torch.tensor(pages, dtype=torch.int64)
         self._slots[key] = AdapterSlot(
             key,
             layout.rank,
@@ -314,7 +312,7 @@ class UnifiedPool:
             layout.b_offsets,
             [layer in adapter.layers for layer in range(self.layout.num_layers)],
             tuple(pages),
-            (page_tensor[logical // rpp] * rpp + logical % rpp).to(self.device),
+            page_rows(pages, self.layout.rows_per_page)[: layout.num_rows].to(self.device),
             layout.useful_elements,
         )
         return True
