@@ -151,18 +151,36 @@ def _run(engine, requests, adapters: list[str | None]) -> dict:
     }
 
 
-def _engine(path: Path, batch: int, longest: int, adapters: dict[str, int], bank: AdapterBank, backend: str):
-    """An engine whose pool holds every adapter and a full batch's KV; warmed up, every adapter resident."""
+def _alternated(
+    path: Path,
+    args: argparse.Namespace,
+    adapters: dict[str, int],
+    requests: list[tuple[list[int], int]],
+    sides: list[list[str | None]],
+    repeats: int,
+):
+    """(engine, runs per side): one engine whose pool holds every adapter and a full batch's KV,
+    warmed up with every adapter resident, then the same requests once per side, `repeats` times
+    round, so that every side is measured under the same conditions."""
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
 
-    pages = pool_pages(path, batch, longest, adapters, bank.adapters.target_modules)
-    engine = Engine(path, EngineConfig(device="cpu", backend=backend, max_batch_size=batch, pool_pages=pages))
-    for name, rank in adapters.items():
-        engine.add_adapter(name, bank.get(name, rank))
-    warm_up(engine, adapters)
-    _load_all(engine, list(adapters))
-    return engine
+    bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
+    longest = PROMPT_LEN[1] + max(n for _, n in requests)
+    pages = pool_pages(path, args.overhead_batch, longest, adapters, bank.adapters.target_modules)
+    engine = Engine(path, EngineConfig(device="cpu", max_batch_size=args.overhead_batch, pool_pages=pages))
+    try:
+        for name, rank in adapters.items():
+            engine.add_adapter(name, bank.get(name, rank))
+        warm_up(engine, adapters)
+        _load_all(engine, list(adapters))
+        runs: list[list[dict]] = [[] for _ in sides]
+        for _ in range(repeats):
+            for side, measured in zip(sides, runs, strict=True):
+                measured.append(_run(engine, requests, side))
+    finally:
+        engine.close()
+    return engine, runs
 
 
 def _load_all(engine, names: list[str]) -> None:
@@ -179,18 +197,9 @@ def _load_all(engine, names: list[str]) -> None:
 def measure_overhead(name: str, path: Path, args: argparse.Namespace, preset: Preset) -> dict:
     """One model: the same requests with adapters and without, alternately; the fastest of each."""
     adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
-    bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
-    longest = PROMPT_LEN[1] + preset.output_len[1]
-    engine = _engine(path, args.overhead_batch, longest, adapters, bank, "torch")
     requests = _requests(args.overhead_batch, preset.output_len, args.seed)
     names = list(adapters)
-    try:
-        base, lora = [], []
-        for _ in range(preset.repeats):
-            base.append(_run(engine, requests, [None]))
-            lora.append(_run(engine, requests, names))
-    finally:
-        engine.close()
+    engine, (base, lora) = _alternated(path, args, adapters, requests, [[None], names], preset.repeats)
     b, lo = min(base, key=lambda r: r["seconds"]), min(lora, key=lambda r: r["seconds"])
     if b["tokens"] != lo["tokens"]:
         raise RuntimeError(f"{name}: base run generated {b['tokens']} tokens, LoRA run {lo['tokens']}")
@@ -226,17 +235,9 @@ def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: Pre
     """LoRA tokens/s with n distinct adapters over one adapter, the same saturated requests."""
     n = args.overhead_scaling_n or preset.scaling_n
     adapters = round_robin_ranks(n, OVERHEAD_RANKS)
-    bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
     requests = _requests(preset.scaling_requests, (preset.scaling_output, preset.scaling_output), args.seed)
-    longest = PROMPT_LEN[1] + preset.scaling_output
-    engine = _engine(path, args.overhead_batch, longest, adapters, bank, "torch")
-    one, many = [], []
-    try:
-        for _ in range(preset.repeats):  # alternately, like the overhead runs
-            one.append(_run(engine, requests, [next(iter(adapters))]))
-            many.append(_run(engine, requests, list(adapters)))
-    finally:
-        engine.close()
+    sides = [[next(iter(adapters))], list(adapters)]
+    _, (one, many) = _alternated(path, args, adapters, requests, sides, preset.repeats)
     t1 = max(r["tokens"] / r["seconds"] for r in one)
     tn = max(r["tokens"] / r["seconds"] for r in many)
     return {
