@@ -14,6 +14,8 @@ nothing of the others; GPU memory is returned between them):
              alone, PEFT and merge-and-swap (bench/gpu_engine.py)
     stack    gateway + scheduler + store + one worker against the in-process engine; adapter
              fetch and host-to-device copy at 7B shapes (bench/gpu_stack.py)
+    overhead `loraserve bench --suite overhead --quick` on the GPU: LoRA over the base model on
+             small models, each with decode steps replayed from CUDA graphs and all eager
 
 Writes --out/results.json (environment, every part's figures, the targets) and --out/results.md
 (the same as Markdown tables), parts/<part>.json and logs/<part>.log. On a bare GPU machine with
@@ -37,10 +39,11 @@ from pathlib import Path
 from loraserve.bench import gpu_report
 from loraserve.bench.gpu_preset import DRY_RUN, GPU, Preset
 
-PARTS = ("tests", "kernels", "engine", "stack")
-# Seconds each part may take on the GPU (together under 9 minutes on one H100); dry runs get more
-# per part, as a shared 2-core CPU is slow.
-GPU_LIMITS_S = {"tests": 110, "kernels": 70, "engine": 260, "stack": 100}
+PARTS = ("tests", "kernels", "engine", "stack", "overhead")
+# Seconds each part may take on the GPU (together about 11 minutes on one H100: where one command may
+# run 10 minutes, run `--parts overhead` in a second one); dry runs get more per part, as a shared
+# 2-core CPU is slow.
+GPU_LIMITS_S = {"tests": 110, "kernels": 70, "engine": 260, "stack": 100, "overhead": 120}
 DRY_RUN_LIMIT_S = 300
 
 
@@ -123,6 +126,22 @@ def run_tests(args: argparse.Namespace, out: Path) -> dict:
     return result | {"exit_code": done.returncode, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def run_overhead(args: argparse.Namespace, preset: Preset, out: Path, work: Path) -> dict:
+    """`loraserve bench --suite overhead --quick` on the preset's device and backend; its results.json."""
+    from loraserve.bench import main as bench_main
+    from loraserve.flags import EnvArgumentParser
+
+    parser = EnvArgumentParser()
+    bench_main.add_arguments(parser)
+    argv = ["--suite", "overhead", "--quick", "--out", str(out / "overhead"), "--adapter-cache", str(work)]
+    argv += ["--overhead-device", preset.device, "--overhead-backend", preset.backend, "--no-progress"]
+    if args.dry_run:
+        argv += ["--overhead-models", "demo", "--overhead-batch", "8", "--overhead-adapters", "4"]
+        argv += ["--overhead-output-len", "3", "6", "--overhead-repeats", "1", "--overhead-scaling-n", "6"]
+    bench_main.main(parser.parse_args(argv))
+    return json.loads((out / "overhead" / "results.json").read_text())
+
+
 def run_part(
     name: str, args: argparse.Namespace, preset: Preset, out: Path, work: Path, partial: Callable[[dict], None]
 ) -> dict:
@@ -136,6 +155,8 @@ def run_part(
         from loraserve.bench import gpu_engine
 
         return gpu_engine.run(preset, work, log=lambda line: print(line, flush=True), partial=partial)
+    if name == "overhead":
+        return run_overhead(args, preset, out, work)
     from loraserve.bench import gpu_stack
 
     return gpu_stack.run(preset, work, log=lambda line: print(line, flush=True), partial=partial)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
 import zlib
 from pathlib import Path
@@ -132,7 +133,8 @@ def measure(system, trace: Trace, label: str, n_adapters: int) -> dict:
 
 
 def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dict:
-    """Every system on its trace; returns {"model", "workload", "rows", "ratios", "decode_profile"}.
+    """Every system on its trace; returns {"model", "workload", "rows", "ratios", "decode_profile",
+    "graph_speedup"}.
 
     `partial(data)` gets the figures so far after every row, so a run cut at its time limit keeps them.
     """
@@ -161,6 +163,7 @@ def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dic
         "rows": [],
         "ratios": ratios([], preset),
         "decode_profile": [],
+        "graph_speedup": None,
     }
 
     def record(row: dict) -> None:
@@ -195,16 +198,28 @@ def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dic
     record(measure(merge, traces[n], "merge-and-swap", n))
     del merge
     free_device_memory()
-    for count in (0, max(preset.adapter_counts)):
+    # on CUDA each with decode steps replayed from CUDA graphs and all eager (--enforce-eager)
+    modes = ("auto", "off") if preset.device == "cuda" else ("off",)
+    for count, graphs in itertools.product((0, max(preset.adapter_counts)), modes):
+        config = dataclasses.replace(engine_config(preset), cuda_graphs=graphs)
         try:
-            profile = profile_decode(path, engine_config(preset), bank, count, preset.ranks)
+            profile = profile_decode(path, config, bank, count, preset.ranks)
         except Exception as e:  # the profile explains the figures; its failure must not lose them
-            profile = {"n_adapters": count, "error": f"{type(e).__name__}: {e}"}
+            profile = {"n_adapters": count, "cuda_graphs": graphs, "error": f"{type(e).__name__}: {e}"}
         data["decode_profile"].append(profile)
+        data["graph_speedup"] = graph_speedup(data["decode_profile"], max(preset.adapter_counts))
         free_device_memory()
         log(f"decode-step profile: {profile}")
         partial(data)
     return data
+
+
+def graph_speedup(profiles: list[dict], n_adapters: int) -> float | None:
+    """Eager decode-step wall time / with CUDA graphs, at `n_adapters`; None until both are measured."""
+    wall = {
+        p["cuda_graphs"]: p["wall_ms_per_step"] for p in profiles if p["n_adapters"] == n_adapters and "error" not in p
+    }
+    return round(wall[False] / wall[True], 3) if True in wall and False in wall else None
 
 
 def _throughput(rows: list[dict], system: str, n: int) -> float | None:

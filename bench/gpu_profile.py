@@ -8,7 +8,8 @@ none) is prefilled, a few decode steps warm up, then `steps` decode steps run un
     kernel_ms_per_step   sum of every CUDA kernel's own time over the next `steps` steps, profiled
     launches_per_step    kernels launched
     gpu_busy             kernel_ms / wall_ms: near 1 the step is GPU-bound; far below it is bound by
-                         the host (Python, kernel launches), which CUDA graphs would remove
+                         the host (Python, kernel launches), which CUDA graphs remove
+    cuda_graphs          whether decode steps replayed CUDA graphs (`EngineConfig.cuda_graphs`)
     top                  the kernels that took the most time
 """
 
@@ -32,6 +33,7 @@ def profile_decode(
     model_dir: Path, config: EngineConfig, bank: AdapterBank, n_adapters: int, ranks: tuple[int, ...], steps: int = 5
 ) -> dict:
     engine = Engine(model_dir, config)
+    graphs = engine.runner.graphs is not None
     try:
         names = list(round_robin_ranks(n_adapters, ranks).items()) if n_adapters else []
         for name, rank in names:
@@ -62,6 +64,7 @@ def profile_decode(
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
     return {
         "n_adapters": n_adapters,
+        "cuda_graphs": graphs,
         "batch": config.max_batch_size,
         "wall_ms_per_step": round(1e3 * wall / steps, 3),
         "kernel_ms_per_step": round(kernel_us / 1e3 / steps, 3) if on_gpu else None,

@@ -22,6 +22,12 @@ TARGETS = [
     ),
     ("engine throughput n=1000 / n=1", ">= 0.9", ("engine", "ratios", "high_over_low"), lambda v: v >= 0.9),
     ("LoRA overhead vs the base model", "<= 0.10", ("engine", "ratios", "lora_overhead"), lambda v: v <= 0.10),
+    (
+        "decode step with CUDA graphs, batch 64, most adapters: eager ms / graph ms",
+        "> 1",
+        ("engine", "graph_speedup"),
+        lambda v: v > 1,
+    ),
     ("loraserve / PEFT throughput (same trace)", ">= 30", ("engine", "ratios", "over_peft"), lambda v: v >= 30),
     (
         "stack: added latency per token (p50 TPOT difference), ms",
@@ -120,13 +126,26 @@ def _engine_md(data: dict) -> str:
         if "error" in p:
             profile.append(f"- decode-step profile, n={p['n_adapters']}: {p['error']}")
             continue
+        graphs = "CUDA graphs" if p.get("cuda_graphs") else "eager"
         profile.append(
-            f"- decode step, batch {p['batch']}, {p['n_adapters']} adapters: {p['wall_ms_per_step']} ms wall, "
+            f"- decode step ({graphs}), batch {p['batch']}, {p['n_adapters']} adapters: "
+            f"{p['wall_ms_per_step']} ms wall, "
             f"{p['kernel_ms_per_step']} ms of GPU kernels ({p['launches_per_step']} launches), "
             f"GPU busy {p['gpu_busy']}; top: "
             + "; ".join(f"{t['kernel']} {t['ms_per_step']} ms ({t['calls_per_step']:g}x)" for t in p["top"][:5])
         )
     return f"{head}\n\n{_table(cols, rows)}\n\n{ratios}\n" + "\n".join(profile)
+
+
+def _overhead_md(data: dict) -> str:
+    cols = ["model", "cuda_graphs", "backend", "n_adapters", "batch", "tokens_per_s_base", "tokens_per_s_lora"]
+    cols += ["overhead", "step_ms_base", "step_ms_lora", "host_ms_per_step"]
+    records = data.get("records", [])
+    lines = [_table(cols, [[r.get(c) for c in cols] for r in records if r["kind"] == "overhead"])]
+    for r in records:
+        if r["kind"] == "scaling":
+            lines.append(f"- {r['model']}: n={r['n_adapters']} / n=1, saturated: {r['ratio']}")
+    return "\n".join(lines)
 
 
 def _stack_md(data: dict) -> str:
@@ -191,6 +210,8 @@ def markdown(results: dict) -> str:
             lines.append(data.get("markdown", ""))
         elif name == "engine":
             lines.append(_engine_md(data))
+        elif name == "overhead":
+            lines.append(_overhead_md(data))
         else:
             lines.append(_stack_md(data))
     return "\n".join(lines) + "\n"

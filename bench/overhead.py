@@ -16,12 +16,15 @@ Then, on the ~25M model (else the first model measured), the scaling ratio: LoRA
 distinct adapters (1000; 200 in --quick) over one adapter, saturated (every request queued at
 once, batch 64).
 
+On CUDA (`--overhead-device cuda`), each model is measured twice: with decode steps replayed from
+CUDA graphs and with every step eager (`--enforce-eager`).
+
 DIR/results.json is {"machine": ..., "records": [...]}; an overhead record has
-`kind, model, parameters, backend, threads, n_adapters, ranks, batch, tokens, tokens_per_s_base,
+`kind, model, parameters, device, backend, cuda_graphs, threads, n_adapters, ranks, batch, tokens, tokens_per_s_base,
 tokens_per_s_lora, overhead` (lora time / base time - 1), `steps_base, steps_lora, step_ms_base,
 step_ms_lora, host_ms_per_step` (the runner's host-side planning per step, in the LoRA run),
 `adapter_mb_per_step`, `adapter_loads` (in the kept LoRA run: 0) and `pool_pages`; a scaling record
-has `kind, model, n_adapters, ranks, batch, tokens_per_s_n1, tokens_per_s_n, ratio`.
+has `kind, model`, the same engine fields, `n_adapters, ranks, batch, tokens_per_s_n1, tokens_per_s_n, ratio`.
 """
 
 from __future__ import annotations
@@ -85,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-scaling-n", type=int, help="overhead suite: distinct adapters of the scaling ratio")
     p.add_argument("--overhead-output-len", type=int, nargs=2, help="overhead suite: output tokens, low high")
     p.add_argument("--overhead-repeats", type=int, help="overhead suite: runs per side, the fastest kept")
+    p.add_argument("--overhead-device", default="cpu", help="overhead suite: the engine's device (cpu, cuda)")
+    p.add_argument(
+        "--overhead-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "torch-bmm"],
+        help="overhead suite: the engine's kernel backend",
+    )
 
 
 def model_dir(name: str, cache: Path) -> Path:
@@ -158,6 +168,7 @@ def _alternated(
     requests: list[tuple[list[int], int]],
     sides: list[list[str | None]],
     repeats: int,
+    cuda_graphs: str = "auto",
 ):
     """(engine, runs per side): one engine whose pool holds every adapter and a full batch's KV,
     warmed up with every adapter resident, then the same requests once per side, `repeats` times
@@ -168,7 +179,14 @@ def _alternated(
     bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
     longest = PROMPT_LEN[1] + max(n for _, n in requests)
     pages = pool_pages(path, args.overhead_batch, longest, adapters, bank.adapters.target_modules)
-    engine = Engine(path, EngineConfig(device="cpu", max_batch_size=args.overhead_batch, pool_pages=pages))
+    config = EngineConfig(
+        device=args.overhead_device,
+        backend=args.overhead_backend,
+        cuda_graphs=cuda_graphs,
+        max_batch_size=args.overhead_batch,
+        pool_pages=pages,
+    )
+    engine = Engine(path, config)
     try:
         for name, rank in adapters.items():
             engine.add_adapter(name, bank.get(name, rank))
@@ -194,12 +212,24 @@ def _load_all(engine, names: list[str]) -> None:
         engine.step()
 
 
-def measure_overhead(name: str, path: Path, args: argparse.Namespace, preset: Preset) -> dict:
+def _engine_fields(engine, args: argparse.Namespace) -> dict:
+    """What a record says of the engine that ran it."""
+    return {
+        "device": str(engine.device),
+        "backend": engine.runner.backend.name,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "threads": args.threads,
+    }
+
+
+def measure_overhead(
+    name: str, path: Path, args: argparse.Namespace, preset: Preset, cuda_graphs: str = "auto"
+) -> dict:
     """One model: the same requests with adapters and without, alternately; the fastest of each."""
     adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
     requests = _requests(args.overhead_batch, preset.output_len, args.seed)
     names = list(adapters)
-    engine, (base, lora) = _alternated(path, args, adapters, requests, [[None], names], preset.repeats)
+    engine, (base, lora) = _alternated(path, args, adapters, requests, [[None], names], preset.repeats, cuda_graphs)
     b, lo = min(base, key=lambda r: r["seconds"]), min(lora, key=lambda r: r["seconds"])
     if b["tokens"] != lo["tokens"]:
         raise RuntimeError(f"{name}: base run generated {b['tokens']} tokens, LoRA run {lo['tokens']}")
@@ -210,8 +240,7 @@ def measure_overhead(name: str, path: Path, args: argparse.Namespace, preset: Pr
         "kind": "overhead",
         "model": name,
         "parameters": parameters,
-        "backend": "torch",
-        "threads": args.threads,
+        **_engine_fields(engine, args),
         "n_adapters": len(names),
         "ranks": list(OVERHEAD_RANKS),
         "batch": args.overhead_batch,
@@ -237,14 +266,13 @@ def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: Pre
     adapters = round_robin_ranks(n, OVERHEAD_RANKS)
     requests = _requests(preset.scaling_requests, (preset.scaling_output, preset.scaling_output), args.seed)
     sides = [[next(iter(adapters))], list(adapters)]
-    _, (one, many) = _alternated(path, args, adapters, requests, sides, preset.repeats)
+    engine, (one, many) = _alternated(path, args, adapters, requests, sides, preset.repeats)
     t1 = max(r["tokens"] / r["seconds"] for r in one)
     tn = max(r["tokens"] / r["seconds"] for r in many)
     return {
         "kind": "scaling",
         "model": name,
-        "backend": "torch",
-        "threads": args.threads,
+        **_engine_fields(engine, args),
         "n_adapters": n,
         "ranks": list(OVERHEAD_RANKS),
         "batch": args.overhead_batch,
@@ -260,7 +288,7 @@ def print_report(records: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="LoRA overhead (offline engine)")
-    columns = ("model", "n_adapters", "batch", "tokens_per_s_base", "tokens_per_s_lora", "overhead")
+    columns = ("model", "cuda_graphs", "n_adapters", "batch", "tokens_per_s_base", "tokens_per_s_lora", "overhead")
     columns += ("step_ms_base", "step_ms_lora", "host_ms_per_step", "adapter_mb_per_step")
     for c in columns:
         table.add_column(c, justify="left" if c == "model" else "right")
@@ -294,9 +322,12 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
     records = []
+    # on CUDA, each model with decode graphs and without (--enforce-eager); a CPU has none
+    graph_modes = ("auto", "off") if args.overhead_device.startswith("cuda") else ("auto",)
     for name in preset.models:
-        records.append(measure_overhead(name, model_dir(name, cache), args, preset))
-        log.info("overhead %s: %s", name, records[-1])
+        for graphs in graph_modes:
+            records.append(measure_overhead(name, model_dir(name, cache), args, preset, graphs))
+            log.info("overhead %s: %s", name, records[-1])
     scaling = "random-25m" if "random-25m" in preset.models else preset.models[0]
     records.append(measure_scaling(scaling, model_dir(scaling, cache), args, preset))
     print_report(records)
@@ -304,6 +335,8 @@ def main(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         cpu = platform.processor() or platform.machine()
         machine = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+        if args.overhead_device.startswith("cuda"):
+            machine["gpu"] = torch.cuda.get_device_name(torch.device(args.overhead_device))
         (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))
         print(f"results: {args.out / 'results.json'}")
     return 0

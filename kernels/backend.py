@@ -3,7 +3,9 @@
 Both backends implement the same operations with the same semantics (see each module's
 docstring); the torch one is the reference and what runs on CPU. LoRA is planned once per step
 (`prepare_lora`, from the step's `LoraPlan`) and then applied per layer and projection group
-(`lora_apply`), which only launches kernels or multiplies.
+(`lora_apply`), which only launches kernels or multiplies. Only the Triton backend can be captured
+in a CUDA graph: its launches can be made independent of the step (`prepare_lora_graph`), where the
+torch path's bucketing is host work from each step's values.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "torch", "triton", "torch-bmm")  # torch-bmm: the padded baseline, for benchmarks
 
 PrepareLora = Callable[[LoraPlan, torch.dtype], object]
+PrepareLoraGraph = Callable[[LoraPlan, torch.dtype, int], object]
 LoraApply = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor, LoraPlan, int, int], None]
 WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch], None]
 Attend = Callable[[torch.Tensor, torch.Tensor, AttentionBatch, int, float], torch.Tensor]
@@ -36,6 +39,9 @@ class KernelBackend:
     lora_apply: LoraApply  # (outputs, x, pool_layer, plan, layer, group) -> None, outputs updated in place
     write_kv: WriteKV  # (pool_layer, k, v, attention_batch) -> None
     attention: Attend  # (q, pool_layer, attention_batch, num_kv_heads, scale) -> out
+    # (graph plan, dtype, max_rank) -> what a captured decode step launches (`kernels.graph_tables`);
+    # None: the backend's launches depend on each step's host values, so it cannot be captured.
+    prepare_lora_graph: PrepareLoraGraph | None = None
 
 
 TORCH = KernelBackend("torch", prepare_lora_torch, lora_apply_torch, write_kv_torch, attention_torch)

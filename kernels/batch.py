@@ -170,10 +170,14 @@ def build_lora_plan(
     buffers: StepBuffers | torch.device | str,
     prepare: Callable[[LoraPlan], object] | None = None,
     groups: tuple[tuple[int, ...], ...] = LORA_GROUPS,
+    *,
+    fixed_width: bool = False,
 ) -> LoraPlan | None:
     """The step's LoRA plan for sequences of (adapter or None, tokens this step); None when no token
     uses an adapter. `prepare` (a backend's `prepare_lora`) derives the backend's per-step work from
-    it once; `groups` are the module groups the backend will be called with."""
+    it once; `groups` are the module groups the backend will be called with. `fixed_width` pads the
+    page table to the buffers' capacity, the row stride a captured decode graph was launched with
+    (`kernels.graph_tables`)."""
     adapters: list[PooledAdapter] = []
     index: dict[int, int] = {}  # id(adapter) -> its row in the per-adapter tables
     segments: list[tuple[int, int, int]] = []
@@ -207,6 +211,8 @@ def build_lora_plan(
         num_layers=num_layers,
     )
     buffers, own = _staging(buffers, sizes)
+    if fixed_width:
+        width = buffers.capacity.max_adapter_pages
     a_offsets = [list(a.a_offsets) for a in adapters]
     b_offsets = [list(a.b_offsets) for a in adapters]
     layers = [[bool(x) for x in a.layers] for a in adapters]
@@ -254,10 +260,13 @@ def build_attention_batch(
     tokens_per_page: int,
     sliding_window: int | None,
     buffers: StepBuffers | torch.device | str,
+    *,
+    fixed_width: bool = False,
 ) -> AttentionBatch:
     """AttentionBatch for sequences of (KV page table, tokens already cached, new tokens this step).
 
     A page table may run past the sequence's tokens; only the pages they occupy are passed on.
+    `fixed_width` pads the page tables to the buffers' capacity, as `build_lora_plan` does.
     """
     tp, rpp = tokens_per_page, 2 * tokens_per_page
     query_start, context, tables, new_rows = [0], [], [], []
@@ -270,6 +279,8 @@ def build_attention_batch(
     width = max(map(len, tables))
     sizes = dict(max_tokens=query_start[-1], max_seqs=len(tables), max_seq_pages=width)
     buffers, own = _staging(buffers, sizes)
+    if fixed_width:
+        width = buffers.capacity.max_seq_pages
     batch = AttentionBatch(
         query_start=buffers.put("query_start", query_start),
         context_len=buffers.put("context_len", context),

@@ -327,6 +327,12 @@ def _num_splits(programs: int, k_blocks: int, device: torch.device) -> int:
     return max(1, min(k_blocks, 16, triton.cdiv(2 * _SMS[device], max(programs, 1))))
 
 
+def _token_block(block_r: int, row_width: int) -> int:
+    """The token path's BLOCK_K and BLOCK_N: weight tiles of at most 8192 elements, so that a
+    [BLOCK_R, BLOCK_K] tile stays in registers at rank 128."""
+    return min(triton.next_power_of_2(row_width), max(16, 8192 // block_r))
+
+
 @dataclass(frozen=True)
 class _ModulePlan:
     """One module's launches for the step, decided once (see `prepare_lora_triton`)."""
@@ -353,8 +359,7 @@ def _module_plan(
     if path == "auto":
         path = "token" if plan.max_seg_len <= TOKEN_PATH_MAX_SEG_LEN else "segment"
     if path == "token":
-        # weight tiles of at most 8192 elements: [BLOCK_R, BLOCK_K] stays in registers at rank 128
-        block_k = block_n = min(width, max(16, 8192 // block_r))
+        block_k = block_n = _token_block(block_r, w)
         block_m, programs = 1, plan.num_tokens
     else:
         block_m = 16 if plan.max_seg_len <= 16 or device.type != "cuda" else 32
@@ -375,6 +380,24 @@ def prepare_lora_triton(
         raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
     device = plan.tables.rank.device
     return [_module_plan(plan, m, device, path, splits) for m in range(len(LORA_MODULES))]
+
+
+def prepare_lora_triton_graph(plan: LoraPlan, dtype: torch.dtype, max_rank: int) -> list[_ModulePlan]:
+    """What a captured decode step launches, for a plan from `kernels.graph_tables.graph_lora_plan`:
+    the token path for every module in every layer (the kernels skip tokens without an adapter and
+    adapters without the module or layer, from the tables), a rank block covering `max_rank` (the
+    largest the engine accepts), and splits and v buffers sized for the plan's tokens. Nothing in it
+    depends on a particular step, so one graph serves every step of its batch size."""
+    device = plan.tables.rank.device
+    block_r = _pow2_at_least(max_rank, 16)
+    block = _token_block(block_r, plan.row_width)
+    every_layer = frozenset(range(plan.tables.layer_active.shape[1]))
+    plans = []
+    for module in range(len(LORA_MODULES)):
+        splits = _num_splits(plan.num_tokens, plan.c_in[module] * triton.cdiv(plan.row_width, block), device)
+        v = torch.empty(splits, plan.num_tokens, block_r, dtype=torch.float32, device=device)
+        plans.append(_ModulePlan(every_layer, "token", block_r, block, block, 1, splits, v))
+    return plans
 
 
 def lora_apply_triton(

@@ -16,6 +16,7 @@ than the capacities raises `StepCapacityError`; nothing is ever truncated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -120,6 +121,15 @@ class StepBuffers:
         self._end[dtype] = max(self._end[dtype], offset + n)
         view = self._storage[dtype][offset : offset + n]
         return view if shape is None else view.view(shape)
+
+    def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Table `name`'s device view, shaped `shape`, without staging anything: the fixed-address
+        tensor a captured CUDA graph reads, whatever each step then stages there with `put`."""
+        dtype, offset, entries = self._region[name]
+        n = math.prod(shape)
+        if n > entries:
+            raise StepCapacityError(f"step table {name!r} needs {n} entries, the step buffers hold {entries}")
+        return self._storage[dtype][offset : offset + n].view(shape)
 
     def upload(self) -> None:
         """Copy what this step staged to the device: one copy per dtype, none on CPU."""

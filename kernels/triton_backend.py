@@ -26,7 +26,12 @@ def triton_backend(device: torch.device | str) -> KernelBackend:
         )
     try:
         from loraserve.kernels.attention_triton import attention_triton, write_kv_triton
-        from loraserve.kernels.lora_triton import _shrink_token_kernel, lora_apply_triton_group, prepare_lora_triton
+        from loraserve.kernels.lora_triton import (
+            _shrink_token_kernel,
+            lora_apply_triton_group,
+            prepare_lora_triton,
+            prepare_lora_triton_graph,
+        )
     except ImportError as e:
         raise RuntimeError(f"the triton kernel backend needs the triton package: {e}") from e
     if device.type == "cpu":
@@ -37,4 +42,11 @@ def triton_backend(device: torch.device | str) -> KernelBackend:
                 "triton on CPU needs TRITON_INTERPRET=1 set before triton is imported; the kernels were "
                 "compiled for the GPU because triton was imported before it was set"
             )
-    return KernelBackend("triton", prepare_lora_triton, lora_apply_triton_group, write_kv_triton, attention_triton)
+    return KernelBackend(
+        "triton",
+        prepare_lora_triton,
+        lora_apply_triton_group,
+        write_kv_triton,
+        attention_triton,
+        prepare_lora_graph=prepare_lora_triton_graph,
+    )

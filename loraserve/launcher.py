@@ -109,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-pages", type=int, default=None, help="pages of each worker's unified pool")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument(
+        "--enforce-eager", action="store_true", help="workers run every step eagerly, with no CUDA graphs"
+    )
+    parser.add_argument(
         "--adapter-cache-gb",
         type=float,
         default=None,
@@ -237,6 +240,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             *_flags(scheduler_address=ports.scheduler_workers, store_address=ports.store_data),
             *_flags(max_batch_size=args.max_batch_size, drain_timeout=args.drain_timeout, pool_pages=args.pool_pages),
             *_flags(adapter_cache_gb=args.adapter_cache_gb, torch_threads=threads),
+            *(["--enforce-eager"] if args.enforce_eager else []),
             *common,
         ]
     commands["gateway"] = [

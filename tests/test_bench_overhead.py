@@ -12,7 +12,9 @@ from loraserve.flags import EnvArgumentParser
 
 OVERHEAD_FIELDS = (
     "model",
+    "device",
     "backend",
+    "cuda_graphs",
     "n_adapters",
     "ranks",
     "batch",
@@ -50,6 +52,7 @@ def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
     assert all(record[k] is not None for k in OVERHEAD_FIELDS), record
     assert record["model"] == "demo" and record["n_adapters"] == 4 and record["batch"] == 8
     assert record["ranks"] == [8, 16, 32] and record["backend"] == "torch"
+    assert record["device"] == "cpu" and record["cuda_graphs"] is False  # a CPU: one record per model, eager
     assert record["tokens_per_s_base"] > 0 and record["tokens_per_s_lora"] > 0
     assert record["step_ms_base"] > 0 and record["step_ms_lora"] > 0 and record["host_ms_per_step"] > 0
     # overhead is lora time / base time - 1 over the same tokens: the tokens/s ratio

@@ -57,7 +57,13 @@ def test_dry_run_runs_every_part(dry_run):
     for row in engine["rows"]:
         assert "error" not in row and row["finished"] == row["requests"] > 0 and row["tokens_per_s"] > 0, row
     assert all(engine["ratios"][k] is not None for k in ("high_over_low", "lora_overhead", "over_peft"))
-    assert [p["n_adapters"] for p in engine["decode_profile"]] == [0, max(DRY_RUN.adapter_counts)]
+    profiles = [(p["n_adapters"], p["cuda_graphs"]) for p in engine["decode_profile"]]
+    assert profiles == [(0, False), (max(DRY_RUN.adapter_counts), False)]  # no graphs on a CPU
+    assert engine["graph_speedup"] is None
+
+    overhead = parts["overhead"]["data"]
+    assert [r["kind"] for r in overhead["records"]] == ["overhead", "scaling"]
+    assert overhead["records"][0]["model"] == "demo" and overhead["records"][0]["tokens_per_s_lora"] > 0
 
     stack = parts["stack"]["data"]
     assert stack["stack_vs_engine"]["added_tpot_p50_ms"] is not None
@@ -125,11 +131,13 @@ def test_junit_counts(tmp_path):
 
 def test_targets_read_only_parts_that_succeeded():
     ratios = {"high_over_low": 0.95, "lora_overhead": 0.2, "over_peft": None}
-    results = {"parts": {"engine": {"status": "ok", "data": {"ratios": ratios}}, "stack": {"status": "failed"}}}
+    engine = {"ratios": ratios, "graph_speedup": 3.5}
+    results = {"parts": {"engine": {"status": "ok", "data": engine}, "stack": {"status": "failed"}}}
     by_name = {t["target"]: t for t in gpu_report.targets(results)}
     assert by_name["engine throughput n=1000 / n=1"]["met"] is True
     assert by_name["LoRA overhead vs the base model"]["met"] is False
     assert by_name["loraserve / PEFT throughput (same trace)"]["met"] is None
+    assert by_name["decode step with CUDA graphs, batch 64, most adapters: eager ms / graph ms"]["met"] is True
     assert all(t["met"] is None for t in by_name.values() if t["target"].startswith(("stack", "LoRA decode")))
 
 
@@ -143,3 +151,16 @@ def test_random_checkpoint_loads_in_transformers(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == shape.parameters
     assert written == 2 * shape.parameters
     assert model.config.vocab_size == 1100 and model.config.num_key_value_heads == 2
+
+
+def test_graph_speedup_pairs_the_profiles_at_the_most_adapters():
+    from loraserve.bench.gpu_engine import graph_speedup
+
+    profiles = [
+        {"n_adapters": 0, "cuda_graphs": True, "wall_ms_per_step": 1.0},
+        {"n_adapters": 0, "cuda_graphs": False, "wall_ms_per_step": 9.0},
+        {"n_adapters": 8, "cuda_graphs": True, "wall_ms_per_step": 2.0},
+    ]
+    assert graph_speedup(profiles, 8) is None  # the eager one is missing
+    profiles.append({"n_adapters": 8, "cuda_graphs": False, "wall_ms_per_step": 7.0})
+    assert graph_speedup(profiles, 8) == 3.5

@@ -23,9 +23,12 @@ import pytest
 import torch
 from helpers import needs_cuda
 
+from loraserve.kernels.batch import ONE_MODULE_GROUPS, build_lora_plan
+from loraserve.kernels.graph_tables import graph_lora_plan
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
-from loraserve.kernels.lora_triton import lora_apply_triton, prepare_lora_triton
+from loraserve.kernels.lora_triton import lora_apply_triton, prepare_lora_triton, prepare_lora_triton_graph
 from loraserve.kernels.metadata import LoraPlan
+from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.kernels.synthetic import (
     POPULARITIES,
     LoraGeometry,
@@ -215,6 +218,39 @@ def test_rejects_bad_arguments(kernel_device: str):
     if device == "cuda":  # CPU tensors are refused before they reach a kernel compiled for the GPU
         with pytest.raises(ValueError, match="one device"):
             lora_apply_triton(y.cpu(), x.cpu(), pool[0], batch, 0, 0)
+
+
+@pytest.mark.parametrize("popularity", ["distinct", "zipf"])
+def test_graph_launches_match_the_reference(small_pool, popularity: str):
+    """The launches a captured decode step replays (`prepare_lora_triton_graph`: token path, rank
+    block of the largest rank the engine accepts, every module and layer) over the capacity-wide
+    graph views, with the step staged at fixed widths and padded with tokens of no adapter."""
+    dtype, pool, adapters = small_pool
+    device = pool.device
+    requests = _requests(popularity, 6, [1], seed=4)
+    bucket = 8
+    pages = max(len(a.pages) for a in adapters)
+    capacity = StepCapacity(
+        max_tokens=16, max_seqs=16, max_seq_pages=1, max_adapters=16, max_adapter_pages=pages + 3, num_layers=2
+    )
+    buffers = StepBuffers(capacity, device)
+    seqs = [(None if a is None else adapters[a], n) for a, n in requests] + [(None, 1)] * (bucket - len(requests))
+    build_lora_plan(SMALL, seqs, buffers, groups=ONE_MODULE_GROUPS, fixed_width=True)
+    buffers.upload()
+    graph = graph_lora_plan(SMALL, buffers, bucket, ONE_MODULE_GROUPS)
+    graph.prepared = prepare_lora_triton_graph(graph, dtype, max_rank=128)
+    assert {p.path for p in graph.prepared} == {"token"} and {p.block_r for p in graph.prepared} == {128}
+    plan = make_lora_plan(SMALL, adapters, requests, device=device)
+    g = torch.Generator().manual_seed(5)
+    for module in (LORA_MODULES.index("q_proj"), LORA_MODULES.index("down_proj")):
+        x = torch.randn(bucket, 48, generator=g).to(device=device, dtype=dtype)
+        y0 = torch.randn(bucket, 80, generator=g).to(device=device, dtype=dtype)
+        y = y0.clone()
+        lora_apply_triton(y, x, pool[1], graph, 1, module)
+        real = len(requests)
+        dense = dense_reference(y0[:real], x[:real], adapters, requests, plan, 1, module)
+        _close(y[:real], dense, dtype)
+        assert torch.equal(y[real:], y0[real:]), "a pad changed"
 
 
 # ---- on a GPU: the same sweep at real sizes ------------------------------------------------------

@@ -43,6 +43,12 @@ def add_engine_arguments(
     g.add_argument(
         "--prefetch", action=argparse.BooleanOptionalAction, default=True, help="prefetch predicted adapters"
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run every decode step eagerly (by default, on CUDA with the triton backend, "
+        "decode steps replay a graph captured per batch-size bucket at start-up)",
+    )
     if adapter_cache_gb is not None:
         g.add_argument(
             "--adapter-cache-gb",
@@ -68,6 +74,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_pool_memory_gb=args.cpu_pool_memory_gb,
         prefetch=args.prefetch,
+        cuda_graphs="off" if args.enforce_eager else "auto",
         adapter_cache_bytes=_gib_to_bytes(getattr(args, "adapter_cache_gb", None)),
     )
 

@@ -9,6 +9,7 @@ import torch
 from loraserve.errors import InvalidConfigError
 from loraserve.wire import MAX_BATCH
 
+CUDA_GRAPHS = ("auto", "off", "uncaptured")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -35,6 +36,13 @@ class EngineConfig:
     # Pad decode-only steps to a batch-size bucket (`decode_buckets`), the fixed shapes a CUDA graph
     # is captured at; the pads are sequences of one token on a KV page kept aside for them.
     pad_decode_steps: bool = False
+    # Decode steps from CUDA graphs, one per bucket (`worker.decode_graphs`): "auto" captures them on
+    # CUDA with the triton backend; "off" runs every step eagerly (`--enforce-eager`); "uncaptured"
+    # runs the captured path's code each step without capturing it, on any device with the triton
+    # backend (how a machine without a GPU checks that path). Graphs pad decode steps.
+    cuda_graphs: str = "auto"
+    # Compile every kernel variant, and capture the graphs, before serving: "auto" does on CUDA.
+    warm_up: str = "auto"  # "auto", "on", "off"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -44,6 +52,10 @@ class EngineConfig:
             bad("dtype", f"choose auto, {', '.join(DTYPES)}")
         if self.backend not in ("auto", "torch", "triton", "torch-bmm"):
             bad("backend", "choose auto, torch, triton or torch-bmm")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            bad("cuda_graphs", f"choose {', '.join(CUDA_GRAPHS)}")
+        if self.warm_up not in ("auto", "on", "off"):
+            bad("warm_up", "choose auto, on or off")
         if self.adapter_pool_fraction is not None and not 0.0 < self.adapter_pool_fraction < 1.0:
             bad("adapter_pool_fraction", "must be in (0, 1), or unset for the unified pool")
         for name in ("max_batch_size", "max_batched_tokens", "max_lora_rank", "prefetch_depth"):

@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from loraserve.errors import AdapterNotFoundError, InvalidRequestError, ResourceExhaustedError
-from loraserve.kernels.backend import select_backend
+from loraserve.errors import AdapterNotFoundError, InvalidConfigError, InvalidRequestError, ResourceExhaustedError
+from loraserve.kernels.backend import KernelBackend, select_backend
 from loraserve.model_config import ModelConfig
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import AdapterKey
@@ -48,6 +48,7 @@ from loraserve.worker.runner import DecodePadding, ModelRunner, RunnerOutput, st
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
 from loraserve.worker.unified_pool import UnifiedPool
+from loraserve.worker.warm_up import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,17 @@ class Engine:
         self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
         backend = select_backend(config.backend, self.device)
         capacity = step_capacity(config, self.layout, self.model_config, self.max_model_len)
-        padding = None
-        if config.pad_decode_steps:
-            padding = DecodePadding(tuple(config.decode_buckets()), self.pool.reserve_kv_page(PAD_SEQUENCE))
+        graphs = self._graph_mode(backend)
+        warm = config.warm_up == "on" or (config.warm_up == "auto" and self.device.type == "cuda")
+        # The scratch page: padded decode steps' pads and the warm-up's dummy steps write there.
+        scratch = self.pool.reserve_kv_page(PAD_SEQUENCE) if config.pad_decode_steps or graphs or warm else None
+        padding = DecodePadding(tuple(config.decode_buckets()), scratch) if config.pad_decode_steps or graphs else None
         self.runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend, capacity, padding)
+        self.warm_up_seconds = None
+        if warm:
+            self.warm_up_seconds = warm_up(self.runner, scratch, config.max_lora_rank, graphs)
+        elif graphs is not None:
+            self.runner.capture_decode_graphs(graphs, config.max_lora_rank)
         self.requests: dict[str, Request] = {}
         self._aborted: dict[str, str | None] = {}  # request id -> error (None: cancelled), ended next step
         self._seeds = itertools.count(config.seed)
@@ -162,6 +170,21 @@ class Engine:
             self.pool.tensor.numel() * self.pool.tensor.element_size() / 2**20,
             self.layout.tokens_per_page,
         )
+
+    def _graph_mode(self, backend: KernelBackend) -> str | None:
+        """The decode graphs' mode (`worker.decode_graphs`), or None for none, from `cuda_graphs`."""
+        mode = self.config.cuda_graphs
+        if mode == "off":
+            return None
+        if backend.prepare_lora_graph is None:
+            if mode == "uncaptured":
+                raise InvalidConfigError(
+                    f"engine config cuda_graphs='uncaptured' needs the triton kernel backend, not {backend.name}"
+                )
+            return None
+        if mode == "auto":
+            return "capture" if self.device.type == "cuda" else None
+        return mode
 
     def _pool_pages(self) -> int:
         c = self.config

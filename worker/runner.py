@@ -21,13 +21,26 @@ import torch
 
 from loraserve.kernels.backend import KernelBackend
 from loraserve.kernels.batch import LoraGeometry, ReusePrepared, build_attention_batch, build_lora_plan, lora_order
+from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.model_config import LORA_MODULES, ModelConfig
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.decode_graphs import DecodeGraphs
 from loraserve.worker.model import CausalLM, ForwardBatch
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.sampling import sample
 from loraserve.worker.step_scheduler import SeqChunk
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A step's tables, staged in the step buffers."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    last: torch.Tensor  # int64 [sampled sequences]: the token whose logits each uses
+    attention: AttentionBatch
+    lora: LoraPlan | None
 
 
 @dataclass(frozen=True)
@@ -68,8 +81,10 @@ class DecodePadding:
         if not batch or any(len(c.token_ids) != 1 for c in batch):
             return batch
         target = next(b for b in self.buckets if b >= len(batch))
-        pad = SeqChunk("", [0], 0, [self.scratch_page], None, None)
-        return batch + [pad] * (target - len(batch))
+        return batch + [self.pad_sequence()] * (target - len(batch))
+
+    def pad_sequence(self) -> SeqChunk:
+        return SeqChunk("", [0], 0, [self.scratch_page], None, None)
 
 
 class ModelRunner:
@@ -104,12 +119,12 @@ class ModelRunner:
         self.decode_padding = decode_padding
         dtype = pool_tensor.dtype
         self._prepare = ReusePrepared(lambda plan: backend.prepare_lora(plan, dtype))
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.host_seconds = 0.0  # cumulative: building each step's metadata and plan, before its forward pass
 
     @torch.inference_mode()
     def execute(self, batch: list[SeqChunk]) -> RunnerOutput:
         started = time.perf_counter()
-        buffers = self.buffers
         order = lora_order(
             [None if c.adapter is None else id(c.adapter) for c in batch],
             [0 if c.adapter is None else c.adapter.rank for c in batch],
@@ -118,29 +133,80 @@ class ModelRunner:
         batch = [batch[i] for i in order]
         if self.decode_padding is not None:
             batch = self.decode_padding.pad(batch)
-        attention = build_attention_batch(
-            [(c.kv_pages, c.start, len(c.token_ids)) for c in batch],
-            self.layout.tokens_per_page,
-            self.model.config.sliding_window,
-            buffers,
+        graphed = (
+            self.graphs is not None and self.graphs.covers(len(batch)) and all(len(c.token_ids) == 1 for c in batch)
         )
-        lora = build_lora_plan(self.geometry, [(c.adapter, len(c.token_ids)) for c in batch], buffers, self._prepare)
-        ids = buffers.put("input_ids", [t for c in batch for t in c.token_ids])
-        positions = buffers.put("positions", [p for c in batch for p in range(c.start, c.start + len(c.token_ids))])
-        sampling = [(i, c) for i, c in enumerate(batch) if c.sample is not None]
-        last = buffers.put("last", [attention.query_starts[i + 1] - 1 for i, _ in sampling])
-        buffers.upload()
-        forward = ForwardBatch(positions, attention, lora, self.pool_tensor, self.backend)
+        step = self._stage(batch, graphed)
         self.host_seconds += time.perf_counter() - started
-        hidden = self.model(ids, forward)
+        if graphed:
+            hidden = self.graphs.run(len(batch))
+        else:
+            forward = ForwardBatch(step.positions, step.attention, step.lora, self.pool_tensor, self.backend)
+            hidden = self.model(step.input_ids, forward)
+        sampling = [c for c in batch if c.sample is not None]
         if not sampling:
             return RunnerOutput({})
-        logits = self.model.logits(hidden[last])
-        specs = [c.sample for _, c in sampling]
+        logits = self.model.logits(hidden[step.last])
+        specs = [c.sample for c in sampling]
         tokens = sample(
             logits,
             [s.params for s in specs],
             [s.seed for s in specs],
             [(s.prompt_ids, s.output_ids) for s in specs],
         )
-        return RunnerOutput({c.request_id: t for (_, c), t in zip(sampling, tokens, strict=True)})
+        return RunnerOutput({c.request_id: t for c, t in zip(sampling, tokens, strict=True)})
+
+    def _stage(self, batch: list[SeqChunk], graphed: bool) -> _Staged:
+        """Build the step's tables into the step buffers and upload them. `graphed`: at the widths a
+        decode graph reads (`kernels.graph_tables`), with no LoRA preparation (a graph's launches
+        were prepared at capture) and `token_adapter` written even when no token has an adapter."""
+        buffers = self.buffers
+        attention = build_attention_batch(
+            [(c.kv_pages, c.start, len(c.token_ids)) for c in batch],
+            self.layout.tokens_per_page,
+            self.model.config.sliding_window,
+            buffers,
+            fixed_width=graphed,
+        )
+        lora = build_lora_plan(
+            self.geometry,
+            [(c.adapter, len(c.token_ids)) for c in batch],
+            buffers,
+            None if graphed else self._prepare,
+            fixed_width=graphed,
+        )
+        if lora is None and graphed:
+            buffers.put("token_adapter", [-1] * len(batch))
+        staged = _Staged(
+            input_ids=buffers.put("input_ids", [t for c in batch for t in c.token_ids]),
+            positions=buffers.put("positions", [p for c in batch for p in range(c.start, c.start + len(c.token_ids))]),
+            last=buffers.put(
+                "last", [attention.query_starts[i + 1] - 1 for i, c in enumerate(batch) if c.sample is not None]
+            ),
+            attention=attention,
+            lora=lora,
+        )
+        buffers.upload()
+        return staged
+
+    def capture_decode_graphs(self, mode: str, max_rank: int) -> None:
+        """Set up a decode graph for every padding bucket, largest first (`worker.decode_graphs`): each
+        is first run on a step of that many pads, so its kernels are compiled before any capture."""
+        if self.decode_padding is None:
+            raise ValueError("decode graphs need decode steps padded to their buckets (DecodePadding)")
+        self.graphs = None  # while capturing, every step runs eagerly
+        graphs = DecodeGraphs(
+            self.model,
+            self.pool_tensor,
+            self.backend,
+            self.buffers,
+            self.geometry,
+            self.layout.tokens_per_page,
+            max_rank,
+            mode,
+        )
+        pad = self.decode_padding.pad_sequence()
+        for size in sorted(self.decode_padding.buckets, reverse=True):
+            self._stage([pad] * size, graphed=True)
+            graphs.add(size)
+        self.graphs = graphs
