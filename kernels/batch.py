@@ -15,6 +15,7 @@ tables are built by the same code.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
@@ -140,6 +141,66 @@ def module_by_module(apply_module: ModuleApply):
     return apply
 
 
+# Rows of one adapter's stacked A blocks a fused shrink reads at most: beyond it, the group's modules
+# get a shrink each (the Triton kernels' rank block, and so their tiles, stay at most 128 wide).
+FUSED_SHRINK_MAX_RANK = 128
+
+
+@dataclass(frozen=True)
+class _Shrinks:
+    """The step's shrinks and their per-adapter tables (see LoraPlan.shrinks and LoraTables)."""
+
+    shrinks: tuple[tuple[int, ...], ...]
+    ranks: list[list[int]]  # [A][M], keyed by each shrink's first module
+    a_offsets: list[list[int]]  # [A][M]
+    v_cols: list[list[int]]  # [A][M]
+
+
+def _stacked(a_offsets: Sequence[int], modules: list[int], rank: int, c_in: Sequence[int]) -> bool:
+    """Whether the A blocks of `modules` (in order) follow each other in the adapter's rows."""
+    return all(a_offsets[n] == a_offsets[m] + rank * c_in[m] for m, n in itertools.pairwise(modules))
+
+
+def plan_shrinks(
+    groups: tuple[tuple[int, ...], ...],
+    ranks: Sequence[int],
+    a_offsets: Sequence[Sequence[int]],
+    c_in: Sequence[int],
+    fuse: bool = True,
+) -> _Shrinks:
+    """One shrink per group where every adapter stacks the A blocks it has of the group (and at most
+    FUSED_SHRINK_MAX_RANK rows of them), else one per module; `fuse=False`: one per module always."""
+    modules, count = len(LORA_MODULES), len(ranks)
+    shrink_ranks = [[0] * modules for _ in range(count)]
+    offsets = [[-1] * modules for _ in range(count)]
+    v_cols = [[0] * modules for _ in range(count)]
+    shrinks: list[tuple[int, ...]] = []
+    for group in groups:
+        targeted = [[m for m in group if a_offsets[a][m] >= 0] for a in range(count)]
+        fused = (
+            fuse
+            and len(group) > 1
+            and all(
+                _stacked(a_offsets[a], ms, ranks[a], c_in) and len(ms) * ranks[a] <= FUSED_SHRINK_MAX_RANK
+                for a, ms in enumerate(targeted)
+            )
+        )
+        if fused:
+            shrinks.append(group)
+            for a, ms in enumerate(targeted):
+                if ms:
+                    shrink_ranks[a][group[0]], offsets[a][group[0]] = len(ms) * ranks[a], a_offsets[a][ms[0]]
+                for i, m in enumerate(ms):
+                    v_cols[a][m] = i * ranks[a]
+            continue
+        for m in group:
+            shrinks.append((m,))
+            for a in range(count):
+                if a_offsets[a][m] >= 0:
+                    shrink_ranks[a][m], offsets[a][m] = ranks[a], a_offsets[a][m]
+    return _Shrinks(tuple(shrinks), shrink_ranks, offsets, v_cols)
+
+
 class ReusePrepared:
     """A backend's `prepare_lora` that returns the last result again when the plan's host values are
     unchanged: in steady decode, consecutive steps run the same adapters in the same order with the
@@ -172,12 +233,13 @@ def build_lora_plan(
     groups: tuple[tuple[int, ...], ...] = LORA_GROUPS,
     *,
     fixed_width: bool = False,
+    fuse_shrinks: bool = True,
 ) -> LoraPlan | None:
     """The step's LoRA plan for sequences of (adapter or None, tokens this step); None when no token
     uses an adapter. `prepare` (a backend's `prepare_lora`) derives the backend's per-step work from
     it once; `groups` are the module groups the backend will be called with. `fixed_width` pads the
     page table to the buffers' capacity, the row stride a captured decode graph was launched with
-    (`kernels.graph_tables`)."""
+    (`kernels.graph_tables`); `fuse_shrinks=False` gives every module its own shrink (`plan_shrinks`)."""
     adapters: list[PooledAdapter] = []
     index: dict[int, int] = {}  # id(adapter) -> its row in the per-adapter tables
     segments: list[tuple[int, int, int]] = []
@@ -217,6 +279,7 @@ def build_lora_plan(
     b_offsets = [list(a.b_offsets) for a in adapters]
     layers = [[bool(x) for x in a.layers] for a in adapters]
     modules = len(LORA_MODULES)
+    shrinks = plan_shrinks(groups, [a.rank for a in adapters], a_offsets, geometry.c_in, fuse_shrinks)
     tables = LoraTables(
         seg_start=buffers.put("seg_start", [s for s, _, _ in segments]),
         seg_len=buffers.put("seg_len", [n for _, n, _ in segments]),
@@ -228,6 +291,9 @@ def build_lora_plan(
         a_offset=buffers.put("a_offset", _padded(a_offsets, modules), (num_adapters, modules)),
         b_offset=buffers.put("b_offset", _padded(b_offsets, modules), (num_adapters, modules)),
         layer_active=buffers.put("layer_active", _padded(layers, num_layers), (num_adapters, num_layers)),
+        shrink_rank=buffers.put("shrink_rank", _padded(shrinks.ranks, modules), (num_adapters, modules)),
+        shrink_a_offset=buffers.put("shrink_a_offset", _padded(shrinks.a_offsets, modules), (num_adapters, modules)),
+        v_col=buffers.put("v_col", _padded(shrinks.v_cols, modules), (num_adapters, modules)),
     )
     plan = LoraPlan(
         tables=tables,
@@ -247,6 +313,8 @@ def build_lora_plan(
         b_offsets=b_offsets,
         layers_active=layers,
         pages=pages,
+        shrinks=shrinks.shrinks,
+        shrink_ranks=shrinks.ranks,
     )
     if own:
         buffers.upload()

@@ -41,6 +41,9 @@ def graph_lora_plan(
         a_offset=buffers.view("a_offset", (adapters, modules)),
         b_offset=buffers.view("b_offset", (adapters, modules)),
         layer_active=buffers.view("layer_active", (adapters, c.num_layers)),
+        shrink_rank=buffers.view("shrink_rank", (adapters, modules)),
+        shrink_a_offset=buffers.view("shrink_a_offset", (adapters, modules)),
+        v_col=buffers.view("v_col", (adapters, modules)),
     )
     return LoraPlan(
         tables=tables,
@@ -60,6 +63,7 @@ def graph_lora_plan(
         b_offsets=[],
         layers_active=[],
         pages=[],
+        shrinks=tuple((m,) for group in groups for m in group),  # as staged with fuse_shrinks=False
     )
 
 

@@ -12,6 +12,13 @@
 Shapes: x [T, d_in], y [T, d_out] (updated in place), pool_layer [rows, W]; metadata in the step's
 `LoraPlan` (its device `tables`).
 
+Projections that share an input (a group: q/k/v, gate/up) share one shrink when the step's adapters
+stack their A blocks of the group (as the engine's pool does, `worker/pool_layout.py`): the k
+blocks an adapter has are then one [k*r_a, d_in] matrix, read as a rank-k*r_a A from the first
+one's offset (`shrink_a_offset`, `shrink_rank`, keyed by the group's first module), and x is read
+once for the group. Module m's expand reads its r_a values of v from column v_col[a, m]. Otherwise
+(`LoraPlan.shrinks`), each module has a shrink of its own, with the same kernels.
+
 Both factors are read row by row straight from the adapter's pages: nothing is padded to a
 maximum rank in memory, and adapters of different ranks share one launch (the rank BLOCK is a
 power of two >= 16 covering the largest rank, and rows j >= r_a are masked off, never read).
@@ -34,21 +41,22 @@ sums the partial vectors, so the result does not depend on the order of any atom
 `prepare_lora_triton` makes every host-side choice once per step (the path: the token path when
 every segment is one token long, a pure decode step with no adapter shared by two requests in a
 row, the segment path otherwise, where a segment of n tokens reads its adapter once per tile
-rather than n times; block sizes; reduction splits; the float32 buffer v), so that applying a
-group in a layer (`lora_apply_triton_group`) only launches kernels. `lora_apply_triton` applies one
-module with the same launches after checking its arguments, for tests and benchmarks.
+rather than n times; block sizes; reduction splits; the float32 buffer v of each shrink), so that
+applying a group in a layer (`lora_apply_triton_group`) only launches kernels. `lora_apply_triton`
+applies one module with the same launches after checking its arguments, for tests and benchmarks.
+A captured decode step launches what `prepare_lora_triton_graph` prepares instead (see there).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.batch import module_by_module
 from loraserve.kernels.metadata import LoraPlan
 from loraserve.model_config import LORA_MODULES
 
@@ -56,7 +64,18 @@ from loraserve.model_config import LORA_MODULES
 # otherwise compile a variant of a kernel for each pattern of them (value 1, multiple of 16, other):
 # hundreds of compilations of about a second each, spread over the first minutes of serving.
 # Only the constexpr block sizes (and dtypes) select a compiled variant.
-PER_STEP_ARGS = ("stride_pt", "module", "layer", "num_tokens", "d_in", "d_out", "c_in", "c_out", "splits")
+PER_STEP_ARGS = (
+    "stride_pt",
+    "module",
+    "layer",
+    "num_tokens",
+    "d_in",
+    "d_out",
+    "c_in",
+    "c_out",
+    "splits",
+    "v_stride",
+)
 
 
 def _jit_per_step(fn):
@@ -119,7 +138,7 @@ def _shrink_token_kernel(
     if skip:
         return
     j = tl.arange(0, BLOCK_R)
-    j_ok = j < tl.load(rank_ptr + a)
+    j_ok = j < tl.load(rank_ptr + a * 7 + module)
     cols = tl.arange(0, BLOCK_K)
     blocks_per_chunk = (W + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -140,6 +159,8 @@ def _expand_token_kernel(
     stride_yt,
     pool_ptr,
     v_ptr,
+    v_stride,
+    v_col_ptr,
     token_adapter_ptr,
     rank_ptr,
     scale_ptr,
@@ -159,7 +180,8 @@ def _expand_token_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """y[t, n] += (sum_split v[split, t, :]) @ B_a[:, n] * scale[a], for the BLOCK_N columns n of this program."""
+    """y[t, n] += (sum_split v[split, t, c:c+r]) @ B_a[:, n] * scale[a], for the BLOCK_N columns n of this
+    program (c = v_col[a, module]: where the module's r values lie in its shrink's output)."""
     t = tl.program_id(0)
     a = tl.load(token_adapter_ptr + t)
     if a < 0:
@@ -169,9 +191,10 @@ def _expand_token_kernel(
         return
     j = tl.arange(0, BLOCK_R)
     j_ok = j < tl.load(rank_ptr + a)
+    v_col = tl.load(v_col_ptr + a * 7 + module)
     v = tl.zeros([BLOCK_R], dtype=tl.float32)
     for split in range(splits):
-        v += tl.load(v_ptr + (split * num_tokens + t) * BLOCK_R + j)
+        v += tl.load(v_ptr + (split * num_tokens + t) * v_stride + v_col + j, mask=j_ok, other=0.0)
     blocks_per_chunk = (W + BLOCK_N - 1) // BLOCK_N
     nb = tl.program_id(1)
     c = nb // blocks_per_chunk
@@ -228,7 +251,7 @@ def _shrink_segment_kernel(
     m_ok = offs_m < length
     tokens = tl.load(seg_start_ptr + s) + offs_m
     j = tl.arange(0, BLOCK_R)
-    j_ok = j < tl.load(rank_ptr + a)
+    j_ok = j < tl.load(rank_ptr + a * 7 + module)
     cols = tl.arange(0, BLOCK_K)
     blocks_per_chunk = (W + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -256,6 +279,8 @@ def _expand_segment_kernel(
     stride_yt,
     pool_ptr,
     v_ptr,
+    v_stride,
+    v_col_ptr,
     seg_start_ptr,
     seg_len_ptr,
     seg_adapter_ptr,
@@ -279,7 +304,8 @@ def _expand_segment_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """y[tile, n] += (sum_split v[split, tile, :]) @ B_a[:, n] * scale[a], for this program's BLOCK_N columns."""
+    """y[tile, n] += (sum_split v[split, tile, c:c+r]) @ B_a[:, n] * scale[a], for this program's BLOCK_N
+    columns (c = v_col[a, module])."""
     s = tl.program_id(0)
     tile = tl.program_id(1)
     length = tl.load(seg_len_ptr + s)
@@ -294,9 +320,11 @@ def _expand_segment_kernel(
     tokens = tl.load(seg_start_ptr + s) + offs_m
     j = tl.arange(0, BLOCK_R)
     j_ok = j < tl.load(rank_ptr + a)
+    v_col = tl.load(v_col_ptr + a * 7 + module)
     v = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     for split in range(splits):
-        v += tl.load(v_ptr + (split * num_tokens + tokens[:, None]) * BLOCK_R + j[None, :], mask=m_ok[:, None])
+        v_ptrs = v_ptr + (split * num_tokens + tokens[:, None]) * v_stride + v_col + j[None, :]
+        v += tl.load(v_ptrs, mask=m_ok[:, None] & j_ok[None, :], other=0.0)
     blocks_per_chunk = (W + BLOCK_N - 1) // BLOCK_N
     nb = tl.program_id(2)
     c = nb // blocks_per_chunk
@@ -334,80 +362,111 @@ def _token_block(block_r: int, row_width: int) -> int:
 
 
 @dataclass(frozen=True)
-class _ModulePlan:
-    """One module's launches for the step, decided once (see `prepare_lora_triton`)."""
+class _Expand:
+    """One module a shrink feeds: its output in the group and its expand's block sizes."""
 
-    layers: frozenset[int]  # layers in which some adapter of the step has weights for the module
-    path: str  # "token" or "segment"
-    block_r: int
-    block_k: int
+    module: int
+    slot: int  # index of the module in its group: the output it updates
+    block_r: int  # covers the largest rank among the adapters targeting the module
     block_n: int
+
+
+@dataclass(frozen=True)
+class _Shrink:
+    """One shrink of the step and the expands that read it, decided once (see `prepare_lora_triton`)."""
+
+    key: int  # the shrink's first module: its column in the shrink tables
+    layers: frozenset[int]  # layers in which some adapter has weights for it
+    path: str  # "token" or "segment"
+    block_r: int  # covers the most A rows an adapter has in the shrink (k modules x rank)
+    block_k: int
     block_m: int
     splits: int
-    v: torch.Tensor  # float32 [splits, T, block_r]: the shrink's output, the expand's input
+    v: torch.Tensor  # float32 [splits, T, block_r]: the shrink's output, the expands' input
+    expands: tuple[_Expand, ...]
 
 
-def _module_plan(
-    plan: LoraPlan, module: int, device: torch.device, path: str, splits: int | None
-) -> _ModulePlan | None:
-    targeting = [a for a, offsets in enumerate(plan.a_offsets) if offsets[module] >= 0]
+def _shrink(
+    plan: LoraPlan, shrink: tuple[int, ...], group: tuple[int, ...], device: torch.device, path: str, splits: int | None
+) -> _Shrink | None:
+    key = shrink[0]
+    targeting = [a for a, ranks in enumerate(plan.shrink_ranks) if ranks[key] > 0]
     if not targeting or plan.num_tokens == 0:
         return None
     layers = frozenset(i for a in targeting for i, on in enumerate(plan.layers_active[a]) if on)
-    block_r = _pow2_at_least(max(plan.ranks[a] for a in targeting), 16)  # tl.dot needs K >= 16 on GPU
+    block_r = _pow2_at_least(max(plan.shrink_ranks[a][key] for a in targeting), 16)  # tl.dot needs K >= 16 on GPU
     w, width = plan.row_width, triton.next_power_of_2(plan.row_width)
     if path == "auto":
         path = "token" if plan.max_seg_len <= TOKEN_PATH_MAX_SEG_LEN else "segment"
+    tile = max(16, min(width, 64))  # the segment path's BLOCK_K and BLOCK_N: tl.dot needs K and N >= 16 on GPU
     if path == "token":
-        block_k = block_n = _token_block(block_r, w)
-        block_m, programs = 1, plan.num_tokens
+        block_k, block_m, programs = _token_block(block_r, w), 1, plan.num_tokens
     else:
         block_m = 16 if plan.max_seg_len <= 16 or device.type != "cuda" else 32
-        block_k = block_n = max(16, min(width, 64))  # tl.dot needs K and N >= 16 on GPU
-        programs = len(plan.segments) * triton.cdiv(plan.max_seg_len, block_m)
-    splits = splits or _num_splits(programs, plan.c_in[module] * triton.cdiv(w, block_k), device)
+        block_k, programs = tile, len(plan.segments) * triton.cdiv(plan.max_seg_len, block_m)
+    splits = splits or _num_splits(programs, plan.c_in[key] * triton.cdiv(w, block_k), device)
     v = torch.empty(splits, plan.num_tokens, block_r, dtype=torch.float32, device=device)
-    return _ModulePlan(layers, path, block_r, block_k, block_n, block_m, splits, v)
+    expands = []
+    for m in shrink:
+        using = [plan.ranks[a] for a in targeting if plan.a_offsets[a][m] >= 0]
+        if using:
+            expand_r = _pow2_at_least(max(using), 16)
+            block_n = _token_block(expand_r, w) if path == "token" else tile
+            expands.append(_Expand(m, group.index(m), expand_r, block_n))
+    return _Shrink(key, layers, path, block_r, block_k, block_m, splits, v, tuple(expands))
 
 
 def prepare_lora_triton(
     plan: LoraPlan, dtype: torch.dtype, *, path: str = "auto", splits: int | None = None
-) -> list[_ModulePlan | None]:
-    """Per module: the step's path, block sizes, splits and v buffer (None: no adapter targets it).
-    `path` ("auto", "token", "segment") and `splits` are for tests and benchmarks; the result does
-    not depend on them beyond rounding."""
+) -> list[list[_Shrink]]:
+    """Per group of `plan.groups`: its shrinks' path, block sizes, splits, v buffer and expands (a
+    shrink no adapter uses is left out). `path` ("auto", "token", "segment") and `splits` are for
+    tests and benchmarks; the result does not depend on them beyond rounding."""
     if path not in PATHS:
         raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
     device = plan.tables.rank.device
-    return [_module_plan(plan, m, device, path, splits) for m in range(len(LORA_MODULES))]
+    prepared = []
+    for group in plan.groups:
+        shrinks = (_shrink(plan, shrink, group, device, path, splits) for shrink in plan.shrinks if shrink[0] in group)
+        prepared.append([p for p in shrinks if p is not None])
+    return prepared
 
 
-def prepare_lora_triton_graph(plan: LoraPlan, dtype: torch.dtype, max_rank: int) -> list[_ModulePlan]:
+def prepare_lora_triton_graph(plan: LoraPlan, dtype: torch.dtype, max_rank: int) -> list[list[_Shrink]]:
     """What a captured decode step launches, for a plan from `kernels.graph_tables.graph_lora_plan`:
-    the token path for every module in every layer (the kernels skip tokens without an adapter and
-    adapters without the module or layer, from the tables), a rank block covering `max_rank` (the
-    largest the engine accepts), and splits and v buffers sized for the plan's tokens. Nothing in it
-    depends on a particular step, so one graph serves every step of its batch size."""
+    a shrink per module (the step is staged with `fuse_shrinks=False`), each on the token path in
+    every layer (the kernels skip tokens without an adapter and adapters without the module or
+    layer, from the tables), with a rank block covering `max_rank` (the largest the engine
+    accepts), and splits and v buffers sized for the plan's tokens. Nothing in it depends on a
+    particular step, so one graph serves every step of its batch size."""
     device = plan.tables.rank.device
     block_r = _pow2_at_least(max_rank, 16)
     block = _token_block(block_r, plan.row_width)
     every_layer = frozenset(range(plan.tables.layer_active.shape[1]))
-    plans = []
-    for module in range(len(LORA_MODULES)):
-        splits = _num_splits(plan.num_tokens, plan.c_in[module] * triton.cdiv(plan.row_width, block), device)
-        v = torch.empty(splits, plan.num_tokens, block_r, dtype=torch.float32, device=device)
-        plans.append(_ModulePlan(every_layer, "token", block_r, block, block, 1, splits, v))
-    return plans
+    prepared = []
+    for group in plan.groups:
+        shrinks = []
+        for slot, m in enumerate(group):
+            splits = _num_splits(plan.num_tokens, plan.c_in[m] * triton.cdiv(plan.row_width, block), device)
+            v = torch.empty(splits, plan.num_tokens, block_r, dtype=torch.float32, device=device)
+            expand = _Expand(m, slot, block_r, block)
+            shrinks.append(_Shrink(m, every_layer, "token", block_r, block, 1, splits, v, (expand,)))
+        prepared.append(shrinks)
+    return prepared
 
 
 def lora_apply_triton(
     y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, module: int
 ) -> None:
     """y[t] += ((x[t] @ A^T) @ B) * scale[a] for every token t of an adapter segment (see module doc),
-    after checking the arguments. Shapes: y [T, d_out] (in place), x [T, d_in], pool_layer [rows, W].
+    after checking the arguments, for a plan whose groups hold the module alone (as kernel tests
+    and benchmarks build them). Shapes: y [T, d_out] (in place), x [T, d_in], pool_layer [rows, W].
     `plan.prepared` must come from `prepare_lora_triton`."""
     _check(y, x, pool_layer, plan, module)
-    _launch(y, x, pool_layer, plan, layer, module)
+    group = next((g for g, modules in enumerate(plan.groups) if module in modules), None)
+    if group is None or plan.groups[group] != (module,):
+        raise ValueError(f"module {module} must be a group of its own in the plan, not in {plan.groups}")
+    _launch((y,), x, pool_layer, plan, layer, group)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, module: int) -> None:
@@ -441,98 +500,62 @@ def _check(y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: Lor
 
 
 def _launch(
-    y: torch.Tensor, x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, module: int
+    outputs: Sequence[torch.Tensor], x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, group: int
 ) -> None:
-    p = plan.prepared[module]
-    if p is None or layer not in p.layers:
-        return
     t = plan.tables
     num_tokens, w, rpp = plan.num_tokens, plan.row_width, plan.rows_per_page
-    c_in, c_out = plan.c_in[module], plan.c_out[module]
     common = (t.page_table, t.page_table.stride(0))
-    active = (t.layer_active, t.layer_active.stride(0), module, layer, num_tokens)
-    if p.path == "token":
-        _shrink_token_kernel[(num_tokens, p.splits)](
-            x,
-            x.stride(0),
-            pool_layer,
-            p.v,
-            t.token_adapter,
-            t.rank,
-            *common,
-            t.a_offset,
-            *active,
-            plan.d_in[module],
-            c_in,
-            p.splits,
-            W=w,
-            R=rpp,
-            BLOCK_R=p.block_r,
-            BLOCK_K=p.block_k,
-        )
-        _expand_token_kernel[(num_tokens, c_out * triton.cdiv(w, p.block_n))](
-            y,
-            y.stride(0),
-            pool_layer,
-            p.v,
-            t.token_adapter,
-            t.rank,
-            t.scale,
-            *common,
-            t.b_offset,
-            *active,
-            plan.d_out[module],
-            c_out,
-            p.splits,
-            W=w,
-            R=rpp,
-            BLOCK_R=p.block_r,
-            BLOCK_N=p.block_n,
-        )
-        return
-    num_segments, tiles = len(plan.segments), triton.cdiv(plan.max_seg_len, p.block_m)
+    active = (t.layer_active, t.layer_active.stride(0))
+    segs = (t.seg_start, t.seg_len, t.seg_adapter)
     precision = "ieee" if x.dtype == torch.float32 else None  # exact float32 products, not tf32
-    segs = (t.seg_start, t.seg_len, t.seg_adapter, t.rank)
-    _shrink_segment_kernel[(num_segments, tiles, p.splits)](
-        x,
-        x.stride(0),
-        pool_layer,
-        p.v,
-        *segs,
-        *common,
-        t.a_offset,
-        *active,
-        plan.d_in[module],
-        c_in,
-        p.splits,
-        W=w,
-        R=rpp,
-        BLOCK_M=p.block_m,
-        BLOCK_R=p.block_r,
-        BLOCK_K=p.block_k,
-        PRECISION=precision,
-    )
-    _expand_segment_kernel[(num_segments, tiles, c_out * triton.cdiv(w, p.block_n))](
-        y,
-        y.stride(0),
-        pool_layer,
-        p.v,
-        *segs,
-        t.scale,
-        *common,
-        t.b_offset,
-        *active,
-        plan.d_out[module],
-        c_out,
-        p.splits,
-        W=w,
-        R=rpp,
-        BLOCK_M=p.block_m,
-        BLOCK_R=p.block_r,
-        BLOCK_N=p.block_n,
-        PRECISION=precision,
-    )
+    for p in plan.prepared[group]:
+        if layer not in p.layers:
+            continue
+        c_in = plan.c_in[p.key]
+        shrink = (x, x.stride(0), pool_layer, p.v)
+        shrink_tail = (*common, t.shrink_a_offset, *active, p.key, layer, num_tokens, plan.d_in[p.key], c_in, p.splits)
+        if p.path == "token":
+            _shrink_token_kernel[(num_tokens, p.splits)](
+                *shrink, t.token_adapter, t.shrink_rank, *shrink_tail, W=w, R=rpp, BLOCK_R=p.block_r, BLOCK_K=p.block_k
+            )
+        else:
+            tiles = triton.cdiv(plan.max_seg_len, p.block_m)
+            _shrink_segment_kernel[(len(plan.segments), tiles, p.splits)](
+                *shrink,
+                *segs,
+                t.shrink_rank,
+                *shrink_tail,
+                W=w,
+                R=rpp,
+                BLOCK_M=p.block_m,
+                BLOCK_R=p.block_r,
+                BLOCK_K=p.block_k,
+                PRECISION=precision,
+            )
+        for e in p.expands:
+            y, c_out = outputs[e.slot], plan.c_out[e.module]
+            expand = (y, y.stride(0), pool_layer, p.v, p.block_r, t.v_col)
+            tail = (t.rank, t.scale, *common, t.b_offset, *active, e.module, layer, num_tokens)
+            tail += (plan.d_out[e.module], c_out, p.splits)
+            column_blocks = c_out * triton.cdiv(w, e.block_n)
+            if p.path == "token":
+                _expand_token_kernel[(num_tokens, column_blocks)](
+                    *expand, t.token_adapter, *tail, W=w, R=rpp, BLOCK_R=e.block_r, BLOCK_N=e.block_n
+                )
+            else:
+                tiles = triton.cdiv(plan.max_seg_len, p.block_m)
+                _expand_segment_kernel[(len(plan.segments), tiles, column_blocks)](
+                    *expand,
+                    *segs,
+                    *tail,
+                    W=w,
+                    R=rpp,
+                    BLOCK_M=p.block_m,
+                    BLOCK_R=e.block_r,
+                    BLOCK_N=e.block_n,
+                    PRECISION=precision,
+                )
 
 
-# The engine's path: the modules of a group one after another, launches only (see the module docstring).
-lora_apply_triton_group = module_by_module(_launch)
+# The engine's path: a group's shrinks and expands, launches only (see the module docstring).
+lora_apply_triton_group = _launch

@@ -36,6 +36,10 @@ class LoraTables:
     a_offset: torch.Tensor  # int32 [A, M]: first logical row of module m's A block, -1 if not targeted
     b_offset: torch.Tensor  # int32 [A, M]: the same for B
     layer_active: torch.Tensor  # int32 [A, L]: 0 where the adapter has no weights in that layer
+    # The shrinks (see LoraPlan.shrinks), each keyed by its first module k:
+    shrink_rank: torch.Tensor  # int32 [A, M]: rows of the adapter's A the shrink k reads (0: none)
+    shrink_a_offset: torch.Tensor  # int32 [A, M]: first logical row of them, -1 if none
+    v_col: torch.Tensor  # int32 [A, M]: where module m's r values start in its shrink's output
 
     def all(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -49,7 +53,9 @@ class LoraPlan:
     with the device or re-derives anything. `groups` are the projection groups the model applies
     LoRA to in one call (module indices sharing an input, `LORA_GROUPS` in the engine); `prepared`
     is what the step's kernel backend derived from the plan once (`KernelBackend.prepare_lora`):
-    index tables for the torch path, block sizes and paths for the Triton one.
+    index tables for the torch path, block sizes and paths for the Triton one. A *shrink* computes
+    x @ A^T for the A blocks of one or more modules of a group at once, their outputs side by side
+    (module m's from column v_col), for the Triton kernels.
     """
 
     tables: LoraTables
@@ -69,6 +75,11 @@ class LoraPlan:
     b_offsets: list[list[int]]  # [A][M]
     layers_active: list[list[bool]]  # [A][L]
     pages: list[list[int]]  # [A]: each adapter's pages, in logical order
+    # The step's shrinks, in group order: the modules whose A blocks one shrink reads together. A
+    # group is one shrink when every adapter of the step stacks its A blocks (as the engine's pool
+    # does) and no adapter's stack exceeds FUSED_SHRINK_MAX_RANK rows; else each module its own.
+    shrinks: tuple[tuple[int, ...], ...] = ()
+    shrink_ranks: list[list[int]] = field(default_factory=list)  # [A][M]: host mirror of tables.shrink_rank
     prepared: object = None
 
 

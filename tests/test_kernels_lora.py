@@ -235,11 +235,13 @@ def test_graph_launches_match_the_reference(small_pool, popularity: str):
     )
     buffers = StepBuffers(capacity, device)
     seqs = [(None if a is None else adapters[a], n) for a, n in requests] + [(None, 1)] * (bucket - len(requests))
-    build_lora_plan(SMALL, seqs, buffers, groups=ONE_MODULE_GROUPS, fixed_width=True)
+    build_lora_plan(SMALL, seqs, buffers, groups=ONE_MODULE_GROUPS, fixed_width=True, fuse_shrinks=False)
     buffers.upload()
     graph = graph_lora_plan(SMALL, buffers, bucket, ONE_MODULE_GROUPS)
     graph.prepared = prepare_lora_triton_graph(graph, dtype, max_rank=128)
-    assert {p.path for p in graph.prepared} == {"token"} and {p.block_r for p in graph.prepared} == {128}
+    shrinks = [p for group in graph.prepared for p in group]
+    assert len(shrinks) == len(LORA_MODULES)
+    assert {p.path for p in shrinks} == {"token"} and {p.block_r for p in shrinks} == {128}
     plan = make_lora_plan(SMALL, adapters, requests, device=device)
     g = torch.Generator().manual_seed(5)
     for module in (LORA_MODULES.index("q_proj"), LORA_MODULES.index("down_proj")):

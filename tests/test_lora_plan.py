@@ -15,8 +15,9 @@ import math
 import pytest
 import torch
 
-from loraserve.kernels.batch import ReusePrepared, lora_order
+from loraserve.kernels.batch import FUSED_SHRINK_MAX_RANK, ReusePrepared, lora_order
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
+from loraserve.kernels.lora_triton import lora_apply_triton_group, prepare_lora_triton
 from loraserve.kernels.synthetic import LoraGeometry, adapters_used, assign_adapters, make_lora_plan, make_lora_pool
 from loraserve.model_config import LORA_GROUPS
 
@@ -85,6 +86,52 @@ def test_groups_match_dense(pool, popularity, lengths, order):
             lora_apply_torch(ys, x, weights[layer], plan, layer, group)
             for y, e in zip(ys, expected, strict=True):
                 torch.testing.assert_close(y, e, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lengths", [[1], [1, 1, 12, 1, 3]], ids=["decode", "mixed"])
+@pytest.mark.parametrize("ranks", ["small", "all"])
+def test_triton_groups_match_dense(pool, lengths, ranks, kernel_device):
+    """The Triton path per group: one shrink for a group whose A blocks every adapter stacks (at
+    most FUSED_SHRINK_MAX_RANK rows each), else one per module; either way the dense result."""
+    weights, adapters = pool
+    stacked = adapters[0].a_offsets[1] == adapters[0].a_offsets[0] + RANKS[0] * GEOMETRY.c_in[0]
+    usable = [a for a, r in enumerate(RANKS) if ranks == "all" or r <= 32]
+    assigned = assign_adapters("uniform", 16, seed=3)
+    requests = [
+        (None if i % 5 == 4 else usable[assigned[i] % len(usable)], lengths[i % len(lengths)]) for i in range(16)
+    ]
+    if ranks == "all":
+        requests[0] = (RANKS.index(64), 1)  # q/k/v of rank 64 stacked: 192 rows, more than one shrink takes
+    requests = _ordered(requests)
+    plan = make_lora_plan(
+        GEOMETRY,
+        adapters,
+        requests,
+        kernel_device,
+        lambda p: prepare_lora_triton(p, torch.float32),
+        groups=LORA_GROUPS,
+    )
+    assert plan is not None
+    singles = tuple((m,) for group in LORA_GROUPS for m in group)
+    if not stacked:
+        assert plan.shrinks == singles
+    elif ranks == "small":
+        assert plan.shrinks == LORA_GROUPS  # q/k/v and gate/up: one shrink each
+    else:
+        assert plan.shrinks == ((0,), (1,), (2,), (3,), (4, 5), (6,)) and FUSED_SHRINK_MAX_RANK >= 64 * 2
+    g = torch.Generator().manual_seed(4)
+    tokens = sum(k for _, k in requests)
+    for layer in range(GEOMETRY.num_layers):
+        for group, modules in enumerate(LORA_GROUPS):
+            x = torch.randn(tokens, GEOMETRY.d_in[modules[0]], generator=g)
+            ys = [torch.randn(tokens, GEOMETRY.d_out[m], generator=g) for m in modules]
+            expected = _dense(ys, x, adapters, requests, plan, layer, group)
+            on_device = [y.to(kernel_device) for y in ys]
+            lora_apply_triton_group(
+                on_device, x.to(kernel_device), weights[layer].to(kernel_device), plan, layer, group
+            )
+            for y, e in zip(on_device, expected, strict=True):
+                torch.testing.assert_close(y.cpu(), e, atol=1e-4, rtol=1e-4)
 
 
 def test_lora_order_groups_adapters_and_puts_base_last():

@@ -174,6 +174,7 @@ class ModelRunner:
             buffers,
             None if graphed else self._prepare,
             fixed_width=graphed,
+            fuse_shrinks=not graphed,  # a graph's shrinks are one per module, for any adapter's rank
         )
         if lora is None and graphed:
             buffers.put("token_adapter", [-1] * len(batch))
