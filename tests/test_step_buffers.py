@@ -28,6 +28,9 @@ LORA_TABLES = (
     "a_offset",
     "b_offset",
     "layer_active",
+    "shrink_rank",
+    "shrink_a_offset",
+    "v_col",
 )
 PROMPTS = [[1, 5, 9, 33, 7], [1, 44, 3, 99], [1, 8, 8, 8, 8, 8, 8, 200, 17, 301, 5], [1, 17], [1, 600, 2, 902, 14]]
 GEOMETRY = LoraGeometry.uniform(d_in=16, d_out=16, row_width=8, rows_per_page=4, num_layers=2)
@@ -79,7 +82,7 @@ def test_engine_steps_refill_the_same_storage(tiny_model, tiny_adapters):
             addresses.setdefault(name, set()).add(ptr)
     assert len(addresses) == 2 + len(ATTENTION_TABLES) + len(LORA_TABLES)
     assert {name: len(ptrs) for name, ptrs in addresses.items()} == dict.fromkeys(addresses, 1)
-    assert len(staged) == 17 and all(len(ptrs) == 1 for ptrs in staged.values()), staged  # `last` included
+    assert len(staged) == 20 and all(len(ptrs) == 1 for ptrs in staged.values()), staged  # `last` included
 
 
 def _adapter(rank: int, pages: list[int], layers=(True, True)) -> SimpleNamespace:
