@@ -65,6 +65,17 @@ class LoraGeometry:
     def c_out(self) -> tuple[int, ...]:
         return tuple(ceil_div(d, self.row_width) for d in self.d_out)
 
+    def plan_fields(self) -> dict:
+        """The widths a LoraPlan carries (its c_in, c_out, d_in, d_out, rows_per_page, row_width)."""
+        return dict(
+            c_in=self.c_in,
+            c_out=self.c_out,
+            d_in=self.d_in,
+            d_out=self.d_out,
+            rows_per_page=self.rows_per_page,
+            row_width=self.row_width,
+        )
+
 
 class PooledAdapter(Protocol):
     """An adapter's place in the pool, as the LoRA kernels index it."""
@@ -298,12 +309,7 @@ def build_lora_plan(
     plan = LoraPlan(
         tables=tables,
         groups=groups,
-        c_in=geometry.c_in,
-        c_out=geometry.c_out,
-        d_in=geometry.d_in,
-        d_out=geometry.d_out,
-        rows_per_page=geometry.rows_per_page,
-        row_width=geometry.row_width,
+        **geometry.plan_fields(),
         num_tokens=start,
         max_seg_len=max(n for _, n, _ in segments),
         segments=segments,

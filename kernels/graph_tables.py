@@ -48,12 +48,7 @@ def graph_lora_plan(
     return LoraPlan(
         tables=tables,
         groups=groups,
-        c_in=geometry.c_in,
-        c_out=geometry.c_out,
-        d_in=geometry.d_in,
-        d_out=geometry.d_out,
-        rows_per_page=geometry.rows_per_page,
-        row_width=geometry.row_width,
+        **geometry.plan_fields(),
         num_tokens=num_tokens,
         max_seg_len=1,
         segments=[],

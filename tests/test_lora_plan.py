@@ -44,6 +44,22 @@ def _dense(ys, x, adapters, requests, plan, layer, group):
     return outs
 
 
+def _every_group_matches_dense(apply, weights, adapters, requests, plan, device, seed: int) -> None:
+    """`apply` (a backend's group apply) on random x and y, every layer and group, against `_dense`."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(k for _, k in requests)
+    for layer in range(GEOMETRY.num_layers):
+        pool_layer = weights[layer].to(device)
+        for group, modules in enumerate(LORA_GROUPS):
+            x = torch.randn(tokens, GEOMETRY.d_in[modules[0]], generator=g)
+            ys = [torch.randn(tokens, GEOMETRY.d_out[m], generator=g) for m in modules]
+            expected = _dense(ys, x, adapters, requests, plan, layer, group)
+            on_device = [y.to(device) for y in ys]
+            apply(on_device, x.to(device), pool_layer, plan, layer, group)
+            for y, e in zip(on_device, expected, strict=True):
+                torch.testing.assert_close(y.cpu(), e, atol=1e-4, rtol=1e-4)
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["stacked", "by-module"])
 def pool(request):
     inactive = [()] * 11 + [(1,)]
@@ -76,16 +92,7 @@ def test_groups_match_dense(pool, popularity, lengths, order):
     spans = [b.span is not None for buckets in plan.prepared for b in buckets]
     if order == "runner":
         assert all(spans), "in the runner's order every bucket is a span of the step"
-    g = torch.Generator().manual_seed(1)
-    tokens = sum(k for _, k in requests)
-    for layer in range(GEOMETRY.num_layers):
-        for group, modules in enumerate(LORA_GROUPS):
-            x = torch.randn(tokens, GEOMETRY.d_in[modules[0]], generator=g)
-            ys = [torch.randn(tokens, GEOMETRY.d_out[m], generator=g) for m in modules]
-            expected = _dense(ys, x, adapters, requests, plan, layer, group)
-            lora_apply_torch(ys, x, weights[layer], plan, layer, group)
-            for y, e in zip(ys, expected, strict=True):
-                torch.testing.assert_close(y, e, atol=1e-4, rtol=1e-4)
+    _every_group_matches_dense(lora_apply_torch, weights, adapters, requests, plan, "cpu", seed=1)
 
 
 @pytest.mark.parametrize("lengths", [[1], [1, 1, 12, 1, 3]], ids=["decode", "mixed"])
@@ -119,19 +126,7 @@ def test_triton_groups_match_dense(pool, lengths, ranks, kernel_device):
         assert plan.shrinks == LORA_GROUPS  # q/k/v and gate/up: one shrink each
     else:
         assert plan.shrinks == ((0,), (1,), (2,), (3,), (4, 5), (6,)) and FUSED_SHRINK_MAX_RANK >= 64 * 2
-    g = torch.Generator().manual_seed(4)
-    tokens = sum(k for _, k in requests)
-    for layer in range(GEOMETRY.num_layers):
-        for group, modules in enumerate(LORA_GROUPS):
-            x = torch.randn(tokens, GEOMETRY.d_in[modules[0]], generator=g)
-            ys = [torch.randn(tokens, GEOMETRY.d_out[m], generator=g) for m in modules]
-            expected = _dense(ys, x, adapters, requests, plan, layer, group)
-            on_device = [y.to(kernel_device) for y in ys]
-            lora_apply_triton_group(
-                on_device, x.to(kernel_device), weights[layer].to(kernel_device), plan, layer, group
-            )
-            for y, e in zip(on_device, expected, strict=True):
-                torch.testing.assert_close(y.cpu(), e, atol=1e-4, rtol=1e-4)
+    _every_group_matches_dense(lora_apply_triton_group, weights, adapters, requests, plan, kernel_device, seed=4)
 
 
 def test_lora_order_groups_adapters_and_puts_base_last():
