@@ -10,6 +10,8 @@ Each step, the runner first orders the sequences by adapter (`lora_order`, which
 buckets rely on to be spans of the step), pads a decode-only step to its batch-size bucket when
 asked (`DecodePadding`), then builds the step's tables and its one LoRA plan, which the backend
 prepares once for every layer (`ReusePrepared` keeps a steady decode step from preparing again).
+A decode step of a bucket with a captured graph (`capture_decode_graphs`, `worker.decode_graphs`)
+stages its tables at the graph's fixed widths instead and replays the graph.
 """
 
 from __future__ import annotations
