@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from loraserve import errors
 from loraserve.errors import InvalidRequestError
 from loraserve.grpc_token import token_interceptors
+from loraserve.reflection import add_reflection
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -295,10 +295,11 @@ def new_server(
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:
-    """Standard grpc.health.v1 (NOT_SERVING until the caller says otherwise) and server reflection."""
+    """Standard grpc.health.v1 (NOT_SERVING until the caller says otherwise) and server reflection (v1 and
+    v1alpha, `loraserve.reflection`)."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    add_reflection(server, [*service_names, health.SERVICE_NAME])
     return servicer
 
 

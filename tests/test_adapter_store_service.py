@@ -87,6 +87,45 @@ def test_health_and_reflection_answer(store):
     assert described.file_descriptor_response.file_descriptor_proto
 
 
+def test_reflection_v1_answers_with_its_own_messages(store):
+    """grpc.reflection.v1, as clients that ask for v1 only (grpcurl, grpcui) use it: its own proto,
+    described by the server, builds the messages of a second call that lists and describes services."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    method = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    call = store.channel.stream_stream(
+        method,
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection")
+    (described,) = list(call(iter([request]), timeout=5))
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in described.file_descriptor_response.file_descriptor_proto
+    ]
+    assert [(f.name, f.package) for f in files] == [("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1")]
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(files[0])
+    v1 = {
+        name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"grpc.reflection.v1.{name}"))
+        for name in ("ServerReflectionRequest", "ServerReflectionResponse")
+    }
+    call = store.channel.stream_stream(
+        method,
+        request_serializer=v1["ServerReflectionRequest"].SerializeToString,
+        response_deserializer=v1["ServerReflectionResponse"].FromString,
+    )
+    requests = [
+        v1["ServerReflectionRequest"](list_services=""),
+        v1["ServerReflectionRequest"](file_containing_symbol=SERVICE),
+    ]
+    listed, found = list(call(iter(requests), timeout=5))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {SERVICE, "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    assert found.file_descriptor_response.file_descriptor_proto
+
+
 # ---- upload, describe, fetch ---------------------------------------------------------------------------
 def test_preloaded_adapter_is_served(store):
     listed = {a.name: a for a in store.stub.List(gateway_pb2.ListAdaptersRequest(), timeout=5).adapters}
