@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`).
+"""Property-based fuzzing of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
+`/tokenize`, `/detokenize`).
 
 Hypothesis builds request bodies field by field: each OpenAI parameter absent, well formed, at an
 edge (0, negative, huge, NaN as a string, empty) or any JSON value at all, strings that include lone
@@ -95,6 +96,18 @@ CHAT = _bodies(
     _SHARED | {"max_completion_tokens": st.integers(1, 4)},
     ["tools", "tool_choice", "response_format", "logprobs", "top_logprobs"],
 )
+TOKENIZE = _bodies(
+    {},
+    {
+        "model": _MODEL,
+        "prompt": _TEXT,
+        "messages": st.lists(_MESSAGE, min_size=1, max_size=3),
+        "add_special_tokens": st.booleans(),
+        "return_token_strs": st.booleans(),
+    },
+    [],
+)
+DETOKENIZE = _bodies({"tokens": st.one_of(_TOKEN_IDS, st.lists(_NUMBER, max_size=4))}, {"model": _MODEL}, [])
 DEEP = b"[" * 50_000  # nested past Python's recursion limit
 DEEP_SURROGATE = b'{"model": "upper", "prompt": "x", "deep": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}"
 RAW = st.one_of(
@@ -167,7 +180,23 @@ def test_fuzzed_chat_completions_never_fail_internally(stack, body):
 
 
 @FUZZ
-@given(raw=RAW, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@given(body=TOKENIZE)
+@example(body={"prompt": "\ud800"})
+@example(body={"prompt": PROMPT, "messages": [{"role": "user", "content": "hi"}]})
+def test_fuzzed_tokenize_never_fails_internally(stack, body):
+    check(stack, "/tokenize", _json(body))
+
+
+@FUZZ
+@given(body=DETOKENIZE)
+@example(body={"tokens": [2**32]})
+@example(body={"tokens": [1, 2**40]})
+def test_fuzzed_detokenize_never_fails_internally(stack, body):
+    check(stack, "/detokenize", _json(body))
+
+
+@FUZZ
+@given(raw=RAW, path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]))
 @example(raw=DEEP, path="/v1/completions")
 @example(raw=DEEP_SURROGATE, path="/v1/completions")
 def test_raw_bodies_never_fail_internally(stack, raw, path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
+import importlib.metadata
 import io
 import json
 import signal
@@ -445,3 +446,61 @@ def test_up_with_http_bind_prints_examples_that_work(tmp_path):
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
+
+
+def get(port: int, path: str, key: str | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def test_health_and_version_answer_without_a_key(stack, lone_gateway):
+    assert get(stack.http_port, "/health") == (200, b"")  # a worker is ready
+    status, body = get(stack.http_port, "/version")
+    assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("loraserve")
+    assert get(stack.http_port, "/v1/models")[0] == 401  # the other routes still want a key
+    process, port, log = lone_gateway()  # no scheduler behind it: no worker is ready
+    _wait_listening(process, port, log)
+    status, body = get(port, "/health")
+    assert status == 503 and json.loads(body)["error"]["message"] == "no worker is ready"
+
+
+def test_models_report_the_context_length(stack):
+    models = {m["id"]: m for m in json.loads(get(stack.http_port, "/v1/models", KEYS["a"])[1])["data"]}
+    info = stack.api.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10, metadata=_auth("a"))
+    assert {m["max_model_len"] for m in models.values()} == {info.max_context_length} and info.max_context_length > 0
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(stack):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)  # an independent reader of the tokenizer files
+    answer = json.loads(
+        post(stack, "/tokenize", {"model": "upper", "prompt": PROMPT, "return_token_strs": True}).read()
+    )
+    ids = reference(PROMPT).input_ids
+    assert answer["tokens"] == ids and answer["count"] == len(ids) and answer["max_model_len"] > 0
+    assert answer["token_strs"] == reference.convert_ids_to_tokens(ids)
+    bare = json.loads(post(stack, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).read())
+    assert bare["tokens"] == reference(PROMPT, add_special_tokens=False).input_ids and bare["token_strs"] is None
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = json.loads(post(stack, "/tokenize", {"model": BASE, "messages": messages}).read())
+    usage = client(stack).chat.completions.create(model=BASE, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens  # what a chat completion's prompt is
+    detokenized = json.loads(post(stack, "/detokenize", {"tokens": bare["tokens"]}).read())
+    assert detokenized["prompt"] == reference.decode(bare["tokens"])
+    for path, body, status, param in (
+        ("/tokenize", {"prompt": PROMPT, "messages": messages}, 400, "prompt"),
+        ("/tokenize", {"model": "mine", "prompt": PROMPT}, 404, "model"),  # tenant b's adapter
+        ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ):
+        response = post(stack, path, body)
+        error = json.loads(response.read())["error"]
+        assert (response.status, error["param"]) == (status, param), error
+    assert post(stack, "/tokenize", {"prompt": PROMPT}, key=None).status == 401
+
+
+def _auth(tenant: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {KEYS[tenant]}"),)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (and the
+operational routes of `operations.py`: `/health`, `/version`, `/tokenize`, `/detokenize`).
 
 A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
 name. A request becomes a `GenerateRequest` and runs through the gRPC servicer's own generation path,
@@ -27,6 +28,7 @@ from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
 from loraserve.gateway.http.generation import ClientGone, Generation, HttpCall, until_disconnected
+from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.responses import DONE, Answers, Final, sse
 from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.namespaces import Namespace
@@ -49,11 +51,18 @@ def build_app(service: LoraServeService, chat_template: ChatTemplate | None, sta
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+    operations = OperationRoutes(service, chat_template, routes.model)
+    app.add_api_route("/health", operations.health, methods=["GET"], response_model=None)
+    app.add_api_route("/version", operations.version, methods=["GET"])
+    app.add_api_route("/tokenize", operations.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", operations.detokenize, methods=["POST"])
     app.add_exception_handler(HttpError, _send_error)
     app.add_exception_handler(LoraserveError, _loraserve_error)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
-    app.add_middleware(BodyGuard, authenticate=service.authenticate, max_body_bytes=max_body_bytes(service))
+    app.add_middleware(
+        BodyGuard, authenticate=service.authenticate, max_body_bytes=max_body_bytes(service), open_paths=OPEN_PATHS
+    )
     return app
 
 
@@ -91,9 +100,11 @@ class OpenAiRoutes:
     async def _models(self, principal: Principal) -> list[dict[str, Any]]:
         principal.require(Scope.GENERATE, "list models")
         listing = await self.service.adapters.list(Namespace.of(principal))
-        base = _card(self.base_model, self.started_unix, "loraserve")
+        longest = self.service.limits.max_context
+        base = _card(self.base_model, self.started_unix, "loraserve", longest)
         adapters = [
-            _card(a.name, int(a.created_unix), a.owner or "loraserve", self.base_model) for a in listing.adapters
+            _card(a.name, int(a.created_unix), a.owner or "loraserve", longest, self.base_model)
+            for a in listing.adapters
         ]
         return [base, *(a for a in adapters if a["id"] != self.base_model)]
 
@@ -194,7 +205,7 @@ async def _events(first: str | Final, generation: Generation, answers: Answers):
     yield DONE
 
 
-def _card(model_id: str, created: int, owner: str, parent: str | None = None) -> dict[str, Any]:
+def _card(model_id: str, created: int, owner: str, max_model_len: int, parent: str | None = None) -> dict[str, Any]:
     return {
         "id": model_id,
         "object": "model",
@@ -202,6 +213,7 @@ def _card(model_id: str, created: int, owner: str, parent: str | None = None) ->
         "owned_by": owner,
         "root": model_id,
         "parent": parent,
+        "max_model_len": max_model_len,
     }
 
 

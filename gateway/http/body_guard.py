@@ -29,15 +29,18 @@ Authenticate = Callable[[dict[str, str]], object]  # raises LoraserveError (UNAU
 class BodyGuard:
     """ASGI middleware: authenticate from the headers, then read at most `max_body_bytes` of body."""
 
-    def __init__(self, app: ASGIApp, authenticate: Authenticate, max_body_bytes: int):
+    def __init__(
+        self, app: ASGIApp, authenticate: Authenticate, max_body_bytes: int, open_paths: frozenset[str] = frozenset()
+    ):
         self.app, self.authenticate, self.max_body_bytes = app, authenticate, max_body_bytes
+        self.open_paths = open_paths  # answered without a key (probes): only the body cap applies
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        refusal = self._refusal(headers)
+        refusal = self._refusal(headers, scope["path"] in self.open_paths)
         if refusal is not None:
             await _refuse(send, refusal)
             return
@@ -50,10 +53,11 @@ class BodyGuard:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _refusal(self, headers: dict[str, str]) -> HttpError | None:
+    def _refusal(self, headers: dict[str, str], open_path: bool) -> HttpError | None:
         """The answer the headers alone earn (401, 503, 413), or None."""
         try:
-            self.authenticate(headers)
+            if not open_path:
+                self.authenticate(headers)
         except LoraserveError as e:
             return http_error(e)
         length = headers.get("content-length", "").strip()

@@ -229,11 +229,36 @@ class ChatCompletionRequest(_Generation):
         return super().unsupported()
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The messages as a chat template takes them: role, content text (and name, when given)."""
-        out = []
-        for message in self.messages:
-            entry: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
-            if message.name is not None:
-                entry["name"] = message.name
-            out.append(entry)
-        return out
+        return conversation(self.messages)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them: role, content text (and name, when given)."""
+    out = []
+    for message in messages:
+        entry: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, min_length=1)
+    tokens: list[TokenId]
