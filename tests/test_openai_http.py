@@ -504,3 +504,46 @@ def test_tokenize_and_detokenize_in_vllms_shapes(stack):
 
 def _auth(tenant: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {KEYS[tenant]}"),)
+
+
+def test_every_accepted_parameter_takes_effect_or_is_refused(stack):
+    completions = "/v1/completions"
+    base = {"model": "upper", "prompt": PROMPT, "max_tokens": 8}
+    for extra, param in (
+        ({"top_p": 0}, "top_p"),  # not read as 1 (the gRPC API's unset)
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 5}, "min_p"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"top_k": -2}, "top_k"),
+    ):
+        response = post(stack, completions, base | extra)
+        error = json.loads(response.read())["error"]
+        assert (response.status, error["param"]) == (400, param), (extra, error)
+
+    def text(**fields) -> str:
+        reply = client(stack).completions.create(**base, temperature=1.2, seed=3, extra_body=fields)
+        return reply.choices[0].text
+
+    assert text(top_k=-1) == text(top_k=0) != text(top_k=1)  # -1 is vLLM's "off"
+
+    greedy = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=16)
+    stop_id = greedy.token_ids[2]  # a token the greedy answer produces third
+    stopped = client(stack).completions.create(
+        model="upper", prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"stop_token_ids": [stop_id]}
+    )
+    first = list(greedy.token_ids).index(stop_id)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == first + 1
+    assert greedy.text.startswith(stopped.choices[0].text)
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(stack):
+    info = stack.api.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10, metadata=_auth("a"))
+    reply = client(stack).chat.completions.create(
+        model="upper", messages=[{"role": "user", "content": PROMPT}], extra_body={"ignore_eos": True}
+    )
+    usage = reply.usage
+    assert usage.prompt_tokens + usage.completion_tokens == info.max_context_length > info.default_max_new_tokens
+    assert reply.choices[0].finish_reason == "length"

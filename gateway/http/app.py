@@ -133,7 +133,10 @@ class OpenAiRoutes:
                 raise InvalidRequestError("messages", f"are longer than {self.service.limits.max_prompt_bytes} bytes")
         except LoraserveError as e:
             raise http_error(e, "messages") from None
-        generate.token_ids.ids.extend(self.service.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.service.tokenizer.encode(text, add_special_tokens=False)
+        generate.token_ids.ids.extend(ids)
+        if not body.new_tokens:  # as OpenAI and vLLM: an answer may run to the end of the context
+            generate.max_new_tokens = max(1, self.service.limits.max_context - len(ids))
         answers = Answers(f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, include_usage=body.include_usage)
         return await self._answer(generate, answers, request, bool(body.stream), "messages")
 
@@ -146,6 +149,7 @@ class OpenAiRoutes:
             sampling=common_pb2.SamplingParameters(**body.sampling()),
             max_new_tokens=body.new_tokens,
             stop=body.stops,
+            stop_token_ids=body.stop_token_ids or [],
         )
 
     async def _answer(

@@ -5,7 +5,9 @@ what the values mean (temperature ranges, context length, stop limits, adapter n
 the same validation the gRPC API runs (`gateway/validation.py`), once the body is a GenerateRequest.
 Fields OpenAI defines that loraserve does not serve (`logprobs`, `tools`, `n` > 1, ...) are accepted
 only at their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
-OpenAI-compatible servers do. `top_k`, `repetition_penalty` and `ignore_eos` are extensions (vLLM's names).
+OpenAI-compatible servers do, except vLLM's extensions loraserve does not implement
+(`REFUSED_EXTENSIONS`), which are refused. `top_k`, `repetition_penalty`, `ignore_eos` and
+`stop_token_ids` are extensions (vLLM's names).
 Every string anywhere in a body (values and keys, known fields or not) must be Unicode text: JSON can
 spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused whole
 (`invalid_unicode`, naming where the surrogate is) before any field is looked at.
@@ -84,10 +86,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# vLLM's sampling extensions loraserve does not implement yet: refused with a 400 naming them rather
+# than ignored (other unknown fields are ignored, as OpenAI-compatible servers do).
+REFUSED_EXTENSIONS = (
+    "min_p",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "use_beam_search",
+    "length_penalty",
+    "bad_words",
+    "allowed_token_ids",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
+
+
 class _Generation(_Body):
     """The parameters completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra: the refused extensions are looked for there
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
@@ -102,9 +127,10 @@ class _Generation(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    top_k: int | None = Field(None, ge=0, le=UINT32_MAX)  # extension
+    top_k: int | None = Field(None, ge=-1, le=UINT32_MAX)  # extension; -1 or 0: off (vLLM's -1)
     repetition_penalty: float | None = None  # extension
     ignore_eos: bool | None = None  # extension: generate max_tokens whatever the model says
+    stop_token_ids: list[TokenId] | None = None  # extension: token ids that end the generation
 
     @property
     def stops(self) -> list[str]:
@@ -124,7 +150,7 @@ class _Generation(_Body):
         fields: dict[str, Any] = {
             "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": self.top_k or 0,
+            "top_k": 0 if self.top_k in (None, -1) else self.top_k,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -136,13 +162,17 @@ class _Generation(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter set to something loraserve does not do; else None."""
-        if self.n not in (None, 1):
-            return "n", f"only n = 1 is supported (one choice per request), got {self.n}"
-        if self.logit_bias:
-            return "logit_bias", "is not supported"
-        if self.stream_options is not None and not self.stream:
-            return "stream_options", "is only allowed with stream: true"
-        return None
+        extra = self.model_extra or {}
+        refusals = [
+            (self.n not in (None, 1), "n", f"only n = 1 is supported (one choice per request), got {self.n}"),
+            # 0 is the gRPC API's "unset" for these two: refused here rather than read as 1
+            (self.top_p == 0, "top_p", "must be in (0, 1], got 0 (for greedy decoding set temperature to 0)"),
+            (self.repetition_penalty == 0, "repetition_penalty", "must be in [0.01, 10] (1 turns it off), got 0"),
+            *((name in extra, name, "is not supported") for name in REFUSED_EXTENSIONS),
+            (bool(self.logit_bias), "logit_bias", "is not supported"),
+            (self.stream_options is not None and not self.stream, "stream_options", "needs stream: true"),
+        ]
+        return next(((name, why) for refused, name, why in refusals if refused), None)
 
 
 class CompletionRequest(_Generation):
