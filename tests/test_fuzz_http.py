@@ -1,5 +1,5 @@
 """Property-based fuzzing of the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`,
-`/tokenize`, `/detokenize`).
+`/tokenize`, `/detokenize`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
 
 Hypothesis builds request bodies field by field: each OpenAI parameter absent, well formed, at an
 edge (0, negative, huge, NaN as a string, empty) or any JSON value at all, strings that include lone
@@ -108,6 +108,14 @@ TOKENIZE = _bodies(
     [],
 )
 DETOKENIZE = _bodies({"tokens": st.one_of(_TOKEN_IDS, st.lists(_NUMBER, max_size=4))}, {"model": _MODEL}, [])
+# An open gateway lets any caller load and unload: never under a name the other tests use (a
+# mutation may set lora_name to anything, so whole bodies are filtered).
+_IN_USE = ("upper", "rot13", "title", BASE)
+_LOAD = _bodies({"lora_name": _TEXT, "lora_path": st.one_of(_TEXT, st.sampled_from(["upper", "../x", "/etc"]))}, {}, [])
+ADAPTER_ROUTES = st.one_of(
+    _LOAD.map(lambda body: ("/v1/load_lora_adapter", body)),
+    _bodies({"lora_name": _TEXT}, {"lora_int_id": _NUMBER}, []).map(lambda body: ("/v1/unload_lora_adapter", body)),
+).filter(lambda route: route[1].get("lora_name") not in _IN_USE)
 DEEP = b"[" * 50_000  # nested past Python's recursion limit
 DEEP_SURROGATE = b'{"model": "upper", "prompt": "x", "deep": ' + b"[" * 900 + b'"\\ud800"' + b"]" * 900 + b"}"
 RAW = st.one_of(
@@ -131,7 +139,8 @@ RAW = st.one_of(
 @pytest.fixture(scope="module")
 def stack():
     http_port = free_port_block(1)
-    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{http_port}")
+    adapter_root = str(DEMO_MODEL_DIR.parent / "adapters")  # the demo adapters: loads can succeed
+    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{http_port}", adapter_root=adapter_root)
     stack.http_port = http_port
     stack.start()
     stack.wait_workers(1)
@@ -193,6 +202,14 @@ def test_fuzzed_tokenize_never_fails_internally(stack, body):
 @example(body={"tokens": [1, 2**40]})
 def test_fuzzed_detokenize_never_fails_internally(stack, body):
     check(stack, "/detokenize", _json(body))
+
+
+@FUZZ
+@given(body=ADAPTER_ROUTES)
+@example(body=("/v1/load_lora_adapter", {"lora_name": "a\ud800", "lora_path": "upper"}))
+def test_fuzzed_adapter_loads_never_fail_internally(stack, body):
+    path, fields = body
+    check(stack, path, _json(fields))
 
 
 @FUZZ

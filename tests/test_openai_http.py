@@ -39,6 +39,7 @@ TENANTS = {"a": "", "b": "", "q": "max_concurrent = 1"}
 BASE = DEMO_MODEL_DIR.name  # the base model's id
 PROMPT = "the quiet king"
 README_HTTP_ADDRESS = "127.0.0.1:8000"
+DEMO_ADAPTERS = demo_adapters()["upper"].parent
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,7 @@ def stack(tmp_path_factory, collector):
         auth_file=str(auth),
         http_bind=f"127.0.0.1:{http_port}",
         metrics_port=metrics_port,
+        adapter_root=str(DEMO_ADAPTERS),  # /v1/load_lora_adapter reads below it
     )
     stack.http_port, stack.metrics_port = http_port, metrics_port
     stack.start()
@@ -547,3 +549,29 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context(stack):
     usage = reply.usage
     assert usage.prompt_tokens + usage.completion_tokens == info.max_context_length > info.default_max_new_tokens
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_adapters_load_and_unload_over_http_in_vllms_shapes(stack):
+    expected = grpc_generate(stack, "rot13", text=PROMPT, max_new_tokens=8).text
+    loaded = post(stack, "/v1/load_lora_adapter", {"lora_name": "disk-rot13", "lora_path": "rot13"})
+    assert loaded.status == 200 and loaded.read().decode() == "Success: LoRA adapter 'disk-rot13' added successfully."
+    assert "disk-rot13" in {m.id for m in client(stack, "a").models.list()}
+    assert "disk-rot13" not in {m.id for m in client(stack, "b").models.list()}  # in tenant a's namespace only
+    reply = client(stack).completions.create(model="disk-rot13", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert reply.choices[0].text == expected
+    for path, body, status, param in (
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../rot13"}, 400, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "no-such-dir"}, 404, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "bad/name", "lora_path": "rot13"}, 400, "lora_name"),
+        ("/v1/load_lora_adapter", {"lora_name": "x"}, 400, "lora_path"),
+        ("/v1/unload_lora_adapter", {"lora_name": "disk-rot13", "lora_int_id": 1}, 400, "lora_int_id"),
+        ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, 404, "lora_name"),
+    ):
+        response = post(stack, path, body)
+        error = json.loads(response.read())["error"]
+        assert (response.status, error["param"]) == (status, param), (body, error)
+    assert post(stack, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "rot13"}, key=None).status == 401
+    unloaded = post(stack, "/v1/unload_lora_adapter", {"lora_name": "disk-rot13"})
+    assert unloaded.status == 200 and "removed" in unloaded.read().decode()
+    with pytest.raises(openai.NotFoundError):
+        client(stack).completions.create(model="disk-rot13", prompt=PROMPT, max_tokens=4)

@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (and the
-operational routes of `operations.py`: `/health`, `/version`, `/tokenize`, `/detokenize`).
+operational routes of `operations.py`: `/health`, `/version`, `/tokenize`, `/detokenize`, and the
+adapter routes of `adapter_routes.py`: `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
 
 A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
 name. A request becomes a `GenerateRequest` and runs through the gRPC servicer's own generation path,
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraserve.errors import AdapterNotFoundError, InvalidRequestError, LoraserveError
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.http.adapter_routes import AdapterRoutes
 from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
 from loraserve.gateway.http.generation import ClientGone, Generation, HttpCall, until_disconnected
@@ -56,6 +58,9 @@ def build_app(service: LoraServeService, chat_template: ChatTemplate | None, sta
     app.add_api_route("/version", operations.version, methods=["GET"])
     app.add_api_route("/tokenize", operations.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", operations.detokenize, methods=["POST"])
+    adapters = AdapterRoutes(service)
+    app.add_api_route("/v1/load_lora_adapter", adapters.load, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/unload_lora_adapter", adapters.unload, methods=["POST"], response_model=None)
     app.add_exception_handler(HttpError, _send_error)
     app.add_exception_handler(LoraserveError, _loraserve_error)
     app.add_exception_handler(RequestValidationError, _invalid_body)

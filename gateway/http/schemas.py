@@ -292,3 +292,21 @@ class DetokenizeRequest(_Body):
 
     model: str | None = Field(None, min_length=1)
     tokens: list[TokenId]
+
+
+class LoadLoraAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's shape; adapters are named, `lora_int_id` is refused)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
