@@ -83,7 +83,13 @@ def _bodies(required: dict, optional: dict, other: list[str]) -> st.SearchStrate
 
 
 COMPLETIONS = _bodies(
-    {"model": _MODEL, "prompt": st.one_of(_TEXT.filter(bool), _TOKEN_IDS), "max_tokens": st.integers(1, 4)},
+    {
+        "model": _MODEL,
+        "prompt": st.one_of(
+            _TEXT.filter(bool), _TOKEN_IDS, st.lists(_TEXT, min_size=1, max_size=3), st.lists(_TOKEN_IDS, max_size=3)
+        ),
+        "max_tokens": st.integers(1, 4),
+    },
     _SHARED,
     ["echo", "best_of", "logprobs", "suffix"],
 )

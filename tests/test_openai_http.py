@@ -237,7 +237,8 @@ def test_errors_have_openais_shape_and_status(stack):
         ({"stop": ["x"] * 9}, "stop"),
         ({"seed": -1}, "seed"),
         ({"logprobs": 2}, "logprobs"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one"] * 65}, "prompt"),  # more prompts than one request may batch
+        ({"prompt": ["one", "x" * 3000]}, "prompt"),  # one bad prompt fails the batch
         ({"prompt": ""}, "prompt"),
         ({"prompt": "x" * 3000}, "prompt"),
     ]:
@@ -575,3 +576,32 @@ def test_adapters_load_and_unload_over_http_in_vllms_shapes(stack):
     assert unloaded.status == 200 and "removed" in unloaded.read().decode()
     with pytest.raises(openai.NotFoundError):
         client(stack).completions.create(model="disk-rot13", prompt=PROMPT, max_tokens=4)
+
+
+def test_a_batch_of_prompts_answers_each_in_order(stack):
+    prompts = ["the quiet king", "a small river", "the old road", "bright stars"]
+    single = [grpc_generate(stack, "upper", text=p, max_new_tokens=8) for p in prompts]
+    reply = client(stack).completions.create(model="upper", prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in reply.choices] == list(range(len(prompts)))
+    assert [c.text for c in reply.choices] == [r.text for r in single]
+    assert reply.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in single)
+    assert reply.usage.completion_tokens == sum(r.usage.completion_tokens for r in single)
+    tokenize = gateway_pb2.TokenizeRequest
+    ids = [
+        list(stack.api.Tokenize(tokenize(text=p, add_special_tokens=True), metadata=_auth("a")).ids) for p in prompts
+    ]
+    by_ids = client(stack).completions.create(model="upper", prompt=ids, max_tokens=8, temperature=0)
+    assert [c.text for c in by_ids.choices] == [r.text for r in single]  # token-id prompts batch the same way
+
+    body = {"model": "upper", "prompt": prompts, "max_tokens": 8, "temperature": 0, "stream": True}
+    events = sse_events(post(stack, "/v1/completions", body | {"stream_options": {"include_usage": True}}))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts, finishes = [""] * len(prompts), [[] for _ in prompts]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"] is not None:
+            finishes[choice["index"]].append(choice["finish_reason"])
+    assert texts == [r.text for r in single] and all(len(f) == 1 for f in finishes)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == reply.usage.completion_tokens

@@ -31,7 +31,8 @@ from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
 from loraserve.gateway.http.generation import ClientGone, Generation, HttpCall, until_disconnected
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
-from loraserve.gateway.http.responses import DONE, Answers, Final, sse
+from loraserve.gateway.http.prompt_batch import answer_batch
+from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, STREAM_HEADERS, Answers, Final, sse
 from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.service import LoraServeService
@@ -39,8 +40,6 @@ from loraserve.gateway.tenants import Scope
 from loraserve.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
-CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it, the log does
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(service: LoraServeService, chat_template: ChatTemplate | None, started_unix: int) -> FastAPI:
@@ -115,14 +114,18 @@ class OpenAiRoutes:
 
     # ---- generation -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request, principal: Caller) -> Response:
-        generate = self._generate_request(body)
-        prompt = body.prompt_value()
-        if isinstance(prompt, str):
-            generate.text = prompt
-        else:
-            generate.token_ids.ids.extend(prompt)
+        generates = []
+        for prompt in body.prompt_values():
+            generate = self._generate_request(body)
+            if isinstance(prompt, str):
+                generate.text = prompt
+            else:
+                generate.token_ids.ids.extend(prompt)
+            generates.append(generate)
         answers = Answers(f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, include_usage=body.include_usage)
-        return await self._answer(generate, answers, request, bool(body.stream), "prompt")
+        if len(generates) > 1:
+            return await answer_batch(self.service, generates, answers, request, bool(body.stream))
+        return await self._answer(generates[0], answers, request, bool(body.stream), "prompt")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
         if self.chat_template is None:

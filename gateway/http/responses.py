@@ -4,7 +4,8 @@ A stream is a sequence of `data: <json>\\n\\n` events: (chat only) a first chunk
 role, one chunk per piece of text, a last chunk with the finish reason, then, with
 `stream_options.include_usage`, a chunk with no choices and the usage (every other chunk then
 carries `"usage": null`), and finally `data: [DONE]`. A failure after the stream has begun is one
-event `data: {"error": {...}}`, then `data: [DONE]`.
+event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts interleaves
+their chunks, each choice carrying its prompt's `index`, and its usage is their sum.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DONE = b"data: [DONE]\n\n"
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it, the log does
 FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length"}  # loraserve's -> OpenAI's
 
 
@@ -29,6 +32,11 @@ class Final:
     def usage(self) -> dict[str, int]:
         total = self.prompt_tokens + self.completion_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+
+    @staticmethod
+    def summed(finals: list[Final]) -> Final:
+        """The token counts of several generations together (a batch of prompts' usage)."""
+        return Final("", sum(f.prompt_tokens for f in finals), sum(f.completion_tokens for f in finals))
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -47,27 +55,33 @@ class Answers:
 
     def whole(self, text: str, final: Final) -> dict[str, Any]:
         """The non-streaming answer."""
-        message = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choice = {"index": 0, **message}
-        choice |= {"logprobs": None, "finish_reason": final.finish_reason}
-        return self._object(self.chat and "chat.completion", [choice]) | {"usage": final.usage()}
+        return self.whole_batch([(text, final)])
+
+    def whole_batch(self, results: list[tuple[str, Final]]) -> dict[str, Any]:
+        """The non-streaming answer of several prompts: choice i is prompt i's, the usage their sum."""
+        choices = []
+        for index, (text, final) in enumerate(results):
+            message = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": index, **message, "logprobs": None, "finish_reason": final.finish_reason})
+        usage = Final.summed([final for _, final in results]).usage()
+        return self._object(self.chat and "chat.completion", choices) | {"usage": usage}
 
     def opening(self) -> dict[str, Any] | None:
         """The chunk before any text (chat: the assistant's role), or None."""
         return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
 
-    def piece(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text} if self.chat else text, None)
+    def piece(self, text: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"content": text} if self.chat else text, None, index)
 
-    def closing(self, final: Final) -> dict[str, Any]:
-        return self._chunk({} if self.chat else "", final.finish_reason)
+    def closing(self, final: Final, index: int = 0) -> dict[str, Any]:
+        return self._chunk({} if self.chat else "", final.finish_reason, index)
 
     def usage(self, final: Final) -> dict[str, Any]:
         """The include_usage chunk: no choices, the usage."""
         return self._object(self.chat and "chat.completion.chunk", []) | {"usage": final.usage()}
 
-    def _chunk(self, content: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": content} if self.chat else {"index": 0, "text": content}
+    def _chunk(self, content: dict[str, Any] | str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+        choice = {"index": index, "delta": content} if self.chat else {"index": index, "text": content}
         choice |= {"logprobs": None, "finish_reason": finish_reason}
         chunk = self._object(self.chat and "chat.completion.chunk", [choice])
         return chunk | {"usage": None} if self.include_usage else chunk

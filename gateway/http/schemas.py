@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 UINT32_MAX = 2**32 - 1
+MAX_PROMPTS = 64  # prompts in one completions request (each is scheduled as a request of its own)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type of a body holding a lone surrogate
@@ -185,9 +186,8 @@ class CompletionRequest(_Generation):
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        batch = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list)
-        if batch and len(self.prompt) != 1:
-            return "prompt", f"one prompt per request, got a batch of {len(self.prompt)}"
+        if len(self.prompt_values()) > MAX_PROMPTS:
+            return "prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(self.prompt_values())}"
         if self.echo:
             return "echo", "is not supported"
         if self.best_of not in (None, 1):
@@ -198,12 +198,12 @@ class CompletionRequest(_Generation):
             return "suffix", "is not supported"
         return super().unsupported()
 
-    def prompt_value(self) -> str | list[int]:
-        """The one prompt: text, or token ids."""
+    def prompt_values(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids: one, or a batch (a list of either)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        return prompt  # type: ignore[return-value]
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
 
 class ContentPart(BaseModel):
