@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraserve.errors import AdapterNotFoundError, InvalidRequestError, LoraserveError
@@ -29,10 +29,10 @@ from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http.adapter_routes import AdapterRoutes
 from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
-from loraserve.gateway.http.generation import ClientGone, Generation, HttpCall, until_disconnected
+from loraserve.gateway.http.generation import ClientGone, Generation, GenerationStream, HttpCall, until_disconnected
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.prompt_batch import answer_batch
-from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, STREAM_HEADERS, Answers, Final, sse
+from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, sse
 from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.service import LoraServeService
@@ -177,26 +177,7 @@ class OpenAiRoutes:
         except Exception as e:
             generation.cancel()
             raise http_error(e, prompt_param, call.retry_after_s) from None
-        return GenerationStream(generation, _events(first, generation, answers))
-
-
-class GenerationStream(StreamingResponse):
-    """The SSE response of one generation, which it cancels when the response ends in any way.
-
-    A client that disconnects makes Starlette cancel the task sending the stream. That task may be
-    waiting in `send` rather than in the events generator, and then the generator is only closed
-    when it is garbage-collected: cancelling the generation here, as the response itself ends,
-    does not depend on where the cancellation landed."""
-
-    def __init__(self, generation: Generation, events):
-        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
-        self.generation = generation
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.generation.cancel()
+        return GenerationStream([generation], _events(first, generation, answers))
 
 
 async def _events(first: str | Final, generation: Generation, answers: Answers):

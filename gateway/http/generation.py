@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import TypeVar
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from loraserve.convert import FINISH_REASONS
 from loraserve.errors import LoraserveError
 from loraserve.gateway.http.responses import FINISH_REASONS as OPENAI_FINISH_REASONS
-from loraserve.gateway.http.responses import Final
+from loraserve.gateway.http.responses import STREAM_HEADERS, Final
 from loraserve.gateway.service import RETRY_AFTER_KEY
 from loraserve.v1 import gateway_pb2
 
@@ -132,3 +133,23 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class GenerationStream(StreamingResponse):
+    """The SSE response of one or more generations, which it cancels when the response ends in any way.
+
+    A client that disconnects makes Starlette cancel the task sending the stream. That task may be
+    waiting in `send` rather than in the events generator, and then the generator is only closed
+    when it is garbage-collected: cancelling the generations here, as the response itself ends,
+    does not depend on where the cancellation landed."""
+
+    def __init__(self, generations: list[Generation], events: AsyncIterator[bytes]):
+        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
+        self.generations = generations
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for generation in self.generations:
+                generation.cancel()

@@ -21,11 +21,11 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from loraserve.gateway.http.errors import http_error
-from loraserve.gateway.http.generation import ClientGone, Generation, HttpCall, until_disconnected
-from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, STREAM_HEADERS, Answers, Final, sse
+from loraserve.gateway.http.generation import ClientGone, Generation, GenerationStream, HttpCall, until_disconnected
+from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, sse
 from loraserve.gateway.service import LoraServeService
 from loraserve.v1 import gateway_pb2
 
@@ -53,21 +53,7 @@ async def answer_batch(
         _cancel(generations)
         hints = [c.retry_after_s for c in calls if c.retry_after_s is not None]
         raise http_error(e, "prompt", max(hints) if hints else None) from None
-    return BatchStream(generations, _events(list(firsts), generations, answers))
-
-
-class BatchStream(StreamingResponse):
-    """The SSE response of a batch; it cancels every generation when the response ends in any way."""
-
-    def __init__(self, generations: list[Generation], events: AsyncIterator[bytes]):
-        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
-        self.generations = generations
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            _cancel(self.generations)
+    return GenerationStream(generations, _events(list(firsts), generations, answers))
 
 
 def _cancel(generations: list[Generation]) -> None:
