@@ -140,8 +140,12 @@ def test_unsupported_parameters_are_named():
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert refused(CompletionRequest, n=2, **prompt)[0] == "n"
     assert refused(CompletionRequest, n=1, **prompt) is None
-    assert refused(CompletionRequest, prompt=["a", "b"])[0] == "prompt"
-    assert refused(CompletionRequest, prompt=["a"]) is None
+    assert refused(CompletionRequest, prompt=["a", "b"]) is None  # a batch of prompts
+    assert refused(CompletionRequest, prompt=["a"] * 65)[0] == "prompt"  # over MAX_PROMPTS
+    assert refused(CompletionRequest, prompt=[[1, 2], [3]]) is None
+    assert refused(CompletionRequest, top_p=0, **prompt)[0] == "top_p"
+    assert refused(CompletionRequest, min_p=0.1, **prompt)[0] == "min_p"
+    assert refused(CompletionRequest, top_k=-1, **prompt) is None
     assert refused(CompletionRequest, echo=True, **prompt)[0] == "echo"
     assert refused(CompletionRequest, best_of=3, **prompt)[0] == "best_of"
     assert refused(CompletionRequest, stream_options={"include_usage": True}, **prompt)[0] == "stream_options"
@@ -191,7 +195,7 @@ def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
     the generation at once, not when the suspended events generator is garbage-collected."""
     import asyncio
 
-    from loraserve.gateway.http.app import GenerationStream
+    from loraserve.gateway.http.generation import GenerationStream
 
     class Recorder:
         cancelled = False
@@ -204,7 +208,7 @@ def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
             yield b"data: x\n\n"
 
     async def scenario() -> tuple[bool, bool]:
-        generation, closed = Recorder(), asyncio.Event()
+        generations, closed = [Recorder(), Recorder()], asyncio.Event()  # a batch's generations, all cancelled
         sent = 0
 
         async def send(message) -> None:
@@ -219,8 +223,8 @@ def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
             return {"type": "http.disconnect"}
 
         scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/", "headers": []}
-        await asyncio.wait_for(GenerationStream(generation, events())(scope, receive, send), 5)
-        return closed.is_set(), generation.cancelled
+        await asyncio.wait_for(GenerationStream(generations, events())(scope, receive, send), 5)
+        return closed.is_set(), all(g.cancelled for g in generations)
 
     disconnected, cancelled = asyncio.run(scenario())
     assert disconnected and cancelled
