@@ -131,27 +131,6 @@ def lora_order(adapters: Sequence[Hashable | None], ranks: Sequence[int], tokens
     return sorted(range(len(adapters)), key=key)
 
 
-ModuleApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LoraPlan, int, int], None]
-
-
-def module_by_module(apply_module: ModuleApply):
-    """A group apply (outputs, x, pool_layer, plan, layer, group) from a per-module one
-    (y, x, pool_layer, plan, layer, module): the group's modules one after another."""
-
-    def apply(
-        outputs: Sequence[torch.Tensor],
-        x: torch.Tensor,
-        pool_layer: torch.Tensor,
-        plan: LoraPlan,
-        layer: int,
-        group: int,
-    ) -> None:
-        for y, module in zip(outputs, plan.groups[group], strict=True):
-            apply_module(y, x, pool_layer, plan, layer, module)
-
-    return apply
-
-
 # Rows of one adapter's stacked A blocks a fused shrink reads at most: beyond it, the group's modules
 # get a shrink each (the Triton kernels' rank block, and so their tiles, stay at most 128 wide).
 FUSED_SHRINK_MAX_RANK = 128

@@ -10,9 +10,11 @@ per-token weight gathering cost against the planned path. Shapes as in lora_torc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from loraserve.kernels.batch import module_by_module, page_rows
+from loraserve.kernels.batch import page_rows
 from loraserve.kernels.metadata import LoraPlan
 
 
@@ -46,4 +48,9 @@ def _apply_module(
     y.index_add_(0, tokens, expanded * scale[adapter, None])
 
 
-lora_apply_bmm = module_by_module(_apply_module)
+def lora_apply_bmm(
+    outputs: Sequence[torch.Tensor], x: torch.Tensor, pool_layer: torch.Tensor, plan: LoraPlan, layer: int, group: int
+) -> None:
+    """The group's modules one after another (the baseline has no grouped path)."""
+    for y, module in zip(outputs, plan.groups[group], strict=True):
+        _apply_module(y, x, pool_layer, plan, layer, module)

@@ -50,6 +50,7 @@ A captured decode step launches what `prepare_lora_triton_graph` prepares instea
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -369,6 +370,7 @@ class _Expand:
     slot: int  # index of the module in its group: the output it updates
     block_r: int  # covers the largest rank among the adapters targeting the module
     block_n: int
+    grid: tuple[int, ...]  # its expand kernel's launch grid
 
 
 @dataclass(frozen=True)
@@ -384,6 +386,7 @@ class _Shrink:
     splits: int
     v: torch.Tensor  # float32 [splits, T, block_r]: the shrink's output, the expands' input
     expands: tuple[_Expand, ...]
+    grid: tuple[int, ...]  # its shrink kernel's launch grid
 
 
 def _shrink(
@@ -400,11 +403,11 @@ def _shrink(
         path = "token" if plan.max_seg_len <= TOKEN_PATH_MAX_SEG_LEN else "segment"
     tile = max(16, min(width, 64))  # the segment path's BLOCK_K and BLOCK_N: tl.dot needs K and N >= 16 on GPU
     if path == "token":
-        block_k, block_m, programs = _token_block(block_r, w), 1, plan.num_tokens
+        block_k, block_m, rows = _token_block(block_r, w), 1, (plan.num_tokens,)  # a program per token
     else:
         block_m = 16 if plan.max_seg_len <= 16 or device.type != "cuda" else 32
-        block_k, programs = tile, len(plan.segments) * triton.cdiv(plan.max_seg_len, block_m)
-    splits = splits or _num_splits(programs, plan.c_in[key] * triton.cdiv(w, block_k), device)
+        block_k, rows = tile, (len(plan.segments), triton.cdiv(plan.max_seg_len, block_m))  # per segment tile
+    splits = splits or _num_splits(math.prod(rows), plan.c_in[key] * triton.cdiv(w, block_k), device)
     v = torch.empty(splits, plan.num_tokens, block_r, dtype=torch.float32, device=device)
     expands = []
     for m in shrink:
@@ -412,8 +415,9 @@ def _shrink(
         if using:
             expand_r = _pow2_at_least(max(using), 16)
             block_n = _token_block(expand_r, w) if path == "token" else tile
-            expands.append(_Expand(m, group.index(m), expand_r, block_n))
-    return _Shrink(key, layers, path, block_r, block_k, block_m, splits, v, tuple(expands))
+            grid = (*rows, plan.c_out[m] * triton.cdiv(w, block_n))
+            expands.append(_Expand(m, group.index(m), expand_r, block_n, grid))
+    return _Shrink(key, layers, path, block_r, block_k, block_m, splits, v, tuple(expands), (*rows, splits))
 
 
 def prepare_lora_triton(
@@ -439,18 +443,18 @@ def prepare_lora_triton_graph(plan: LoraPlan, dtype: torch.dtype, max_rank: int)
     layer, from the tables), with a rank block covering `max_rank` (the largest the engine
     accepts), and splits and v buffers sized for the plan's tokens. Nothing in it depends on a
     particular step, so one graph serves every step of its batch size."""
-    device = plan.tables.rank.device
+    device, tokens, w = plan.tables.rank.device, plan.num_tokens, plan.row_width
     block_r = _pow2_at_least(max_rank, 16)
-    block = _token_block(block_r, plan.row_width)
+    block = _token_block(block_r, w)
     every_layer = frozenset(range(plan.tables.layer_active.shape[1]))
     prepared = []
     for group in plan.groups:
         shrinks = []
         for slot, m in enumerate(group):
-            splits = _num_splits(plan.num_tokens, plan.c_in[m] * triton.cdiv(plan.row_width, block), device)
-            v = torch.empty(splits, plan.num_tokens, block_r, dtype=torch.float32, device=device)
-            expand = _Expand(m, slot, block_r, block)
-            shrinks.append(_Shrink(m, every_layer, "token", block_r, block, 1, splits, v, (expand,)))
+            splits = _num_splits(tokens, plan.c_in[m] * triton.cdiv(w, block), device)
+            v = torch.empty(splits, tokens, block_r, dtype=torch.float32, device=device)
+            expand = _Expand(m, slot, block_r, block, (tokens, plan.c_out[m] * triton.cdiv(w, block)))
+            shrinks.append(_Shrink(m, every_layer, "token", block_r, block, 1, splits, v, (expand,), (tokens, splits)))
         prepared.append(shrinks)
     return prepared
 
@@ -515,12 +519,11 @@ def _launch(
         shrink = (x, x.stride(0), pool_layer, p.v)
         shrink_tail = (*common, t.shrink_a_offset, *active, p.key, layer, num_tokens, plan.d_in[p.key], c_in, p.splits)
         if p.path == "token":
-            _shrink_token_kernel[(num_tokens, p.splits)](
+            _shrink_token_kernel[p.grid](
                 *shrink, t.token_adapter, t.shrink_rank, *shrink_tail, W=w, R=rpp, BLOCK_R=p.block_r, BLOCK_K=p.block_k
             )
         else:
-            tiles = triton.cdiv(plan.max_seg_len, p.block_m)
-            _shrink_segment_kernel[(len(plan.segments), tiles, p.splits)](
+            _shrink_segment_kernel[p.grid](
                 *shrink,
                 *segs,
                 t.shrink_rank,
@@ -533,18 +536,16 @@ def _launch(
                 PRECISION=precision,
             )
         for e in p.expands:
-            y, c_out = outputs[e.slot], plan.c_out[e.module]
+            y = outputs[e.slot]
             expand = (y, y.stride(0), pool_layer, p.v, p.block_r, t.v_col)
             tail = (t.rank, t.scale, *common, t.b_offset, *active, e.module, layer, num_tokens)
-            tail += (plan.d_out[e.module], c_out, p.splits)
-            column_blocks = c_out * triton.cdiv(w, e.block_n)
+            tail += (plan.d_out[e.module], plan.c_out[e.module], p.splits)
             if p.path == "token":
-                _expand_token_kernel[(num_tokens, column_blocks)](
+                _expand_token_kernel[e.grid](
                     *expand, t.token_adapter, *tail, W=w, R=rpp, BLOCK_R=e.block_r, BLOCK_N=e.block_n
                 )
             else:
-                tiles = triton.cdiv(plan.max_seg_len, p.block_m)
-                _expand_segment_kernel[(len(plan.segments), tiles, column_blocks)](
+                _expand_segment_kernel[e.grid](
                     *expand,
                     *segs,
                     *tail,

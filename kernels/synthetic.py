@@ -25,6 +25,7 @@ from loraserve.kernels.batch import ONE_MODULE_GROUPS, LoraGeometry, build_atten
 from loraserve.kernels.batch import ceil_div as _ceil_div
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES
+from loraserve.worker.pool_layout import block_offsets
 
 POPULARITIES = ("distinct", "uniform", "zipf", "identical")
 
@@ -52,18 +53,17 @@ def _chunk(matrix: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
 
 
 def _offsets(
-    targeted: set[int], r: int, c_in: tuple[int, ...], c_out: tuple[int, ...], stacked: bool
+    targeted: set[int], r: int, c_in: tuple[int, ...], c_out: tuple[int, ...], groups: tuple[tuple[int, ...], ...]
 ) -> tuple[list[int], list[int], int]:
-    """(a_offsets, b_offsets, rows) of a rank-r adapter targeting these modules (see make_lora_pool)."""
-    a_offsets, b_offsets, off = [-1] * len(LORA_MODULES), [-1] * len(LORA_MODULES), 0
-    for group in LORA_GROUPS if stacked else ONE_MODULE_GROUPS:
-        present = [m for m in group if m in targeted]
-        b_off = off + r * sum(c_in[m] for m in present)
-        for m in present:
-            a_offsets[m], b_offsets[m] = off, b_off
-            off, b_off = off + r * c_in[m], b_off + r * c_out[m]
-        off = b_off
-    return a_offsets, b_offsets, off
+    """(a_offsets, b_offsets, rows) of a rank-r adapter targeting these modules, laid out by the
+    pool's rule (`worker.pool_layout.block_offsets`) over `groups`; -1 for modules not targeted."""
+    blocks, rows = block_offsets(targeted, r, c_in, c_out, groups)
+    missing = (-1, -1)
+    return (
+        [blocks.get(m, missing)[0] for m in range(len(LORA_MODULES))],
+        [blocks.get(m, missing)[1] for m in range(len(LORA_MODULES))],
+        rows,
+    )
 
 
 def make_lora_pool(
@@ -90,7 +90,7 @@ def make_lora_pool(
     packed: list[tuple[torch.Tensor, SyntheticAdapter]] = []
     for i, r in enumerate(ranks):
         targeted = set(modules[i])
-        a_offsets, b_offsets, off = _offsets(targeted, r, c_in, c_out, stacked)
+        a_offsets, b_offsets, off = _offsets(targeted, r, c_in, c_out, LORA_GROUPS if stacked else ONE_MODULE_GROUPS)
         inactive = set(inactive_layers[i]) if inactive_layers else set()
         layers = [layer not in inactive for layer in range(num_layers)]
         rows = torch.zeros(num_layers, max(off, 1), w)
@@ -244,10 +244,7 @@ def make_bench_lora_pool(
     c_in, c_out = geometry.c_in, geometry.c_out
     layouts = []
     for r in ranks:
-        a_offsets, b_offsets, off = [-1] * len(LORA_MODULES), [-1] * len(LORA_MODULES), 0
-        for m in sorted(modules):
-            a_offsets[m], b_offsets[m] = off, off + r * c_in[m]
-            off += r * (c_in[m] + c_out[m])
+        a_offsets, b_offsets, off = _offsets(set(modules), r, c_in, c_out, ONE_MODULE_GROUPS)
         layouts.append((a_offsets, b_offsets, max(off, 1)))
     need = [_ceil_div(rows, rpp) for _, _, rows in layouts]
     num_pages = sum(need) + spare_pages

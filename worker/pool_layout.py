@@ -33,13 +33,37 @@ Llama-3-8B) waste nothing; otherwise only the last chunk of each rank vector is 
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from loraserve.model_config import LORA_GROUPS, LORA_MODULES, ModelConfig
+from loraserve.model_config import LORA_GROUPS, LORA_MODULES, MODULE_INDEX, ModelConfig
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def block_offsets(
+    targeted: Collection[int],
+    rank: int,
+    c_in: Sequence[int],
+    c_out: Sequence[int],
+    groups: tuple[tuple[int, ...], ...] = LORA_GROUPS,
+) -> tuple[dict[int, tuple[int, int]], int]:
+    """The layout rule (module docstring), on module indices: {module: (first row of its A block, of
+    its B block)} for the `targeted` modules of a rank-`rank` adapter, and the rows they take. Group
+    by group, the targeted modules' A blocks follow each other, then their B blocks. `c_in`, `c_out`:
+    row chunks per rank vector of every module."""
+    offsets: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for group in groups:
+        present = [m for m in group if m in targeted]
+        b_offset = offset + rank * sum(c_in[m] for m in present)
+        for m in present:
+            offsets[m] = (offset, b_offset)
+            offset, b_offset = offset + rank * c_in[m], b_offset + rank * c_out[m]
+        offset = b_offset
+    return offsets, offset
 
 
 @dataclass(frozen=True)
@@ -118,25 +142,20 @@ class PoolLayout:
         unknown = set(modules) - set(LORA_MODULES)
         if unknown:
             raise ValueError(f"unknown LoRA modules {sorted(unknown)}")
-        blocks, offset, useful = [], 0, 0
-        for group in LORA_GROUPS:
-            targeted = [LORA_MODULES[m] for m in group if LORA_MODULES[m] in modules]
-            shapes = [config.module_shape(module) for module in targeted]
-            c_in = [ceil_div(d_in, self.row_width) for d_in, _ in shapes]
-            c_out = [ceil_div(d_out, self.row_width) for _, d_out in shapes]
-            b_offset = offset + rank * sum(c_in)  # the group's A blocks first, stacked, then its B blocks
-            for module, (d_in, d_out), ci, co in zip(targeted, shapes, c_in, c_out, strict=True):
-                blocks.append(ModuleBlock(module, d_in, d_out, ci, co, offset, b_offset))
-                offset += rank * ci
-                b_offset += rank * co
-                useful += rank * (d_in + d_out)
-            offset = b_offset
-        blocks.sort(key=lambda b: LORA_MODULES.index(b.module))
+        shapes = [config.module_shape(m) for m in LORA_MODULES]
+        c_in = [ceil_div(d_in, self.row_width) for d_in, _ in shapes]
+        c_out = [ceil_div(d_out, self.row_width) for _, d_out in shapes]
+        targeted = {MODULE_INDEX[m] for m in modules}
+        offsets, rows = block_offsets(targeted, rank, c_in, c_out)
+        blocks = [
+            ModuleBlock(LORA_MODULES[m], *shapes[m], c_in[m], c_out[m], a, b) for m, (a, b) in sorted(offsets.items())
+        ]
+        useful = sum(rank * (b.d_in + b.d_out) for b in blocks)
         layers = self.num_layers if active_layers is None else active_layers
         return AdapterLayout(
             rank=rank,
             blocks=tuple(blocks),
-            num_rows=offset,
-            num_pages=ceil_div(offset, self.rows_per_page),
+            num_rows=rows,
+            num_pages=ceil_div(rows, self.rows_per_page),
             useful_elements=useful * layers,
         )
