@@ -168,7 +168,7 @@ def test_sampling_defaults_are_openais():
 
 def test_answers_have_openais_shape():
     final = Final("length", prompt_tokens=4, completion_tokens=2)
-    whole = Answers("chatcmpl-1", "upper", chat=True).whole("AB", final)
+    whole = Answers("chatcmpl-1", "upper", chat=True).whole([("AB", final)])
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
         "role": "assistant",
         "content": "AB",

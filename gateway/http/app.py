@@ -27,12 +27,11 @@ from loraserve.errors import AdapterNotFoundError, InvalidRequestError, Loraserv
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http.adapter_routes import AdapterRoutes
+from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
-from loraserve.gateway.http.generation import ClientGone, Generation, GenerationStream, HttpCall, until_disconnected
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
-from loraserve.gateway.http.prompt_batch import answer_batch
-from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, sse
+from loraserve.gateway.http.responses import Answers
 from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.service import LoraServeService
@@ -52,7 +51,7 @@ def build_app(service: LoraServeService, chat_template: ChatTemplate | None, sta
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
-    operations = OperationRoutes(service, chat_template, routes.model)
+    operations = OperationRoutes(service, chat_template, routes.caller, routes.model)
     app.add_api_route("/health", operations.health, methods=["GET"], response_model=None)
     app.add_api_route("/version", operations.version, methods=["GET"])
     app.add_api_route("/tokenize", operations.tokenize, methods=["POST"])
@@ -123,9 +122,7 @@ class OpenAiRoutes:
                 generate.token_ids.ids.extend(prompt)
             generates.append(generate)
         answers = Answers(f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, include_usage=body.include_usage)
-        if len(generates) > 1:
-            return await answer_batch(self.service, generates, answers, request, bool(body.stream))
-        return await self._answer(generates[0], answers, request, bool(body.stream), "prompt")
+        return await answer(self.service, generates, answers, request, bool(body.stream), "prompt")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
         if self.chat_template is None:
@@ -146,7 +143,7 @@ class OpenAiRoutes:
         if not body.new_tokens:  # as OpenAI and vLLM: an answer may run to the end of the context
             generate.max_new_tokens = max(1, self.service.limits.max_context - len(ids))
         answers = Answers(f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, include_usage=body.include_usage)
-        return await self._answer(generate, answers, request, bool(body.stream), "messages")
+        return await answer(self.service, [generate], answers, request, bool(body.stream), "messages")
 
     def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> gateway_pb2.GenerateRequest:
         refused = body.unsupported()
@@ -159,43 +156,6 @@ class OpenAiRoutes:
             stop=body.stops,
             stop_token_ids=body.stop_token_ids or [],
         )
-
-    async def _answer(
-        self, generate: gateway_pb2.GenerateRequest, answers: Answers, request: Request, stream: bool, prompt_param: str
-    ) -> Response:
-        generate.client_request_id = answers.id  # on the request's trace, beside loraserve's own id
-        call = HttpCall(request.headers)
-        generation = Generation(self.service.generate_events(generate, call))
-        try:
-            if not stream:
-                text, final = await until_disconnected(request, generation.collect())
-                return JSONResponse(answers.whole(text, final))
-            first = await until_disconnected(request, generation.next())  # failures before any token: a status
-        except ClientGone:
-            generation.cancel()
-            return Response(status_code=CLIENT_CLOSED)
-        except Exception as e:
-            generation.cancel()
-            raise http_error(e, prompt_param, call.retry_after_s) from None
-        return GenerationStream([generation], _events(first, generation, answers))
-
-
-async def _events(first: str | Final, generation: Generation, answers: Answers):
-    """The SSE stream, from its first event on (`GenerationStream` stops the generation after it)."""
-    try:
-        opening = answers.opening()
-        if opening is not None:
-            yield sse(opening)
-        item = first
-        while not isinstance(item, Final):
-            yield sse(answers.piece(item))
-            item = await generation.next()
-        yield sse(answers.closing(item))
-        if answers.include_usage:
-            yield sse(answers.usage(item))
-    except Exception as e:  # after the status line: the failure goes in the stream
-        yield sse(http_error(e).body)
-    yield DONE
 
 
 def _card(model_id: str, created: int, owner: str, max_model_len: int, parent: str | None = None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from loraserve.gateway.tenants import Scope
 OPEN_PATHS = frozenset({"/health", "/version"})  # answered without a key
 
 FindModel = Callable[[str, Principal], Awaitable[Any]]  # raises a 404 HttpError for a model the caller lacks
+Caller = Callable[[Request], Principal]  # the authenticated caller of a request
 
 
 def package_version() -> str:
@@ -41,8 +42,10 @@ def package_version() -> str:
 
 
 class OperationRoutes:
-    def __init__(self, service: LoraServeService, chat_template: ChatTemplate | None, find_model: FindModel):
-        self.service, self.chat_template, self.find_model = service, chat_template, find_model
+    def __init__(
+        self, service: LoraServeService, chat_template: ChatTemplate | None, caller: Caller, find_model: FindModel
+    ):
+        self.service, self.chat_template, self.caller, self.find_model = service, chat_template, caller, find_model
 
     async def health(self) -> Response:
         if self.service.draining:
@@ -87,7 +90,7 @@ class OperationRoutes:
         return {"prompt": self.service.tokenizer.decode(list(body.tokens), skip_special_tokens=False)}
 
     async def _caller(self, request: Request, model: str | None, action: str) -> Principal:
-        principal = self.service.authenticate({k.lower(): v for k, v in request.headers.items()})
+        principal = self.caller(request)
         principal.require(Scope.GENERATE, action)
         if model is not None:
             await self.find_model(model, principal)

@@ -53,12 +53,9 @@ class Answers:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def whole(self, text: str, final: Final) -> dict[str, Any]:
-        """The non-streaming answer."""
-        return self.whole_batch([(text, final)])
-
-    def whole_batch(self, results: list[tuple[str, Final]]) -> dict[str, Any]:
-        """The non-streaming answer of several prompts: choice i is prompt i's, the usage their sum."""
+    def whole(self, results: list[tuple[str, Final]]) -> dict[str, Any]:
+        """The non-streaming answer to one or several prompts: choice i is prompt i's (its text and how
+        it ended), the usage their sum."""
         choices = []
         for index, (text, final) in enumerate(results):
             message = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}

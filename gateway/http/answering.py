@@ -1,0 +1,120 @@
+"""Answering a completions or chat request: one generation per prompt, answered as one response.
+
+Each prompt (one, or a completions batch) is a request of its own downstream: scheduled,
+quota-counted, traced and cancelled on its own, with the request's parameters. The answer has one
+choice per prompt, `index` = the prompt's place in the list, and the usage summed:
+
+- whole: every generation is awaited; the first failure fails the request with its status, and
+  cancels the others;
+- streamed: the first event of every generation is awaited before the stream starts, so a prompt
+  refused before its first token gives a status (400, 429, 503, ...); then the chunks are sent as
+  they come (a batch's interleaved, each prompt closing with its own finish chunk), then the
+  summed usage with `include_usage`, and `[DONE]`. A failure after the start is an error event.
+
+A client that leaves cancels every generation of the request (`GenerationStream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from loraserve.gateway.http.errors import http_error
+from loraserve.gateway.http.generation import ClientGone, Generation, GenerationStream, HttpCall, until_disconnected
+from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, sse
+from loraserve.gateway.service import LoraServeService
+from loraserve.v1 import gateway_pb2
+
+
+async def answer(
+    service: LoraServeService,
+    generates: list[gateway_pb2.GenerateRequest],
+    answers: Answers,
+    request: Request,
+    stream: bool,
+    prompt_param: str,
+) -> Response:
+    """The response to `generates` (one per prompt). `prompt_param` is what a prompt problem names."""
+    calls = [HttpCall(request.headers) for _ in generates]
+    for index, generate in enumerate(generates):  # on the request's trace, beside loraserve's own id
+        generate.client_request_id = answers.id if len(generates) == 1 else f"{answers.id}-{index}"
+    generations = [Generation(service.generate_events(g, c)) for g, c in zip(generates, calls, strict=True)]
+    try:
+        if not stream:
+            results = await until_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
+            return JSONResponse(answers.whole(list(results)))
+        firsts = await until_disconnected(request, asyncio.gather(*(g.next() for g in generations)))
+    except ClientGone:
+        _cancel(generations)
+        return Response(status_code=CLIENT_CLOSED)
+    except Exception as e:
+        _cancel(generations)
+        hints = [c.retry_after_s for c in calls if c.retry_after_s is not None]
+        raise http_error(e, prompt_param, max(hints) if hints else None) from None
+    return GenerationStream(generations, _events(list(firsts), generations, answers))
+
+
+def _cancel(generations: list[Generation]) -> None:
+    for generation in generations:
+        generation.cancel()
+
+
+async def _events(firsts: list[str | Final], generations: list[Generation], answers: Answers) -> AsyncIterator[bytes]:
+    """The SSE stream, from the generations' first events on (`GenerationStream` stops them after it)."""
+    try:
+        opening = answers.opening()
+        if opening is not None:
+            yield sse(opening)
+        finals: list[Final] = []
+        async for index, item in _merged(firsts, generations):
+            if isinstance(item, Final):
+                finals.append(item)
+                yield sse(answers.closing(item, index))
+            else:
+                yield sse(answers.piece(item, index))
+        if answers.include_usage:
+            yield sse(answers.usage(Final.summed(finals)))
+    except Exception as e:  # after the status line: the failure goes in the stream
+        yield sse(http_error(e).body)
+    yield DONE
+
+
+async def _merged(firsts: list[str | Final], generations: list[Generation]) -> AsyncIterator[tuple[int, str | Final]]:
+    """(prompt index, event) of every generation as they come, each generation's up to its Final.
+    A lone generation is read directly; several are pumped into one queue by a task each."""
+    if len(generations) == 1:
+        item = firsts[0]
+        while not isinstance(item, Final):
+            yield 0, item
+            item = await generations[0].next()
+        yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, str | Final | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, item: str | Final) -> None:
+        try:
+            while not isinstance(item, Final):
+                await queue.put((index, item))
+                item = await generations[index].next()
+            await queue.put((index, item))
+        except Exception as e:
+            await queue.put((index, e))
+
+    pumps = [asyncio.create_task(pump(i, first)) for i, first in enumerate(firsts)]
+    try:
+        running = len(generations)
+        while running:  # until every generation's Final
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+            running -= isinstance(item, Final)
+    finally:
+        for task in pumps:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*pumps, return_exceptions=True)
