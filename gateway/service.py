@@ -29,7 +29,7 @@ import grpc
 from opentelemetry import trace
 
 from loraserve import telemetry
-from loraserve.convert import FINISH_REASONS, sampling_to_pb
+from loraserve.convert import FINISH_REASONS, logprobs_to_pb, prompt_logprobs_to_pb, sampling_to_pb
 from loraserve.errors import InvalidRequestError, LoraserveError, UnavailableError
 from loraserve.gateway import metrics
 from loraserve.gateway.adapter_versions import AdapterVersion, AdapterVersions
@@ -105,15 +105,19 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
     # ---- generation ----------------------------------------------------------------------------
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        text, tokens, summary = [], [], None
+        text, tokens, logprobs, prompt_logprobs, summary = [], [], [], [], None
         async for event in self._generate(request, context):
             if event.HasField("chunk"):
                 text.append(event.chunk.text)
                 tokens += event.chunk.token_ids
+                logprobs += event.chunk.logprobs
+                prompt_logprobs += event.chunk.prompt_logprobs
             else:
                 summary = event.summary
         summary.text = "".join(text)
         summary.token_ids.extend(tokens)
+        summary.logprobs.extend(logprobs)
+        summary.prompt_logprobs.extend(prompt_logprobs)
         return summary
 
     async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -283,7 +287,12 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         special = set(self.tokenizer.eos_token_ids)
         completion_tokens, first_token_at, stream_span = 0, None, None
         async for message in stream.messages():
+            chunk = gateway_pb2.TokenChunk(
+                token_ids=message.token_ids, logprobs=logprobs_to_pb(message.token_ids, message.logprobs)
+            )
             if message.token_ids and first_token_at is None:
+                if valid.sampling.prompt_logprobs is not None:  # they come with the first token
+                    chunk.prompt_logprobs.extend(prompt_logprobs_to_pb(prompt_ids, message.prompt_logprobs))
                 first_token_at = time.time()
                 metrics.TIME_TO_FIRST_TOKEN.observe(first_token_at - arrival)
                 stream_span = telemetry.tracer().start_span("gateway.stream")
@@ -295,9 +304,8 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             if message.finished and not stopped:
                 shown += stops.flush()
             if shown or message.token_ids:
-                yield gateway_pb2.GenerateStreamResponse(
-                    chunk=gateway_pb2.TokenChunk(text=shown, token_ids=message.token_ids)
-                )
+                chunk.text = shown
+                yield gateway_pb2.GenerateStreamResponse(chunk=chunk)
             if stopped or message.finished:
                 reason = "stop_sequence" if stopped else message.finish_reason
                 if stopped and not message.finished:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from loraserve.params import SamplingParams
 from loraserve.v1 import common_pb2
+from loraserve.wire import TokenLogprob
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -27,6 +28,8 @@ def sampling_from_pb(
         frequency_penalty=pb.frequency_penalty,
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -40,6 +43,26 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
         frequency_penalty=params.frequency_penalty,
         ignore_eos=params.ignore_eos,
     )
-    if params.seed is not None:
-        pb.seed = params.seed
+    for name in ("seed", "logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(pb, name, getattr(params, name))
     return pb
+
+
+def logprobs_to_pb(token_ids: list[int], entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    """One TokenLogprob per token of `token_ids`, from the worker's entries for them (none: not asked for)."""
+    if not entries:
+        return []
+    return [_logprob_pb(t, e) for t, e in zip(token_ids, entries, strict=True)]
+
+
+def prompt_logprobs_to_pb(prompt_ids: list[int], entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    """One TokenLogprob per prompt token: the first has no log-probability, the others the worker's entries."""
+    first = [common_pb2.TokenLogprob(token_id=prompt_ids[0])] if prompt_ids else []
+    return first + logprobs_to_pb(prompt_ids[1:], entries)
+
+
+def _logprob_pb(token_id: int, entry: TokenLogprob) -> common_pb2.TokenLogprob:
+    logprob, top_ids, top_logprobs = entry
+    top = [common_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in zip(top_ids, top_logprobs, strict=True)]
+    return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, top=top)

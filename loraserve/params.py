@@ -12,6 +12,7 @@ from loraserve.errors import InvalidRequestError
 # multiplies logits, so it stays within [MIN_REPETITION_PENALTY, 10].
 MIN_TEMPERATURE = 1e-3
 MIN_REPETITION_PENALTY = 1e-2
+MAX_LOGPROBS = 20  # alternatives reported per token (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities (`worker/logprobs.py`): None asks for none; k reports each token's own and the k
+    # most likely alternatives' (0 to MAX_LOGPROBS), for every generated token and for the prompt's.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -51,6 +56,12 @@ class SamplingParams:
             bad("seed", "must be in [0, 2^63)")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be token ids >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS)
+            ):
+                bad(name, f"must be in [0, {MAX_LOGPROBS}] (alternatives reported per token)")
 
     @property
     def greedy(self) -> bool:

@@ -25,12 +25,12 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgpack
 
 from loraserve.endpoints import BadEndpointError, check_endpoint
-from loraserve.params import SamplingParams
+from loraserve.params import MAX_LOGPROBS, SamplingParams
 
 
 class WireError(ValueError):
@@ -101,6 +101,22 @@ Probability = Annotated[float, Limit(0.0, 1.0)]
 StepSample = tuple[Count, Count, Count, Count, Annotated[float, Limit(0.0, 3600.0)]]
 TraceCarrier = Annotated[dict[Id, Annotated[str, Limit(max_len=1024)]], Limit(max_len=16)]  # W3C trace context
 Endpoint = Annotated[str, EndpointForm()]
+# A token's log-probability, then the ids and log-probabilities of the most likely tokens at its position.
+Logprob = tuple[
+    float,
+    Annotated[list[TokenId], Limit(max_len=MAX_LOGPROBS)],
+    Annotated[list[float], Limit(max_len=MAX_LOGPROBS)],
+]
+
+
+class TokenLogprob(NamedTuple):
+    """A `Logprob` in every role: packed as the tuple it is, decoded as a tuple (`TokenLogprob(*t)`)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 SamplingMap = Annotated[
     dict[str, bool | int | float | Annotated[list[TokenId], Limit(max_len=1024)] | None],
     Keys(frozenset(f.name for f in dataclasses.fields(SamplingParams))),
@@ -208,6 +224,15 @@ class Tokens(Message):
     retry: bool = False
     # worker-side: queue_s, adapter_load_s, prefill_s, decode_s, ...
     timings: Annotated[dict[Id, Seconds], Limit(max_len=32)] = field(default_factory=dict)
+    # With sampling logprobs: one per token of token_ids. With prompt_logprobs, on the message that
+    # brings the first token: one per prompt token after the first.
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+
+    def check(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise WireError("Tokens: logprobs and token_ids differ in length")
+        _check_top_lengths(self.logprobs, self.prompt_logprobs)
 
 
 @dataclass
@@ -220,14 +245,36 @@ class StepTokens(Message):
     worker_id: Id
     request_ids: Ids
     token_ids: Annotated[list[list[TokenId]], Limit(max_len=MAX_IDS)]  # token_ids[i] belong to request_ids[i]
+    # Empty when no request of the step asked for them; else one list per request, as in `Tokens`.
+    logprobs: Annotated[list[list[Logprob]], Limit(max_len=MAX_IDS)] = field(default_factory=list)
+    prompt_logprobs: Annotated[list[list[Logprob]], Limit(max_len=MAX_IDS)] = field(default_factory=list)
 
     def check(self) -> None:
         if len(self.request_ids) != len(self.token_ids):
             raise WireError("StepTokens: request_ids and token_ids differ in length")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) and len(getattr(self, name)) != len(self.request_ids):
+                raise WireError(f"StepTokens: request_ids and {name} differ in length")
+        for i, token_ids in enumerate(self.token_ids):
+            if self.logprobs and self.logprobs[i] and len(self.logprobs[i]) != len(token_ids):
+                raise WireError(f"StepTokens: logprobs[{i}] and token_ids[{i}] differ in length")
+        _check_top_lengths(*self.logprobs, *self.prompt_logprobs)
 
     def split(self) -> list[Tokens]:
         """The same news as one `Tokens` per request."""
-        return [Tokens(r, t, self.worker_id) for r, t in zip(self.request_ids, self.token_ids, strict=True)]
+        n = len(self.request_ids)
+        logprobs, prompt_logprobs = self.logprobs or [[]] * n, self.prompt_logprobs or [[]] * n
+        return [
+            Tokens(r, t, self.worker_id, logprobs=lp, prompt_logprobs=plp)
+            for r, t, lp, plp in zip(self.request_ids, self.token_ids, logprobs, prompt_logprobs, strict=True)
+        ]
+
+
+def _check_top_lengths(*lists: list[Logprob]) -> None:
+    for entries in lists:
+        for _, top_ids, top_logprobs in entries:
+            if len(top_ids) != len(top_logprobs):
+                raise WireError("a logprob's top_ids and top_logprobs differ in length")
 
 
 @dataclass

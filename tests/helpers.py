@@ -148,6 +148,11 @@ def hf_greedy(model_path: Path, adapter_path: Path | None, prompt_ids: list[int]
 
 def hf_logits(model_path: Path, adapter_path: Path | None, prompt_ids: list[int]) -> torch.Tensor:
     """Last-position logits of the prompt (float32 [vocab])."""
+    return hf_sequence_logits(model_path, adapter_path, prompt_ids)[-1]
+
+
+def hf_sequence_logits(model_path: Path, adapter_path: Path | None, token_ids: list[int]) -> torch.Tensor:
+    """The logits at every position of `token_ids` (float32 [len, vocab]): row i predicts token i + 1."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -157,4 +162,4 @@ def hf_logits(model_path: Path, adapter_path: Path | None, prompt_ids: list[int]
         model = PeftModel.from_pretrained(model, adapter_path)
     model.eval()
     with torch.no_grad():
-        return model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].float()
+        return model(input_ids=torch.tensor([token_ids])).logits[0].float()

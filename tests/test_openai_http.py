@@ -25,7 +25,9 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+import torch
 from certs import CertificateAuthority
+from helpers import hf_sequence_logits
 from readme import python_example
 from stack import LocalStack, free_port_block, scrape_metrics
 
@@ -236,7 +238,7 @@ def test_errors_have_openais_shape_and_status(stack):
         ({"max_tokens": 100_000}, "max_tokens"),
         ({"stop": ["x"] * 9}, "stop"),
         ({"seed": -1}, "seed"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"prompt": ["one"] * 65}, "prompt"),  # more prompts than one request may batch
         ({"prompt": ["one", "x" * 3000]}, "prompt"),  # one bad prompt fails the batch
         ({"prompt": ""}, "prompt"),
@@ -605,3 +607,63 @@ def test_a_batch_of_prompts_answers_each_in_order(stack):
             finishes[choice["index"]].append(choice["finish_reason"])
     assert texts == [r.text for r in single] and all(len(f) == 1 for f in finishes)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == reply.usage.completion_tokens
+
+
+def test_logprobs_and_echo_are_peft_s_through_grpc_and_http(stack):
+    """gRPC against transformers + peft, then completions (echo, a stream) and chat against gRPC."""
+    sampling = common_pb2.SamplingParameters(logprobs=3, prompt_logprobs=3)
+    scored = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=4, sampling=sampling)
+    prompt_ids = [e.token_id for e in scored.prompt_logprobs]
+    assert not scored.prompt_logprobs[0].HasField("logprob") and len(scored.logprobs) == len(scored.token_ids) == 4
+    reference = torch.log_softmax(
+        hf_sequence_logits(DEMO_MODEL_DIR, demo_adapters()["upper"], prompt_ids + list(scored.token_ids)), -1
+    )
+    entries = [*scored.prompt_logprobs[1:], *scored.logprobs]
+    for position, entry in enumerate(entries):  # row i predicts token i + 1
+        assert entry.logprob == pytest.approx(reference[position, entry.token_id].item(), abs=1e-4)
+        assert [t.logprob for t in entry.top] == pytest.approx(reference[position].topk(3).values.tolist(), abs=1e-4)
+    assert [e.token_id for e in scored.logprobs] == list(scored.token_ids)
+
+    # lm-evaluation-harness's loglikelihood request (greedy, as it sends it)
+    reply = post(
+        stack,
+        "/v1/completions",
+        {"model": "upper", "prompt": PROMPT, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0},
+    )
+    assert reply.status == 200
+    choice = json.loads(reply.read())["choices"][0]
+    assert choice["text"].startswith(PROMPT) and len(choice["logprobs"]["tokens"]) == len(prompt_ids) + 1
+    assert choice["logprobs"]["token_logprobs"][0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e.logprob for e in entries[: len(prompt_ids)]])
+
+    completion = client(stack).completions.create(
+        model="upper", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3, echo=True
+    )
+    logprobs = completion.choices[0].logprobs
+    assert completion.choices[0].text == PROMPT + scored.text
+    assert logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in entries])
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    streamed = client(stack).completions.create(
+        model="upper", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3, echo=True, stream=True
+    )
+    chunks = [c.choices[0] for c in streamed]
+    assert "".join(c.text for c in chunks) == completion.choices[0].text
+    assert [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs] == logprobs.token_logprobs
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == logprobs.text_offset
+
+    chat = client(stack).chat.completions.create(
+        model="upper",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in scored.logprobs])
+    assert all(len(c.top_logprobs) == 2 and bytes(c.bytes).decode() == c.token for c in content)
+    plain = client(stack).chat.completions.create(
+        model="upper", messages=[{"role": "user", "content": PROMPT}], max_tokens=2
+    )
+    assert plain.choices[0].logprobs is None

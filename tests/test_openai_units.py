@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
 from loraserve import errors
 from loraserve.demo.assets import DEMO_MODEL_DIR
@@ -15,10 +16,12 @@ from loraserve.errors import InvalidRequestError
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http.app import OpenAiRoutes
 from loraserve.gateway.http.errors import HTTP_STATUS, HttpError, http_error
-from loraserve.gateway.http.responses import Answers, Final
+from loraserve.gateway.http.logprobs import LogprobFormat
+from loraserve.gateway.http.responses import Answers, Final, Piece
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.quotas import QuotaExceededError
 from loraserve.tokenizer import Tokenizer
+from loraserve.v1 import common_pb2
 
 # A Llama-3-style template: system prompt hoisted, loop controls, raise_exception, special tokens.
 LLAMA_LIKE = (
@@ -146,11 +149,12 @@ def test_unsupported_parameters_are_named():
     assert refused(CompletionRequest, top_p=0, **prompt)[0] == "top_p"
     assert refused(CompletionRequest, min_p=0.1, **prompt)[0] == "min_p"
     assert refused(CompletionRequest, top_k=-1, **prompt) is None
-    assert refused(CompletionRequest, echo=True, **prompt)[0] == "echo"
+    assert refused(CompletionRequest, echo=True, logprobs=3, **prompt) is None
     assert refused(CompletionRequest, best_of=3, **prompt)[0] == "best_of"
     assert refused(CompletionRequest, stream_options={"include_usage": True}, **prompt)[0] == "stream_options"
     assert refused(ChatCompletionRequest, tools=[{"type": "function"}], **chat)[0] == "tools"
-    assert refused(ChatCompletionRequest, logprobs=True, **chat)[0] == "logprobs"
+    assert refused(ChatCompletionRequest, logprobs=True, top_logprobs=2, **chat) is None
+    assert refused(ChatCompletionRequest, top_logprobs=2, **chat)[0] == "top_logprobs"  # needs logprobs: true
     assert refused(ChatCompletionRequest, response_format={"type": "json_object"}, **chat)[0] == "response_format"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert refused(ChatCompletionRequest, messages=image)[0] == "messages[0].content"
@@ -168,16 +172,87 @@ def test_sampling_defaults_are_openais():
 
 def test_answers_have_openais_shape():
     final = Final("length", prompt_tokens=4, completion_tokens=2)
-    whole = Answers("chatcmpl-1", "upper", chat=True).whole([("AB", final)])
+    whole = Answers("chatcmpl-1", "upper", chat=True).whole([(Piece("AB"), final)])
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
         "role": "assistant",
         "content": "AB",
     }
     assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     text = Answers("cmpl-1", "upper", chat=False, include_usage=True)
-    assert text.opening() is None and text.piece("A")["usage"] is None
+    assert text.opening() is None and text.piece(Piece("A"))["usage"] is None
     assert text.closing(final)["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
     assert text.usage(final)["choices"] == [] and text.usage(final)["object"] == "text_completion"
+
+
+def test_logprob_parameters_become_sampling_fields():
+    assert CompletionRequest(model="m", prompt="p").sampling().keys().isdisjoint({"logprobs", "prompt_logprobs"})
+    assert CompletionRequest(model="m", prompt="p", logprobs=0).sampling()["logprobs"] == 0
+    echoed = CompletionRequest(model="m", prompt="p", logprobs=3, echo=True).sampling()
+    assert echoed["logprobs"] == 3 and echoed["prompt_logprobs"] == 3
+    assert "prompt_logprobs" not in CompletionRequest(model="m", prompt="p", echo=True).sampling()  # text only
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest(model="m", logprobs=True, **chat).sampling()["logprobs"] == 0
+    assert ChatCompletionRequest(model="m", logprobs=True, top_logprobs=20, **chat).sampling()["logprobs"] == 20
+    assert "logprobs" not in ChatCompletionRequest(model="m", logprobs=False, **chat).sampling()
+    for kind, fields in [
+        (CompletionRequest, {"prompt": "p", "logprobs": 21}),
+        (ChatCompletionRequest, {**chat, "top_logprobs": -1}),
+    ]:
+        with pytest.raises(ValidationError):
+            kind(model="m", **fields)
+
+
+def _entry(token_id: int, logprob: float | None, top: list[tuple[int, float]] = ()) -> common_pb2.TokenLogprob:
+    entry = common_pb2.TokenLogprob(
+        token_id=token_id, top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
+    )
+    if logprob is not None:
+        entry.logprob = logprob
+    return entry
+
+
+def test_logprobs_have_openais_shapes():
+    texts = {1: "<s>", 2: "ab", 3: " c", 4: "\u00e9"}
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(texts[i] for i in ids))
+    completion = LogprobFormat(tokenizer, chat=False)
+    prompt = completion.format([_entry(1, None), _entry(2, -1.5, [(2, -1.5), (3, -2.0)])], index=1)
+    assert prompt == {
+        "tokens": ["<s>", "ab"],
+        "token_logprobs": [None, -1.5],
+        "top_logprobs": [None, {"ab": -1.5, " c": -2.0}],
+        "text_offset": [0, 3],
+    }
+    later = completion.format([_entry(3, -0.25, [(3, -0.25), (2, -3.0)])], index=1)
+    assert later["text_offset"] == [5] and later["top_logprobs"] == [{" c": -0.25, "ab": -3.0}]
+    assert completion.format([_entry(3, -0.25)], index=0)["text_offset"] == [0]  # each choice its own offsets
+    chat = LogprobFormat(tokenizer, chat=True).format([_entry(4, -0.5, [(4, -0.5)])])
+    assert chat == {
+        "content": [
+            {
+                "token": "\u00e9",
+                "logprob": -0.5,
+                "bytes": [0xC3, 0xA9],
+                "top_logprobs": [{"token": "\u00e9", "logprob": -0.5, "bytes": [0xC3, 0xA9]}],
+            }
+        ],
+        "refusal": None,
+    }
+
+
+def test_echo_begins_the_text_and_the_logprobs_with_the_prompts():
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(f"<{i}>" for i in ids))
+    final = Final("length", prompt_tokens=2, completion_tokens=1)
+    answers = Answers("cmpl-1", "m", chat=False, logprobs=LogprobFormat(tokenizer, chat=False), echo=["P0", "P1"])
+    piece = Piece("x", [_entry(9, -1.0)], [_entry(5, None), _entry(6, -2.0)])
+    whole = answers.whole([(piece, final), (piece, final)])
+    assert [c["text"] for c in whole["choices"]] == ["P0x", "P1x"]
+    assert whole["choices"][1]["logprobs"]["tokens"] == ["<5>", "<6>", "<9>"]
+    assert whole["choices"][1]["logprobs"]["token_logprobs"] == [None, -2.0, -1.0]
+    streamed = Answers("cmpl-2", "m", chat=False, logprobs=LogprobFormat(tokenizer, chat=False), echo=["P0"])
+    first = streamed.piece(piece, 0, first=True)["choices"][0]
+    assert first["text"] == "P0x" and first["logprobs"]["tokens"] == ["<5>", "<6>", "<9>"]
+    then = streamed.piece(Piece("y", [_entry(7, -0.5)]), 0)["choices"][0]
+    assert then["text"] == "y" and then["logprobs"]["tokens"] == ["<7>"] and then["logprobs"]["text_offset"] == [9]
 
 
 def test_chat_on_a_model_without_a_template_is_a_clear_400():

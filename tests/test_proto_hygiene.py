@@ -118,7 +118,7 @@ def test_breaking_allows_a_new_field(tree):
         tree,
         "gateway.proto",
         "  uint32 failovers = 10;\n",
-        "  uint32 failovers = 10;\n  // A new field: old clients skip it.\n  uint32 added = 11;\n",
+        "  uint32 failovers = 10;\n  // A new field: old clients skip it.\n  uint32 added = 999;\n",
     )
     out = run_buf("breaking", "--against", str(last_release()), cwd=tree)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -76,3 +76,25 @@ def test_no_pickle_can_arrive():
     payload = pickle.dumps(WorkerReport)  # a pickled class instead of a msgpack map
     with pytest.raises(WireError):
         decode([bytes([MsgType.WORKER_REPORT]), payload])
+
+
+def test_logprobs_travel_with_their_tokens_and_are_checked():
+    from loraserve.wire import StepTokens, TokenLogprob
+
+    entry = TokenLogprob(-0.5, [7, 3], [-0.5, -1.25])
+    step = StepTokens("w", ["a", "b"], [[7], [3]], logprobs=[[entry], []], prompt_logprobs=[[entry, entry], []])
+    decoded = decode(encode(step))
+    assert decoded == step and [TokenLogprob(*e) for e in decoded.split()[0].logprobs] == [entry]
+    assert decoded.split()[0].prompt_logprobs == [entry, entry] and decoded.split()[1].logprobs == []
+    plain = StepTokens("w", ["a"], [[7]])
+    assert [t.logprobs for t in decode(encode(plain)).split()] == [[]]  # nobody asked: nothing sent
+    for bad, why in [
+        (Tokens("a", [7, 8], logprobs=[entry]), "differ in length"),
+        (Tokens("a", [7], logprobs=[(-0.5, [7, 3], [-0.5])]), "top_ids and top_logprobs"),
+        (Tokens("a", [7], logprobs=[(float("-inf"), [], [])]), "finite"),
+        (Tokens("a", [7], logprobs=[(-0.5, list(range(21)), [-1.0] * 21)]), "logprobs"),
+        (StepTokens("w", ["a", "b"], [[7], [3]], logprobs=[[entry]]), "differ in length"),
+        (StepTokens("w", ["a"], [[7, 8]], logprobs=[[entry]]), "differ in length"),
+    ]:
+        with pytest.raises(WireError, match=why):
+            decode(encode(bad))

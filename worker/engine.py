@@ -37,7 +37,7 @@ from loraserve.errors import AdapterNotFoundError, InvalidConfigError, InvalidRe
 from loraserve.kernels.backend import KernelBackend, select_backend
 from loraserve.model_config import ModelConfig
 from loraserve.tokenizer import Tokenizer
-from loraserve.wire import AdapterKey
+from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes, load_adapter_dir
 from loraserve.worker.config import EngineConfig
@@ -73,6 +73,8 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_status: str = "RESOURCE_EXHAUSTED"  # the grpc.StatusCode name for an ERROR finish
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the new tokens', when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token, when asked for
 
 
 # A request whose logits are NaN or infinite (or whose probabilities are not a distribution) ends
@@ -104,6 +106,8 @@ class GenerateResult:
     finish_reason: FinishReason
     error: str | None = None
     num_preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with sampling.logprobs
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with sampling.prompt_logprobs
 
 
 class StepShape(NamedTuple):
@@ -319,6 +323,8 @@ class Engine:
         key = self._resolve(adapter)
         seed = sampling.seed if sampling.seed is not None else next(self._seeds)
         request = Request(request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed)
+        if sampling.prompt_logprobs is not None and not output_ids:  # a continued request reported them
+            request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         if key is not None:
             self.registry.hold(key)
         self.requests[request_id] = request
@@ -417,6 +423,10 @@ class Engine:
             if request.first_scheduled is None:
                 request.first_scheduled = scheduled_at
                 request.adapter_wait_s += waited.get(request.adapter, 0.0)
+            scored = output.prompt_logprobs.get(request.request_id)
+            if scored is not None:
+                start = request.num_computed
+                request.prompt_logprobs[start : start + len(scored)] = scored
             request.num_computed += n
             if request.request_id not in output.sampled:
                 continue  # a prefill chunk that does not end its prompt
@@ -427,13 +437,20 @@ class Engine:
                     self._finish(request.request_id, FinishReason.ERROR, NON_FINITE_ERROR, status="FAILED_PRECONDITION")
                 )
                 continue
+            first = not request.output_ids
             request.output_ids.append(token)
             request.first_token = request.first_token or now
+            logprobs = [output.logprobs[request.request_id]] if request.request_id in output.logprobs else []
+            request.logprobs += logprobs
             reason = self._stop_reason(request, token)
             if reason is None:
-                outputs.append(StepOutput(request.request_id, [token], False))
+                step_output = StepOutput(request.request_id, [token], False)
             else:
-                outputs.append(self._finish(request.request_id, reason, None, [token]))
+                step_output = self._finish(request.request_id, reason, None, [token])
+            step_output.logprobs = logprobs
+            if first and request.prompt_logprobs is not None:
+                step_output.prompt_logprobs = list(request.prompt_logprobs)
+            outputs.append(step_output)
         return outputs
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
@@ -490,6 +507,8 @@ class Engine:
                 finish_reason=r.finish_reason,
                 error=r.error,
                 num_preemptions=r.num_preemptions,
+                logprobs=r.logprobs,
+                prompt_logprobs=list(r.prompt_logprobs or ()),
             )
             for r in added
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from loraserve.wire import AdapterKey  # (name, version): requests keep the version they started with
+from loraserve.wire import AdapterKey, TokenLogprob  # (name, version): requests keep the version they started with
 from loraserve.worker.sampling import SamplingParams
 
 
@@ -44,6 +44,12 @@ class Request:
     first_token: float | None = None
     finished_at: float | None = None
     adapter_wait_s: float = 0.0  # time a step spent waiting for this request's adapter to reach the pool
+    # With sampling.logprobs: one per output token. With sampling.prompt_logprobs: one per prompt token
+    # after the first, filled chunk by chunk (a recomputation after a preemption writes the same values
+    # again) and reported with the first token; None when not asked for, or when the request continues
+    # an earlier attempt that reported them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_tokens(self) -> int:

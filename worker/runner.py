@@ -17,7 +17,7 @@ stages its tables at the graph's fixed widths instead and replays the graph.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,8 +26,10 @@ from loraserve.kernels.batch import LoraGeometry, ReusePrepared, build_attention
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.model_config import LORA_MODULES, ModelConfig
+from loraserve.wire import TokenLogprob
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.decode_graphs import DecodeGraphs
+from loraserve.worker.logprobs import logprobs_from_logits, score_rows
 from loraserve.worker.model import CausalLM, ForwardBatch
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.sampling import sample
@@ -47,9 +49,13 @@ class _Staged:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """The token sampled for each sequence whose chunk asked for one (None: non-finite logits, see `sample`)."""
+    """The token sampled for each sequence whose chunk asked for one (None: non-finite logits, see `sample`),
+    with its log-probabilities when its sampling asked for them, and the log-probabilities of the prompt
+    tokens each scoring chunk predicts (`worker/logprobs.py`)."""
 
     sampled: dict[str, int | None]
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 def step_capacity(config: EngineConfig, layout: PoolLayout, model: ModelConfig, max_model_len: int) -> StepCapacity:
@@ -145,9 +151,10 @@ class ModelRunner:
         else:
             forward = ForwardBatch(step.positions, step.attention, step.lora, self.pool_tensor, self.backend)
             hidden = self.model(step.input_ids, forward)
+        prompt_logprobs = self._score_prompts(batch, step, hidden)
         sampling = [c for c in batch if c.sample is not None]
         if not sampling:
-            return RunnerOutput({})
+            return RunnerOutput({}, prompt_logprobs=prompt_logprobs)
         logits = self.model.logits(hidden[step.last])
         specs = [c.sample for c in sampling]
         tokens = sample(
@@ -156,7 +163,27 @@ class ModelRunner:
             [s.seed for s in specs],
             [(s.prompt_ids, s.output_ids) for s in specs],
         )
-        return RunnerOutput({c.request_id: t for c, t in zip(sampling, tokens, strict=True)})
+        rows = [i for i, s in enumerate(specs) if s.params.logprobs is not None and tokens[i] is not None]
+        entries = logprobs_from_logits(
+            logits[rows], [tokens[i] for i in rows], [specs[i].params.logprobs for i in rows]
+        )
+        return RunnerOutput(
+            {c.request_id: t for c, t in zip(sampling, tokens, strict=True)},
+            {sampling[i].request_id: entry for i, entry in zip(rows, entries, strict=True)},
+            prompt_logprobs,
+        )
+
+    def _score_prompts(
+        self, batch: list[SeqChunk], step: _Staged, hidden: torch.Tensor
+    ) -> dict[str, list[TokenLogprob]]:
+        """The log-probabilities of the prompt tokens each scoring chunk predicts."""
+        scored = {}
+        for i, chunk in enumerate(batch):
+            if chunk.scoring is not None:
+                first = step.attention.query_starts[i]
+                rows = hidden[first : first + len(chunk.scoring.targets)]
+                scored[chunk.request_id] = score_rows(self.model.logits, rows, chunk.scoring.targets, chunk.scoring.top)
+        return scored
 
     def _stage(self, batch: list[SeqChunk], graphed: bool) -> _Staged:
         """Build the step's tables into the step buffers and upload them. `graphed`: at the widths a

@@ -365,7 +365,7 @@ class WorkerService:
             if not out.finished:
                 going_on[tracked.assign.reply_to].append(out)
             elif out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                self._end(out.request_id, tokens=out.new_token_ids, finish_reason=str(out.finish_reason))
+                self._end(out.request_id, out.new_token_ids, str(out.finish_reason), output=out)
             elif tracked.expired:
                 self._end(
                     out.request_id,
@@ -378,9 +378,24 @@ class WorkerService:
                 self._end(out.request_id, error_status=out.error_status, error=out.error or "failed")
         for address, outs in going_on.items():
             ids = [o.request_id for o in outs]
-            self._send(address, StepTokens(self.config.worker_id, ids, [o.new_token_ids for o in outs]), ids)
+            message = StepTokens(self.config.worker_id, ids, [o.new_token_ids for o in outs])
+            if any(o.logprobs or o.prompt_logprobs for o in outs):
+                message.logprobs = [o.logprobs for o in outs]
+                message.prompt_logprobs = [o.prompt_logprobs for o in outs]
+            self._send(address, message, ids)
 
-    def _end(self, request_id: str, tokens=(), finish_reason=None, error_status=None, error=None, retry=False) -> None:
+    def _end(
+        self,
+        request_id: str,
+        tokens=(),
+        finish_reason=None,
+        error_status=None,
+        error=None,
+        retry=False,
+        output: StepOutput | None = None,
+    ) -> None:
+        """Tell the request's gateway it ended; `output`: the step's output that ended it normally (its
+        log-probabilities go along)."""
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
             return
@@ -396,6 +411,8 @@ class WorkerService:
             error=error,
             retry=retry,
             timings=timings,
+            logprobs=output.logprobs if output else [],
+            prompt_logprobs=output.prompt_logprobs if output else [],
         )
         self._send(tracked.assign.reply_to, message)
         self._record_spans(tracked, timings, error_status)

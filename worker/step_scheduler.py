@@ -42,6 +42,15 @@ class SampleSpec:
 
 
 @dataclass(frozen=True)
+class PromptScoring:
+    """Score prompt tokens in this chunk: row j of the chunk predicts targets[j] (the prompt token after
+    it); report each one's log-probability and its `top` most likely alternatives (`worker/logprobs.py`)."""
+
+    top: int
+    targets: list[int]
+
+
+@dataclass(frozen=True)
 class SeqChunk:
     """One sequence's share of a step, as plain data: what the runner computes for it."""
 
@@ -51,6 +60,7 @@ class SeqChunk:
     kv_pages: list[int]  # the sequence's KV page table, covering start + len(token_ids) tokens
     adapter: AdapterSlot | None
     sample: SampleSpec | None  # set when this chunk ends the known tokens: sample the next one
+    scoring: PromptScoring | None = None  # set when the request asked for its prompt's log-probabilities
 
 
 @dataclass
@@ -132,7 +142,8 @@ class StepScheduler:
             sample = SampleSpec(request.sampling, request.seed, request.prompt_ids, request.output_ids)
         adapter = self.pool.slot(request.adapter) if request.adapter is not None else None
         kv_pages = self.pool.kv_page_table(request.request_id)
-        return SeqChunk(request.request_id, request.token_ids(start, start + n), start, kv_pages, adapter, sample)
+        tokens = request.token_ids(start, start + n)
+        return SeqChunk(request.request_id, tokens, start, kv_pages, adapter, sample, _scoring(request, start, n))
 
     def _room_for_running(self, request: Request, n: int, plan: StepPlan) -> bool:
         target = request.num_computed + n
@@ -169,3 +180,13 @@ class StepScheduler:
             self.running.append(request)
             plan.scheduled.append((request, n))
             budget -= n
+
+
+def _scoring(request: Request, start: int, n: int) -> PromptScoring | None:
+    """The prompt tokens chunk [start, start + n) predicts, while the request's prompt is being scored:
+    position p predicts token p + 1, and the last prompt position predicts the first output token,
+    whose log-probability comes with its sampling."""
+    if request.prompt_logprobs is None or request.output_ids:
+        return None  # not asked for, or already reported with the first token
+    targets = request.prompt_ids[start + 1 : start + 1 + n]
+    return PromptScoring(request.sampling.prompt_logprobs or 0, targets) if targets else None

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loraserve.gateway.http.errors import http_error
 from loraserve.gateway.http.generation import ClientGone, Generation, GenerationStream, HttpCall, until_disconnected
-from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, sse
+from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, Piece, sse
 from loraserve.gateway.service import LoraServeService
 from loraserve.v1 import gateway_pb2
 
@@ -63,19 +63,21 @@ def _cancel(generations: list[Generation]) -> None:
         generation.cancel()
 
 
-async def _events(firsts: list[str | Final], generations: list[Generation], answers: Answers) -> AsyncIterator[bytes]:
+async def _events(firsts: list[Piece | Final], generations: list[Generation], answers: Answers) -> AsyncIterator[bytes]:
     """The SSE stream, from the generations' first events on (`GenerationStream` stops them after it)."""
     try:
         opening = answers.opening()
         if opening is not None:
             yield sse(opening)
         finals: list[Final] = []
+        started: set[int] = set()  # the prompts whose first piece was sent
         async for index, item in _merged(firsts, generations):
             if isinstance(item, Final):
                 finals.append(item)
                 yield sse(answers.closing(item, index))
             else:
-                yield sse(answers.piece(item, index))
+                yield sse(answers.piece(item, index, first=index not in started))
+                started.add(index)
         if answers.include_usage:
             yield sse(answers.usage(Final.summed(finals)))
     except Exception as e:  # after the status line: the failure goes in the stream
@@ -83,7 +85,9 @@ async def _events(firsts: list[str | Final], generations: list[Generation], answ
     yield DONE
 
 
-async def _merged(firsts: list[str | Final], generations: list[Generation]) -> AsyncIterator[tuple[int, str | Final]]:
+async def _merged(
+    firsts: list[Piece | Final], generations: list[Generation]
+) -> AsyncIterator[tuple[int, Piece | Final]]:
     """(prompt index, event) of every generation as they come, each generation's up to its Final.
     A lone generation is read directly; several are pumped into one queue by a task each."""
     if len(generations) == 1:
@@ -93,9 +97,9 @@ async def _merged(firsts: list[str | Final], generations: list[Generation]) -> A
             item = await generations[0].next()
         yield 0, item
         return
-    queue: asyncio.Queue[tuple[int, str | Final | Exception]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | Final | Exception]] = asyncio.Queue()
 
-    async def pump(index: int, item: str | Final) -> None:
+    async def pump(index: int, item: Piece | Final) -> None:
         try:
             while not isinstance(item, Final):
                 await queue.put((index, item))

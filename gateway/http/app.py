@@ -30,6 +30,7 @@ from loraserve.gateway.http.adapter_routes import AdapterRoutes
 from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
+from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.responses import Answers
 from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
@@ -121,7 +122,15 @@ class OpenAiRoutes:
             else:
                 generate.token_ids.ids.extend(prompt)
             generates.append(generate)
-        answers = Answers(f"cmpl-{uuid.uuid4().hex}", body.model, chat=False, include_usage=body.include_usage)
+        decode = self.service.tokenizer.decode
+        answers = Answers(
+            f"cmpl-{uuid.uuid4().hex}",
+            body.model,
+            chat=False,
+            include_usage=body.include_usage,
+            logprobs=self._logprob_format(body.logprobs is not None, chat=False),
+            echo=[p if isinstance(p, str) else decode(p) for p in body.prompt_values()] if body.echo else None,
+        )
         return await answer(self.service, generates, answers, request, bool(body.stream), "prompt")
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
@@ -142,8 +151,17 @@ class OpenAiRoutes:
         generate.token_ids.ids.extend(ids)
         if not body.new_tokens:  # as OpenAI and vLLM: an answer may run to the end of the context
             generate.max_new_tokens = max(1, self.service.limits.max_context - len(ids))
-        answers = Answers(f"chatcmpl-{uuid.uuid4().hex}", body.model, chat=True, include_usage=body.include_usage)
+        answers = Answers(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            body.model,
+            chat=True,
+            include_usage=body.include_usage,
+            logprobs=self._logprob_format(bool(body.logprobs), chat=True),
+        )
         return await answer(self.service, [generate], answers, request, bool(body.stream), "messages")
+
+    def _logprob_format(self, asked: bool, chat: bool) -> LogprobFormat | None:
+        return LogprobFormat(self.service.tokenizer, chat) if asked else None
 
     def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> gateway_pb2.GenerateRequest:
         refused = body.unsupported()

@@ -22,7 +22,7 @@ from starlette.responses import StreamingResponse
 from loraserve.convert import FINISH_REASONS
 from loraserve.errors import LoraserveError
 from loraserve.gateway.http.responses import FINISH_REASONS as OPENAI_FINISH_REASONS
-from loraserve.gateway.http.responses import STREAM_HEADERS, Final
+from loraserve.gateway.http.responses import STREAM_HEADERS, Final, Piece
 from loraserve.gateway.service import RETRY_AFTER_KEY
 from loraserve.v1 import gateway_pb2
 
@@ -54,10 +54,10 @@ class HttpCall:
 
 
 class Generation:
-    """The events of one generation, produced by a task of their own: `str` pieces, then a `Final`."""
+    """The events of one generation, produced by a task of their own: `Piece`s, then a `Final`."""
 
     def __init__(self, events: AsyncIterator[gateway_pb2.GenerateStreamResponse]):
-        self._queue: asyncio.Queue[str | Final | Exception] = asyncio.Queue()
+        self._queue: asyncio.Queue[Piece | Final | Exception] = asyncio.Queue()
         self._finished = False  # the summary came: the generation is over, and ends as OK
         self._task = asyncio.get_running_loop().create_task(self._pump(events))
 
@@ -65,8 +65,9 @@ class Generation:
         try:
             async for event in events:  # to its end, past the summary: closing it early would count CANCELLED
                 if event.HasField("chunk"):
-                    if event.chunk.text:
-                        self._queue.put_nowait(event.chunk.text)
+                    chunk = event.chunk
+                    if chunk.text or chunk.logprobs or chunk.prompt_logprobs:
+                        self._queue.put_nowait(Piece(chunk.text, list(chunk.logprobs), list(chunk.prompt_logprobs)))
                 elif not self._finished:
                     self._finished = True
                     self._queue.put_nowait(_final(event.summary))
@@ -77,14 +78,14 @@ class Generation:
         finally:
             await events.aclose()  # here, in this task's context, where its trace span was opened
 
-    async def next(self) -> str | Final:
-        """The next piece of text, or the `Final`; raises the generation's failure."""
+    async def next(self) -> Piece | Final:
+        """The next piece, or the `Final`; raises the generation's failure."""
         item = await self._queue.get()
         if isinstance(item, Exception):
             raise item
         return item
 
-    async def pieces(self) -> AsyncIterator[str | Final]:
+    async def pieces(self) -> AsyncIterator[Piece | Final]:
         """Every event up to and including the `Final`."""
         while True:
             item = await self.next()
@@ -92,12 +93,13 @@ class Generation:
             if isinstance(item, Final):
                 return
 
-    async def collect(self) -> tuple[str, Final]:
-        text = []
+    async def collect(self) -> tuple[Piece, Final]:
+        """The whole generation: its pieces joined, and how it ended."""
+        pieces = []
         async for item in self.pieces():
             if isinstance(item, Final):
-                return "".join(text), item
-            text.append(item)
+                return Piece.joined(pieces), item
+            pieces.append(item)
         raise AssertionError("unreachable: pieces() ends with a Final")
 
     def cancel(self) -> None:

@@ -6,14 +6,22 @@ role, one chunk per piece of text, a last chunk with the finish reason, then, wi
 carries `"usage": null`), and finally `data: [DONE]`. A failure after the stream has begun is one
 event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts interleaves
 their chunks, each choice carrying its prompt's `index`, and its usage is their sum.
+
+With log-probabilities asked for, each choice (whole or chunk) carries those of its tokens
+(`logprobs.py`); with `echo`, a completion's text (its first chunk's, in a stream) begins with the
+prompt, and its log-probabilities with the prompt's.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from loraserve.gateway.http.logprobs import LogprobFormat
+from loraserve.v1 import common_pb2
 
 DONE = b"data: [DONE]\n\n"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -39,6 +47,25 @@ class Final:
         return Final("", sum(f.prompt_tokens for f in finals), sum(f.completion_tokens for f in finals))
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Text a generation produced, with the log-probabilities of its tokens when they were asked for
+    (and, on a generation's first piece, its prompt's)."""
+
+    text: str
+    logprobs: Sequence[common_pb2.TokenLogprob] = ()
+    prompt_logprobs: Sequence[common_pb2.TokenLogprob] = ()
+
+    @staticmethod
+    def joined(pieces: list[Piece]) -> Piece:
+        """A whole generation's pieces as one."""
+        return Piece(
+            "".join(p.text for p in pieces),
+            [e for p in pieces for e in p.logprobs],
+            [e for p in pieces for e in p.prompt_logprobs],
+        )
+
+
 def sse(event: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
@@ -52,14 +79,18 @@ class Answers:
     chat: bool
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: LogprobFormat | None = None  # None: not asked for
+    echo: Sequence[str] | None = None  # completions with echo: each prompt's text
 
-    def whole(self, results: list[tuple[str, Final]]) -> dict[str, Any]:
+    def whole(self, results: list[tuple[Piece, Final]]) -> dict[str, Any]:
         """The non-streaming answer to one or several prompts: choice i is prompt i's (its text and how
         it ended), the usage their sum."""
         choices = []
-        for index, (text, final) in enumerate(results):
+        for index, (piece, final) in enumerate(results):
+            text = self._echoed(piece, index).text
             message = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": index, **message, "logprobs": None, "finish_reason": final.finish_reason})
+            logprobs = self._logprobs(piece, index, True)
+            choices.append({"index": index, **message, "logprobs": logprobs, "finish_reason": final.finish_reason})
         usage = Final.summed([final for _, final in results]).usage()
         return self._object(self.chat and "chat.completion", choices) | {"usage": usage}
 
@@ -67,8 +98,12 @@ class Answers:
         """The chunk before any text (chat: the assistant's role), or None."""
         return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
 
-    def piece(self, text: str, index: int = 0) -> dict[str, Any]:
-        return self._chunk({"content": text} if self.chat else text, None, index)
+    def piece(self, piece: Piece, index: int = 0, first: bool = False) -> dict[str, Any]:
+        """The chunk of a piece of choice `index`'s text; `first`: its first (which an echo begins)."""
+        text = self._echoed(piece, index).text if first else piece.text
+        chunk = self._chunk({"content": text} if self.chat else text, None, index)
+        chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, first)
+        return chunk
 
     def closing(self, final: Final, index: int = 0) -> dict[str, Any]:
         return self._chunk({} if self.chat else "", final.finish_reason, index)
@@ -76,6 +111,17 @@ class Answers:
     def usage(self, final: Final) -> dict[str, Any]:
         """The include_usage chunk: no choices, the usage."""
         return self._object(self.chat and "chat.completion.chunk", []) | {"usage": final.usage()}
+
+    def _echoed(self, piece: Piece, index: int) -> Piece:
+        return (
+            piece if self.echo is None else Piece(self.echo[index] + piece.text, piece.logprobs, piece.prompt_logprobs)
+        )
+
+    def _logprobs(self, piece: Piece, index: int, first: bool) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        entries = [*piece.prompt_logprobs, *piece.logprobs] if first and self.echo is not None else piece.logprobs
+        return self.logprobs.format(entries, index)
 
     def _chunk(self, content: dict[str, Any] | str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         choice = {"index": index, "delta": content} if self.chat else {"index": index, "text": content}

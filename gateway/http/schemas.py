@@ -3,8 +3,8 @@
 Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter);
 what the values mean (temperature ranges, context length, stop limits, adapter names) is checked by
 the same validation the gRPC API runs (`gateway/validation.py`), once the body is a GenerateRequest.
-Fields OpenAI defines that loraserve does not serve (`logprobs`, `tools`, `n` > 1, ...) are accepted
-only at their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
+Fields OpenAI defines that loraserve does not serve (`tools`, `n` > 1, ...) are accepted only at
+their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
 OpenAI-compatible servers do, except vLLM's extensions loraserve does not implement
 (`REFUSED_EXTENSIONS`), which are refused. `top_k`, `repetition_penalty`, `ignore_eos` and
 `stop_token_ids` are extensions (vLLM's names).
@@ -19,6 +19,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from loraserve.params import MAX_LOGPROBS
 
 UINT32_MAX = 2**32 - 1
 MAX_PROMPTS = 64  # prompts in one completions request (each is scheduled as a request of its own)
@@ -159,7 +161,11 @@ class _Generation(_Body):
         }
         if self.seed is not None:
             fields["seed"] = self.seed
-        return fields
+        return fields | self.logprob_fields()
+
+    def logprob_fields(self) -> dict[str, int]:
+        """The SamplingParameters log-probability fields this request asks for."""
+        return {}
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter set to something loraserve does not do; else None."""
@@ -180,20 +186,21 @@ class CompletionRequest(_Generation):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool | None = False
+    echo: bool | None = False  # the answer's text (and log-probabilities) begin with the prompt's
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per token: its own and the k most likely
     suffix: str | None = None
+
+    def logprob_fields(self) -> dict[str, int]:
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": self.logprobs} | ({"prompt_logprobs": self.logprobs} if self.echo else {})
 
     def unsupported(self) -> tuple[str, str] | None:
         if len(self.prompt_values()) > MAX_PROMPTS:
             return "prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(self.prompt_values())}"
-        if self.echo:
-            return "echo", "is not supported"
         if self.best_of not in (None, 1):
             return "best_of", f"only best_of = 1 is supported, got {self.best_of}"
-        if self.logprobs is not None:
-            return "logprobs", "is not supported"
         if self.suffix:
             return "suffix", "is not supported"
         return super().unsupported()
@@ -235,7 +242,7 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -244,9 +251,12 @@ class ChatCompletionRequest(_Generation):
     def new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 0
 
+    def logprob_fields(self) -> dict[str, int]:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs", "is not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "needs logprobs: true"
         if self.tools:
             return "tools", "tool calling is not supported"
         if self.tool_choice not in (None, "none"):
