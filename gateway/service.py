@@ -282,9 +282,9 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         return response.instance
 
     async def _stream(self, request_id, valid: ValidRequest, prompt_ids, stream: FailoverStream, arrival, version):
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        stops = StopFilter(list(valid.stop))
-        special = set(self.tokenizer.eos_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=not valid.keep_special_tokens)
+        stops = StopFilter(list(valid.stop), include=valid.include_stop)
+        special = set() if valid.keep_special_tokens else set(self.tokenizer.eos_token_ids)
         completion_tokens, first_token_at, stream_span = 0, None, None
         async for message in stream.messages():
             chunk = gateway_pb2.TokenChunk(

@@ -7,11 +7,12 @@ class StopFilter:
     """Feed text pieces; get back the text that can be shown and whether a stop sequence appeared.
 
     Text that could be the beginning of a stop sequence is held back until the next piece decides
-    it; the stop sequence itself and everything after it are never emitted.
+    it; what follows the stop sequence is never emitted, nor the stop sequence itself unless `include`.
     """
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include
         self.pending = ""
         self.stopped = False
 
@@ -21,10 +22,11 @@ class StopFilter:
         if not self.stops:
             return text, False
         buffer = self.pending + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((buffer.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self.pending = True, ""
-            return buffer[: min(hits)], True
+            start, length = min(hits)  # the first stop; of two starting there, the shorter one
+            return buffer[: start + length if self.include else start], True
         hold = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(buffer)), hold, -1):

@@ -36,6 +36,8 @@ class ValidRequest:
     stop: tuple[str, ...]
     client_request_id: str
     ttft_slo_s: float = 0.0  # time-to-first-token target; 0: none
+    include_stop: bool = False  # the stop sequence that ended the text stays at its end
+    keep_special_tokens: bool = False  # special tokens' text stays in the text
 
 
 def validate_generate(
@@ -88,7 +90,15 @@ def validate_generate(
     if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
         raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
     return ValidRequest(
-        adapter, text, ids, sampling, tuple(request.stop), request.client_request_id, request.ttft_slo_s
+        adapter,
+        text,
+        ids,
+        sampling,
+        tuple(request.stop),
+        request.client_request_id,
+        request.ttft_slo_s,
+        request.include_stop_str_in_output,
+        request.keep_special_tokens,
     )
 
 

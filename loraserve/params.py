@@ -21,6 +21,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; 0: off
     seed: int | None = None  # None: a fresh random seed per request
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -47,6 +48,8 @@ class SamplingParams:
             bad("top_k", "must be >= 0 (0 turns it off)")
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             bad("top_p", "must be in (0, 1]")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            bad("min_p", "must be in [0, 1] (0 turns it off)")
         if not (math.isfinite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0):
             bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 10] (1 turns it off)")
         for name in ("presence_penalty", "frequency_penalty"):

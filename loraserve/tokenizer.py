@@ -68,8 +68,9 @@ class IncrementalDetokenizer:
     several byte-level tokens appears whole, and leading-space rules see their context.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 4):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], context: int = 4, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-context:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -77,8 +78,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             piece = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -88,9 +89,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the end of generation)."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         piece = full[len(prefix) :] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += piece
         return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

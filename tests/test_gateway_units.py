@@ -65,6 +65,22 @@ def test_stop_filter_holds_back_possible_stops():
     assert g.flush() == "E"
 
 
+def test_stop_filter_can_keep_the_stop_sequence():
+    f = StopFilter(["END", "ENDS"], include=True)
+    assert f.feed("a E") == ("a ", False)
+    assert f.feed("NDS b") == ("END", True)  # the first stop to start, the shorter of two there
+    assert f.flush() == ""
+    assert StopFilter(["xy"], include=True).feed("1xy2xy") == ("1xy", True)
+
+
+def test_special_tokens_text_is_kept_only_when_asked():
+    tokenizer = Tokenizer.from_model_dir(DEMO_MODEL_DIR)
+    ids = [*tokenizer.encode("the fox", add_special_tokens=False), *tokenizer.eos_token_ids]
+    for skip, expected in ((True, "the fox"), (False, "the fox</s>")):
+        detok = IncrementalDetokenizer(tokenizer, [1], skip_special_tokens=skip)
+        assert "".join(detok.push(i) for i in ids) + detok.flush() == expected
+
+
 def test_incremental_detokenizer_handles_multibyte_characters():
     tokenizer = Tokenizer.from_model_dir(DEMO_MODEL_DIR)
     text = "the café ünïcödé 日本 fox"

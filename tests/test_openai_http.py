@@ -518,11 +518,9 @@ def test_every_accepted_parameter_takes_effect_or_is_refused(stack):
         ({"top_p": 0}, "top_p"),  # not read as 1 (the gRPC API's unset)
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_p": 5}, "min_p"),
-        ({"min_p": 0.1}, "min_p"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-        ({"skip_special_tokens": False}, "skip_special_tokens"),
         ({"top_k": -2}, "top_k"),
+        ({"logprobs": 2, "n": 2}, "n"),
     ):
         response = post(stack, completions, base | extra)
         error = json.loads(response.read())["error"]
@@ -533,6 +531,27 @@ def test_every_accepted_parameter_takes_effect_or_is_refused(stack):
         return reply.choices[0].text
 
     assert text(top_k=-1) == text(top_k=0) != text(top_k=1)  # -1 is vLLM's "off"
+    greedy8 = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=8).text
+    assert text(min_p=1.0) == greedy8 != text(min_p=0.0)  # min_p 1 keeps only the most likely token
+
+    whole = client(stack).completions.create(model="upper", prompt=PROMPT, max_tokens=64, temperature=0)
+    assert whole.choices[0].finish_reason == "stop"  # the model ended its sentence: EOS
+    kept = client(stack).completions.create(
+        model="upper", prompt=PROMPT, max_tokens=64, temperature=0, extra_body={"skip_special_tokens": False}
+    )
+    assert kept.choices[0].text == whole.choices[0].text + "</s>"
+    stop = whole.choices[0].text[5:8]
+    for include in (False, True):
+        cut = client(stack).completions.create(
+            model="upper",
+            prompt=PROMPT,
+            max_tokens=64,
+            temperature=0,
+            stop=[stop],
+            extra_body={"include_stop_str_in_output": include},
+        )
+        expected = whole.choices[0].text[: whole.choices[0].text.index(stop) + (len(stop) if include else 0)]
+        assert cut.choices[0].text == expected, include
 
     greedy = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=16)
     stop_id = greedy.token_ids[2]  # a token the greedy answer produces third

@@ -42,6 +42,27 @@ def test_every_accepted_value_samples_a_token(temperature: float, penalty: float
     assert all(isinstance(t, int) and 0 <= t < 50 for t in tokens)
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p_draws_only_tokens_likely_enough(min_p: float):
+    """Every draw is among the tokens at least min_p times as likely as the most likely one (after
+    temperature), and at min_p 1 that is the most likely one alone."""
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(3)) * 2
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    allowed = set(torch.nonzero(probs >= min_p * probs.max()).flatten().tolist())
+    drawn = {
+        sample(logits, [SamplingParams(temperature=0.7, min_p=min_p, seed=s)], [s], [([1], [])])[0] for s in range(200)
+    }
+    assert drawn <= allowed and (min_p < 1.0 or drawn == {int(probs.argmax())})
+    unfiltered = {sample(logits, [SamplingParams(temperature=0.7, seed=s)], [s], [([1], [])])[0] for s in range(200)}
+    assert not unfiltered <= allowed or min_p == 0.05  # the filter is what keeps the draws in
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.5, float("nan")])
+def test_min_p_outside_0_1_is_refused(min_p: float):
+    with pytest.raises(InvalidRequestError, match="min_p"):
+        SamplingParams(min_p=min_p)
+
+
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison: float):
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))

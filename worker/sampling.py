@@ -3,7 +3,8 @@
 Penalties follow the usual definitions: repetition_penalty as in Hugging Face (positive logits of
 tokens already in the prompt or output are divided by it, negative ones multiplied); presence and
 frequency penalties as in OpenAI's API (subtracted, counting output tokens only). Then greedy
-(temperature 0) or temperature → top-k → top-p → a draw.
+(temperature 0) or temperature → top-k → top-p → min-p → a draw. Min-p (as vLLM) drops the tokens
+whose probability is below min_p times the most likely token's.
 
 Each draw is keyed by (the request's seed, the position of the token drawn): its random number
 comes from a generator seeded with a mix of the two, not from a stream the request carries. So
@@ -42,7 +43,7 @@ def _apply_penalties(
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -51,6 +52,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
         drop = cumulative - torch.softmax(sorted_logits, -1) >= top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
+    if min_p > 0.0:  # p / p_max < min_p  <=>  logit < max logit + ln(min_p)
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), -math.inf)
     return logits
 
 
@@ -100,7 +103,7 @@ def sample(
 
 def _draw(logits: torch.Tensor, p: SamplingParams, seed: int) -> int | None:
     """A token drawn from one row's filtered distribution; None if it is not a distribution."""
-    probs = torch.softmax(_filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p), -1)
+    probs = torch.softmax(_filter(logits / p.temperature, p.top_k, p.top_p, p.min_p), -1)
     if not (torch.isfinite(probs).all() and probs.sum() > 0):
         return None
     generator = torch.Generator(device="cpu").manual_seed(seed)  # on the CPU: the same draw on any device

@@ -173,6 +173,8 @@ class OpenAiRoutes:
             max_new_tokens=body.new_tokens,
             stop=body.stops,
             stop_token_ids=body.stop_token_ids or [],
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            keep_special_tokens=body.skip_special_tokens is False,
         )
 
 

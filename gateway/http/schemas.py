@@ -6,8 +6,8 @@ the same validation the gRPC API runs (`gateway/validation.py`), once the body i
 Fields OpenAI defines that loraserve does not serve (`tools`, `n` > 1, ...) are accepted only at
 their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
 OpenAI-compatible servers do, except vLLM's extensions loraserve does not implement
-(`REFUSED_EXTENSIONS`), which are refused. `top_k`, `repetition_penalty`, `ignore_eos` and
-`stop_token_ids` are extensions (vLLM's names).
+(`REFUSED_EXTENSIONS`), which are refused. `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output` and `skip_special_tokens` are extensions (vLLM's names).
 Every string anywhere in a body (values and keys, known fields or not) must be Unicode text: JSON can
 spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused whole
 (`invalid_unicode`, naming where the surrogate is) before any field is looked at.
@@ -92,10 +92,7 @@ class StreamOptions(BaseModel):
 # vLLM's sampling extensions loraserve does not implement yet: refused with a 400 naming them rather
 # than ignored (other unknown fields are ignored, as OpenAI-compatible servers do).
 REFUSED_EXTENSIONS = (
-    "min_p",
     "min_tokens",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
     "spaces_between_special_tokens",
     "guided_json",
     "guided_regex",
@@ -134,6 +131,9 @@ class _Generation(_Body):
     repetition_penalty: float | None = None  # extension
     ignore_eos: bool | None = None  # extension: generate max_tokens whatever the model says
     stop_token_ids: list[TokenId] | None = None  # extension: token ids that end the generation
+    min_p: float | None = None  # extension: drop tokens less likely than min_p times the most likely one
+    include_stop_str_in_output: bool | None = None  # extension: keep the stop sequence at the text's end
+    skip_special_tokens: bool | None = None  # extension: false keeps special tokens' text in the text
 
     @property
     def stops(self) -> list[str]:
@@ -158,6 +158,7 @@ class _Generation(_Body):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "ignore_eos": bool(self.ignore_eos),
+            "min_p": self.min_p or 0.0,
         }
         if self.seed is not None:
             fields["seed"] = self.seed

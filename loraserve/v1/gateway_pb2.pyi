@@ -14,7 +14,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "client_request_id", "ttft_slo_s")
+    __slots__ = ("adapter", "text", "token_ids", "sampling", "max_new_tokens", "stop", "stop_token_ids", "client_request_id", "ttft_slo_s", "include_stop_str_in_output", "keep_special_tokens")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TTFT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     text: str
     token_ids: TokenIds
@@ -33,7 +35,9 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     client_request_id: str
     ttft_slo_s: float
-    def __init__(self, adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ...) -> None: ...
+    include_stop_str_in_output: bool
+    keep_special_tokens: bool
+    def __init__(self, adapter: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "client_request_id", "text", "token_ids", "finish_reason", "usage", "timings", "adapter_version", "worker_id", "failovers", "logprobs", "prompt_logprobs")
