@@ -68,6 +68,10 @@ _SHARED = {
     "stream": st.booleans(),
     "user": _TEXT,
     "ignore_eos": st.booleans(),
+    "min_p": st.floats(0, 1),
+    "stop_token_ids": st.lists(st.integers(0, 1100), max_size=3),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
 }
 _OTHER = ["stream_options", "logit_bias", "unknown_field"]  # fields only mutations set
 _MODEL = st.sampled_from(["upper", "rot13", "title", BASE, BASE, "no-such-adapter"])
@@ -90,8 +94,8 @@ COMPLETIONS = _bodies(
         ),
         "max_tokens": st.integers(1, 4),
     },
-    _SHARED,
-    ["echo", "best_of", "logprobs", "suffix"],
+    _SHARED | {"logprobs": st.integers(0, 20), "echo": st.booleans()},
+    ["best_of", "suffix"],
 )
 _CONTENT = st.one_of(_TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=3))
 _MESSAGE = st.fixed_dictionaries(
@@ -99,8 +103,9 @@ _MESSAGE = st.fixed_dictionaries(
 )
 CHAT = _bodies(
     {"model": _MODEL, "messages": st.lists(_MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)},
-    _SHARED | {"max_completion_tokens": st.integers(1, 4)},
-    ["tools", "tool_choice", "response_format", "logprobs", "top_logprobs"],
+    _SHARED
+    | {"max_completion_tokens": st.integers(1, 4), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)},
+    ["tools", "tool_choice", "response_format"],
 )
 TOKENIZE = _bodies(
     {},
