@@ -147,7 +147,11 @@ def test_unsupported_parameters_are_named():
     assert refused(CompletionRequest, prompt=["a"] * 65)[0] == "prompt"  # over MAX_PROMPTS
     assert refused(CompletionRequest, prompt=[[1, 2], [3]]) is None
     assert refused(CompletionRequest, top_p=0, **prompt)[0] == "top_p"
-    assert refused(CompletionRequest, min_p=0.1, **prompt)[0] == "min_p"
+    assert refused(CompletionRequest, min_tokens=2, **prompt)[0] == "min_tokens"
+    assert (
+        refused(CompletionRequest, min_p=0.1, include_stop_str_in_output=True, skip_special_tokens=False, **prompt)
+        is None
+    )
     assert refused(CompletionRequest, top_k=-1, **prompt) is None
     assert refused(CompletionRequest, echo=True, logprobs=3, **prompt) is None
     assert refused(CompletionRequest, best_of=3, **prompt)[0] == "best_of"

@@ -164,8 +164,10 @@ class ModelRunner:
             [(s.prompt_ids, s.output_ids) for s in specs],
         )
         rows = [i for i, s in enumerate(specs) if s.params.logprobs is not None and tokens[i] is not None]
-        entries = logprobs_from_logits(
-            logits[rows], [tokens[i] for i in rows], [specs[i].params.logprobs for i in rows]
+        entries = (
+            logprobs_from_logits(logits[rows], [tokens[i] for i in rows], [specs[i].params.logprobs for i in rows])
+            if rows
+            else []
         )
         return RunnerOutput(
             {c.request_id: t for c, t in zip(sampling, tokens, strict=True)},

@@ -1,4 +1,4 @@
-"""Log-probabilities in OpenAI's two shapes. Pure functions of the generation's `TokenLogprob`s.
+"""Log-probabilities in OpenAI's two shapes, from the generation's `TokenLogprob`s (formatting only, no I/O).
 
 - Completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, lists
   with one item per token; `top_logprobs[i]` maps the k most likely tokens' text to their
