@@ -686,3 +686,21 @@ def test_logprobs_and_echo_are_peft_s_through_grpc_and_http(stack):
         model="upper", messages=[{"role": "user", "content": PROMPT}], max_tokens=2
     )
     assert plain.choices[0].logprobs is None
+
+
+def test_langchain_openai_batches_and_reads_logprobs(stack):
+    """langchain-openai's completion model batches prompts into one request (a list of prompts);
+    its chat model reads the log-probabilities it asks for."""
+    from langchain_openai import ChatOpenAI, OpenAI
+
+    common = {"base_url": f"http://127.0.0.1:{stack.http_port}/v1", "api_key": KEYS["a"], "max_retries": 0}
+    prompts = ["the quiet king", "a small river", "the old road"]
+    expected = [grpc_generate(stack, "upper", text=p, max_new_tokens=8).text for p in prompts]
+    llm = OpenAI(model="upper", temperature=0, max_tokens=8, batch_size=3, **common)
+    assert llm.batch(prompts) == expected
+    assert [g[0].text for g in llm.generate(prompts).generations] == expected
+    chat = ChatOpenAI(model="upper", temperature=0, max_tokens=8, logprobs=True, top_logprobs=2, **common)
+    reply = chat.invoke([("user", PROMPT)])
+    assert reply.content == expected[0]
+    content = reply.response_metadata["logprobs"]["content"]
+    assert len(content) == reply.usage_metadata["output_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
