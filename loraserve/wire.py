@@ -255,8 +255,8 @@ class StepTokens(Message):
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.request_ids):
                 raise WireError(f"StepTokens: request_ids and {name} differ in length")
-        for i, token_ids in enumerate(self.token_ids):
-            if self.logprobs and self.logprobs[i] and len(self.logprobs[i]) != len(token_ids):
+        for i, (logprobs, token_ids) in enumerate(zip(self.logprobs, self.token_ids)):  # noqa: B905 (may be empty)
+            if logprobs and len(logprobs) != len(token_ids):
                 raise WireError(f"StepTokens: logprobs[{i}] and token_ids[{i}] differ in length")
         _check_top_lengths(*self.logprobs, *self.prompt_logprobs)
 

@@ -18,7 +18,7 @@ from loraserve.params import MAX_LOGPROBS
 from loraserve.wire import TokenLogprob
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine, GenerateRequest, GenerateResult
-from loraserve.worker.logprobs import ROWS_PER_SLICE, logprobs_from_logits
+from loraserve.worker.logprobs import ROWS_PER_SLICE, logprobs_from_logits, score_rows
 from loraserve.worker.sampling import SamplingParams
 
 TOL = 1e-4
@@ -146,8 +146,6 @@ def test_prompt_rows_are_scored_in_bounded_slices():
     def logits_of(rows: torch.Tensor) -> torch.Tensor:
         seen.append(rows.shape[0])
         return rows @ weight.T
-
-    from loraserve.worker.logprobs import score_rows
 
     sliced = score_rows(logits_of, hidden, targets, 4)
     whole = logprobs_from_logits(hidden @ weight.T, targets, [4] * len(targets))

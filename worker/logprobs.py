@@ -32,13 +32,11 @@ def logprobs_from_logits(logits: torch.Tensor, token_ids: list[int], top: list[i
         return []
     logprobs = torch.log_softmax(logits.float(), -1)
     ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
-    chosen = _finite(logprobs.gather(1, ids[:, None])[:, 0]).tolist()
-    k = max(top)
-    if k == 0:
-        return [TokenLogprob(lp, [], []) for lp in chosen]
-    values, indices = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
-    values, indices = _finite(values).tolist(), indices.tolist()
-    return [TokenLogprob(lp, indices[i][: top[i]], values[i][: top[i]]) for i, lp in enumerate(chosen)]
+    values, indices = torch.topk(logprobs, min(max(top), logprobs.shape[-1]), dim=-1)
+    # column 0: each row's token, then its top: one copy of values and one of ids to the host
+    values = _finite(torch.cat([logprobs.gather(1, ids[:, None]), values], 1)).tolist()
+    indices = indices.tolist()
+    return [TokenLogprob(v[0], indices[i][: top[i]], v[1 : 1 + top[i]]) for i, v in enumerate(values)]
 
 
 def score_rows(

@@ -365,7 +365,7 @@ class WorkerService:
             if not out.finished:
                 going_on[tracked.assign.reply_to].append(out)
             elif out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                self._end(out.request_id, out.new_token_ids, str(out.finish_reason), output=out)
+                self._end(out.request_id, output=out)
             elif tracked.expired:
                 self._end(
                     out.request_id,
@@ -385,17 +385,10 @@ class WorkerService:
             self._send(address, message, ids)
 
     def _end(
-        self,
-        request_id: str,
-        tokens=(),
-        finish_reason=None,
-        error_status=None,
-        error=None,
-        retry=False,
-        output: StepOutput | None = None,
+        self, request_id: str, error_status=None, error=None, retry=False, output: StepOutput | None = None
     ) -> None:
-        """Tell the request's gateway it ended; `output`: the step's output that ended it normally (its
-        log-probabilities go along)."""
+        """Tell the request's gateway it ended: normally with `output`, the step's output that ended it
+        (its last token, finish reason and log-probabilities), else with `error_status`."""
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
             return
@@ -403,10 +396,10 @@ class WorkerService:
         timings = self._timings(tracked)
         message = Tokens(
             request_id,
-            list(tokens),
+            list(output.new_token_ids) if output else [],
             self.config.worker_id,
             finished=True,
-            finish_reason=finish_reason,
+            finish_reason=str(output.finish_reason) if output else None,
             error_status=error_status,
             error=error,
             retry=retry,

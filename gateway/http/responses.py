@@ -87,7 +87,7 @@ class Answers:
         it ended), the usage their sum."""
         choices = []
         for index, (piece, final) in enumerate(results):
-            text = self._echoed(piece, index).text
+            text = self._echo(index) + piece.text
             message = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
             logprobs = self._logprobs(piece, index, True)
             choices.append({"index": index, **message, "logprobs": logprobs, "finish_reason": final.finish_reason})
@@ -100,7 +100,7 @@ class Answers:
 
     def piece(self, piece: Piece, index: int = 0, first: bool = False) -> dict[str, Any]:
         """The chunk of a piece of choice `index`'s text; `first`: its first (which an echo begins)."""
-        text = self._echoed(piece, index).text if first else piece.text
+        text = self._echo(index) + piece.text if first else piece.text
         chunk = self._chunk({"content": text} if self.chat else text, None, index)
         chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, first)
         return chunk
@@ -112,10 +112,9 @@ class Answers:
         """The include_usage chunk: no choices, the usage."""
         return self._object(self.chat and "chat.completion.chunk", []) | {"usage": final.usage()}
 
-    def _echoed(self, piece: Piece, index: int) -> Piece:
-        return (
-            piece if self.echo is None else Piece(self.echo[index] + piece.text, piece.logprobs, piece.prompt_logprobs)
-        )
+    def _echo(self, index: int) -> str:
+        """The text choice `index` begins with: its prompt's, with `echo`."""
+        return "" if self.echo is None else self.echo[index]
 
     def _logprobs(self, piece: Piece, index: int, first: bool) -> dict[str, Any] | None:
         if self.logprobs is None:
