@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench import abuse, chaos, overhead, scheduling
+from loraserve.bench import abuse, chaos, overhead, scheduling, structured
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
-SUITES = ("serving", "chaos", "scheduling", "abuse", "overhead")  # bench/<suite>.py
+SUITES = ("serving", "chaos", "scheduling", "abuse", "overhead", "structured")  # bench/<suite>.py
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
@@ -149,6 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scheduling.add_arguments(p)
     abuse.add_arguments(p)
     overhead.add_arguments(p)
+    structured.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -393,6 +394,8 @@ def main(args: argparse.Namespace) -> int:
         return abuse.main(args)
     if args.suite == "overhead":
         return overhead.main(args)
+    if args.suite == "structured":
+        return structured.main(args)
     args = _resolved(args)
     quiet = max(logging.WARNING, logging.getLogger().level)
     for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):

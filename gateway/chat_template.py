@@ -5,7 +5,7 @@ Read as transformers reads it: `chat_template.jinja` beside the tokenizer, else 
 "default" is used). Rendered as `apply_chat_template` renders it: a sandboxed, immutable Jinja
 environment (a template comes with the model, not from us) with `trim_blocks`/`lstrip_blocks`,
 `loopcontrols`, the `tojson` filter and the `raise_exception` and `strftime_now` globals, given
-`messages`, `add_generation_prompt=True`, `bos_token` and `eos_token`. The text it renders carries its
+`messages`, `tools`, `add_generation_prompt=True`, `bos_token` and `eos_token`. The text it renders carries its
 own special tokens, so it is tokenized without adding any.
 
 A model without a template has no chat format: a chat request for it is refused (InvalidRequestError
@@ -58,13 +58,18 @@ class ChatTemplate:
             return None
         return cls(source, _token(config.get("bos_token")), _token(config.get("eos_token")))
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt for `messages` (each a dict with `role` and `content`), ready for the assistant's turn."""
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt for `messages` (each a dict with `role` and `content`), ready for the assistant's turn;
+        `tools` (OpenAI's `tools` entries) are the template's `tools`, as transformers passes them."""
         import jinja2
 
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
             )
         except jinja2.TemplateError as e:  # raise_exception() included: the template refuses this conversation
             raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None

@@ -38,6 +38,7 @@ from loraserve.gateway.service import GatewayConfig, LoraServeService
 from loraserve.gateway.tenants import load_auth_file
 from loraserve.gateway.tls import add_tls_arguments, load_server_tls
 from loraserve.gateway.token_sink import TokenSink
+from loraserve.gateway.tool_parsers import add_tool_parser_argument, parser_named
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
 from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
@@ -90,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=http.keep_alive_s,
         help="seconds an idle HTTP keep-alive connection is kept open",
     )
+    add_tool_parser_argument(parser)
     add_auth_arguments(parser)
     add_tls_arguments(parser)
     parser.add_argument(
@@ -268,8 +270,16 @@ def _http_server(args: argparse.Namespace, service: LoraServeService, tls):
     limits = ConnectionLimits(
         args.http_max_connections, args.http_header_timeout, args.http_body_timeout, args.http_keep_alive
     )
+    tool_parser = parser_named(args.tool_call_parser) if args.tool_call_parser else None
     http = HttpServer(
-        service, args.model, args.http_bind, args.tls_cert, args.tls_key, args.tls_client_ca, limits=limits
+        service,
+        args.model,
+        args.http_bind,
+        args.tls_cert,
+        args.tls_key,
+        args.tls_client_ca,
+        limits=limits,
+        tool_parser=tool_parser,
     )
     security = "HTTP" if tls is None else "HTTPS, mutual TLS" if tls.mutual else "HTTPS"
     log.info("gateway: OpenAI-compatible API (%s) on %s (port %d)", security, args.http_bind, http.port)

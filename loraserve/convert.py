@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams
+from loraserve.structured import KINDS, grammar_for
 from loraserve.v1 import common_pb2
 from loraserve.wire import TokenLogprob
 
@@ -31,7 +33,21 @@ def sampling_from_pb(
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+        grammar=grammar_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
     )
+
+
+def grammar_from_pb(pb: common_pb2.StructuredOutput) -> str:
+    """The llguidance grammar of a StructuredOutput (InvalidRequestError naming the field if it is not one)."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_output", f"set one of its kinds: {', '.join(KINDS)}")
+    value = getattr(pb, kind)
+    if kind == "choice":
+        value = list(value.choices)
+    elif kind == "json_object" and not value:
+        raise InvalidRequestError("structured_output.json_object", "must be true when set")
+    return grammar_for(kind, value, f"structured_output.{kind}")
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
@@ -48,6 +64,8 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
     for name in ("seed", "logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None:
             setattr(pb, name, getattr(params, name))
+    if params.grammar is not None:
+        pb.structured_output.llguidance = params.grammar
     return pb
 
 

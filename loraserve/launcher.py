@@ -37,6 +37,7 @@ from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.tls import ClientTls, add_tls_arguments, load_server_tls, load_up_client_tls
+from loraserve.gateway.tool_parsers import add_tool_parser_argument
 from loraserve.process import add_drain_argument, become_service
 from loraserve.scheduler.policy import POLICIES
 from loraserve.supervisor import CrashLoop, Role, SupervisionConfig, Supervisor
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the gateway's OpenAI-compatible HTTP address (e.g. 127.0.0.1:8000); unset: off",
     )
+    add_tool_parser_argument(parser)
     parser.add_argument(
         "--auth-file", type=Path, default=None, help="the gateway's tenants and API keys (TOML; see README)"
     )
@@ -247,7 +249,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         *base,
         "gateway",
         *_flags(model=args.model, bind=args.bind, scheduler=ports.scheduler, store=ports.store),
-        *_flags(http_bind=args.http_bind),
+        *_flags(http_bind=args.http_bind, tool_call_parser=args.tool_call_parser),
         *_flags(token_address=ports.tokens, drain_timeout=args.drain_timeout, auth_file=args.auth_file),
         *(["--insecure-no-auth"] if args.insecure_no_auth else []),
         *_flags(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca),

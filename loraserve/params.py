@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from loraserve.errors import InvalidRequestError
+from loraserve.structured import MAX_GRAMMAR_BYTES
 
 # Below these the arithmetic stops meaning anything: logits / 1e-45 overflow float32 to infinity.
 # A temperature is 0 (greedy) or at least MIN_TEMPERATURE; a repetition penalty divides or
@@ -32,6 +33,9 @@ class SamplingParams:
     # most likely alternatives' (0 to MAX_LOGPROBS), for every generated token and for the prompt's.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: an llguidance grammar (`loraserve/structured.py`) the output must match; each
+    # token is sampled among those the grammar allows next, and the output ends when the grammar does.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -65,6 +69,11 @@ class SamplingParams:
                 isinstance(value, bool) or not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS)
             ):
                 bad(name, f"must be in [0, {MAX_LOGPROBS}] (alternatives reported per token)")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar or len(self.grammar) > MAX_GRAMMAR_BYTES:
+                raise InvalidRequestError("grammar", f"must be a grammar of 1 to {MAX_GRAMMAR_BYTES} characters")
+            if self.ignore_eos:
+                bad("ignore_eos", "cannot be combined with structured output (the output ends where its grammar does)")
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,7 @@ import msgpack
 
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.params import MAX_LOGPROBS, SamplingParams
+from loraserve.structured import MAX_GRAMMAR_BYTES
 
 
 class WireError(ValueError):
@@ -118,7 +119,15 @@ class TokenLogprob(NamedTuple):
 
 
 SamplingMap = Annotated[
-    dict[str, bool | int | float | Annotated[list[TokenId], Limit(max_len=1024)] | None],
+    dict[
+        str,
+        bool
+        | int
+        | float
+        | Annotated[list[TokenId], Limit(max_len=1024)]
+        | Annotated[str, Limit(max_len=MAX_GRAMMAR_BYTES)]
+        | None,
+    ],
     Keys(frozenset(f.name for f in dataclasses.fields(SamplingParams))),
 ]
 

@@ -73,6 +73,49 @@ _SHARED = {
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
 }
+_SCHEMA = st.one_of(
+    st.sampled_from(
+        [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"enum": ["x", "y"]},
+            {"type": "string", "maxLength": 3},
+            {"type": "nonsense"},
+            {"$ref": "#/nowhere"},
+            {},
+        ]
+    ),
+    _JSON,
+)
+_REGEX = st.one_of(st.sampled_from(["[a-z]{1,3}", "(ab|cd)", "[a-", "x*", "\\p{L}", "(?=a)"]), _TEXT)
+_GRAMMAR = st.one_of(st.sampled_from(['start: "a" | "b"', 'root ::= "x" [0-9]', "start: missing", ""]), _TEXT)
+_RESPONSE_FORMAT = st.one_of(
+    st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}, {"type": "xml"}]),
+    st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s, "strict": True}}, _SCHEMA),
+)
+# structured output (each kind, valid and not); the gateway refuses two at once
+_STRUCTURED = {
+    "response_format": _RESPONSE_FORMAT,
+    "guided_json": st.one_of(_SCHEMA, st.builds(json.dumps, _SCHEMA)),
+    "guided_regex": _REGEX,
+    "guided_choice": st.lists(st.one_of(_TEXT, _ODD_TEXT), max_size=3),
+    "guided_grammar": _GRAMMAR,
+    "guided_decoding_backend": st.sampled_from(["auto", "llguidance", "xgrammar"]),
+    "structured_outputs": st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "other"]), st.one_of(_SCHEMA, _REGEX), max_size=2
+    ),
+}
+_FUNCTION = st.fixed_dictionaries(
+    {"name": st.one_of(st.sampled_from(["get_weather", "lookup", "bad name!"]), _TEXT)},
+    optional={"description": _TEXT, "parameters": _SCHEMA, "strict": st.booleans()},
+)
+_TOOLS = {
+    "tools": st.lists(st.builds(lambda f: {"type": "function", "function": f}, _FUNCTION), max_size=3),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required", "other"]),
+        st.builds(lambda n: {"type": "function", "function": {"name": n}}, st.sampled_from(["get_weather", "x"])),
+    ),
+    "parallel_tool_calls": st.booleans(),
+}
 _OTHER = ["stream_options", "logit_bias", "unknown_field"]  # fields only mutations set
 _MODEL = st.sampled_from(["upper", "rot13", "title", BASE, BASE, "no-such-adapter"])
 
@@ -94,18 +137,26 @@ COMPLETIONS = _bodies(
         ),
         "max_tokens": st.integers(1, 4),
     },
-    _SHARED | {"logprobs": st.integers(0, 20), "echo": st.booleans()},
+    _SHARED | _STRUCTURED | {"logprobs": st.integers(0, 20), "echo": st.booleans()},
     ["best_of", "suffix"],
 )
 _CONTENT = st.one_of(_TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=3))
+_TOOL_CALL = st.builds(
+    lambda name, args: {"id": "call_1", "type": "function", "function": {"name": name, "arguments": args}},
+    _TEXT,
+    st.one_of(st.builds(json.dumps, _JSON), _TEXT),
+)
 _MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "assistant", "system"]), "content": _CONTENT}, optional={"name": _TEXT}
+    {"role": st.sampled_from(["user", "assistant", "system", "tool"]), "content": _CONTENT},
+    optional={"name": _TEXT, "tool_calls": st.lists(_TOOL_CALL, max_size=2), "tool_call_id": _TEXT},
 )
 CHAT = _bodies(
     {"model": _MODEL, "messages": st.lists(_MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)},
     _SHARED
+    | _STRUCTURED
+    | _TOOLS
     | {"max_completion_tokens": st.integers(1, 4), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)},
-    ["tools", "tool_choice", "response_format"],
+    [],
 )
 TOKENIZE = _bodies(
     {},
@@ -151,7 +202,13 @@ RAW = st.one_of(
 def stack():
     http_port = free_port_block(1)
     adapter_root = str(DEMO_MODEL_DIR.parent / "adapters")  # the demo adapters: loads can succeed
-    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{http_port}", adapter_root=adapter_root)
+    stack = LocalStack(
+        DEMO_MODEL_DIR,
+        workers=1,
+        http_bind=f"127.0.0.1:{http_port}",
+        adapter_root=adapter_root,
+        tool_call_parser="hermes",
+    )
     stack.http_port = http_port
     stack.start()
     stack.wait_workers(1)

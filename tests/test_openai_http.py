@@ -12,6 +12,7 @@ import http.client
 import importlib.metadata
 import io
 import json
+import re
 import signal
 import socket
 import ssl
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import grpc
+import jsonschema
 import openai
 import pytest
 import torch
@@ -63,6 +65,7 @@ def stack(tmp_path_factory, collector):
         http_bind=f"127.0.0.1:{http_port}",
         metrics_port=metrics_port,
         adapter_root=str(DEMO_ADAPTERS),  # /v1/load_lora_adapter reads below it
+        tool_call_parser="hermes",
     )
     stack.http_port, stack.metrics_port = http_port, metrics_port
     stack.start()
@@ -518,7 +521,7 @@ def test_every_accepted_parameter_takes_effect_or_is_refused(stack):
         ({"top_p": 0}, "top_p"),  # not read as 1 (the gRPC API's unset)
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_p": 5}, "min_p"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"top_k": -2}, "top_k"),
         ({"logprobs": 2, "n": 2}, "n"),
     ):
@@ -704,3 +707,308 @@ def test_langchain_openai_batches_and_reads_logprobs(stack):
     assert reply.content == expected[0]
     content = reply.response_metadata["logprobs"]["content"]
     assert len(content) == reply.usage_metadata["output_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["calm", "stormy"]},
+    },
+    "required": ["name", "age", "mood"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_through_grpc_and_http_is_one_constraint(stack):
+    """Each kind over gRPC; each HTTP spelling gives the gRPC answer (greedy), whole and streamed."""
+    kinds = {
+        "json_schema": (
+            common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+            lambda t: jsonschema.validate(json.loads(t), SCHEMA),
+        ),
+        "regex": (
+            common_pb2.StructuredOutput(regex=r"[a-z]{2,5}( [a-z]{2,5}){1,3}\."),
+            lambda t: re.fullmatch(r"[a-z]{2,5}( [a-z]{2,5}){1,3}\.", t) or pytest.fail(t),
+        ),
+        "choice": (
+            common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=["calm", "stormy"])),
+            lambda t: t in ("calm", "stormy") or pytest.fail(t),
+        ),
+        "grammar": (
+            common_pb2.StructuredOutput(grammar='start: "n=" /[1-9][0-9]?/'),
+            lambda t: re.fullmatch("n=[1-9][0-9]?", t) or pytest.fail(t),
+        ),
+    }
+    grpc_texts = {}
+    for kind, (constraint, valid) in kinds.items():
+        for adapter in ("", "upper", "reverse"):
+            reply = grpc_generate(
+                stack,
+                adapter,
+                text=PROMPT,
+                max_new_tokens=80,
+                sampling=common_pb2.SamplingParameters(structured_output=constraint),
+            )
+            assert reply.finish_reason == common_pb2.FINISH_REASON_STOP, (kind, adapter, reply.text)
+            valid(reply.text)
+            grpc_texts[kind, adapter] = reply.text
+
+    c = client(stack)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    chat = c.chat.completions.create(
+        model="upper",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=80,
+        temperature=0,
+        response_format=schema_format,
+    )
+    assert chat.choices[0].message.content == grpc_texts["json_schema", "upper"]
+    spellings = {
+        "json_schema": [
+            {"guided_json": SCHEMA},
+            {"guided_json": json.dumps(SCHEMA)},
+            {"structured_outputs": {"json": SCHEMA}},
+            {"response_format": schema_format},
+        ],
+        "regex": [
+            {"guided_regex": kinds["regex"][0].regex},
+            {"structured_outputs": {"regex": kinds["regex"][0].regex}},
+        ],
+        "choice": [{"guided_choice": ["calm", "stormy"]}, {"structured_outputs": {"choice": ["calm", "stormy"]}}],
+        "grammar": [{"guided_grammar": kinds["grammar"][0].grammar}],
+    }
+    for kind, bodies in spellings.items():
+        for extra in bodies:
+            whole = c.completions.create(model="reverse", prompt=PROMPT, max_tokens=80, temperature=0, extra_body=extra)
+            assert whole.choices[0].text == grpc_texts[kind, "reverse"], (kind, extra)
+            streamed = c.completions.create(
+                model="reverse", prompt=PROMPT, max_tokens=80, temperature=0, stream=True, extra_body=extra
+            )
+            assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == grpc_texts[kind, "reverse"]
+
+    sampled = {
+        c.completions.create(
+            model="upper", prompt=PROMPT, max_tokens=80, temperature=1.0, seed=s, extra_body={"guided_json": SCHEMA}
+        )
+        .choices[0]
+        .text
+        for s in range(4)
+    }
+    for text in sampled:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(sampled) > 1
+
+
+def test_structured_output_refusals_name_the_parameter(stack):
+    base = {"model": "upper", "prompt": PROMPT, "max_tokens": 8}
+    for extra, param, words in (
+        ({"guided_json": {"type": "nonsense"}}, "guided_json", "nonsense"),
+        ({"guided_regex": "[a-"}, "guided_regex", "unclosed character class"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}},
+                }
+            },
+            "response_format",
+            "",
+        ),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "conflicts"),
+        ({"guided_choice": []}, "guided_choice", "non-empty"),
+        ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos", "structured output"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "llguidance"),
+    ):
+        response = post(stack, "/v1/completions", base | extra)
+        error = json.loads(response.read())["error"]
+        assert (response.status, error["param"]) == (400, param), (extra, error)
+        assert words in error["message"], error
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_generate(
+            stack,
+            "upper",
+            text=PROMPT,
+            sampling=common_pb2.SamplingParameters(structured_output=common_pb2.StructuredOutput(regex="(")),
+        )
+    assert (
+        e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.structured_output.regex" in e.value.details()
+    )
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _check_call(call, tools=(WEATHER, TIME)) -> None:
+    function = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), function["parameters"])
+    assert call.type == "function" and re.fullmatch("call_[0-9a-f]{24}", call.id)
+
+
+def test_tool_choice_named_and_required_answer_valid_calls(stack):
+    c = client(stack)
+    messages = [{"role": "user", "content": PROMPT}]
+    named = c.chat.completions.create(
+        model="upper",
+        messages=messages,
+        max_tokens=80,
+        temperature=0,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = named.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    assert [call.function.name for call in choice.message.tool_calls] == ["get_weather"]
+    _check_call(choice.message.tool_calls[0])
+
+    # one call at most, or as many as the model writes (the demo model may go on listing calls until
+    # max_tokens: such an answer ends "length", its text given as content, no call guessed from it)
+    ended = []
+    for parallel, seed in [(False, s) for s in range(3)] + [(True, s) for s in range(6)]:
+        required = c.chat.completions.create(
+            model="upper",
+            messages=messages,
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+        )
+        choice = required.choices[0]
+        if choice.finish_reason == "length":
+            assert parallel and choice.message.tool_calls is None and choice.message.content.startswith("[")
+            continue
+        assert choice.finish_reason == "tool_calls", choice
+        assert 1 <= len(choice.message.tool_calls) <= (200 if parallel else 1)
+        for call in choice.message.tool_calls:
+            _check_call(call)
+        ended.append((parallel, len(choice.message.tool_calls)))
+    assert any(parallel for parallel, _ in ended), ended
+
+    streamed = c.chat.completions.create(
+        model="upper",
+        messages=messages,
+        max_tokens=80,
+        temperature=0,
+        tools=[WEATHER, TIME],
+        stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    chunks = list(streamed)
+    calls = [tc for chunk in chunks for tc in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in calls] == [
+        (0, "get_weather", named.choices[0].message.tool_calls[0].function.arguments)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # a conversation that carries an earlier call and the tool's answer is taken
+    history = [
+        *messages,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+    ]
+    auto = c.chat.completions.create(model="upper", messages=history, max_tokens=8, temperature=0, tools=[WEATHER])
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content  # the demo model writes text
+
+
+def test_tool_refusals_name_the_parameter(stack):
+    base = {"model": "upper", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}
+    for extra, param in (
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+        ),
+    ):
+        response = post(stack, "/v1/chat/completions", base | extra)
+        error = json.loads(response.read())["error"]
+        assert (response.status, error["param"]) == (400, param), (extra, error)
+
+
+def test_langchain_structured_output_in_every_method_and_bound_tools(stack):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Person(BaseModel):
+        """A person in the story."""
+
+        model_config = ConfigDict(extra="forbid")  # additionalProperties: false, as strict schemas have
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=120)
+
+    common = {"base_url": f"http://127.0.0.1:{stack.http_port}/v1", "api_key": KEYS["a"], "max_retries": 0}
+    chat = ChatOpenAI(model="upper", temperature=0, max_tokens=80, **common)
+    for method in ("json_schema", "function_calling"):
+        person = chat.with_structured_output(Person, method=method).invoke(PROMPT)
+        assert isinstance(person, Person), method
+    loose = chat.with_structured_output(None, method="json_mode", include_raw=True).invoke(PROMPT)
+    raw = loose["raw"].content
+    assert raw.startswith("{") and (
+        loose["parsed"] == json.loads(raw) or loose["raw"].response_metadata["finish_reason"] == "length"
+    )
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+
+        model_config = ConfigDict(extra="forbid")
+        city: str = Field(max_length=12)
+
+    @tool
+    def get_time(zone: int) -> str:
+        """The time in a zone."""
+        return "noon"
+
+    for tools, choice in (([GetWeather], "any"), ([GetWeather, get_time], "GetWeather"), ([get_time], "get_time")):
+        # strict: closed schemas (additionalProperties: false), so the arguments end
+        bound = chat.bind_tools(tools, tool_choice=choice, parallel_tool_calls=False, strict=True)
+        reply = bound.invoke(PROMPT)
+        name = choice if choice != "any" else "GetWeather"
+        assert [call["name"] for call in reply.tool_calls][:1] == [name], (choice, reply)
+        assert isinstance(reply.tool_calls[0]["args"]["zone" if name == "get_time" else "city"], int | str)

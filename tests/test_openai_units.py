@@ -19,6 +19,7 @@ from loraserve.gateway.http.errors import HTTP_STATUS, HttpError, http_error
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.responses import Answers, Final, Piece
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.gateway.http.structured import compiled, requested_constraint
 from loraserve.gateway.quotas import QuotaExceededError
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import common_pb2
@@ -156,10 +157,10 @@ def test_unsupported_parameters_are_named():
     assert refused(CompletionRequest, echo=True, logprobs=3, **prompt) is None
     assert refused(CompletionRequest, best_of=3, **prompt)[0] == "best_of"
     assert refused(CompletionRequest, stream_options={"include_usage": True}, **prompt)[0] == "stream_options"
-    assert refused(ChatCompletionRequest, tools=[{"type": "function"}], **chat)[0] == "tools"
+    assert refused(ChatCompletionRequest, tools=[{"type": "function", "function": {"name": "f"}}], **chat) is None
     assert refused(ChatCompletionRequest, logprobs=True, top_logprobs=2, **chat) is None
     assert refused(ChatCompletionRequest, top_logprobs=2, **chat)[0] == "top_logprobs"  # needs logprobs: true
-    assert refused(ChatCompletionRequest, response_format={"type": "json_object"}, **chat)[0] == "response_format"
+    assert refused(ChatCompletionRequest, response_format={"type": "json_object"}, **chat) is None
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert refused(ChatCompletionRequest, messages=image)[0] == "messages[0].content"
     parts = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}])
@@ -307,3 +308,124 @@ def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
 
     disconnected, cancelled = asyncio.run(scenario())
     assert disconnected and cancelled
+
+
+def test_each_spelling_of_structured_output_is_one_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spellings = {
+        "response_format": (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            "json_schema",
+            schema,
+        ),
+        "json_object": ({"response_format": {"type": "json_object"}}, "json_object", True),
+        "guided_json": ({"guided_json": json.dumps(schema)}, "json_schema", json.dumps(schema)),
+        "guided_regex": ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+        "guided_choice": ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+        "guided_grammar": ({"guided_grammar": 'start: "x"'}, "grammar", 'start: "x"'),
+        "structured_outputs": ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+    }
+    for name, (fields, kind, value) in spellings.items():
+        body = CompletionRequest(model="m", prompt="p", **fields)
+        found = requested_constraint(body.constraint_fields())
+        assert found is not None and found[:2] == (kind, value), name
+        assert compiled(found)  # each compiles to an llguidance grammar
+    assert (
+        requested_constraint(
+            CompletionRequest(model="m", prompt="p", response_format={"type": "text"}).constraint_fields()
+        )
+        is None
+    )
+    for fields, param in (
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),  # two constraints
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            requested_constraint(CompletionRequest(model="m", prompt="p", **fields).constraint_fields())
+        assert e.value.field == param, fields
+    with pytest.raises(InvalidRequestError) as e:
+        compiled(("regex", "[a-", "guided_regex"))
+    assert e.value.field == "guided_regex" and "unclosed character class" in str(e.value)
+
+
+def _tools(*names: str):
+    from loraserve.gateway.http.schemas import Tool
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    return [Tool(type="function", function={"name": n, "parameters": schema}) for n in names]
+
+
+def test_tool_choice_modes_and_their_answers():
+    from loraserve.gateway.http.schemas import NamedToolChoice
+    from loraserve.gateway.http.tool_calling import tool_choice
+    from loraserve.gateway.tool_parsers import ToolCall, parser_named
+
+    hermes = parser_named("hermes")
+    assert tool_choice(None, None, None, hermes) is None  # no tools: text
+    assert tool_choice(_tools("f"), "none", None, hermes) is None
+    with pytest.raises(InvalidRequestError, match="--tool-call-parser"):
+        tool_choice(_tools("f"), "auto", None, None)
+    with pytest.raises(InvalidRequestError, match="needs tools"):
+        tool_choice(None, "required", None, hermes)
+    with pytest.raises(InvalidRequestError, match="same name"):
+        tool_choice(_tools("f", "f"), "required", None, hermes)
+    named = NamedToolChoice(type="function", function={"name": "g"})
+    with pytest.raises(InvalidRequestError, match="not among the tools"):
+        tool_choice(_tools("f"), named, None, hermes)
+
+    auto = tool_choice(_tools("f", "g"), None, None, hermes)  # auto is the default with tools
+    assert auto.mode == "auto" and auto.constraint() is None
+    text = "sure. " + hermes.format_call(ToolCall("f", '{"x": 1}')) + hermes.format_call(ToolCall("g", '{"x": 2}'))
+    answers = Answers("id", "m", chat=True, tools=auto)
+    choice = answers.whole([(Piece(text), Final("stop", 3, 9))])["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "sure."
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
+    ] == [
+        ("f", {"x": 1}),
+        ("g", {"x": 2}),
+    ]
+    single = tool_choice(_tools("f", "g"), "auto", False, hermes)  # parallel_tool_calls: false keeps the first
+    assert len(single.parse(text).tool_calls) == 1
+    plain = answers.whole([(Piece("just text"), Final("stop", 3, 2))])["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": "just text"}
+
+    required = tool_choice(_tools("f", "g"), "required", False, hermes)
+    kind, schema, param = required.constraint()
+    assert (kind, param, schema["minItems"], schema["maxItems"]) == ("json_schema", "tool_choice", 1, 1)
+    parsed = required.parse('[{"name":"g","parameters":{"x":5}}]')
+    assert parsed.tool_calls == [ToolCall("g", '{"x": 5}')] and required.finish_reason(parsed, "stop") == "tool_calls"
+    cut = required.parse('[{"name":"g","param')  # cut by max_tokens: content, no guessed call
+    assert cut.tool_calls == [] and required.finish_reason(cut, "length") == "length"
+
+    function = tool_choice(_tools("f", "g"), NamedToolChoice(type="function", function={"name": "f"}), None, None)
+    assert function.constraint()[1]["required"] == ["x"]
+    parsed = function.parse('{"x":3}')
+    assert parsed.tool_calls == [ToolCall("f", '{"x": 3}')] and function.finish_reason(parsed, "stop") == "stop"
+    chunks = Answers("id", "m", chat=True, tools=function).settled(Piece('{"x":3}'), Final("stop", 3, 4))
+    call = chunks[0]["choices"][0]["delta"]["tool_calls"][0]
+    assert (call["index"], call["function"]) == (0, {"name": "f", "arguments": '{"x": 3}'})
+    assert chunks[1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_past_tool_calls_reach_the_template_with_object_arguments():
+    body = ChatCompletionRequest(
+        model="m",
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "2"},
+        ],
+    )
+    turns = body.conversation()
+    assert turns[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1} and turns[1]["content"] == ""
+    assert turns[2] == {"role": "tool", "content": "2", "tool_call_id": "c"}
+    template = ChatTemplate("{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[-1].content }}")
+    assert template.render(turns, [{"type": "function", "function": {"name": "f"}}]) == "f;2"

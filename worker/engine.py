@@ -41,6 +41,7 @@ from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes, load_adapter_dir
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.grammar import GrammarMatchers
 from loraserve.worker.model import load_model
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.request import FinishReason, Request
@@ -128,6 +129,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        self.grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size)  # structured output
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device, self.model_config.torch_dtype)
         self.model = load_model(model_dir, self.model_config, self.device, self.dtype)
@@ -321,8 +323,9 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self._check_prompt(prompt_ids + output_ids, sampling, len(output_ids))
         key = self._resolve(adapter)
+        guide = self.grammars.matcher(sampling.grammar, output_ids) if sampling.grammar is not None else None
         seed = sampling.seed if sampling.seed is not None else next(self._seeds)
-        request = Request(request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed)
+        request = Request(request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed, guide=guide)
         if sampling.prompt_logprobs is not None and not output_ids:  # a continued request reported them
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         if key is not None:
@@ -442,20 +445,30 @@ class Engine:
             request.first_token = request.first_token or now
             logprobs = [output.logprobs[request.request_id]] if request.request_id in output.logprobs else []
             request.logprobs += logprobs
-            reason = self._stop_reason(request, token)
+            error = self._advance_guide(request, token)
+            reason = FinishReason.ERROR if error else self._stop_reason(request, token)
             if reason is None:
                 step_output = StepOutput(request.request_id, [token], False)
             else:
-                step_output = self._finish(request.request_id, reason, None, [token])
+                step_output = self._finish(request.request_id, reason, error, [token], status="INTERNAL")
             step_output.logprobs = logprobs
             if first and request.prompt_logprobs is not None:
                 step_output.prompt_logprobs = list(request.prompt_logprobs)
             outputs.append(step_output)
         return outputs
 
+    @staticmethod
+    def _advance_guide(request: Request, token: int) -> str | None:
+        """Move a guided request's grammar past its new token; the error if the grammar broke down."""
+        if request.guide is None or request.guide.consume_token(token):
+            return None
+        return f"structured output: the grammar matcher failed: {request.guide.get_error()}"
+
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         s = request.sampling
         if (token in self.tokenizer.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            return FinishReason.STOP
+        if request.guide is not None and request.guide.is_stopped():  # the grammar is complete
             return FinishReason.STOP
         if len(request.output_ids) >= s.max_new_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
@@ -526,3 +539,4 @@ class Engine:
 
     def close(self) -> None:
         self.pool.close()
+        self.runner.masks.close()

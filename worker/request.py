@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraserve.wire import AdapterKey, TokenLogprob  # (name, version): requests keep the version they started with
 from loraserve.worker.sampling import SamplingParams
@@ -50,6 +51,7 @@ class Request:
     # an earlier attempt that reported them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    guide: Any = None  # with sampling.grammar: its llguidance matcher, at the end of output_ids (`worker/grammar.py`)
 
     @property
     def num_tokens(self) -> int:

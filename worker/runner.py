@@ -29,10 +29,11 @@ from loraserve.model_config import LORA_MODULES, ModelConfig
 from loraserve.wire import TokenLogprob
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.decode_graphs import DecodeGraphs
+from loraserve.worker.grammar import MaskComputer, unpack
 from loraserve.worker.logprobs import logprobs_from_logits, score_rows
 from loraserve.worker.model import CausalLM, ForwardBatch
 from loraserve.worker.pool_layout import PoolLayout
-from loraserve.worker.sampling import sample
+from loraserve.worker.sampling import TokenMask, sample
 from loraserve.worker.step_scheduler import SeqChunk
 
 
@@ -128,6 +129,7 @@ class ModelRunner:
         dtype = pool_tensor.dtype
         self._prepare = ReusePrepared(lambda plan: backend.prepare_lora(plan, dtype))
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        self.masks = MaskComputer(model.config.vocab_size)  # structured output's, during the forward pass
         self.host_seconds = 0.0  # cumulative: building each step's metadata and plan, before its forward pass
 
     @torch.inference_mode()
@@ -146,22 +148,28 @@ class ModelRunner:
         )
         step = self._stage(batch, graphed)
         self.host_seconds += time.perf_counter() - started
+        sampling = [c for c in batch if c.sample is not None]
+        guided = [i for i, c in enumerate(sampling) if c.sample.guide is not None]
+        masks = self.masks.start([sampling[i].sample.guide for i in guided]) if guided else None
         if graphed:
             hidden = self.graphs.run(len(batch))
         else:
             forward = ForwardBatch(step.positions, step.attention, step.lora, self.pool_tensor, self.backend)
             hidden = self.model(step.input_ids, forward)
         prompt_logprobs = self._score_prompts(batch, step, hidden)
-        sampling = [c for c in batch if c.sample is not None]
         if not sampling:
             return RunnerOutput({}, prompt_logprobs=prompt_logprobs)
         logits = self.model.logits(hidden[step.last])
         specs = [c.sample for c in sampling]
+        mask = None
+        if masks is not None:
+            mask = TokenMask(guided, unpack(self.masks.wait(masks), logits.shape[1], logits.device))
         tokens = sample(
             logits,
             [s.params for s in specs],
             [s.seed for s in specs],
             [(s.prompt_ids, s.output_ids) for s in specs],
+            mask,
         )
         rows = [i for i, s in enumerate(specs) if s.params.logprobs is not None and tokens[i] is not None]
         entries = (

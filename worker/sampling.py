@@ -6,6 +6,10 @@ frequency penalties as in OpenAI's API (subtracted, counting output tokens only)
 (temperature 0) or temperature → top-k → top-p → min-p → a draw. Min-p (as vLLM) drops the tokens
 whose probability is below min_p times the most likely token's.
 
+A guided row (structured output, `worker/grammar.py`) comes with the tokens its grammar allows
+(`TokenMask`): the others get -inf after the penalties, before greedy or the draw, so both choose
+among allowed tokens only.
+
 Each draw is keyed by (the request's seed, the position of the token drawn): its random number
 comes from a generator seeded with a mix of the two, not from a stream the request carries. So
 the same seed gives the same tokens whatever else shares the batch, and a request continued
@@ -15,12 +19,21 @@ elsewhere from a prefix of its output (a failover, a preemption) draws exactly w
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from loraserve.params import SamplingParams
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "TokenMask", "sample"]
+
+
+@dataclass(frozen=True)
+class TokenMask:
+    """The tokens allowed at some rows: allowed[i] (bool [vocab]) is row rows[i]'s."""
+
+    rows: list[int]
+    allowed: torch.Tensor
 
 
 def _apply_penalties(
@@ -73,9 +86,10 @@ def sample(
     params: list[SamplingParams],
     seeds: list[int],
     history: list[tuple[list[int], list[int]]],
+    mask: TokenMask | None = None,
 ) -> list[int | None]:
     """One token per row; None for a row whose numbers broke down, which raises nothing, so the
-    other rows are sampled as if it were not there.
+    other rows are sampled as if it were not there. `mask`: the tokens guided rows may take.
 
     A row breaks down when its logits are not all finite (NaN or ±inf: e.g. under a corrupt
     adapter) or when its probabilities are not a distribution (finite logits so large that
@@ -87,10 +101,16 @@ def sample(
     ids so far), whose total length is the position of the token drawn.
     """
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    if penalized:
+    if penalized or mask is not None:
         logits = logits.clone()
+    if penalized:
         _apply_penalties(logits, penalized, params, history)
-    finite = torch.isfinite(logits).all(-1).tolist()
+    finite = torch.isfinite(logits).all(-1)
+    if mask is not None:
+        rows = torch.tensor(mask.rows, device=logits.device)
+        logits[rows] = logits[rows].masked_fill(~mask.allowed, -math.inf)
+        finite[rows] &= mask.allowed.any(-1)  # a grammar that allows nothing: no token can be chosen
+    finite = finite.tolist()
     tokens: list[int | None] = logits.argmax(-1).tolist()
     for row, p in enumerate(params):
         if not finite[row]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraserve.wire import AdapterKey
 from loraserve.worker.request import FinishReason, Request, Status
@@ -39,6 +40,9 @@ class SampleSpec:
     seed: int
     prompt_ids: list[int]
     output_ids: list[int]
+    # Structured output: the request's grammar matcher (`worker/grammar.py`), which the runner only
+    # reads (the step's mask); the engine's update advances it.
+    guide: Any = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ class StepScheduler:
         start = request.num_computed
         sample = None
         if start + n == request.num_tokens:
-            sample = SampleSpec(request.sampling, request.seed, request.prompt_ids, request.output_ids)
+            sample = SampleSpec(request.sampling, request.seed, request.prompt_ids, request.output_ids, request.guide)
         adapter = self.pool.slot(request.adapter) if request.adapter is not None else None
         kv_pages = self.pool.kv_page_table(request.request_id)
         tokens = request.token_ids(start, start + n)

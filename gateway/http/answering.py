@@ -71,10 +71,17 @@ async def _events(firsts: list[Piece | Final], generations: list[Generation], an
             yield sse(opening)
         finals: list[Final] = []
         started: set[int] = set()  # the prompts whose first piece was sent
+        held: dict[int, list[Piece]] = {}  # a buffered answer's pieces, per prompt
         async for index, item in _merged(firsts, generations):
             if isinstance(item, Final):
                 finals.append(item)
-                yield sse(answers.closing(item, index))
+                if answers.buffered:
+                    for chunk in answers.settled(Piece.joined(held.pop(index, [])), item, index):
+                        yield sse(chunk)
+                else:
+                    yield sse(answers.closing(item, index))
+            elif answers.buffered:
+                held.setdefault(index, []).append(item)
             else:
                 yield sse(answers.piece(item, index, first=index not in started))
                 started.add(index)

@@ -34,18 +34,26 @@ from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.responses import Answers
 from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
+from loraserve.gateway.http.structured import compiled, requested_constraint
+from loraserve.gateway.http.tool_calling import tool_choice
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.service import LoraServeService
 from loraserve.gateway.tenants import Scope
+from loraserve.gateway.tool_parsers import ToolCallParser
 from loraserve.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 
 
-def build_app(service: LoraServeService, chat_template: ChatTemplate | None, started_unix: int) -> FastAPI:
+def build_app(
+    service: LoraServeService,
+    chat_template: ChatTemplate | None,
+    started_unix: int,
+    tool_parser: ToolCallParser | None = None,
+) -> FastAPI:
     """The ASGI app serving `service` over HTTP (no docs pages: the API is OpenAI's). A body without a
-    Content-Type is read as JSON too."""
-    routes = OpenAiRoutes(service, chat_template, started_unix)
+    Content-Type is read as JSON too. `tool_parser`: how the model writes tool calls (`tool_choice: auto`)."""
+    routes = OpenAiRoutes(service, chat_template, started_unix, tool_parser)
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None, strict_content_type=False)
     app.state.routes = routes
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
@@ -83,8 +91,15 @@ Caller = Annotated[Principal, Depends(_caller)]  # every route's: the principal 
 
 
 class OpenAiRoutes:
-    def __init__(self, service: LoraServeService, chat_template: ChatTemplate | None, started_unix: int):
+    def __init__(
+        self,
+        service: LoraServeService,
+        chat_template: ChatTemplate | None,
+        started_unix: int,
+        tool_parser: ToolCallParser | None = None,
+    ):
         self.service, self.chat_template, self.started_unix = service, chat_template, started_unix
+        self.tool_parser = tool_parser
         self.base_model = service.config.model_name
 
     def caller(self, request: Request) -> Principal:
@@ -140,9 +155,14 @@ class OpenAiRoutes:
                 f"model {self.base_model!r} has no chat template (no chat_template in its tokenizer_config.json): "
                 "use /v1/completions with a prompt",
             )
-        generate = self._generate_request(body)
         try:
-            text = self.chat_template.render(body.conversation())
+            tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
+        except LoraserveError as e:
+            raise http_error(e) from None
+        generate = self._generate_request(body, None if tools is None else tools.constraint())
+        try:
+            listed = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
+            text = self.chat_template.render(body.conversation(), listed)
             if len(text.encode()) > self.service.limits.max_prompt_bytes:
                 raise InvalidRequestError("messages", f"are longer than {self.service.limits.max_prompt_bytes} bytes")
         except LoraserveError as e:
@@ -157,19 +177,36 @@ class OpenAiRoutes:
             chat=True,
             include_usage=body.include_usage,
             logprobs=self._logprob_format(bool(body.logprobs), chat=True),
+            tools=tools,
         )
         return await answer(self.service, [generate], answers, request, bool(body.stream), "messages")
 
     def _logprob_format(self, asked: bool, chat: bool) -> LogprobFormat | None:
         return LogprobFormat(self.service.tokenizer, chat) if asked else None
 
-    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> gateway_pb2.GenerateRequest:
+    def _generate_request(
+        self, body: CompletionRequest | ChatCompletionRequest, tool_constraint: tuple[str, Any, str] | None = None
+    ) -> gateway_pb2.GenerateRequest:
+        """The request's GenerateRequest (no prompt yet). `tool_constraint`: the structured output its tool
+        choice needs, which the body may not ask for a constraint of its own beside."""
         refused = body.unsupported()
         if refused is not None:
             raise bad_request(*refused)
+        sampling = common_pb2.SamplingParameters(**body.sampling())
+        try:
+            constraint = requested_constraint(body.constraint_fields())
+            if constraint is not None and tool_constraint is not None:
+                raise InvalidRequestError(
+                    constraint[2], "cannot be combined with tool_choice 'required' or a named function"
+                )
+            constraint = constraint or tool_constraint
+            if constraint is not None:
+                sampling.structured_output.llguidance = compiled(constraint)
+        except LoraserveError as e:
+            raise http_error(e) from None
         return gateway_pb2.GenerateRequest(
             adapter="" if body.model == self.base_model else body.model,
-            sampling=common_pb2.SamplingParameters(**body.sampling()),
+            sampling=sampling,
             max_new_tokens=body.new_tokens,
             stop=body.stops,
             stop_token_ids=body.stop_token_ids or [],

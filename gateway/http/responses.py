@@ -7,6 +7,10 @@ carries `"usage": null`), and finally `data: [DONE]`. A failure after the stream
 event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts interleaves
 their chunks, each choice carrying its prompt's `index`, and its usage is their sum.
 
+A chat answer with tools in use (`tool_calling.py`) carries its tool calls in the message; streamed,
+its text is held back and sent whole after the role chunk, with the calls (each with its `index`),
+because a call can only be parsed from the whole text.
+
 With log-probabilities asked for, each choice (whole or chunk) carries those of its tokens
 (`logprobs.py`); with `echo`, a completion's text (its first chunk's, in a stream) begins with the
 prompt, and its log-probabilities with the prompt's.
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.gateway.http.logprobs import LogprobFormat
+from loraserve.gateway.http.tool_calling import ToolChoice, tool_calls_json
 from loraserve.v1 import common_pb2
 
 DONE = b"data: [DONE]\n\n"
@@ -81,6 +86,12 @@ class Answers:
     created: int = field(default_factory=lambda: int(time.time()))
     logprobs: LogprobFormat | None = None  # None: not asked for
     echo: Sequence[str] | None = None  # completions with echo: each prompt's text
+    tools: ToolChoice | None = None  # chat with tools in use: the text is parsed into tool calls
+
+    @property
+    def buffered(self) -> bool:
+        """A stream whose text is only sent whole, in its closing chunks (tool calls are parsed from all of it)."""
+        return self.tools is not None
 
     def whole(self, results: list[tuple[Piece, Final]]) -> dict[str, Any]:
         """The non-streaming answer to one or several prompts: choice i is prompt i's (its text and how
@@ -89,8 +100,11 @@ class Answers:
         for index, (piece, final) in enumerate(results):
             text = self._echo(index) + piece.text
             message = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            reason = final.finish_reason
+            if self.tools is not None:
+                message["message"], reason = self._with_tool_calls(text, reason)
             logprobs = self._logprobs(piece, index, True)
-            choices.append({"index": index, **message, "logprobs": logprobs, "finish_reason": final.finish_reason})
+            choices.append({"index": index, **message, "logprobs": logprobs, "finish_reason": reason})
         usage = Final.summed([final for _, final in results]).usage()
         return self._object(self.chat and "chat.completion", choices) | {"usage": usage}
 
@@ -107,6 +121,25 @@ class Answers:
 
     def closing(self, final: Final, index: int = 0) -> dict[str, Any]:
         return self._chunk({} if self.chat else "", final.finish_reason, index)
+
+    def settled(self, piece: Piece, final: Final, index: int = 0) -> list[dict[str, Any]]:
+        """A buffered stream's last chunks: its whole text as content and tool calls (each call with its
+        `index`), then the finish reason."""
+        message, reason = self._with_tool_calls(piece.text, final.finish_reason)
+        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+        for i, call in enumerate(delta.get("tool_calls", ())):
+            call["index"] = i
+        chunk = self._chunk(delta, None, index)
+        chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, True)
+        return [chunk, self._chunk({}, reason, index)]
+
+    def _with_tool_calls(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
+        """The assistant message of `text` with its tool calls parsed out, and the finish reason."""
+        parsed = self.tools.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = tool_calls_json(parsed.tool_calls)
+        return message, self.tools.finish_reason(parsed, reason)
 
     def usage(self, final: Final) -> dict[str, Any]:
         """The include_usage chunk: no choices, the usage."""

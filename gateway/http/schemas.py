@@ -3,7 +3,9 @@
 Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter);
 what the values mean (temperature ranges, context length, stop limits, adapter names) is checked by
 the same validation the gRPC API runs (`gateway/validation.py`), once the body is a GenerateRequest.
-Fields OpenAI defines that loraserve does not serve (`tools`, `n` > 1, ...) are accepted only at
+Structured output's fields (`response_format`, vLLM's `guided_*` and `structured_outputs`) are read by
+`structured.py`. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `tool_calling.py`.
+Fields OpenAI defines that loraserve does not serve (`n` > 1, ...) are accepted only at
 their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
 OpenAI-compatible servers do, except vLLM's extensions loraserve does not implement
 (`REFUSED_EXTENSIONS`), which are refused. `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
@@ -15,7 +17,8 @@ spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a b
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -94,11 +97,6 @@ class StreamOptions(BaseModel):
 REFUSED_EXTENSIONS = (
     "min_tokens",
     "spaces_between_special_tokens",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
     "guided_whitespace_pattern",
     "use_beam_search",
     "length_penalty",
@@ -106,6 +104,17 @@ REFUSED_EXTENSIONS = (
     "allowed_token_ids",
     "prompt_logprobs",
     "truncate_prompt_tokens",
+)
+
+
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "structured_outputs",
 )
 
 
@@ -134,6 +143,14 @@ class _Generation(_Body):
     min_p: float | None = None  # extension: drop tokens less likely than min_p times the most likely one
     include_stop_str_in_output: bool | None = None  # extension: keep the stop sequence at the text's end
     skip_special_tokens: bool | None = None  # extension: false keeps special tokens' text in the text
+    # Structured output (`structured.py`): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def stops(self) -> list[str]:
@@ -167,6 +184,10 @@ class _Generation(_Body):
     def logprob_fields(self) -> dict[str, int]:
         """The SamplingParameters log-probability fields this request asks for."""
         return {}
+
+    def constraint_fields(self) -> dict[str, Any]:
+        """The fields that may ask for structured output (`structured.requested_constraint` reads them)."""
+        return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter set to something loraserve does not do; else None."""
@@ -221,12 +242,43 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none: no arguments
+    strict: bool | None = None  # the arguments are always held to `parameters` when the output is constrained
+
+    def schema(self) -> dict[str, Any]:
+        """The arguments' schema (no parameters: an empty object)."""
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
 
     def text(self) -> str | None:
         """The message's text (text parts joined); None if a part is not text."""
@@ -244,9 +296,9 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -258,12 +310,6 @@ class ChatCompletionRequest(_Generation):
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "needs logprobs: true"
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool calling is not supported"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format", "only {'type': 'text'} is supported"
         for i, message in enumerate(self.messages):
             if message.text() is None:
                 return f"messages[{i}].content", "only text content parts are supported"
@@ -274,14 +320,30 @@ class ChatCompletionRequest(_Generation):
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as a chat template takes them: role, content text (and name, when given)."""
+    """The messages as a chat template takes them: role, content text (and name, tool calls and the
+    call a tool answers, when given; a call's arguments as an object, as transformers' templates read them)."""
     out = []
     for message in messages:
         entry: dict[str, Any] = {"role": message.role, "content": message.text() or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls is not None:
+            entry["tool_calls"] = [_template_call(c) for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return call | {"function": function | {"arguments": arguments}}
 
 
 class TokenizeRequest(_Body):

@@ -26,6 +26,7 @@ from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http.app import build_app
 from loraserve.gateway.http.connections import ConnectionLimits, ensure_descriptors, guarded_protocol
 from loraserve.gateway.service import LoraServeService
+from loraserve.gateway.tool_parsers import ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +74,14 @@ class HttpServer:
         tls_key: Path | None = None,
         tls_client_ca: Path | None = None,
         limits: ConnectionLimits | None = None,
+        tool_parser: ToolCallParser | None = None,
     ):
         limits = limits or ConnectionLimits()
         ensure_descriptors(limits)
         chat_template = ChatTemplate.from_model_dir(model_dir)
         if chat_template is None:
             log.warning("gateway: %s has no chat template: /v1/chat/completions answers 400", model_dir)
-        app = build_app(service, chat_template, int(time.time()))
+        app = build_app(service, chat_template, int(time.time()), tool_parser)
         self.socket = listen(bind)
         self.port = self.socket.getsockname()[1]
         tls: dict = {}

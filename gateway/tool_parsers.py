@@ -1,0 +1,150 @@
+"""Tool calling for the OpenAI chat API: parse a model's generated text into `tool_calls`.
+
+Each model family writes tool calls its own way; `parser_named` picks the parser that the gateway's
+`--tool-call-parser NAME` flag names. Text that does not hold well-formed calls is returned whole as
+plain content, never as a partial guess. Pure functions over strings: no I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, serialized with json.dumps(..., ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None  # the text that is not a tool call; None when empty or whitespace only
+    tool_calls: list[ToolCall]  # empty: the text is plain content
+
+
+class ToolCallParser(Protocol):
+    name: str
+
+    def parse(self, text: str) -> ParsedOutput: ...
+
+    def format_call(self, call: ToolCall) -> str: ...
+
+
+_DECODER = json.JSONDecoder()
+_WHITESPACE = " \t\r\n"
+
+
+def call_id() -> str:
+    """A fresh id for one tool call of an OpenAI answer: "call_" and 24 hex digits."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _plain(text: str) -> ParsedOutput:
+    return ParsedOutput(content=text if text.strip() else None, tool_calls=[])
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _WHITESPACE:
+        pos += 1
+    return pos
+
+
+def _to_call(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
+    """The call a decoded JSON object describes, its arguments under the first of `keys` present; None if malformed."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[key] for key in keys if key in obj), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string holding the object
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+class HermesParser:
+    """Hermes 2/3 and Qwen 2.5: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more."""
+
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str) -> ParsedOutput:
+        pos = text.find(self.START)
+        if pos < 0:
+            return _plain(text)
+        before = text[:pos].strip()
+        calls: list[ToolCall] = []
+        while pos >= 0:
+            try:  # decode the JSON itself, so a "</tool_call>" inside a string value cannot cut it short
+                obj, end = _DECODER.raw_decode(text, _skip_space(text, pos + len(self.START)))
+            except ValueError:
+                return _plain(text)
+            call = _to_call(obj, ("arguments",))
+            end = _skip_space(text, end)
+            if call is None or not (text.startswith(self.END, end) or end == len(text)):  # unclosed only if cut
+                return _plain(text)
+            calls.append(call)
+            pos = text.find(self.START, end + len(self.END))
+        return ParsedOutput(content=before or None, tool_calls=calls)
+
+    def format_call(self, call: ToolCall) -> str:
+        body = json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}, ensure_ascii=False)
+        return f"{self.START}\n{body}\n{self.END}"
+
+
+class Llama3JsonParser:
+    """Llama 3.1/3.2 JSON tool calling: `{"name": ..., "parameters": {...}}`, several joined by `;`."""
+
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedOutput:
+        body = text.strip().removeprefix(self.PYTHON_TAG).lstrip()
+        if not body.startswith("{"):
+            return _plain(text)
+        calls: list[ToolCall] = []
+        pos = 0
+        while pos < len(body):
+            try:
+                obj, pos = _DECODER.raw_decode(body, pos)
+            except ValueError:
+                return _plain(text)
+            call = _to_call(obj, ("parameters", "arguments"))
+            if call is None:
+                return _plain(text)
+            calls.append(call)
+            pos = _skip_space(body, pos)
+            if pos < len(body):
+                if body[pos] != ";":
+                    return _plain(text)
+                pos = _skip_space(body, pos + 1)
+        return ParsedOutput(content=None, tool_calls=calls)
+
+    def format_call(self, call: ToolCall) -> str:
+        return json.dumps({"name": call.name, "parameters": json.loads(call.arguments)}, ensure_ascii=False)
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def parser_named(name: str) -> ToolCallParser:
+    """The parser the `--tool-call-parser` flag names; ValueError naming the known ones otherwise."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known parsers: {', '.join(sorted(PARSERS))}")
+    return PARSERS[name]()
+
+
+def add_tool_parser_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="how the model writes tool calls, for chat tool_choice 'auto' (hermes: Hermes/Qwen <tool_call> "
+        "tags; llama3_json: Llama 3.1+ JSON); unset: 'auto' is refused ('required' and named functions work)",
+    )

@@ -1,0 +1,100 @@
+"""Structured output in the worker: a grammar matcher per request, and the step's token masks.
+
+A request with `SamplingParams.grammar` gets an llguidance `LLMatcher` when it is added: the state
+of its output within the grammar. Each step that samples guided requests computes their masks (the
+tokens each grammar allows next) on a thread of its own while the forward pass runs — the matchers'
+state only changes in the engine's update, after the step — and the sampler keeps each guided row
+to its allowed tokens (`sampling.TokenMask`). The update then advances each matcher by its sampled
+token; a grammar that is complete ends its request.
+
+The masks are packed bits (llguidance's layout: 32 tokens per int32 word, token t at bit t % 32 of
+word t // 32), computed on the host for every guided row at once with llguidance's thread pool,
+then unpacked to booleans on the step's device.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import torch
+
+from loraserve.errors import InvalidRequestError
+from loraserve.tokenizer import Tokenizer
+
+
+class GrammarMatchers:
+    """Makes matchers for one model's tokenizer (its llguidance tokenizer is built on first use)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+
+    def matcher(self, grammar: str, generated: list[int]):
+        """A matcher for `grammar` that has consumed `generated` (a continued request's earlier tokens);
+        InvalidRequestError if the grammar is not valid or does not allow those tokens."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._tokenizer(), grammar)
+        if matcher.is_error():
+            raise InvalidRequestError("structured_output", f"is not a valid constraint: {matcher.get_error()}")
+        if generated and not matcher.consume_tokens(generated):
+            raise InvalidRequestError("output_ids", f"the grammar does not allow them: {matcher.get_error()}")
+        return matcher
+
+    def _tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                from llguidance import LLTokenizer
+
+                eos = list(self.tokenizer.eos_token_ids) or None
+                self._ll_tokenizer = LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=eos)
+            return self._ll_tokenizer
+
+
+class MaskComputer:
+    """Computes a step's masks in the background: `start` before the forward pass, `wait` after it."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._executor = None
+        self.compute_seconds = 0.0  # cumulative: computing masks (on the mask thread)
+        self.wait_seconds = 0.0  # cumulative: the step waiting for its masks after the forward pass
+        self.rows = 0  # masks computed
+
+    def start(self, matchers: list) -> concurrent.futures.Future[torch.Tensor]:
+        """The packed masks of `matchers` (int32 [len(matchers), ceil(vocab / 32)]), being computed."""
+        return self._thread.submit(self._compute, matchers)
+
+    def wait(self, pending: concurrent.futures.Future[torch.Tensor]) -> torch.Tensor:
+        """The masks `start` is computing, once ready (the time spent waiting is counted)."""
+        started = time.perf_counter()
+        bitmask = pending.result()
+        self.wait_seconds += time.perf_counter() - started
+        return bitmask
+
+    def _compute(self, matchers: list) -> torch.Tensor:
+        from llguidance import LLExecutor
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        started = time.perf_counter()
+        if self._executor is None:
+            self._executor = LLExecutor()
+        bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
+        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.compute_seconds += time.perf_counter() - started
+        self.rows += len(matchers)
+        return bitmask
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Packed masks -> bool [rows, vocab_size] on `device` (True: the token is allowed), unpacked there."""
+    packed = bitmask.to(device)
+    bits = (packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
