@@ -262,6 +262,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             output_ids=output_ids,
             attempt=attempt,
             tenant=tenant,
+            prefill_group=f"{tenant}/{valid.prefill_group}" if valid.prefill_group else "",
             ttft_slo_s=valid.ttft_slo_s,
             tokens_per_minute=tokens_per_minute,
         )

@@ -191,6 +191,7 @@ class Assign(Message):
     # Tokens an earlier attempt generated and streamed (failover): recomputed with the prompt, then continued.
     output_ids: list[TokenId] = field(default_factory=list)
     adapter_sha256: Annotated[str, Limit(max_len=64)] = ""  # of the weights file; "" for the base model
+    group: Id | None = None  # shared prefill with the group's requests of the same prompt (`step_scheduler`)
 
     def check(self) -> None:
         if len(self.prompt_ids) + len(self.output_ids) > MAX_LIST:

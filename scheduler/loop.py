@@ -138,6 +138,7 @@ class SchedulerLoop:
             ttft_slo_s=request.ttft_slo_s or None,
             rank=request.adapter_rank if request.adapter else 0,
             attempt=request.attempt,
+            group=request.prefill_group or None,
         )
         span = telemetry.tracer().start_span("scheduler.queue", context=telemetry.context_from(metadata))
         span.set_attribute("loraserve.request_id", request.request_id)
@@ -260,6 +261,7 @@ class SchedulerLoop:
                 trace=telemetry.carrier(),
                 output_ids=list(submit.output_ids),
                 adapter_sha256=submit.adapter_sha256,
+                group=submit.prefill_group or None,
             )
         if self._to_worker(decision.worker_id, assign, request.request_id):
             del self.pending[request.request_id]
@@ -356,6 +358,8 @@ def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
     if len(request.adapter) > MAX_ID:
         raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
+    if len(request.prefill_group) > MAX_ID:
+        raise InvalidRequestError("prefill_group", f"must be at most {MAX_ID} characters")
     if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
         raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
     if not 1 <= len(request.prompt_ids) <= MAX_LIST:

@@ -9,6 +9,9 @@ Placement follows Punica §5.1: the request at the head of the queue goes to the
 worker that still has batch room and pool room for the request's whole KV (prompt + max new
 tokens) — consolidating load so that lightly loaded workers drain. Between reports the policy
 counts its own assignments against a worker's room, so a burst is not piled onto one worker.
+A request of a prefill group (`QueuedRequest.group`: the n choices of one prompt) goes to the worker
+its group's last request went to while that worker has room, whatever else placement would choose:
+there the prompt is computed once.
 
 Prediction (S-LoRA §5.2): the adapters of the next queued requests are what workers will need
 next; each worker that lacks one of them is told to prefetch it, while it is still decoding.
@@ -56,6 +59,7 @@ from loraserve.scheduler.queues import FifoQueue, MultiQueue, SizeClasses
 from loraserve.wire import AdapterKey, WorkerReport
 
 POLICIES = ("adaptive", "fcfs")  # the first is the default
+MAX_GROUPS = 4096  # prefill groups whose worker placement remembers (the most recent)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class QueuedRequest:
     rank: int = 0  # the adapter's LoRA rank; 0: unknown (SizeClasses.default_rank is assumed)
     attempt: int = 0  # earlier attempts lost (failover, migration): only attempt 0 migrates
     placed_at: float = 0.0  # when it was assigned to a worker (set by the policy)
+    group: str | None = None  # shared prefill: placed beside the group's other requests when there is room
 
 
 @dataclass
@@ -236,6 +241,7 @@ class SchedulerPolicy:
         # computed once a round and updated in place as the round assigns to it (see `_counts`).
         self._round_counts: dict[str, tuple[int, int]] | None = None
         self._round_loads: dict[str, WorkerLoad] | None = None
+        self._group_workers: OrderedDict[str, str] = OrderedDict()  # prefill group -> its last worker
 
     # ---- inputs --------------------------------------------------------------------------------
     def ready_workers(self) -> list[WorkerView]:
@@ -420,6 +426,8 @@ class SchedulerPolicy:
             self._round_assigned(worker, request)
             worker.assigned.add(request.request_id)
             self.placed[request.request_id] = (worker.worker_id, request)
+            if request.group is not None:
+                self._remember_group(request.group, worker.worker_id)
             if request.adapter is not None:
                 self.planner.loading(worker.worker_id, request.adapter, now)
             decisions.append(AssignTo(worker.worker_id, request))
@@ -525,7 +533,16 @@ class SchedulerPolicy:
                 self._round_loads[view.worker_id] = load
         return load
 
+    def _remember_group(self, group: str, worker_id: str) -> None:
+        self._group_workers[group] = worker_id
+        self._group_workers.move_to_end(group)
+        while len(self._group_workers) > MAX_GROUPS:
+            self._group_workers.popitem(last=False)
+
     def _choose(self, request: QueuedRequest, now: float) -> WorkerView | None:
+        beside = self._beside_group(request, now)
+        if beside is not None:
+            return beside
         if self.adaptive:
             chosen = self.planner.placement.choose(self._loads(now), self.planner.demand(request))
             return self.workers[chosen.worker_id] if chosen is not None else None
@@ -544,6 +561,21 @@ class SchedulerPolicy:
                 w.worker_id,
             ),
         )
+
+    def _beside_group(self, request: QueuedRequest, now: float) -> WorkerView | None:
+        """The worker the request's prefill group went to, when it is fresh and has room for the request:
+        there the prompt is computed once (shared prefill), whatever the cost model would say."""
+        worker_id = self._group_workers.get(request.group) if request.group is not None else None
+        view = self.workers.get(worker_id) if worker_id is not None else None
+        if view is None or view not in self._fresh_workers(now):
+            return None
+        if self.adaptive:
+            fits = self.planner.placement.fits(self._load_of(view, now), self.planner.demand(request))
+        else:
+            fits = self._load(view) < view.report.max_batch_size and self._kv_pages(view, request) <= self._room_pages(
+                view
+            )
+        return view if fits else None
 
     def _migrate(self, now: float) -> list[Decision]:
         if not self.config.migrate_after_s:

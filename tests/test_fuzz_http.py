@@ -64,7 +64,7 @@ _SHARED = {
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0.5, 2),
-    "n": st.just(1),
+    "n": st.integers(1, 3),
     "stream": st.booleans(),
     "user": _TEXT,
     "ignore_eos": st.booleans(),
@@ -137,8 +137,8 @@ COMPLETIONS = _bodies(
         ),
         "max_tokens": st.integers(1, 4),
     },
-    _SHARED | _STRUCTURED | {"logprobs": st.integers(0, 20), "echo": st.booleans()},
-    ["best_of", "suffix"],
+    _SHARED | _STRUCTURED | {"logprobs": st.integers(0, 20), "echo": st.booleans(), "best_of": st.integers(1, 4)},
+    ["suffix"],
 )
 _CONTENT = st.one_of(_TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=3))
 _TOOL_CALL = st.builds(

@@ -236,7 +236,7 @@ def test_errors_have_openais_shape_and_status(stack):
     with pytest.raises(openai.NotFoundError):
         client(stack, "a").completions.create(model="mine", prompt=PROMPT)  # b's adapter
     for fields, param in [
-        ({"n": 2}, "n"),
+        ({"n": 2, "best_of": 1}, "best_of"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 100_000}, "max_tokens"),
         ({"stop": ["x"] * 9}, "stop"),
@@ -523,7 +523,7 @@ def test_every_accepted_parameter_takes_effect_or_is_refused(stack):
         ({"min_p": 5}, "min_p"),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"top_k": -2}, "top_k"),
-        ({"logprobs": 2, "n": 2}, "n"),
+        ({"logprobs": 2, "n": 2, "best_of": 1}, "best_of"),
     ):
         response = post(stack, completions, base | extra)
         error = json.loads(response.read())["error"]
@@ -1012,3 +1012,86 @@ def test_langchain_structured_output_in_every_method_and_bound_tools(stack):
         name = choice if choice != "any" else "GetWeather"
         assert [call["name"] for call in reply.tool_calls][:1] == [name], (choice, reply)
         assert isinstance(reply.tool_calls[0]["args"]["zone" if name == "get_time" else "city"], int | str)
+
+
+def _shared_prefill_tokens(stack) -> float:
+    worker = scrape_metrics(stack.metrics_port + 3)  # gateway, scheduler, store, then worker-0
+    return worker.get(("loraserve_worker_shared_prefill_tokens_total", (("worker", "worker-0"),)), 0.0)
+
+
+def test_n_choices_share_their_prompts_prefill_and_best_of_answers_the_likeliest(stack):
+    c = client(stack)
+    prompt = PROMPT + " and the green queen waits across this gentle tree"
+    before = _shared_prefill_tokens(stack)
+    reply = c.completions.create(model="upper", prompt=prompt, max_tokens=32, temperature=1.0, seed=5, n=3)
+    singles = [
+        c.completions.create(model="upper", prompt=prompt, max_tokens=32, temperature=1.0, seed=5 + i, logprobs=0)
+        for i in range(3)
+    ]
+    prompt_len = singles[0].usage.prompt_tokens
+    assert _shared_prefill_tokens(stack) - before == 2 * (prompt_len - 1)  # computed once for three
+    assert [(ch.index, ch.text) for ch in reply.choices] == [(i, s.choices[0].text) for i, s in enumerate(singles)]
+    assert len({ch.text for ch in reply.choices}) > 1
+    assert reply.usage.prompt_tokens == prompt_len  # the prompt counts once
+    assert reply.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+    best = c.completions.create(model="upper", prompt=prompt, max_tokens=32, temperature=1.0, seed=5, best_of=3)
+    likeliest = max(singles, key=lambda s: sum(s.choices[0].logprobs.token_logprobs))
+    assert [ch.text for ch in best.choices] == [likeliest.choices[0].text]
+    assert best.choices[0].logprobs is None  # ranked by log-probability, which was not asked for
+    assert best.usage.completion_tokens == reply.usage.completion_tokens  # every candidate counts
+
+    chat = c.chat.completions.create(
+        model="upper", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=1.0, seed=9, n=2
+    )
+    streamed = c.chat.completions.create(
+        model="upper",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=9,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, usage = {0: "", 1: ""}, None
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert [texts[0], texts[1]] == [ch.message.content for ch in chat.choices]
+    assert usage.prompt_tokens == chat.usage.prompt_tokens and usage.completion_tokens == chat.usage.completion_tokens
+
+    # gRPC: n choices are n calls of one prefill group
+    before = _shared_prefill_tokens(stack)
+    calls = [
+        stack.api.Generate.future(
+            gateway_pb2.GenerateRequest(
+                adapter="upper",
+                text=prompt,
+                max_new_tokens=32,
+                sampling=common_pb2.SamplingParameters(temperature=1.0, seed=5 + i),
+                prefill_group="mine",
+            ),
+            timeout=60,
+            metadata=(("authorization", f"Bearer {KEYS['a']}"),),
+        )
+        for i in range(3)
+    ]
+    assert [call.result().text for call in calls] == [s.choices[0].text for s in singles]
+    assert _shared_prefill_tokens(stack) - before == 2 * (prompt_len - 1)
+
+
+def test_n_and_best_of_refusals_name_the_parameter(stack):
+    base = {"model": "upper", "prompt": PROMPT, "max_tokens": 4}
+    for extra, param in (
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
+        ({"prompt": [PROMPT] * 9, "n": 8}, "n"),  # 72 generations
+        ({"prompt": [PROMPT] * 9, "best_of": 8}, "best_of"),
+    ):
+        response = post(stack, "/v1/completions", base | extra)
+        error = json.loads(response.read())["error"]
+        assert (response.status, error["param"]) == (400, param), (extra, error)

@@ -142,7 +142,12 @@ def test_unsupported_parameters_are_named():
 
     prompt = {"prompt": "p"}
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    assert refused(CompletionRequest, n=2, **prompt)[0] == "n"
+    assert refused(CompletionRequest, n=2, **prompt) is None  # choices sharing the prompt's prefill
+    assert refused(CompletionRequest, n=2, best_of=1, **prompt)[0] == "best_of"  # fewer candidates than choices
+    assert refused(CompletionRequest, best_of=3, stream=True, **prompt)[0] == "best_of"
+    assert refused(CompletionRequest, prompt=["a"] * 8, n=8) is None  # 64 generations
+    assert refused(CompletionRequest, prompt=["a"] * 8, n=8, best_of=9)[0] == "best_of"
+    assert refused(ChatCompletionRequest, n=64, messages=[{"role": "user", "content": "hi"}]) is None
     assert refused(CompletionRequest, n=1, **prompt) is None
     assert refused(CompletionRequest, prompt=["a", "b"]) is None  # a batch of prompts
     assert refused(CompletionRequest, prompt=["a"] * 65)[0] == "prompt"  # over MAX_PROMPTS
@@ -155,7 +160,7 @@ def test_unsupported_parameters_are_named():
     )
     assert refused(CompletionRequest, top_k=-1, **prompt) is None
     assert refused(CompletionRequest, echo=True, logprobs=3, **prompt) is None
-    assert refused(CompletionRequest, best_of=3, **prompt)[0] == "best_of"
+    assert refused(CompletionRequest, best_of=3, **prompt) is None
     assert refused(CompletionRequest, stream_options={"include_usage": True}, **prompt)[0] == "stream_options"
     assert refused(ChatCompletionRequest, tools=[{"type": "function", "function": {"name": "f"}}], **chat) is None
     assert refused(ChatCompletionRequest, logprobs=True, top_logprobs=2, **chat) is None
@@ -429,3 +434,25 @@ def test_past_tool_calls_reach_the_template_with_object_arguments():
     assert turns[2] == {"role": "tool", "content": "2", "tool_call_id": "c"}
     template = ChatTemplate("{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[-1].content }}")
     assert template.render(turns, [{"type": "function", "function": {"name": "f"}}]) == "f;2"
+
+
+def test_best_of_keeps_each_prompts_likeliest_and_usage_counts_each_prompt_once():
+    from loraserve.gateway.http.answering import best_of
+
+    def result(text: str, *logprobs: float) -> tuple[Piece, Final]:
+        entries = [common_pb2.TokenLogprob(token_id=1, logprob=v) for v in logprobs]
+        return Piece(text, entries), Final("stop", 10, len(logprobs))
+
+    # two prompts, three candidates each
+    results = [
+        result("a", -1, -1),
+        result("b", -0.5),
+        result("c", -3),
+        result("d", -2),
+        result("e", -0.1, -0.1),
+        result("f", -9),
+    ]
+    assert [p.text for p, _ in best_of(results, 3, 2)] == ["b", "a", "e", "d"]
+    assert best_of(results, 3, 3) == results
+    usage = Final.summed([f for _, f in results], 3)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (20, 8)

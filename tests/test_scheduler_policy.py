@@ -279,3 +279,19 @@ def test_a_failed_over_request_goes_to_the_head_of_the_queue_even_when_it_is_ful
         policy.add(request("c"), 0.0)
     assert policy.add(request("resumed"), 0.0, resumed=True) == 0
     assert list(policy.queue) == ["resumed", "a", "b"]
+
+
+def test_a_prefill_group_goes_where_its_first_request_went_while_there_is_room(kind):
+    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy.on_report(report("light", running=["x"]), 0.0)
+    first = request("g0")
+    first.group = "tenant/g"
+    policy.add(first, 0.0)
+    assert assigned(policy.schedule(0.0)) == [("light", "g0")]  # the only worker then
+    policy.on_report(report("busy", running=["y", "z"]), 0.0)  # the busier one, which FCFS prefers
+    for i in range(1, 4):
+        member = request(f"g{i}")
+        member.group = "tenant/g"
+        policy.add(member, 0.0)
+    # light holds x and g0 of 4: two members join g0 there, the third spills over
+    assert assigned(policy.schedule(0.0)) == [("light", "g1"), ("light", "g2"), ("busy", "g3")]

@@ -95,6 +95,7 @@ class GenerateRequest:
     adapter: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
+    group: str | None = None  # shared prefill with the group's other requests of the same prompt
 
 
 @dataclass
@@ -307,8 +308,12 @@ class Engine:
         adapter: str | AdapterKey | None = None,
         request_id: str | None = None,
         output_ids: list[int] | None = None,
+        group: str | None = None,
     ) -> Request:
         """Queue a request for an adapter name (its latest version), an exact (name, version), or None.
+
+        `group`: requests of one group with the same adapter and prompt compute the prompt's KV once
+        (shared prefill, `step_scheduler`): the n choices of one prompt.
 
         `output_ids` continues a request another worker started (failover): the tokens it already
         generated are recomputed with the prompt, as after a preemption, and count against
@@ -325,7 +330,9 @@ class Engine:
         key = self._resolve(adapter)
         guide = self.grammars.matcher(sampling.grammar, output_ids) if sampling.grammar is not None else None
         seed = sampling.seed if sampling.seed is not None else next(self._seeds)
-        request = Request(request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed, guide=guide)
+        request = Request(
+            request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed, guide=guide, group=group
+        )
         if sampling.prompt_logprobs is not None and not output_ids:  # a continued request reported them
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         if key is not None:
@@ -397,7 +404,7 @@ class Engine:
         if self.config.prefetch:  # adapters of the requests queued next: needed for sure
             waiting = itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
             self._prefetch([r.adapter for r in waiting if r.adapter is not None])
-        output = self.runner.execute(plan.batch)
+        output = self.runner.execute(plan.batch, plan.kv_copies)
         return outputs + self._update(plan, output, scheduled_at, waited)
 
     def _shape(self, plan: StepPlan) -> StepShape:
@@ -506,7 +513,9 @@ class Engine:
         for i, g in enumerate(requests):
             ids = g.prompt_ids if g.prompt_ids is not None else self.tokenizer.encode(g.prompt or "")
             added.append(
-                self.add_request(ids, g.sampling, g.adapter, g.request_id or f"gen-{i}-{uuid.uuid4().hex[:8]}")
+                self.add_request(
+                    ids, g.sampling, g.adapter, g.request_id or f"gen-{i}-{uuid.uuid4().hex[:8]}", group=g.group
+                )
             )
         while any(not r.finished for r in added):
             self.step()

@@ -72,7 +72,9 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
         from loraserve.worker.metrics import WorkerCollector
 
         engine = service.engine
-        REGISTRY.register(WorkerCollector(lambda: service.last_report, engine.pool.stats, engine.registry))
+        REGISTRY.register(
+            WorkerCollector(lambda: service.last_report, engine.pool.stats, engine.registry, engine.step_scheduler)
+        )
     try:
         service.run(stop)
     except Exception as e:  # logged with its traceback by service.run, which also told the scheduler

@@ -46,8 +46,15 @@ class HostCache(Protocol):
 
 
 class WorkerCollector(Collector):
-    def __init__(self, last_report: Callable[[], WorkerReport | None], adapter_stats: object, host_cache: HostCache):
+    def __init__(
+        self,
+        last_report: Callable[[], WorkerReport | None],
+        adapter_stats: object,
+        host_cache: HostCache,
+        step_scheduler: object = None,
+    ):
         self.last_report, self.adapter_stats, self.host_cache = last_report, adapter_stats, host_cache
+        self.step_scheduler = step_scheduler  # its shared_prefill_tokens (an int)
 
     def collect(self) -> Iterator:
         report = self.last_report()
@@ -78,6 +85,13 @@ class WorkerCollector(Collector):
         )
         evictions.add_metric(worker, self.host_cache.evictions)
         yield evictions
+        shared = CounterMetricFamily(
+            "loraserve_worker_shared_prefill_tokens",
+            "Prompt tokens whose KV was copied from a request of their prefill group (n choices) instead of computed",
+            labels=["worker"],
+        )
+        shared.add_metric(worker, getattr(self.step_scheduler, "shared_prefill_tokens", 0))
+        yield shared
         for name, doc, key in ADAPTER_COUNTERS:
             counter = CounterMetricFamily(name, doc, labels=["worker"])
             counter.add_metric(worker, counters.get(key, 0))

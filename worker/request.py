@@ -51,6 +51,10 @@ class Request:
     # an earlier attempt that reported them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Requests of one group with the same adapter and prompt compute the prompt once (`StepScheduler`):
+    # OpenAI's n choices, or a client's own group.
+    group: str | None = None
+    shared_prefill_tokens: int = 0  # prompt tokens whose KV was copied from a member of its group
     guide: Any = None  # with sampling.grammar: its llguidance matcher, at the end of output_ids (`worker/grammar.py`)
 
     @property

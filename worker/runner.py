@@ -133,8 +133,12 @@ class ModelRunner:
         self.host_seconds = 0.0  # cumulative: building each step's metadata and plan, before its forward pass
 
     @torch.inference_mode()
-    def execute(self, batch: list[SeqChunk]) -> RunnerOutput:
+    def execute(self, batch: list[SeqChunk], kv_copies: list[tuple[int, int]] = ()) -> RunnerOutput:
+        """One step over `batch`, after copying the KV pages `kv_copies` names ((source, destination):
+        shared prefill, `step_scheduler`)."""
         started = time.perf_counter()
+        if kv_copies:
+            self._copy_kv_pages(kv_copies)
         order = lora_order(
             [None if c.adapter is None else id(c.adapter) for c in batch],
             [0 if c.adapter is None else c.adapter.rank for c in batch],
@@ -182,6 +186,15 @@ class ModelRunner:
             {sampling[i].request_id: entry for i, entry in zip(rows, entries, strict=True)},
             prompt_logprobs,
         )
+
+    def _copy_kv_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV pages, every layer: page p is rows [p·R, (p+1)·R) of the pool's second axis."""
+        per_page = self.layout.rows_per_page
+        offsets = torch.arange(per_page)
+        sources = (torch.tensor([s for s, _ in copies]).unsqueeze(1) * per_page + offsets).flatten()
+        targets = (torch.tensor([d for _, d in copies]).unsqueeze(1) * per_page + offsets).flatten()
+        sources, targets = sources.to(self.device), targets.to(self.device)
+        self.pool_tensor.index_copy_(1, targets, self.pool_tensor.index_select(1, sources))
 
     def _score_prompts(
         self, batch: list[SeqChunk], step: _Staged, hidden: torch.Tensor

@@ -251,7 +251,9 @@ class WorkerService:
         try:
             sampling = _sampling(a.sampling)
             key = (a.adapter, a.adapter_version) if a.adapter else None
-            tracked.request = self.engine.add_request(a.prompt_ids, sampling, key, a.request_id, a.output_ids)
+            tracked.request = self.engine.add_request(
+                a.prompt_ids, sampling, key, a.request_id, a.output_ids, group=a.group
+            )
         except LoraserveError as e:
             self._end(a.request_id, error_status=e.status, error=str(e))
 

@@ -13,8 +13,15 @@ directly. Each `schedule()`:
 
 The scheduled requests are ordered so that requests of one adapter are consecutive (Punica's
 segments). An adapter a request needs is made resident through the unified pool, which copies it
-in if no prefetch did. The plan is plain data: `scheduled` for the engine's update, and `batch`,
-one `SeqChunk` per scheduled request, all the runner reads.
+in if no prefetch did. The plan is plain data: `scheduled` for the engine's update, `batch`, one
+`SeqChunk` per scheduled request, and `kv_copies`, all the runner reads.
+
+Shared prefill: a waiting request of a group (`Request.group`) whose prompt and adapter a running
+member has (the donor) does not compute its prompt again. While the donor is still prefilling it
+waits at the head of the queue; once the donor's KV covers all but the last prompt token, it is
+admitted with that KV copied from the donor's pages (`kv_copies`, done by the runner before the
+step's forward pass) and computes only the last prompt token, whose logits give its own first
+token. A donor that finished or was preempted is none: the request then prefills on its own.
 
 Only the engine's update changes a request's tokens, positions and timestamps; this scheduler
 changes only its status (waiting / running) and what it holds in the pool.
@@ -72,6 +79,7 @@ class StepPlan:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
     preempted: list[Request] = field(default_factory=list)
     batch: list[SeqChunk] = field(default_factory=list)  # `scheduled` as the runner sees it, same order
+    kv_copies: list[tuple[int, int]] = field(default_factory=list)  # (donor's KV page, receiver's), before the step
 
     @property
     def adapters(self) -> list[AdapterKey]:
@@ -89,6 +97,7 @@ class StepScheduler:
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self.shared_prefill_tokens = 0  # cumulative: prompt tokens copied from a group's donor, not computed
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -166,11 +175,15 @@ class StepScheduler:
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             request = self.waiting[0]
+            donor = self._donor(request)
+            if donor is _PREFILLING:
+                return  # its prompt's KV is being computed: it waits to copy it
             keep = frozenset(r.adapter for r in self.running if r.adapter is not None)
             if request.adapter is not None and not self.pool.ensure(request.adapter, keep):
                 return
-            n = min(request.num_tokens - request.num_computed, budget)
-            target = request.num_computed + n
+            shared = len(request.prompt_ids) - 1 if donor is not None else 0  # tokens whose KV it copies
+            n = min(request.num_tokens - shared, budget)
+            target = shared + n
             need = self.pool.kv_pages_to_grow(request.request_id, target)
             keep_with_own = keep | ({request.adapter} if request.adapter else set())
             if not self.pool.make_room(need, keep=frozenset(keep_with_own), for_kv=True):
@@ -178,12 +191,46 @@ class StepScheduler:
             if not self.pool.grow_kv(request.request_id, target):
                 return
             self.waiting.popleft()
+            if donor is not None:
+                self._share_prefill(donor, request, shared, plan)
             if request.adapter is not None:
                 self.pool.pin(request.adapter)
             request.status = Status.RUNNING
             self.running.append(request)
             plan.scheduled.append((request, n))
             budget -= n
+
+    def _donor(self, request: Request) -> Request | object | None:
+        """The running member of `request`'s group whose prompt KV it can copy; `_PREFILLING` while that
+        member is still computing it; None when there is none (it prefills on its own)."""
+        if request.group is None or request.num_computed or len(request.prompt_ids) < 2:
+            return None
+        for member in self.running:
+            if (
+                member.group == request.group
+                and member.adapter == request.adapter
+                and member.prompt_ids == request.prompt_ids
+                and (request.prompt_logprobs is None or member.prompt_logprobs is not None)
+            ):
+                return member if member.num_computed >= len(request.prompt_ids) - 1 else _PREFILLING
+        return None
+
+    def _share_prefill(self, donor: Request, request: Request, shared: int, plan: StepPlan) -> None:
+        """Start `request` past its first `shared` tokens, their KV copied from `donor`'s pages."""
+        pages = -(-shared // self.pool.layout.tokens_per_page)
+        plan.kv_copies += zip(
+            self.pool.kv_page_table(donor.request_id)[:pages],
+            self.pool.kv_page_table(request.request_id)[:pages],
+            strict=True,
+        )
+        request.num_computed = shared
+        if request.prompt_logprobs is not None:
+            request.prompt_logprobs = list(donor.prompt_logprobs)
+        request.shared_prefill_tokens = shared
+        self.shared_prefill_tokens += shared
+
+
+_PREFILLING = object()  # `_donor`'s answer while the donor's prefill is under way
 
 
 def _scoring(request: Request, start: int, n: int) -> PromptScoring | None:

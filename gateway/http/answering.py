@@ -1,8 +1,11 @@
-"""Answering a completions or chat request: one generation per prompt, answered as one response.
+"""Answering a completions or chat request: one generation per choice, answered as one response.
 
-Each prompt (one, or a completions batch) is a request of its own downstream: scheduled,
-quota-counted, traced and cancelled on its own, with the request's parameters. The answer has one
-choice per prompt, `index` = the prompt's place in the list, and the usage summed:
+Each choice of each prompt (one prompt, or a completions batch; n choices of each) is a request of
+its own downstream: scheduled, quota-counted, traced and cancelled on its own, with the request's
+parameters; a prompt's choices are one prefill group, so the prompt is computed once. The answer has
+one choice per generation, `index` = prompt's place × n + the choice's, and the usage summed (each
+prompt's tokens once). With best_of above n, each prompt runs best_of candidates and the n with the
+highest log-probability are answered, likeliest first; the usage counts every candidate's tokens.
 
 - whole: every generation is awaited; the first failure fails the request with its status, and
   cancels the others;
@@ -37,8 +40,11 @@ async def answer(
     request: Request,
     stream: bool,
     prompt_param: str,
+    candidates: int = 1,
 ) -> Response:
-    """The response to `generates` (one per prompt). `prompt_param` is what a prompt problem names."""
+    """The response to `generates` (`candidates` per prompt, prompt by prompt: one per choice, or
+    best_of's candidates, of which the n likeliest are answered). `prompt_param` is what a prompt
+    problem names."""
     calls = [HttpCall(request.headers) for _ in generates]
     for index, generate in enumerate(generates):  # on the request's trace, beside loraserve's own id
         generate.client_request_id = answers.id if len(generates) == 1 else f"{answers.id}-{index}"
@@ -46,7 +52,9 @@ async def answer(
     try:
         if not stream:
             results = await until_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
-            return JSONResponse(answers.whole(list(results)))
+            usage = Final.summed([final for _, final in results], candidates)
+            kept = best_of(list(results), candidates, answers.choices_per_prompt)
+            return JSONResponse(answers.whole(kept, usage))
         firsts = await until_disconnected(request, asyncio.gather(*(g.next() for g in generations)))
     except ClientGone:
         _cancel(generations)
@@ -56,6 +64,19 @@ async def answer(
         hints = [c.retry_after_s for c in calls if c.retry_after_s is not None]
         raise http_error(e, prompt_param, max(hints) if hints else None) from None
     return GenerationStream(generations, _events(list(firsts), generations, answers))
+
+
+def best_of(results: list[tuple[Piece, Final]], candidates: int, n: int) -> list[tuple[Piece, Final]]:
+    """Of each prompt's `candidates` results (consecutive), the `n` with the highest log-probability
+    (the sum of their tokens'), likeliest first; all of them, in order, when there are only n."""
+    if candidates == n:
+        return results
+    kept = []
+    for start in range(0, len(results), candidates):
+        block = results[start : start + candidates]
+        ranked = sorted(block, key=lambda result: -sum(e.logprob for e in result[0].logprobs))
+        kept += ranked[:n]
+    return kept
 
 
 def _cancel(generations: list[Generation]) -> None:
@@ -69,12 +90,12 @@ async def _events(firsts: list[Piece | Final], generations: list[Generation], an
         opening = answers.opening()
         if opening is not None:
             yield sse(opening)
-        finals: list[Final] = []
-        started: set[int] = set()  # the prompts whose first piece was sent
+        finals: dict[int, Final] = {}
+        started: set[int] = set()  # the choices whose first piece was sent
         held: dict[int, list[Piece]] = {}  # a buffered answer's pieces, per prompt
         async for index, item in _merged(firsts, generations):
             if isinstance(item, Final):
-                finals.append(item)
+                finals[index] = item
                 if answers.buffered:
                     for chunk in answers.settled(Piece.joined(held.pop(index, [])), item, index):
                         yield sse(chunk)
@@ -86,7 +107,7 @@ async def _events(firsts: list[Piece | Final], generations: list[Generation], an
                 yield sse(answers.piece(item, index, first=index not in started))
                 started.add(index)
         if answers.include_usage:
-            yield sse(answers.usage(Final.summed(finals)))
+            yield sse(answers.usage(Final.summed([finals[i] for i in sorted(finals)], answers.choices_per_prompt)))
     except Exception as e:  # after the status line: the failure goes in the stream
         yield sse(http_error(e).body)
     yield DONE

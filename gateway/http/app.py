@@ -129,24 +129,29 @@ class OpenAiRoutes:
 
     # ---- generation -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request, principal: Caller) -> Response:
+        answer_id = f"cmpl-{uuid.uuid4().hex}"
         generates = []
-        for prompt in body.prompt_values():
+        for index, prompt in enumerate(body.prompt_values()):
             generate = self._generate_request(body)
             if isinstance(prompt, str):
                 generate.text = prompt
             else:
                 generate.token_ids.ids.extend(prompt)
-            generates.append(generate)
+            generates += _choices(generate, body, f"{answer_id}-{index}")
         decode = self.service.tokenizer.decode
+        texts = [p if isinstance(p, str) else decode(p) for p in body.prompt_values()]
         answers = Answers(
-            f"cmpl-{uuid.uuid4().hex}",
+            answer_id,
             body.model,
             chat=False,
             include_usage=body.include_usage,
             logprobs=self._logprob_format(body.logprobs is not None, chat=False),
-            echo=[p if isinstance(p, str) else decode(p) for p in body.prompt_values()] if body.echo else None,
+            echo=[t for t in texts for _ in range(body.choices)] if body.echo else None,
+            choices_per_prompt=body.choices,
         )
-        return await answer(self.service, generates, answers, request, bool(body.stream), "prompt")
+        return await answer(
+            self.service, generates, answers, request, bool(body.stream), "prompt", candidates=body.candidates
+        )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
         if self.chat_template is None:
@@ -178,8 +183,12 @@ class OpenAiRoutes:
             include_usage=body.include_usage,
             logprobs=self._logprob_format(bool(body.logprobs), chat=True),
             tools=tools,
+            choices_per_prompt=body.choices,
         )
-        return await answer(self.service, [generate], answers, request, bool(body.stream), "messages")
+        generates = _choices(generate, body, answers.id)
+        return await answer(
+            self.service, generates, answers, request, bool(body.stream), "messages", candidates=body.candidates
+        )
 
     def _logprob_format(self, asked: bool, chat: bool) -> LogprobFormat | None:
         return LogprobFormat(self.service.tokenizer, chat) if asked else None
@@ -213,6 +222,28 @@ class OpenAiRoutes:
             include_stop_str_in_output=bool(body.include_stop_str_in_output),
             keep_special_tokens=body.skip_special_tokens is False,
         )
+
+
+def _choices(
+    generate: gateway_pb2.GenerateRequest, body: CompletionRequest | ChatCompletionRequest, group: str
+) -> list[gateway_pb2.GenerateRequest]:
+    """One prompt's generations: `body.candidates` of them (n, or best_of), one prefill group, so the
+    prompt is computed once. With a seed, candidate i draws with seed + i (the first with the seed
+    itself, as a single choice would); without, each draws its own. best_of > n ranks the candidates
+    by their log-probability, so they report it even when the answer does not show it."""
+    if body.candidates == 1:
+        return [generate]
+    generates = []
+    for i in range(body.candidates):
+        candidate = gateway_pb2.GenerateRequest()
+        candidate.CopyFrom(generate)
+        candidate.prefill_group = group
+        if generate.sampling.HasField("seed"):
+            candidate.sampling.seed = (generate.sampling.seed + i) % 2**63
+        if body.candidates > body.choices and not candidate.sampling.HasField("logprobs"):
+            candidate.sampling.logprobs = 0
+        generates.append(candidate)
+    return generates
 
 
 def _card(model_id: str, created: int, owner: str, max_model_len: int, parent: str | None = None) -> dict[str, Any]:

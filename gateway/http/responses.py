@@ -47,9 +47,12 @@ class Final:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
 
     @staticmethod
-    def summed(finals: list[Final]) -> Final:
-        """The token counts of several generations together (a batch of prompts' usage)."""
-        return Final("", sum(f.prompt_tokens for f in finals), sum(f.completion_tokens for f in finals))
+    def summed(finals: list[Final], per_prompt: int = 1) -> Final:
+        """The token counts of several generations together (a batch of prompts' usage): every
+        generation's completion tokens, and each prompt's tokens once (`finals` in prompt order,
+        `per_prompt` generations of each: its choices share its prompt)."""
+        prompts = sum(f.prompt_tokens for f in finals[::per_prompt])
+        return Final("", prompts, sum(f.completion_tokens for f in finals))
 
 
 @dataclass(frozen=True)
@@ -87,15 +90,16 @@ class Answers:
     logprobs: LogprobFormat | None = None  # None: not asked for
     echo: Sequence[str] | None = None  # completions with echo: each prompt's text
     tools: ToolChoice | None = None  # chat with tools in use: the text is parsed into tool calls
+    choices_per_prompt: int = 1  # n: choice i is prompt i // n's
 
     @property
     def buffered(self) -> bool:
         """A stream whose text is only sent whole, in its closing chunks (tool calls are parsed from all of it)."""
         return self.tools is not None
 
-    def whole(self, results: list[tuple[Piece, Final]]) -> dict[str, Any]:
-        """The non-streaming answer to one or several prompts: choice i is prompt i's (its text and how
-        it ended), the usage their sum."""
+    def whole(self, results: list[tuple[Piece, Final]], usage: Final | None = None) -> dict[str, Any]:
+        """The non-streaming answer to one or several prompts: choice i is the i-th result (prompt
+        i // n's), the usage their sum unless given (best_of: every candidate's, not only the kept)."""
         choices = []
         for index, (piece, final) in enumerate(results):
             text = self._echo(index) + piece.text
@@ -105,8 +109,8 @@ class Answers:
                 message["message"], reason = self._with_tool_calls(text, reason)
             logprobs = self._logprobs(piece, index, True)
             choices.append({"index": index, **message, "logprobs": logprobs, "finish_reason": reason})
-        usage = Final.summed([final for _, final in results]).usage()
-        return self._object(self.chat and "chat.completion", choices) | {"usage": usage}
+        usage = usage or Final.summed([final for _, final in results], self.choices_per_prompt)
+        return self._object(self.chat and "chat.completion", choices) | {"usage": usage.usage()}
 
     def opening(self) -> dict[str, Any] | None:
         """The chunk before any text (chat: the assistant's role), or None."""

@@ -5,7 +5,7 @@ what the values mean (temperature ranges, context length, stop limits, adapter n
 the same validation the gRPC API runs (`gateway/validation.py`), once the body is a GenerateRequest.
 Structured output's fields (`response_format`, vLLM's `guided_*` and `structured_outputs`) are read by
 `structured.py`. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `tool_calling.py`.
-Fields OpenAI defines that loraserve does not serve (`n` > 1, ...) are accepted only at
+Fields OpenAI defines that loraserve does not serve (`logit_bias`, `suffix`) are accepted only at
 their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
 OpenAI-compatible servers do, except vLLM's extensions loraserve does not implement
 (`REFUSED_EXTENSIONS`), which are refused. `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
@@ -27,6 +27,7 @@ from loraserve.params import MAX_LOGPROBS
 
 UINT32_MAX = 2**32 - 1
 MAX_PROMPTS = 64  # prompts in one completions request (each is scheduled as a request of its own)
+MAX_GENERATIONS = 64  # generations of one request: prompts × choices (n, or best_of candidates)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type of a body holding a lone surrogate
@@ -131,7 +132,7 @@ class _Generation(_Body):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_GENERATIONS)  # choices per prompt, sharing its prefill
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -189,11 +190,29 @@ class _Generation(_Body):
         """The fields that may ask for structured output (`structured.requested_constraint` reads them)."""
         return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
+    @property
+    def choices(self) -> int:
+        """Choices per prompt (n)."""
+        return self.n or 1
+
+    @property
+    def candidates(self) -> int:
+        """Generations per prompt: n, or best_of (the n best of them are answered)."""
+        return self.choices
+
+    def prompt_count(self) -> int:
+        return 1
+
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter set to something loraserve does not do; else None."""
         extra = self.model_extra or {}
+        generations = self.prompt_count() * self.candidates
         refusals = [
-            (self.n not in (None, 1), "n", f"only n = 1 is supported (one choice per request), got {self.n}"),
+            (
+                generations > MAX_GENERATIONS,
+                "best_of" if self.candidates > self.choices else "n",
+                f"a request runs at most {MAX_GENERATIONS} generations (prompts × choices), got {generations}",
+            ),
             # 0 is the gRPC API's "unset" for these two: refused here rather than read as 1
             (self.top_p == 0, "top_p", "must be in (0, 1], got 0 (for greedy decoding set temperature to 0)"),
             (self.repetition_penalty == 0, "repetition_penalty", "must be in [0.01, 10] (1 turns it off), got 0"),
@@ -209,7 +228,7 @@ class CompletionRequest(_Generation):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool | None = False  # the answer's text (and log-probabilities) begin with the prompt's
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_GENERATIONS)  # candidates per prompt: the n likeliest are answered
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per token: its own and the k most likely
     suffix: str | None = None
 
@@ -221,11 +240,20 @@ class CompletionRequest(_Generation):
     def unsupported(self) -> tuple[str, str] | None:
         if len(self.prompt_values()) > MAX_PROMPTS:
             return "prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(self.prompt_values())}"
-        if self.best_of not in (None, 1):
-            return "best_of", f"only best_of = 1 is supported, got {self.best_of}"
+        if self.best_of is not None and self.best_of < self.choices:
+            return "best_of", f"must be at least n ({self.choices}), got {self.best_of}"
+        if self.stream and self.candidates > self.choices:
+            return "best_of", "cannot be streamed when above n (the best are known only at the end)"
         if self.suffix:
             return "suffix", "is not supported"
         return super().unsupported()
+
+    @property
+    def candidates(self) -> int:
+        return self.best_of or self.choices
+
+    def prompt_count(self) -> int:
+        return len(self.prompt_values())
 
     def prompt_values(self) -> list[str | list[int]]:
         """The prompts, each text or token ids: one, or a batch (a list of either)."""
