@@ -23,6 +23,10 @@ and a soak (`bench/abuse.py`), recording outages, role restarts and peak memory.
 (`bench/overhead.py`): the same requests with 32 adapters and with none, per model, and the
 throughput with 1000 distinct adapters over one.
 
+`--suite structured` measures what a constrained (structured output) request adds to a step, and
+`--suite choices` n choices of one prompt with shared prefill and without (`bench/structured.py`,
+`bench/choices.py`).
+
 `--suite scheduling` compares the default scheduling policy with `fcfs` on the same traces
 (`bench/scheduling.py`): a simulated stack driving the real policy, with step costs measured on the
 real engine.
@@ -37,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench import abuse, chaos, overhead, scheduling, structured
+from loraserve.bench import abuse, chaos, choices, overhead, scheduling, structured
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -51,7 +55,7 @@ log = logging.getLogger(__name__)
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
-SUITES = ("serving", "chaos", "scheduling", "abuse", "overhead", "structured")  # bench/<suite>.py
+SUITES = ("serving", "chaos", "scheduling", "abuse", "overhead", "structured", "choices")  # bench/<suite>.py
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
@@ -150,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     abuse.add_arguments(p)
     overhead.add_arguments(p)
     structured.add_arguments(p)
+    choices.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -386,16 +391,16 @@ def print_report(rows: list[dict], rate: float) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.suite == "chaos":
-        return chaos.main(args)
-    if args.suite == "scheduling":
-        return scheduling.main(args)
-    if args.suite == "abuse":
-        return abuse.main(args)
-    if args.suite == "overhead":
-        return overhead.main(args)
-    if args.suite == "structured":
-        return structured.main(args)
+    suites = {
+        "chaos": chaos,
+        "scheduling": scheduling,
+        "abuse": abuse,
+        "overhead": overhead,
+        "structured": structured,
+        "choices": choices,
+    }
+    if args.suite in suites:  # a suite of its own (bench/<suite>.py); else the serving benchmark, below
+        return suites[args.suite].main(args)
     args = _resolved(args)
     quiet = max(logging.WARNING, logging.getLogger().level)
     for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):
