@@ -8,8 +8,8 @@ with its own seed, are queued at once and run to the end: once as one prefill gr
 computed once, the other choices copy its KV), once as n unrelated requests, alternately, each side
 keeping its fastest of `repeats` runs. Measured: the tokens the engine computed before every choice
 had its first token, the time until then (the last choice's time to first token), and the time
-until every choice ended. Models: the demo model and the ~25M-parameter random Llama of the overhead
-suite (`bench/overhead.py`).
+until every choice ended. The prefix cache is off: the runs repeat one prompt. Models: the demo
+model and the ~25M-parameter random Llama of the overhead suite (`bench/overhead.py`).
 
 DIR/results.json is {"machine": ..., "records": [...]}; a record has `model, n, prompt_len,
 new_tokens, prefill_tokens_shared, prefill_tokens_alone, ttft_ms_shared, ttft_ms_alone,
@@ -83,7 +83,10 @@ def measure(name: str, path: Path, preset: Preset, seed: int) -> dict:
     config = ModelConfig.from_dir(path)
     rng = random.Random(seed)
     prompt = [rng.randrange(3, config.vocab_size) for _ in range(preset.prompt_len)]
-    engine = Engine(path, EngineConfig(device="cpu", max_batch_size=max(8, preset.n), max_batched_tokens=4096))
+    # No prefix cache: every run repeats the prompt, which would find it cached (`--suite prefix` measures that).
+    engine = Engine(
+        path, EngineConfig(device="cpu", max_batch_size=max(8, preset.n), max_batched_tokens=4096, prefix_cache=False)
+    )
     files = SyntheticAdapters(path, seed=seed).files("bench", 16)
     engine.add_adapter("bench", load_adapter_bytes(*files, config, 128))
     _run(engine, prompt[:16], 2, 2, True, seed)  # warm up, unmeasured

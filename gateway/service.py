@@ -263,6 +263,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             attempt=attempt,
             tenant=tenant,
             prefill_group=f"{tenant}/{valid.prefill_group}" if valid.prefill_group else "",
+            cache_salt=f"{len(tenant)}:{tenant}/{valid.cache_salt}",
             ttft_slo_s=valid.ttft_slo_s,
             tokens_per_minute=tokens_per_minute,
         )
@@ -286,8 +287,9 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=not valid.keep_special_tokens)
         stops = StopFilter(list(valid.stop), include=valid.include_stop)
         special = set() if valid.keep_special_tokens else set(self.tokenizer.eos_token_ids)
-        completion_tokens, first_token_at, stream_span = 0, None, None
+        completion_tokens, first_token_at, stream_span, cached_tokens = 0, None, None, 0
         async for message in stream.messages():
+            cached_tokens = max(cached_tokens, message.cached_tokens)
             chunk = gateway_pb2.TokenChunk(
                 token_ids=message.token_ids, logprobs=logprobs_to_pb(message.token_ids, message.logprobs)
             )
@@ -327,6 +329,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
                     first_token_at,
                     version,
                     stream,
+                    cached_tokens,
                 )
                 yield gateway_pb2.GenerateStreamResponse(summary=summary)
                 return
@@ -343,13 +346,16 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         first_token_at,
         version,
         stream: FailoverStream,
+        cached_tokens: int = 0,
     ):
         now = time.time()
         return gateway_pb2.GenerateResponse(
             request_id=request_id,
             client_request_id=valid.client_request_id,
             finish_reason=FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
-            usage=common_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens),
+            usage=common_pb2.Usage(
+                prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens, cached_tokens=cached_tokens
+            ),
             timings=common_pb2.Timings(
                 queue_s=timings.get("queue_s", 0.0),
                 adapter_load_s=timings.get("adapter_load_s", 0.0),

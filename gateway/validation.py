@@ -39,6 +39,7 @@ class ValidRequest:
     include_stop: bool = False  # the stop sequence that ended the text stays at its end
     keep_special_tokens: bool = False  # special tokens' text stays in the text
     prefill_group: str = ""  # shared prefill with the caller's requests of this group and prompt
+    cache_salt: str = ""  # prefix caching: shared only with the caller's requests of this salt
 
 
 def validate_generate(
@@ -77,8 +78,9 @@ def validate_generate(
         raise InvalidRequestError("stop_token_ids", f"token id {bad_stop} is outside the vocabulary")
     if len(request.client_request_id) > limits.max_client_id_chars:
         raise InvalidRequestError("client_request_id", f"is longer than {limits.max_client_id_chars} characters")
-    if len(request.prefill_group) > limits.max_client_id_chars:
-        raise InvalidRequestError("prefill_group", f"is longer than {limits.max_client_id_chars} characters")
+    for name in ("prefill_group", "cache_salt"):
+        if len(getattr(request, name)) > limits.max_client_id_chars:
+            raise InvalidRequestError(name, f"is longer than {limits.max_client_id_chars} characters")
     max_new = request.max_new_tokens or limits.default_max_new_tokens
     if max_new >= limits.max_context:
         raise InvalidRequestError(
@@ -103,6 +105,7 @@ def validate_generate(
         request.include_stop_str_in_output,
         request.keep_special_tokens,
         request.prefill_group,
+        request.cache_salt,
     )
 
 

@@ -114,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager", action="store_true", help="workers run every step eagerly, with no CUDA graphs"
     )
     parser.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers keep KV pages for later requests with the same prefix (--no-prefix-cache: off)",
+    )
+    parser.add_argument(
         "--adapter-cache-gb",
         type=float,
         default=None,
@@ -243,6 +249,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             *_flags(max_batch_size=args.max_batch_size, drain_timeout=args.drain_timeout, pool_pages=args.pool_pages),
             *_flags(adapter_cache_gb=args.adapter_cache_gb, torch_threads=threads),
             *(["--enforce-eager"] if args.enforce_eager else []),
+            *([] if args.prefix_cache else ["--no-prefix-cache"]),
             *common,
         ]
     commands["gateway"] = [

@@ -156,7 +156,8 @@ class WorkerReport(Message):
     # [(adapter name, version), ...], least recently used first; the most recent MAX_RESIDENT at most
     resident: Annotated[list[AdapterRef], Limit(max_len=MAX_RESIDENT)]
     finished: ReportedIds = field(default_factory=list)  # request ids that ended since the last report
-    evictable_pages: Count = 0  # pages of cached adapters no request uses (reclaimable for KV)
+    evictable_pages: Count = 0  # pages of cached adapters no request uses, and idle cached KV pages (reclaimable)
+    cached_pages: Count = 0  # idle KV pages kept for the prefix cache (among evictable_pages)
     tokens_per_page: Annotated[int, Limit(1, 1 << 20)] = 16
     steps: Count = 0
     prefetch_hits: Count = 0
@@ -170,7 +171,7 @@ class WorkerReport(Message):
     step_samples: Annotated[list[StepSample], Limit(max_len=MAX_STEP_SAMPLES)] = field(default_factory=list)
 
     def check(self) -> None:
-        for name in ("free_pages", "kv_pages", "adapter_pages", "evictable_pages"):
+        for name in ("free_pages", "kv_pages", "adapter_pages", "evictable_pages", "cached_pages"):
             if getattr(self, name) > self.total_pages:
                 raise WireError(f"WorkerReport.{name}: more than total_pages ({self.total_pages})")
 
@@ -192,6 +193,7 @@ class Assign(Message):
     output_ids: list[TokenId] = field(default_factory=list)
     adapter_sha256: Annotated[str, Limit(max_len=64)] = ""  # of the weights file; "" for the base model
     group: Id | None = None  # shared prefill with the group's requests of the same prompt (`step_scheduler`)
+    cache_salt: Id = ""  # prefix caching: only requests with the same salt share cached KV
 
     def check(self) -> None:
         if len(self.prompt_ids) + len(self.output_ids) > MAX_LIST:
@@ -238,6 +240,7 @@ class Tokens(Message):
     # brings the first token: one per prompt token after the first.
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob] = field(default_factory=list)
+    cached_tokens: Count = 0  # with its first token, and on the message that ends it: prompt tokens found cached
 
     def check(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
@@ -258,11 +261,13 @@ class StepTokens(Message):
     # Empty when no request of the step asked for them; else one list per request, as in `Tokens`.
     logprobs: Annotated[list[list[Logprob]], Limit(max_len=MAX_IDS)] = field(default_factory=list)
     prompt_logprobs: Annotated[list[list[Logprob]], Limit(max_len=MAX_IDS)] = field(default_factory=list)
+    # Empty when no request of the step reports cached prompt tokens; else one count per request.
+    cached_tokens: Annotated[list[Count], Limit(max_len=MAX_IDS)] = field(default_factory=list)
 
     def check(self) -> None:
         if len(self.request_ids) != len(self.token_ids):
             raise WireError("StepTokens: request_ids and token_ids differ in length")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs", "cached_tokens"):
             if getattr(self, name) and len(getattr(self, name)) != len(self.request_ids):
                 raise WireError(f"StepTokens: request_ids and {name} differ in length")
         for i, (logprobs, token_ids) in enumerate(zip(self.logprobs, self.token_ids)):  # noqa: B905 (may be empty)
@@ -274,9 +279,12 @@ class StepTokens(Message):
         """The same news as one `Tokens` per request."""
         n = len(self.request_ids)
         logprobs, prompt_logprobs = self.logprobs or [[]] * n, self.prompt_logprobs or [[]] * n
+        cached = self.cached_tokens or [0] * n
         return [
-            Tokens(r, t, self.worker_id, logprobs=lp, prompt_logprobs=plp)
-            for r, t, lp, plp in zip(self.request_ids, self.token_ids, logprobs, prompt_logprobs, strict=True)
+            Tokens(r, t, self.worker_id, logprobs=lp, prompt_logprobs=plp, cached_tokens=c)
+            for r, t, lp, plp, c in zip(
+                self.request_ids, self.token_ids, logprobs, prompt_logprobs, cached, strict=True
+            )
         ]
 
 

@@ -262,6 +262,7 @@ class SchedulerLoop:
                 output_ids=list(submit.output_ids),
                 adapter_sha256=submit.adapter_sha256,
                 group=submit.prefill_group or None,
+                cache_salt=submit.cache_salt,
             )
         if self._to_worker(decision.worker_id, assign, request.request_id):
             del self.pending[request.request_id]
@@ -358,8 +359,9 @@ def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
     if len(request.adapter) > MAX_ID:
         raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
-    if len(request.prefill_group) > MAX_ID:
-        raise InvalidRequestError("prefill_group", f"must be at most {MAX_ID} characters")
+    for name in ("prefill_group", "cache_salt"):
+        if len(getattr(request, name)) > MAX_ID:
+            raise InvalidRequestError(name, f"must be at most {MAX_ID} characters")
     if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
         raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
     if not 1 <= len(request.prompt_ids) <= MAX_LIST:

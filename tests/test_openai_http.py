@@ -193,7 +193,12 @@ def test_raw_sse_framing(stack):
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
     assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 6,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},  # a 4-token prompt fills no page: nothing to cache
+    }
     plain = [json.loads(e) for e in sse_events(post(stack, "/v1/completions", body))[:-1]]
     assert "usage" not in plain[-1] and plain[-1]["choices"][0]["finish_reason"] == "length"
     chat_body = {"model": "upper", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3}
@@ -1014,22 +1019,29 @@ def test_langchain_structured_output_in_every_method_and_bound_tools(stack):
         assert isinstance(reply.tool_calls[0]["args"]["zone" if name == "get_time" else "city"], int | str)
 
 
-def _shared_prefill_tokens(stack) -> float:
+def _prompt_tokens_not_computed(stack) -> float:
+    """Prompt tokens the worker did not compute: copied from a prefill group's first member, or found in
+    its prefix cache (which holds the first member's full pages once it has computed them)."""
     worker = scrape_metrics(stack.metrics_port + 3)  # gateway, scheduler, store, then worker-0
-    return worker.get(("loraserve_worker_shared_prefill_tokens_total", (("worker", "worker-0"),)), 0.0)
+    label = (("worker", "worker-0"),)
+    return sum(
+        worker.get((name, label), 0.0)
+        for name in ("loraserve_worker_shared_prefill_tokens_total", "loraserve_worker_prefix_cache_hit_tokens_total")
+    )
 
 
 def test_n_choices_share_their_prompts_prefill_and_best_of_answers_the_likeliest(stack):
     c = client(stack)
     prompt = PROMPT + " and the green queen waits across this gentle tree"
-    before = _shared_prefill_tokens(stack)
+    before = _prompt_tokens_not_computed(stack)
     reply = c.completions.create(model="upper", prompt=prompt, max_tokens=32, temperature=1.0, seed=5, n=3)
+    saved = _prompt_tokens_not_computed(stack) - before
     singles = [
         c.completions.create(model="upper", prompt=prompt, max_tokens=32, temperature=1.0, seed=5 + i, logprobs=0)
         for i in range(3)
     ]
     prompt_len = singles[0].usage.prompt_tokens
-    assert _shared_prefill_tokens(stack) - before == 2 * (prompt_len - 1)  # computed once for three
+    assert saved == 2 * (prompt_len - 1)  # computed once for three
     assert [(ch.index, ch.text) for ch in reply.choices] == [(i, s.choices[0].text) for i, s in enumerate(singles)]
     assert len({ch.text for ch in reply.choices}) > 1
     assert reply.usage.prompt_tokens == prompt_len  # the prompt counts once
@@ -1062,8 +1074,8 @@ def test_n_choices_share_their_prompts_prefill_and_best_of_answers_the_likeliest
     assert [texts[0], texts[1]] == [ch.message.content for ch in chat.choices]
     assert usage.prompt_tokens == chat.usage.prompt_tokens and usage.completion_tokens == chat.usage.completion_tokens
 
-    # gRPC: n choices are n calls of one prefill group
-    before = _shared_prefill_tokens(stack)
+    # gRPC: n choices are n calls of one prefill group (another salt: not the pages cached above)
+    before = _prompt_tokens_not_computed(stack)
     calls = [
         stack.api.Generate.future(
             gateway_pb2.GenerateRequest(
@@ -1072,6 +1084,7 @@ def test_n_choices_share_their_prompts_prefill_and_best_of_answers_the_likeliest
                 max_new_tokens=32,
                 sampling=common_pb2.SamplingParameters(temperature=1.0, seed=5 + i),
                 prefill_group="mine",
+                cache_salt="grpc",
             ),
             timeout=60,
             metadata=(("authorization", f"Bearer {KEYS['a']}"),),
@@ -1079,7 +1092,7 @@ def test_n_choices_share_their_prompts_prefill_and_best_of_answers_the_likeliest
         for i in range(3)
     ]
     assert [call.result().text for call in calls] == [s.choices[0].text for s in singles]
-    assert _shared_prefill_tokens(stack) - before == 2 * (prompt_len - 1)
+    assert _prompt_tokens_not_computed(stack) - before == 2 * (prompt_len - 1)
 
 
 def test_n_and_best_of_refusals_name_the_parameter(stack):
@@ -1095,3 +1108,41 @@ def test_n_and_best_of_refusals_name_the_parameter(stack):
         response = post(stack, "/v1/completions", base | extra)
         error = json.loads(response.read())["error"]
         assert (response.status, error["param"]) == (400, param), (extra, error)
+
+
+def test_a_tenants_repeated_prefix_is_cached_and_no_other_tenant_sees_it(stack, collector):
+    system = " ".join(["the quiet king finds my little boat and the green queen waits across this gentle tree"] * 4)
+    prompt = system + " and then"
+    a, b = client(stack, "a"), client(stack, "b")
+    first = a.completions.create(model=BASE, prompt=prompt, max_tokens=6, temperature=0)
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4736"
+    traced = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    again = a.completions.create(model=BASE, prompt=prompt, max_tokens=6, temperature=0, extra_headers=traced)
+    prompt_tokens = first.usage.prompt_tokens
+    full_pages = (prompt_tokens - 1) // 16 * 16  # the last token is always computed
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == full_pages > 0
+    assert again.choices[0].text == first.choices[0].text
+    other = b.completions.create(model=BASE, prompt=prompt, max_tokens=6, temperature=0)  # tenant b: a cold miss
+    salted = a.completions.create(
+        model=BASE, prompt=prompt, max_tokens=6, temperature=0, extra_body={"cache_salt": "u1"}
+    )
+    assert other.usage.prompt_tokens_details.cached_tokens == 0 == salted.usage.prompt_tokens_details.cached_tokens
+    assert other.choices[0].text == salted.choices[0].text == first.choices[0].text
+    reply = stack.api.Generate(
+        gateway_pb2.GenerateRequest(text=prompt, max_new_tokens=6, cache_salt="u1"),
+        timeout=60,
+        metadata=(("authorization", f"Bearer {KEYS['a']}"),),
+    )
+    assert reply.usage.cached_tokens == full_pages and reply.text == first.choices[0].text  # u1's, cached now
+    worker = scrape_metrics(stack.metrics_port + 3)
+    label = (("worker", "worker-0"),)
+    assert worker[("loraserve_worker_prefix_cache_hit_tokens_total", label)] >= 2 * full_pages
+    assert worker[("loraserve_worker_prefix_cache_query_tokens_total", label)] > 0
+    assert worker[("loraserve_worker_prefix_cache_pages", label)] > 0
+    deadline = time.monotonic() + 15  # the latency breakdown shows the prefill that was skipped
+    while not (prefill := [x for x in collector.traces().get(trace_id, []) if x["name"] == "worker.prefill"]):
+        assert time.monotonic() < deadline, "no worker.prefill span on the request's trace"
+        time.sleep(0.3)
+    assert prefill[0]["attributes"]["loraserve.cached_tokens"] == full_pages
+    assert prefill[0]["attributes"]["loraserve.prompt_tokens"] == prompt_tokens

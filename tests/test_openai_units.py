@@ -187,7 +187,12 @@ def test_answers_have_openais_shape():
         "role": "assistant",
         "content": "AB",
     }
-    assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert whole["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     text = Answers("cmpl-1", "upper", chat=False, include_usage=True)
     assert text.opening() is None and text.piece(Piece("A"))["usage"] is None
     assert text.closing(final)["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}

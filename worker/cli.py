@@ -44,6 +44,13 @@ def add_engine_arguments(
         "--prefetch", action=argparse.BooleanOptionalAction, default=True, help="prefetch predicted adapters"
     )
     g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep full KV pages for later requests with the same prefix, adapter and tenant "
+        "(--no-prefix-cache: compute every prompt from its first token)",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs: run every decode step eagerly (by default, on CUDA with the triton backend, "
@@ -74,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_pool_memory_gb=args.cpu_pool_memory_gb,
         prefetch=args.prefetch,
+        prefix_cache=args.prefix_cache,
         cuda_graphs="off" if args.enforce_eager else "auto",
         adapter_cache_bytes=_gib_to_bytes(getattr(args, "adapter_cache_gb", None)),
     )

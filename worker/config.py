@@ -29,6 +29,7 @@ class EngineConfig:
     cpu_pool_memory_gb: float = 0.5  # on CPU with neither given
     adapter_pool_fraction: float | None = None  # None: unified pool; else adapters get this share, KV the rest
     prefetch: bool = True  # copy predicted adapters into the pool in the background
+    prefix_cache: bool = True  # keep full KV pages for reuse by later requests with the same prefix
     prefetch_depth: int = 16  # waiting requests looked at when predicting adapters
     prefetch_reserve: float = 0.10  # share of pages prefetch leaves free for KV growth
     seed: int = 0  # seeds requests that carry no seed of their own, in arrival order

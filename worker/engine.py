@@ -44,6 +44,7 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.grammar import GrammarMatchers
 from loraserve.worker.model import load_model
 from loraserve.worker.pool_layout import PoolLayout
+from loraserve.worker.prefix_cache import chain_root
 from loraserve.worker.request import FinishReason, Request
 from loraserve.worker.runner import DecodePadding, ModelRunner, RunnerOutput, step_capacity
 from loraserve.worker.sampling import SamplingParams
@@ -76,6 +77,7 @@ class StepOutput:
     error_status: str = "RESOURCE_EXHAUSTED"  # the grpc.StatusCode name for an ERROR finish
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the new tokens', when asked for
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token, when asked for
+    cached_tokens: int = 0  # with the first token: prompt tokens whose KV was found cached
 
 
 # A request whose logits are NaN or infinite (or whose probabilities are not a distribution) ends
@@ -156,6 +158,7 @@ class Engine:
         elif graphs is not None:
             self.runner.capture_decode_graphs(graphs, config.max_lora_rank)
         self.requests: dict[str, Request] = {}
+        self._adapter_ids: dict[AdapterKey, str] = {}  # weights' identity per version, for prefix caching
         self._aborted: dict[str, str | None] = {}  # request id -> error (None: cancelled), ended next step
         self._seeds = itertools.count(config.seed)
         self.steps = 0
@@ -253,6 +256,7 @@ class Engine:
         """Register an adapter that is already validated."""
         previous = self.registry.latest(name) if name in self.registry.names() else None
         key = self.registry.register(name, adapter, version)
+        self._adapter_ids[key] = adapter.sha256 or uuid.uuid4().hex  # a registration of unknown weights: its own
         if previous is not None and previous != key:
             self.pool.discard_stale(previous)
         log.info("adapter %s v%d: rank %d on %s", name, key[1], adapter.rank, ",".join(adapter.modules))
@@ -309,11 +313,13 @@ class Engine:
         request_id: str | None = None,
         output_ids: list[int] | None = None,
         group: str | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """Queue a request for an adapter name (its latest version), an exact (name, version), or None.
 
         `group`: requests of one group with the same adapter and prompt compute the prompt's KV once
-        (shared prefill, `step_scheduler`): the n choices of one prompt.
+        (shared prefill, `step_scheduler`): the n choices of one prompt. `cache_salt`: only requests
+        with the same salt share cached KV (`prefix_cache.py`; the worker passes the tenant's).
 
         `output_ids` continues a request another worker started (failover): the tokens it already
         generated are recomputed with the prompt, as after a preemption, and count against
@@ -333,6 +339,8 @@ class Engine:
         request = Request(
             request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed, guide=guide, group=group
         )
+        if self.config.prefix_cache:
+            request.chain_root = chain_root(cache_salt, self._adapter_identity(key))
         if sampling.prompt_logprobs is not None and not output_ids:  # a continued request reported them
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         if key is not None:
@@ -340,6 +348,10 @@ class Engine:
         self.requests[request_id] = request
         self.step_scheduler.add(request)
         return request
+
+    def _adapter_identity(self, key: AdapterKey | None) -> str:
+        """What a cached KV block's adapter is: name, version and weights (`prefix_cache.py`)."""
+        return "" if key is None else f"{key[0]}\0{key[1]}\0{self._adapter_ids.get(key, '')}"
 
     def _check_prompt(self, token_ids: list[int], sampling: SamplingParams, generated: int = 0) -> None:
         """`token_ids`: the prompt, then the `generated` tokens of an earlier attempt."""
@@ -438,6 +450,7 @@ class Engine:
                 start = request.num_computed
                 request.prompt_logprobs[start : start + len(scored)] = scored
             request.num_computed += n
+            self.step_scheduler.cache_computed(request)
             if request.request_id not in output.sampled:
                 continue  # a prefill chunk that does not end its prompt
             token = output.sampled[request.request_id]
@@ -461,6 +474,8 @@ class Engine:
             step_output.logprobs = logprobs
             if first and request.prompt_logprobs is not None:
                 step_output.prompt_logprobs = list(request.prompt_logprobs)
+            if first:
+                step_output.cached_tokens = request.cached_tokens
             outputs.append(step_output)
         return outputs
 

@@ -63,7 +63,8 @@ class WorkerCollector(Collector):
         counters = dict(vars(self.adapter_stats))
         worker = [report.worker_id]
         pages = GaugeMetricFamily("loraserve_worker_pool_pages", "Unified pool pages by use", labels=["worker", "use"])
-        for use, value in (("kv", report.kv_pages), ("adapter", report.adapter_pages), ("free", report.free_pages)):
+        uses = (("kv", report.kv_pages), ("adapter", report.adapter_pages), ("free", report.free_pages))
+        for use, value in (*uses, ("cached", report.cached_pages)):
             pages.add_metric([*worker, use], value)
         yield pages
         for name, doc, value in (
@@ -96,3 +97,37 @@ class WorkerCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["worker"])
             counter.add_metric(worker, counters.get(key, 0))
             yield counter
+        if self.step_scheduler is not None:
+            yield from self._prefix_cache(worker)
+
+    def _prefix_cache(self, worker: list[str]) -> Iterator:
+        """Prefix caching: hit and looked-up tokens (their ratio is the hit rate), idle cached pages, and
+        cached pages reclaimed for other use."""
+        scheduler, pool = self.step_scheduler, self.step_scheduler.pool
+        for name, doc, value in (
+            (
+                "loraserve_worker_prefix_cache_hit_tokens",
+                "Tokens whose KV admission found cached",
+                scheduler.cached_tokens,
+            ),
+            (
+                "loraserve_worker_prefix_cache_query_tokens",
+                "Tokens of the requests admitted with the prefix cache on (hit rate: hits / these)",
+                scheduler.admitted_tokens,
+            ),
+            (
+                "loraserve_worker_prefix_cache_evictions",
+                "Idle cached KV pages reclaimed for other use",
+                pool.cached_kv_evictions,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["worker"])
+            counter.add_metric(worker, value)
+            yield counter
+        gauge = GaugeMetricFamily(
+            "loraserve_worker_prefix_cache_pages",
+            "KV pages registered in the prefix cache (held or idle)",
+            labels=["worker"],
+        )
+        gauge.add_metric(worker, pool.cached_kv_pages())
+        yield gauge

@@ -5,6 +5,15 @@ tensor and copies the data. There is no static split between KV and adapters —
 free list. Adapters stay resident while unused and are evicted only when someone needs their
 pages, in the order an `EvictionPolicy` chooses (least recently used by default); an adapter
 pinned by a running request or an in-flight copy is never evicted.
+
+KV pages are reference-counted (prefix caching): a full page whose KV is known to hold a given
+block of tokens (`register_kv_page`, under its block hash: `prefix_cache.py`) can be attached to
+other sequences with the same prefix (`match_kv`, `attach_kv`), which only read it. When no
+sequence holds a registered page any more it stays cached, idle, in least-recently-released order,
+and is reclaimed only when pages are needed: free pages first, then idle cached pages (oldest
+first), and only then idle adapters. So a cold cached KV page is always given up before an idle
+adapter (recomputing a page of KV costs one page of prefill; reloading an adapter costs a copy of
+all of it), and `room` counts idle cached pages as available.
 """
 
 from __future__ import annotations
@@ -21,11 +30,12 @@ from loraserve.worker.pool_layout import PoolLayout
 class PoolStats:
     total_pages: int
     free_pages: int
-    kv_pages: int
+    kv_pages: int  # pages sequences hold (a shared one once)
     adapter_pages: int
     resident_adapters: int
     pinned_adapters: int
     waste_fraction: float  # 1 - useful elements / elements of allocated pages (padding, partial pages)
+    cached_pages: int = 0  # idle pages kept for their cached KV (reclaimable)
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -65,6 +75,11 @@ class PagePool:
         self._kv: dict[Hashable, list[int]] = {}  # sequence -> its pages, in token order
         self._kv_tokens: dict[Hashable, int] = {}  # sequence -> tokens it holds room for
         self._adapters: OrderedDict[Hashable, _Adapter] = OrderedDict()  # least recently used first
+        self._refs: dict[int, int] = {}  # KV page a sequence holds -> how many hold it
+        self._page_of: dict[bytes, int] = {}  # block hash -> the page holding that block's KV
+        self._hash_of: dict[int, bytes] = {}  # registered page -> its block hash
+        self._cached: OrderedDict[int, None] = OrderedDict()  # idle registered pages, released longest ago first
+        self.cached_evictions = 0  # idle cached pages reclaimed for other use
 
     # ---- queries ------------------------------------------------------------------------------
     def kv_page_table(self, seq: Hashable) -> list[int]:
@@ -93,18 +108,32 @@ class PagePool:
         return self.adapter_cap is not None
 
     def _kv_used(self) -> int:
-        return sum(len(p) for p in self._kv.values())
+        return len(self._refs)
 
     def _adapter_used(self) -> int:
         return sum(len(a.pages) for a in self._adapters.values())
 
     def room(self, for_kv: bool) -> int:
-        """Free pages KV (or adapters) may take now."""
+        """Pages KV (or adapters) may take now: free ones and idle cached ones."""
+        available = len(self._free) + len(self._cached)
         if not self.split:
-            return len(self._free)
+            return available
         if for_kv:
-            return self.layout.num_pages - self.adapter_cap - self._kv_used()
-        return self.adapter_cap - self._adapter_used()
+            return min(available, self.layout.num_pages - self.adapter_cap - self._kv_used())
+        return min(available, self.adapter_cap - self._adapter_used())
+
+    def _take(self, count: int) -> list[int]:
+        """`count` pages: free ones, then idle cached ones, oldest first (their cached KV is forgotten)."""
+        pages = []
+        while len(pages) < count:
+            if self._free:
+                pages.append(self._free.pop())
+                continue
+            page, _ = self._cached.popitem(last=False)
+            del self._page_of[self._hash_of.pop(page)]
+            self.cached_evictions += 1
+            pages.append(page)
+        return pages
 
     def kv_pages_to_grow(self, seq: Hashable, num_tokens: int) -> int:
         """Pages `seq` still needs to hold `num_tokens` tokens."""
@@ -117,16 +146,63 @@ class PagePool:
         if need > self.room(for_kv=True):
             return False
         pages = self._kv.setdefault(seq, [])
-        pages.extend(self._free.pop() for _ in range(need))
+        new = self._take(need)
+        for page in new:
+            self._refs[page] = 1
+        pages.extend(new)
         self._kv_tokens[seq] = max(self._kv_tokens.get(seq, 0), num_tokens)
         return True
 
     def free_kv(self, seq: Hashable) -> int:
-        """Return every page of `seq`; returns how many."""
+        """Release every page of `seq` (a page others hold stays theirs; a registered one stays cached,
+        idle); returns how many it held."""
         pages = self._kv.pop(seq, [])
         self._kv_tokens.pop(seq, None)
-        self._free.extend(reversed(pages))
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            del self._refs[page]
+            if page in self._hash_of:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
         return len(pages)
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def match_kv(self, hashes: list[bytes]) -> list[int]:
+        """The pages holding the longest run of leading blocks among `hashes` (a prefix's block hashes)."""
+        pages = []
+        for block in hashes:
+            page = self._page_of.get(block)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def attach_kv(self, seq: Hashable, pages: list[int]) -> None:
+        """Start `seq`, which holds no page yet, with `pages` (from `match_kv`), read-only: its own KV
+        goes in pages it grows after them."""
+        if seq in self._kv:
+            raise ValueError(f"sequence {seq!r} already holds pages")
+        for page in pages:
+            self._refs[page] = self._refs.get(page, 0) + 1
+            self._cached.pop(page, None)
+        self._kv[seq] = list(pages)
+        self._kv_tokens[seq] = len(pages) * self.layout.tokens_per_page
+
+    def register_kv_page(self, seq: Hashable, index: int, block: bytes) -> None:
+        """Page `index` of `seq` is full and holds the KV of the block hashed `block`: other sequences
+        with that prefix may attach it. A block already registered keeps its page."""
+        page = self._kv[seq][index]
+        if block in self._page_of or page in self._hash_of:
+            return
+        self._page_of[block] = page
+        self._hash_of[page] = block
+
+    def cached_kv_pages(self) -> int:
+        """Registered pages, held or idle."""
+        return len(self._hash_of)
 
     # ---- adapters ------------------------------------------------------------------------------
     def allocate_adapter(self, key: Hashable, num_pages: int, useful_elements: int) -> list[int] | None:
@@ -135,7 +211,7 @@ class PagePool:
             raise ValueError(f"adapter {key!r} is already resident")
         if num_pages > self.room(for_kv=False):
             return None
-        pages = [self._free.pop() for _ in range(num_pages)]
+        pages = self._take(num_pages)
         self._adapters[key] = _Adapter(pages, useful_elements)
         return pages
 
@@ -187,9 +263,10 @@ class PagePool:
     # ---- accounting ----------------------------------------------------------------------------
     def stats(self) -> PoolStats:
         layout = self.layout
-        kv_pages = sum(len(p) for p in self._kv.values())
+        kv_pages = len(self._refs)
         adapter_pages = sum(len(a.pages) for a in self._adapters.values())
-        kv_useful = sum(self._kv_tokens.values()) * 2 * layout.row_width * layout.num_layers
+        tokens = min(sum(self._kv_tokens.values()), kv_pages * layout.tokens_per_page)  # a shared page once
+        kv_useful = tokens * 2 * layout.row_width * layout.num_layers
         adapter_useful = sum(a.useful_elements for a in self._adapters.values())
         allocated = (kv_pages + adapter_pages) * layout.page_elements
         waste = 1.0 - (kv_useful + adapter_useful) / allocated if allocated else 0.0
@@ -201,13 +278,24 @@ class PagePool:
             resident_adapters=len(self._adapters),
             pinned_adapters=sum(1 for a in self._adapters.values() if a.pins),
             waste_fraction=round(waste, 6),
+            cached_pages=len(self._cached),
         )
 
     def check_invariants(self) -> None:
-        """Every page is free or owned exactly once; raises AssertionError otherwise (tests use it)."""
-        owned = [p for pages in self._kv.values() for p in pages]
-        owned += [p for a in self._adapters.values() for p in a.pages]
-        everything = owned + self._free
+        """Every page is free, idle cached or owned exactly once (a KV page by every sequence that counts
+        on it); raises AssertionError otherwise (tests use it)."""
+        holders: dict[int, int] = {}
+        for pages in self._kv.values():
+            for page in pages:
+                holders[page] = holders.get(page, 0) + 1
+        if holders != self._refs:
+            raise AssertionError("KV page reference counts disagree with the sequences holding them")
+        owned = list(self._refs) + [p for a in self._adapters.values() for p in a.pages]
+        everything = owned + self._free + list(self._cached)
+        if any(self._page_of[h] != p for p, h in self._hash_of.items()) or len(self._page_of) != len(self._hash_of):
+            raise AssertionError("block hashes and their pages disagree")
+        if any(p not in self._hash_of for p in self._cached):
+            raise AssertionError("an idle cached page has no block hash")
         if sorted(everything) != list(range(self.layout.num_pages)):
             raise AssertionError("a page is owned twice, leaked, or out of range")
         for seq, pages in self._kv.items():

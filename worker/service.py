@@ -252,7 +252,7 @@ class WorkerService:
             sampling = _sampling(a.sampling)
             key = (a.adapter, a.adapter_version) if a.adapter else None
             tracked.request = self.engine.add_request(
-                a.prompt_ids, sampling, key, a.request_id, a.output_ids, group=a.group
+                a.prompt_ids, sampling, key, a.request_id, a.output_ids, group=a.group, cache_salt=a.cache_salt
             )
         except LoraserveError as e:
             self._end(a.request_id, error_status=e.status, error=str(e))
@@ -384,6 +384,8 @@ class WorkerService:
             if any(o.logprobs or o.prompt_logprobs for o in outs):
                 message.logprobs = [o.logprobs for o in outs]
                 message.prompt_logprobs = [o.prompt_logprobs for o in outs]
+            if any(o.cached_tokens for o in outs):
+                message.cached_tokens = [o.cached_tokens for o in outs]
             self._send(address, message, ids)
 
     def _end(
@@ -408,6 +410,7 @@ class WorkerService:
             timings=timings,
             logprobs=output.logprobs if output else [],
             prompt_logprobs=output.prompt_logprobs if output else [],
+            cached_tokens=tracked.request.cached_tokens if tracked.request is not None else 0,
         )
         self._send(tracked.assign.reply_to, message)
         self._record_spans(tracked, timings, error_status)
@@ -454,7 +457,13 @@ class WorkerService:
         if "first_token_unix" in timings:
             start = int(timings["first_scheduled_unix"] * 1e9)
             first = int(timings["first_token_unix"] * 1e9)
-            tracer.start_span("worker.prefill", context=ctx, start_time=start).end(end_time=first)
+            prefill = tracer.start_span("worker.prefill", context=ctx, start_time=start)
+            request = tracked.request
+            if request is not None:  # what the prefill did not compute: found cached, or copied from its group
+                prefill.set_attribute("loraserve.prompt_tokens", len(request.prompt_ids))
+                prefill.set_attribute("loraserve.cached_tokens", request.cached_tokens)
+                prefill.set_attribute("loraserve.shared_prefill_tokens", request.shared_prefill_tokens)
+            prefill.end(end_time=first)
             tracer.start_span("worker.decode", context=ctx, start_time=first).end(end_time=time.time_ns())
         root.end()
 
@@ -484,7 +493,8 @@ class WorkerService:
             waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
             resident=[list(k) for k in e.pool.resident_adapters()[-MAX_RESIDENT:]],  # the most recently used
             finished=self.finished_since_report,
-            evictable_pages=e.pool.evictable_pages(),
+            evictable_pages=e.pool.evictable_pages() + pool.cached_pages,
+            cached_pages=pool.cached_pages,
             tokens_per_page=e.layout.tokens_per_page,
             steps=e.steps,
             prefetch_hits=stats.prefetch_hits,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.wire import AdapterKey
+from loraserve.worker.prefix_cache import extend_chain
 from loraserve.worker.request import FinishReason, Request, Status
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.unified_pool import AdapterSlot, UnifiedPool
@@ -98,6 +99,8 @@ class StepScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.shared_prefill_tokens = 0  # cumulative: prompt tokens copied from a group's donor, not computed
+        self.cached_tokens = 0  # cumulative: tokens whose KV admission found in cached pages
+        self.admitted_tokens = 0  # cumulative: tokens of the requests admitted (what the cache could hold)
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -181,17 +184,25 @@ class StepScheduler:
             keep = frozenset(r.adapter for r in self.running if r.adapter is not None)
             if request.adapter is not None and not self.pool.ensure(request.adapter, keep):
                 return
+            cached = self._attach_cached(request)  # tokens whose KV is in cached pages, now its own first pages
             shared = len(request.prompt_ids) - 1 if donor is not None else 0  # tokens whose KV it copies
-            n = min(request.num_tokens - shared, budget)
-            target = shared + n
+            start = max(cached, shared)
+            n = min(request.num_tokens - start, budget)
+            target = start + n
             need = self.pool.kv_pages_to_grow(request.request_id, target)
             keep_with_own = keep | ({request.adapter} if request.adapter else set())
-            if not self.pool.make_room(need, keep=frozenset(keep_with_own), for_kv=True):
-                return
-            if not self.pool.grow_kv(request.request_id, target):
+            if not (
+                self.pool.make_room(need, keep=frozenset(keep_with_own), for_kv=True)
+                and self.pool.grow_kv(request.request_id, target)
+            ):
+                self.pool.free_kv(request.request_id)  # the cached pages it attached go back
                 return
             self.waiting.popleft()
-            if donor is not None:
+            request.num_computed = cached
+            if request.first_token is None:
+                request.cached_tokens = cached
+            self.cached_tokens += cached
+            if shared > cached:
                 self._share_prefill(donor, request, shared, plan)
             if request.adapter is not None:
                 self.pool.pin(request.adapter)
@@ -216,11 +227,13 @@ class StepScheduler:
         return None
 
     def _share_prefill(self, donor: Request, request: Request, shared: int, plan: StepPlan) -> None:
-        """Start `request` past its first `shared` tokens, their KV copied from `donor`'s pages."""
-        pages = -(-shared // self.pool.layout.tokens_per_page)
+        """Start `request` past its first `shared` tokens, their KV copied from `donor`'s pages (after
+        the pages it attached from the cache, which hold the same KV already)."""
+        per_page = self.pool.layout.tokens_per_page
+        first, pages = request.num_computed // per_page, -(-shared // per_page)
         plan.kv_copies += zip(
-            self.pool.kv_page_table(donor.request_id)[:pages],
-            self.pool.kv_page_table(request.request_id)[:pages],
+            self.pool.kv_page_table(donor.request_id)[first:pages],
+            self.pool.kv_page_table(request.request_id)[first:pages],
             strict=True,
         )
         request.num_computed = shared
@@ -228,6 +241,38 @@ class StepScheduler:
             request.prompt_logprobs = list(donor.prompt_logprobs)
         request.shared_prefill_tokens = shared
         self.shared_prefill_tokens += shared
+
+    def _attach_cached(self, request: Request) -> int:
+        """Attach the cached pages of `request`'s longest cached prefix as its first pages; the tokens they
+        hold. Never its last known token (its logits are needed), and not for a request scoring its prompt
+        (every prompt row must be computed)."""
+        if request.chain_root is None or request.num_computed or request.prompt_logprobs is not None:
+            return 0
+        self.admitted_tokens += request.num_tokens
+        per_page = self.pool.layout.tokens_per_page
+        usable = (request.num_tokens - 1) // per_page
+        hashed = len(request.block_hashes) * per_page
+        extend_chain(request.block_hashes, request.chain_root, request.token_ids(hashed, usable * per_page), per_page)
+        pages = self.pool.match_kv(request.block_hashes[:usable])
+        if pages:
+            self.pool.attach_kv(request.request_id, pages)
+        request.registered_pages = len(pages)
+        return len(pages) * per_page
+
+    def cache_computed(self, request: Request) -> None:
+        """Register `request`'s pages its computed KV now fills (prefix caching; after each step)."""
+        if request.chain_root is None:
+            return
+        per_page = self.pool.layout.tokens_per_page
+        full = request.num_computed // per_page
+        if full <= request.registered_pages:
+            return
+        hashed = len(request.block_hashes) * per_page
+        if hashed < full * per_page:
+            extend_chain(request.block_hashes, request.chain_root, request.token_ids(hashed, full * per_page), per_page)
+        for index in range(request.registered_pages, full):
+            self.pool.register_kv_page(request.request_id, index, request.block_hashes[index])
+        request.registered_pages = full
 
 
 _PREFILLING = object()  # `_donor`'s answer while the donor's prefill is under way

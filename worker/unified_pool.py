@@ -187,6 +187,23 @@ class UnifiedPool:
     def free_kv(self, seq: Hashable) -> None:
         self._pages.free_kv(seq)
 
+    def match_kv(self, hashes: list[bytes]) -> list[int]:
+        """Pages of cached KV for the longest run of leading blocks among `hashes` (`page_pool.py`)."""
+        return self._pages.match_kv(hashes)
+
+    def attach_kv(self, seq: Hashable, pages: list[int]) -> None:
+        self._pages.attach_kv(seq, pages)
+
+    def register_kv_page(self, seq: Hashable, index: int, block: bytes) -> None:
+        self._pages.register_kv_page(seq, index, block)
+
+    @property
+    def cached_kv_evictions(self) -> int:
+        return self._pages.cached_evictions
+
+    def cached_kv_pages(self) -> int:
+        return self._pages.cached_kv_pages()
+
     # ---- adapters ------------------------------------------------------------------------------
     def make_room(self, num_pages: int, keep: frozenset = frozenset(), for_kv: bool = False) -> bool:
         """Evict idle adapters (never pinned ones or those in `keep`) until `num_pages` are free for KV

@@ -220,6 +220,7 @@ class OpenAiRoutes:
             stop=body.stops,
             stop_token_ids=body.stop_token_ids or [],
             include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            cache_salt=body.cache_salt or "",
             keep_special_tokens=body.skip_special_tokens is False,
         )
 

@@ -112,7 +112,7 @@ class Generation:
 def _final(summary: gateway_pb2.GenerateResponse) -> Final:
     reason = _REASON_NAMES.get(summary.finish_reason, "stop")
     usage = summary.usage
-    return Final(OPENAI_FINISH_REASONS[reason], usage.prompt_tokens, usage.completion_tokens)
+    return Final(OPENAI_FINISH_REASONS[reason], usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

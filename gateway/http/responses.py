@@ -41,18 +41,25 @@ class Final:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV was found cached (prefix caching)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": total,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     @staticmethod
     def summed(finals: list[Final], per_prompt: int = 1) -> Final:
         """The token counts of several generations together (a batch of prompts' usage): every
         generation's completion tokens, and each prompt's tokens once (`finals` in prompt order,
         `per_prompt` generations of each: its choices share its prompt)."""
-        prompts = sum(f.prompt_tokens for f in finals[::per_prompt])
-        return Final("", prompts, sum(f.completion_tokens for f in finals))
+        firsts = finals[::per_prompt]
+        completion = sum(f.completion_tokens for f in finals)
+        return Final("", sum(f.prompt_tokens for f in firsts), completion, sum(f.cached_tokens for f in firsts))
 
 
 @dataclass(frozen=True)

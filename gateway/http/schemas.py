@@ -152,6 +152,7 @@ class _Generation(_Body):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, max_length=128)  # extension (vLLM's): cached KV shared only within it
 
     @property
     def stops(self) -> list[str]:
