@@ -49,6 +49,7 @@ class Preset:
     answer_tokens: int
     concurrency: int
     repeats: int
+    model: str = MODEL  # `bench/overhead.py`'s models: "demo" or a random Llama
 
 
 FULL = Preset(adapters=20, tenants=2, conversations=1, turns=4, system_tokens=512, user_tokens=32,
@@ -227,7 +228,7 @@ def main(args: argparse.Namespace) -> int:
     for noisy in ("loraserve.worker", "loraserve.kernels"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
-    records = measure(model_dir(MODEL, cache), preset, args.seed)
+    records = measure(model_dir(preset.model, cache), preset, args.seed)
     for r in records:
         print(
             f"{r['workload']:>10} cache {r['cache']:>3}: TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms, p99 "
@@ -244,7 +245,13 @@ def main(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "threads": args.threads,
         }
-        payload = {"machine": machine, "model": MODEL, "preset": vars(preset), "records": records, "ratios": summary}
+        payload = {
+            "machine": machine,
+            "model": preset.model,
+            "preset": vars(preset),
+            "records": records,
+            "ratios": summary,
+        }
         (args.out / "results.json").write_text(json.dumps(payload, indent=1))
         print(f"results: {args.out / 'results.json'}")
     return 0

@@ -31,6 +31,7 @@ import msgpack
 
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.params import MAX_LOGPROBS, SamplingParams
+from loraserve.prefix_keys import FINGERPRINT_BYTES
 from loraserve.structured import MAX_GRAMMAR_BYTES
 
 
@@ -87,6 +88,7 @@ MAX_REPORTED_IDS = 2 * MAX_BATCH  # request ids in one list of a report (running
 MAX_RESIDENT = 4096  # resident adapters named in one report
 MAX_PREFETCH = 1024  # adapters in one prefetch hint
 MAX_STEP_SAMPLES = 64  # measured steps in one report
+MAX_PREFIXES = 4096  # cached prefix fingerprints in one report (its most recently used)
 
 Id = Annotated[str, Limit(max_len=MAX_ID)]
 Text = Annotated[str, Limit(max_len=MAX_TEXT)]
@@ -169,11 +171,27 @@ class WorkerReport(Message):
     # Steps measured since the last report, for the scheduler's step-cost model (scheduler/cost_model.py):
     # (tokens computed, Σ adapter rank over those tokens, distinct adapters, KV pages read, seconds).
     step_samples: Annotated[list[StepSample], Limit(max_len=MAX_STEP_SAMPLES)] = field(default_factory=list)
+    # Prefix caching: fingerprints of the prefixes cached here (`loraserve/prefix_keys.py`), 16 bytes
+    # each, concatenated, most recently used first, at most MAX_PREFIXES; None: as in the last report.
+    cached_prefixes: bytes | None = None
 
     def check(self) -> None:
         for name in ("free_pages", "kv_pages", "adapter_pages", "evictable_pages", "cached_pages"):
             if getattr(self, name) > self.total_pages:
                 raise WireError(f"WorkerReport.{name}: more than total_pages ({self.total_pages})")
+        prefixes = self.cached_prefixes
+        if prefixes is not None and (
+            len(prefixes) % FINGERPRINT_BYTES or len(prefixes) > MAX_PREFIXES * FINGERPRINT_BYTES
+        ):
+            raise WireError(
+                f"WorkerReport.cached_prefixes: must be at most {MAX_PREFIXES} fingerprints "
+                f"of {FINGERPRINT_BYTES} bytes each"
+            )
+
+    def prefixes(self) -> list[bytes]:
+        """`cached_prefixes` as one fingerprint each (empty when None)."""
+        blob = self.cached_prefixes or b""
+        return [blob[i : i + FINGERPRINT_BYTES] for i in range(0, len(blob), FINGERPRINT_BYTES)]
 
 
 @dataclass

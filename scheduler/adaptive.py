@@ -15,8 +15,9 @@ import math
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
+from loraserve.prefix_keys import PrefixProbe
 from loraserve.scheduler.admission import ClusterEstimate
 from loraserve.scheduler.cost_model import BatchShape, StepCostModel
 from loraserve.scheduler.migration import Move, RunningRequest, WaitingRequest, plan_migrations
@@ -27,6 +28,7 @@ from loraserve.wire import AdapterKey, WorkerReport
 if TYPE_CHECKING:
     from loraserve.scheduler.policy import PolicyConfig, QueuedRequest, WorkerView
 
+T = TypeVar("T")
 LOADING_S = 2.0  # an adapter hinted to or needed on a worker counts as "being loaded" there this long,
 # or until the worker reports it resident (from then on its reports say whether it still is)
 REPLICATE_SCORE = 0.9  # a popular adapter this likely to be asked for on each worker goes to all
@@ -42,6 +44,7 @@ class AdaptivePlanner:
         self.placement = Placement(self.cost, config.adapter_load_s)
         self.popularity = AdapterPopularity(config.popularity_half_life_s)
         self._loading: dict[str, dict[AdapterKey, float]] = {}  # worker -> adapter -> since
+        self._caching: dict[str, dict[bytes, float]] = {}  # worker -> prefix fingerprint placed there -> since
 
     # ---- inputs --------------------------------------------------------------------------------
     def observe(self, report: WorkerReport) -> None:
@@ -51,8 +54,16 @@ class AdaptivePlanner:
     def loading(self, worker_id: str, adapter: AdapterKey, now: float) -> None:
         self._loading.setdefault(worker_id, {})[adapter] = now
 
+    def caching(self, worker_id: str, prefix: PrefixProbe, tokens_per_page: int, now: float) -> None:
+        """A request with this prefix was placed on the worker: its prefix counts as cached there for
+        LOADING_S, or until a report of the worker's cached prefixes says otherwise."""
+        coming = self._caching.setdefault(worker_id, {})
+        for _, fingerprint in prefix.fingerprints(tokens_per_page):
+            coming[fingerprint] = now
+
     def forget_worker(self, worker_id: str) -> None:
         self._loading.pop(worker_id, None)
+        self._caching.pop(worker_id, None)
 
     # ---- views ---------------------------------------------------------------------------------
     def rank(self, request: QueuedRequest) -> int:
@@ -67,6 +78,7 @@ class AdaptivePlanner:
             request.prompt_len,
             request.max_new_tokens,
             self.config.output_fraction * request.max_new_tokens,
+            request.prefix,
         )
 
     def load_of(self, view: WorkerView, placed: Lookup, reserved_pages: int, now: float) -> WorkerLoad:
@@ -79,6 +91,7 @@ class AdaptivePlanner:
             if now - since > LOADING_S or adapter in resident:
                 del loading[adapter]
         batch_adapters = frozenset(r.adapter for r in known if r.adapter is not None)
+        coming = _unexpired(self._caching.get(view.worker_id, {}), view.prefixes, now)
         held = len(view.reported) + len(unreported)
         return WorkerLoad(
             worker_id=view.worker_id,
@@ -95,6 +108,7 @@ class AdaptivePlanner:
             ),
             adapters=_Union(resident, loading.keys()) if loading else resident,  # no copy of a big set per call
             batch_adapters=batch_adapters,
+            prefixes=_Union(view.prefixes, coming.keys()) if coming else view.prefixes,
         )
 
     def with_request(self, load: WorkerLoad, request: QueuedRequest) -> WorkerLoad:
@@ -118,6 +132,7 @@ class AdaptivePlanner:
             ),
             adapters=load.adapters if adapter is None else _Union(load.adapters, {adapter}),
             batch_adapters=load.batch_adapters | {adapter} if new_segment else load.batch_adapters,
+            prefixes=load.prefixes if request.prefix is None else _Union(load.prefixes, _fingerprints(request, load)),
         )
 
     # ---- decisions -----------------------------------------------------------------------------
@@ -181,21 +196,35 @@ class AdaptivePlanner:
         )
 
 
-class _Union(AbstractSet[AdapterKey]):
-    """A worker's resident adapters and those it is loading, as one set without copying either."""
+class _Union(AbstractSet[T], Generic[T]):
+    """A worker's reported set (resident adapters, cached prefixes) and what is on its way there (being
+    loaded, placed there), as one set without copying either."""
 
-    def __init__(self, resident: AbstractSet[AdapterKey], loading: AbstractSet[AdapterKey]):
+    def __init__(self, resident: AbstractSet[T], loading: AbstractSet[T]):
         self._resident, self._loading = resident, loading
 
     def __contains__(self, key: object) -> bool:
         return key in self._resident or key in self._loading
 
-    def __iter__(self) -> Iterator[AdapterKey]:
+    def __iter__(self) -> Iterator[T]:
         yield from self._resident
         yield from (k for k in self._loading if k not in self._resident)
 
     def __len__(self) -> int:
         return len(self._resident) + sum(1 for k in self._loading if k not in self._resident)
+
+
+def _unexpired(coming: dict[bytes, float], reported: AbstractSet[bytes], now: float) -> dict[bytes, float]:
+    """Drop from `coming` (fingerprint -> placed at) what is reported cached or older than LOADING_S."""
+    for fingerprint, since in list(coming.items()):
+        if now - since > LOADING_S or fingerprint in reported:
+            del coming[fingerprint]
+    return coming
+
+
+def _fingerprints(request: QueuedRequest, load: WorkerLoad) -> frozenset[bytes]:
+    assert request.prefix is not None
+    return frozenset(fp for _, fp in request.prefix.fingerprints(load.tokens_per_page))
 
 
 def _full(w: WorkerLoad) -> BatchShape:

@@ -6,7 +6,9 @@ For a request r and a worker w that has batch and pool room for it, with the ste
     ttft(w)  = waiting(w)·step(B) + step(B + r's prefill) + miss(w)
     cost(w)  = ttft(w) + out(r)·(step(B + r) + n·(step(B + r) - step(B)))
 
-i.e. the latency r would see (its first token, then `out(r)` decode steps) plus the delay it adds
+where r's prefill computes only the prompt tokens w has not cached (prefix caching: the longest of
+r's checkpoint prefixes w reports, `loraserve/prefix_keys.py`, or that a request just placed there
+will leave cached), i.e. the latency r would see (its first token, then `out(r)` decode steps) plus the delay it adds
 to the n requests already there: greedy on the sum of latencies. `miss(w)` is the time to load
 r's adapter, zero when w holds it or is loading it (it was prefetched there, or a request for it
 was just placed there): affinity is a cost term, so a worker holding the adapter wins unless its
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
+from loraserve.prefix_keys import PrefixProbe
 from loraserve.scheduler.cost_model import BatchShape, StepCostModel
 from loraserve.wire import AdapterKey
 
@@ -41,6 +44,7 @@ class WorkerLoad:
     batch: BatchShape  # its decode step now
     adapters: AbstractSet[AdapterKey]  # resident, or being loaded
     batch_adapters: frozenset[AdapterKey]  # adapters of the requests it holds (one segment each)
+    prefixes: AbstractSet[bytes] = frozenset()  # fingerprints of the prefixes cached there, or soon to be
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,14 @@ class Demand:
     prompt_len: int
     max_new_tokens: int
     expected_output: float  # decode steps it will probably take
+    prefix: PrefixProbe | None = None  # its prompt's checkpoint fingerprints (None: not cacheable)
 
     def kv_pages(self, tokens_per_page: int) -> int:
         return -(-(self.prompt_len + self.max_new_tokens) // max(1, tokens_per_page))
+
+    def cached_tokens(self, w: WorkerLoad) -> int:
+        """Prompt tokens w would find cached (prefix caching)."""
+        return self.prefix.cached_tokens(w.tokens_per_page, w.prefixes) if self.prefix is not None else 0
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,8 @@ class Placement:
         new_segment = int(d.adapter is not None and d.adapter not in w.batch_adapters)
         decode = self.cost.step_s(w.batch)
         joined = _add(w.batch, 1, d.rank, new_segment, pages)
-        prefill = self.cost.step_s(_add(w.batch, d.prompt_len, d.rank * d.prompt_len, new_segment, pages))
+        computed = d.prompt_len - d.cached_tokens(w)
+        prefill = self.cost.step_s(_add(w.batch, computed, d.rank * computed, new_segment, pages))
         miss = self.adapter_load_s if d.adapter is not None and d.adapter not in w.adapters else 0.0
         ttft = w.waiting * decode + prefill + miss
         with_r = self.cost.step_s(joined)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.errors import InvalidConfigError, ResourceExhaustedError, UnavailableError
+from loraserve.prefix_keys import PrefixProbe
 from loraserve.scheduler.adaptive import AdaptivePlanner
 from loraserve.scheduler.admission import check_admission
 from loraserve.scheduler.cost_model import StepCost
@@ -127,6 +128,7 @@ class QueuedRequest:
     attempt: int = 0  # earlier attempts lost (failover, migration): only attempt 0 migrates
     placed_at: float = 0.0  # when it was assigned to a worker (set by the policy)
     group: str | None = None  # shared prefill: placed beside the group's other requests when there is room
+    prefix: PrefixProbe | None = None  # prefix caching: its checkpoint fingerprints (adaptive placement)
 
 
 @dataclass
@@ -142,14 +144,18 @@ class WorkerView:
     resident: frozenset[AdapterKey] = field(init=False)  # report.resident
     running: frozenset[str] = field(init=False)  # report.running
     reported: frozenset[str] = field(init=False)  # report.running + report.waiting
+    prefixes: frozenset[bytes] = frozenset()  # report.cached_prefixes, from the last report that carried them
 
     def __post_init__(self) -> None:
         self.resident = frozenset((name, int(version)) for name, version in self.report.resident)
         self.running = frozenset(self.report.running)
         self.reported = self.running | frozenset(self.report.waiting)
+        self.prefixes = frozenset(self.report.prefixes())
 
     def update(self, report: WorkerReport, now: float) -> None:
         old, self.report, self.last_report = self.report, report, now
+        if report.cached_prefixes is not None:
+            self.prefixes = frozenset(report.prefixes())
         if report.resident != old.resident:
             self.resident = frozenset((name, int(version)) for name, version in report.resident)
         if report.running != old.running:
@@ -430,6 +436,8 @@ class SchedulerPolicy:
                 self._remember_group(request.group, worker.worker_id)
             if request.adapter is not None:
                 self.planner.loading(worker.worker_id, request.adapter, now)
+            if self.adaptive and request.prefix is not None:
+                self.planner.caching(worker.worker_id, request.prefix, worker.report.tokens_per_page, now)
             decisions.append(AssignTo(worker.worker_id, request))
             in_flight[request.tenant] += 1
             if cap is not None and request.tenant == cap[0] and in_flight[request.tenant] >= cap[1]:

@@ -157,6 +157,35 @@ def test_concurrent_streams_match_the_offline_engine(stack):
         assert summary.worker_id.startswith("worker-")
 
 
+@pytest.mark.parametrize("adapter", ["", "upper"])
+def test_a_repeated_prefix_goes_to_the_worker_that_caches_it(stack, adapter):
+    """Prefix caching across workers: six prompts at once fill both workers (4 slots each at most);
+    asked again one by one, each goes back to the worker that holds its prefix and finds it cached
+    there (without prefix-aware placement, idle workers tie and one of them would take them all). An
+    adapter's prefixes are keyed by its version's weights, which the scheduler learns from the store."""
+    story = "the quiet king finds my little boat and the green queen waits across this gentle tree "
+    prompts = [f"{word} {adapter} {story * 3}" for word in ("one", "two", "three", "four", "five", "six")]
+    first: dict[int, tuple] = {}
+
+    def run(i):
+        first[i] = _stream(stack, text=prompts[i], adapter=adapter, max_new_tokens=NEW_TOKENS)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    workers = {i: summary.worker_id for i, (_, _, summary) in first.items()}
+    assert len(set(workers.values())) == 2, workers
+    assert _idle(stack)
+    time.sleep(0.6)  # the workers' next reports carry their cached prefixes
+    for i, prompt in enumerate(prompts):
+        tokens, _, summary = _stream(stack, text=prompt, adapter=adapter, max_new_tokens=NEW_TOKENS)
+        assert summary.worker_id == workers[i], (i, summary.worker_id, workers)
+        assert summary.usage.cached_tokens >= (summary.usage.prompt_tokens - 1) // 16 * 16 * 2 // 3 > 0
+        assert tokens == first[i][0]
+
+
 def _steps(stack) -> int:
     return sum(w.steps for w in stack.cluster().workers)
 

@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+from loraserve.prefix_keys import PrefixProbe, adapter_identity, chain_root, extend_chain, is_checkpoint
+from loraserve.wire import MAX_PREFIXES
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Cached, Engine
 from loraserve.worker.page_pool import PagePool
 from loraserve.worker.pool_layout import PoolLayout
-from loraserve.worker.prefix_cache import chain_root, extend_chain
 from loraserve.worker.sampling import SamplingParams
 
 TOL = 1e-4
@@ -229,3 +230,63 @@ def test_a_continued_request_finds_its_earlier_attempts_pages_and_goes_on_exactl
         engine.step()
     known = len(whole.prompt_ids) + cut
     assert continued.cached_tokens == (known - 1) // 16 * 16 and continued.output_ids == whole.output_ids
+
+
+@pytest.mark.parametrize("adapter", [None, "upper"])
+def test_the_prefixes_a_worker_reports_are_the_ones_the_scheduler_computes_from_a_prompt(adapter):
+    """The scheduler places a request where its prefix is cached by comparing the fingerprints it
+    computes from the request's salt, adapter version and tokens with those the worker reports."""
+    engine = _engine()
+    identity = ""
+    if adapter is not None:  # as a worker registers what it fetched: the store's hash of the weights
+        weights = dataclasses.replace(engine.registry.get(engine.registry.latest(adapter)), sha256="cd" * 32)
+        key = engine.add_adapter("fetched", weights)
+        adapter, identity = "fetched", adapter_identity("fetched", key[1], "cd" * 32)
+    prompt = SYSTEM + TURNS[0] + TURNS[1]
+    (done,) = _serve(engine, [[(prompt, adapter, "tenant-a", 0)]])
+    reported = set(engine.pool.cached_prefixes(MAX_PREFIXES))
+    history = done.prompt_ids + done.output_ids
+    full_pages = len(history) // 16
+    longest = max(n for n in range(1, full_pages + 1) if is_checkpoint(n))
+    next_turn = PrefixProbe(chain_root("tenant-a", identity), history + TURNS[2])
+    assert next_turn.cached_tokens(16, reported) == longest * 16
+    assert len(reported) == sum(is_checkpoint(n) for n in range(1, full_pages + 1))
+    assert PrefixProbe(chain_root("tenant-b", identity), history + TURNS[2]).cached_tokens(16, reported) == 0
+    epoch = engine.pool.prefix_epoch
+    _serve(engine, [[(history + TURNS[2], adapter, "tenant-a", 1)]])  # hits: only its new pages add prefixes
+    assert engine.pool.prefix_epoch > epoch and reported < set(engine.pool.cached_prefixes(MAX_PREFIXES))
+
+
+def test_up_forwards_no_prefix_cache_to_every_worker():
+    """On by default; `loraserve up --no-prefix-cache` turns it off on each worker's command line."""
+    import argparse
+
+    from loraserve import launcher
+    from loraserve.worker import main as worker_main
+    from loraserve.worker.cli import engine_config_from_args
+
+    up, worker = argparse.ArgumentParser(), argparse.ArgumentParser()
+    launcher.add_arguments(up)
+    worker_main.add_arguments(worker)
+    for argv, cache in (([], True), (["--no-prefix-cache"], False)):
+        commands = launcher.role_commands(up.parse_args(["--workers", "2", *argv]))
+        for name in ("worker-0", "worker-1"):
+            line = commands[name]
+            assert engine_config_from_args(worker.parse_args(line[line.index("worker") + 1 :])).prefix_cache is cache
+
+
+def test_the_hit_rate_counts_a_request_once_however_long_it_waited_for_room():
+    """A request that waits for pages is looked up at each try, but counted (looked-up and hit tokens)
+    only when it is admitted."""
+    engine = _engine(pool_pages=16)  # 256 tokens: the second request waits until the first ends
+    sampling = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    first = engine.add_request(SYSTEM * 3, sampling, None, cache_salt="t")  # 210 + 16 tokens: 15 pages
+    second = engine.add_request(TURNS[1] * 4, sampling, None, cache_salt="t")  # 6 pages, nothing shared
+    waited = 0
+    while engine.has_unfinished():
+        engine.step()
+        waited += second.first_token is None and first.first_token is not None
+    assert waited > 1 and first.num_preemptions == second.num_preemptions == 0
+    scheduler = engine.step_scheduler
+    assert scheduler.admitted_tokens == len(first.prompt_ids) + len(second.prompt_ids)
+    assert scheduler.cached_tokens == 0

@@ -21,6 +21,7 @@ from scheduler_proc import report as proc_report
 
 from loraserve.errors import DeadlineExceededError, InvalidConfigError, InvalidRequestError, ResourceExhaustedError
 from loraserve.gateway.validation import Limits, fairness_tenant, validate_generate
+from loraserve.prefix_keys import PrefixProbe, chain_root
 from loraserve.scheduler.admission import ClusterEstimate, check_admission
 from loraserve.scheduler.cost_model import BatchShape, StepCost, StepCostModel
 from loraserve.scheduler.fairness import VirtualTokenCounter, flooder_cap
@@ -239,6 +240,57 @@ def test_placement_consolidates_when_costs_tie():
     placement = Placement(flat)
     demand = Demand(None, 0, 16, 16, 8.0)
     assert placement.choose([load("idle", 0), load("busy", 3)], demand).worker_id == "busy"  # Punica
+
+
+def _probe(prompt_len: int, salt: str = "t") -> PrefixProbe:
+    return PrefixProbe(chain_root(salt, ""), list(range(3, 3 + prompt_len)))
+
+
+def test_placement_prefers_the_worker_holding_the_prefix_unless_its_load_costs_more():
+    """Prefix caching: the worker reporting the prompt's prefix cached skips that prefill, which the
+    cost model weighs against its load (prefill is 2 ms a token here: 512 cached tokens save ~1 s)."""
+    placement = Placement(StepCostModel(StepCost(per_token_s=2e-3)))
+    probe = _probe(520)
+    demand = Demand(None, 0, 520, 32, 16.0, probe)
+    cached = frozenset(fp for _, fp in probe.fingerprints(16))
+    assert demand.cached_tokens(replace(load("holder"), prefixes=cached)) == 512
+    holder, other = replace(load("holder", 3), prefixes=cached), load("other", 1)
+    assert placement.choose([holder, other], demand).worker_id == "holder"
+    assert placement.choose([load("holder", 3), other], demand).worker_id == "other"  # the less loaded, without it
+    crowded = replace(load("holder", 7), waiting=6, prefixes=cached)  # six prefills ahead of it there
+    assert placement.choose([crowded, other], Demand(None, 0, 40, 32, 16.0, _probe(40))).worker_id == "other"
+    # another salt (tenant) or a prompt that differs in its first page finds nothing there
+    assert Demand(None, 0, 520, 32, 16.0, _probe(520, "u")).cached_tokens(holder) == 0
+    shifted = PrefixProbe(chain_root("t", ""), [9, *range(4, 523)])
+    assert Demand(None, 0, 520, 32, 16.0, shifted).cached_tokens(holder) == 0
+
+
+def test_a_probe_counts_the_longest_checkpoint_cached_and_never_the_last_token():
+    probe = _probe(8 * 16 + 1)  # 8 whole pages before the last token
+    lengths = [n for n, _ in probe.fingerprints(16)]
+    assert lengths == [128, 96, 64, 48, 32, 16]  # checkpoints 8, 6, 4, 3, 2, 1 pages
+    assert [n for n, _ in _probe(8 * 16).fingerprints(16)] == [96, 64, 48, 32, 16]  # 7 usable: 6 is the longest
+    by_length = dict(probe.fingerprints(16))
+    assert probe.cached_tokens(16, {by_length[48], by_length[16]}) == 48
+    assert probe.cached_tokens(16, set()) == 0 and _probe(16).fingerprints(16) == ()
+
+
+def test_the_policy_keeps_a_prefix_on_the_worker_that_caches_it_and_its_burst_together():
+    policy = SchedulerPolicy(PolicyConfig(max_queue_length=64))
+    probe = _probe(520)
+    cached = b"".join(fp for _, fp in probe.fingerprints(16))
+    for worker, prefixes in (("w0", cached), ("w1", b"")):
+        policy.on_report(replace(report(worker, max_batch=8), cached_prefixes=prefixes), 0.0)
+    for i in range(3):
+        policy.add(replace(request(f"r{i}", prompt=520, new=8), prefix=probe), 0.0)
+    assert assigned(policy.schedule(0.0)) == [("w0", "r0"), ("w0", "r1"), ("w0", "r2")]
+    # a new prefix goes where placement puts it; the requests placed right after it follow it there
+    # before that worker reports the prefix cached
+    fresh = _probe(520, "other-tenant")
+    policy.add(replace(request("n0", prompt=520, new=8), prefix=fresh), 0.1)
+    (first,) = assigned(policy.schedule(0.1))
+    policy.add(replace(request("n1", prompt=520, new=8), prefix=fresh), 0.2)
+    assert assigned(policy.schedule(0.2)) == [(first[0], "n1")]
 
 
 # ---- migration --------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ pages, in the order an `EvictionPolicy` chooses (least recently used by default)
 pinned by a running request or an in-flight copy is never evicted.
 
 KV pages are reference-counted (prefix caching): a full page whose KV is known to hold a given
-block of tokens (`register_kv_page`, under its block hash: `prefix_cache.py`) can be attached to
+block of tokens (`register_kv_page`, under its block hash: `loraserve/prefix_keys.py`) can be attached to
 other sequences with the same prefix (`match_kv`, `attach_kv`), which only read it. When no
 sequence holds a registered page any more it stays cached, idle, in least-recently-released order,
 and is reclaimed only when pages are needed: free pages first, then idle cached pages (oldest
@@ -79,6 +79,9 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}  # block hash -> the page holding that block's KV
         self._hash_of: dict[int, bytes] = {}  # registered page -> its block hash
         self._cached: OrderedDict[int, None] = OrderedDict()  # idle registered pages, released longest ago first
+        # registered pages that end a checkpoint prefix -> its fingerprint, least recently used first
+        self._fingerprint_of: OrderedDict[int, bytes] = OrderedDict()
+        self.prefix_epoch = 0  # counts changes to the set of fingerprints (the worker reports them when it moves)
         self.cached_evictions = 0  # idle cached pages reclaimed for other use
 
     # ---- queries ------------------------------------------------------------------------------
@@ -131,6 +134,8 @@ class PagePool:
                 continue
             page, _ = self._cached.popitem(last=False)
             del self._page_of[self._hash_of.pop(page)]
+            if self._fingerprint_of.pop(page, None) is not None:
+                self.prefix_epoch += 1
             self.cached_evictions += 1
             pages.append(page)
         return pages
@@ -188,17 +193,29 @@ class PagePool:
         for page in pages:
             self._refs[page] = self._refs.get(page, 0) + 1
             self._cached.pop(page, None)
+            if page in self._fingerprint_of:
+                self._fingerprint_of.move_to_end(page)
         self._kv[seq] = list(pages)
         self._kv_tokens[seq] = len(pages) * self.layout.tokens_per_page
 
-    def register_kv_page(self, seq: Hashable, index: int, block: bytes) -> None:
+    def register_kv_page(self, seq: Hashable, index: int, block: bytes, fingerprint: bytes | None = None) -> None:
         """Page `index` of `seq` is full and holds the KV of the block hashed `block`: other sequences
-        with that prefix may attach it. A block already registered keeps its page."""
+        with that prefix may attach it. A block already registered keeps its page. `fingerprint`: the
+        page ends a checkpoint prefix (`loraserve/prefix_keys.py`), reported to the scheduler."""
         page = self._kv[seq][index]
         if block in self._page_of or page in self._hash_of:
             return
         self._page_of[block] = page
         self._hash_of[page] = block
+        if fingerprint is not None:
+            self._fingerprint_of[page] = fingerprint
+            self.prefix_epoch += 1
+
+    def cached_prefixes(self, limit: int) -> list[bytes]:
+        """Fingerprints of the checkpoint prefixes whose last page is cached, most recently used first;
+        at most `limit`."""
+        recent = reversed(self._fingerprint_of.values())
+        return [fp for fp, _ in zip(recent, range(limit), strict=False)]
 
     def cached_kv_pages(self) -> int:
         """Registered pages, held or idle."""
@@ -294,8 +311,8 @@ class PagePool:
         everything = owned + self._free + list(self._cached)
         if any(self._page_of[h] != p for p, h in self._hash_of.items()) or len(self._page_of) != len(self._hash_of):
             raise AssertionError("block hashes and their pages disagree")
-        if any(p not in self._hash_of for p in self._cached):
-            raise AssertionError("an idle cached page has no block hash")
+        if any(p not in self._hash_of for p in (*self._cached, *self._fingerprint_of)):
+            raise AssertionError("an idle cached or fingerprinted page has no block hash")
         if sorted(everything) != list(range(self.layout.num_pages)):
             raise AssertionError("a page is owned twice, leaked, or out of range")
         for seq, pages in self._kv.items():

@@ -55,7 +55,7 @@ class Request:
     # OpenAI's n choices, or a client's own group.
     group: str | None = None
     shared_prefill_tokens: int = 0  # prompt tokens whose KV was copied from a member of its group
-    # Prefix caching (`prefix_cache.py`): the root of its block-hash chain (None: caching off), the
+    # Prefix caching (`loraserve/prefix_keys.py`): the root of its block-hash chain (None: caching off), the
     # hashes of its full blocks so far, how many of its pages are registered, and how many prompt
     # tokens its first admission found cached (reported with the first token).
     chain_root: bytes | None = None

@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.prefix_keys import extend_chain, fingerprint, is_checkpoint
 from loraserve.wire import AdapterKey
-from loraserve.worker.prefix_cache import extend_chain
 from loraserve.worker.request import FinishReason, Request, Status
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.unified_pool import AdapterSlot, UnifiedPool
@@ -184,7 +184,8 @@ class StepScheduler:
             keep = frozenset(r.adapter for r in self.running if r.adapter is not None)
             if request.adapter is not None and not self.pool.ensure(request.adapter, keep):
                 return
-            cached = self._attach_cached(request)  # tokens whose KV is in cached pages, now its own first pages
+            looked_up = self._attach_cached(request)  # tokens whose KV is in cached pages, now its own first pages
+            cached = looked_up or 0
             shared = len(request.prompt_ids) - 1 if donor is not None else 0  # tokens whose KV it copies
             start = max(cached, shared)
             n = min(request.num_tokens - start, budget)
@@ -201,7 +202,9 @@ class StepScheduler:
             request.num_computed = cached
             if request.first_token is None:
                 request.cached_tokens = cached
-            self.cached_tokens += cached
+            if looked_up is not None:  # counted once it is admitted: a failed admission is tried again
+                self.admitted_tokens += request.num_tokens
+                self.cached_tokens += cached
             if shared > cached:
                 self._share_prefill(donor, request, shared, plan)
             if request.adapter is not None:
@@ -242,13 +245,12 @@ class StepScheduler:
         request.shared_prefill_tokens = shared
         self.shared_prefill_tokens += shared
 
-    def _attach_cached(self, request: Request) -> int:
+    def _attach_cached(self, request: Request) -> int | None:
         """Attach the cached pages of `request`'s longest cached prefix as its first pages; the tokens they
         hold. Never its last known token (its logits are needed), and not for a request scoring its prompt
-        (every prompt row must be computed)."""
+        (every prompt row must be computed): None when it does not look (caching off, or such a request)."""
         if request.chain_root is None or request.num_computed or request.prompt_logprobs is not None:
-            return 0
-        self.admitted_tokens += request.num_tokens
+            return None
         per_page = self.pool.layout.tokens_per_page
         usable = (request.num_tokens - 1) // per_page
         hashed = len(request.block_hashes) * per_page
@@ -271,7 +273,13 @@ class StepScheduler:
         if hashed < full * per_page:
             extend_chain(request.block_hashes, request.chain_root, request.token_ids(hashed, full * per_page), per_page)
         for index in range(request.registered_pages, full):
-            self.pool.register_kv_page(request.request_id, index, request.block_hashes[index])
+            blocks = index + 1  # a checkpoint prefix's last page carries its fingerprint, for the scheduler
+            mark = (
+                fingerprint(request.chain_root, request.token_ids(0, blocks * per_page))
+                if is_checkpoint(blocks)
+                else None
+            )
+            self.pool.register_kv_page(request.request_id, index, request.block_hashes[index], mark)
         request.registered_pages = full
 
 

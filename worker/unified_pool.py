@@ -118,10 +118,14 @@ class UnifiedPool:
         device: torch.device,
         adapter_pages: int | None = None,
         policy: EvictionPolicy | None = None,
+        zeroed: bool = True,
     ) -> None:
         self.layout, self.model, self.host = layout, model, host
         shape = (layout.num_layers, layout.rows_per_layer, layout.row_width)
-        self.tensor = torch.zeros(shape, dtype=dtype, device=device)  # [L, pages * R, W]: KV and adapters
+        # [L, pages * R, W]: KV and adapters. Not `zeroed` (the emulated runner's pool, whose KV nothing
+        # reads): uninitialized, so the host commits memory only for the pages written.
+        allocate = torch.zeros if zeroed else torch.empty
+        self.tensor = allocate(shape, dtype=dtype, device=device)
         self.device = device
         self._pages = PagePool(layout, adapter_pages, policy)
         self._slots: dict[AdapterKey, AdapterSlot] = {}
@@ -194,8 +198,15 @@ class UnifiedPool:
     def attach_kv(self, seq: Hashable, pages: list[int]) -> None:
         self._pages.attach_kv(seq, pages)
 
-    def register_kv_page(self, seq: Hashable, index: int, block: bytes) -> None:
-        self._pages.register_kv_page(seq, index, block)
+    def register_kv_page(self, seq: Hashable, index: int, block: bytes, fingerprint: bytes | None = None) -> None:
+        self._pages.register_kv_page(seq, index, block, fingerprint)
+
+    def cached_prefixes(self, limit: int) -> list[bytes]:
+        return self._pages.cached_prefixes(limit)
+
+    @property
+    def prefix_epoch(self) -> int:
+        return self._pages.prefix_epoch
 
     @property
     def cached_kv_evictions(self) -> int:
