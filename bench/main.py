@@ -26,10 +26,14 @@ throughput with 1000 distinct adapters over one.
 `--suite structured` measures what a constrained (structured output) request adds to a step, and
 `--suite choices` n choices of one prompt with shared prefill and without (`bench/structured.py`,
 `bench/choices.py`).
+`--suite prefix` prefix caching on multi-turn chat, with the cache on and off (`bench/prefix.py`).
 
 `--suite scheduling` compares the default scheduling policy with `fcfs` on the same traces
 (`bench/scheduling.py`): a simulated stack driving the real policy, with step costs measured on the
 real engine.
+
+`--suite runner-profile` calibrates the emulated runner (`--runner emulated`) on the real engine
+and writes `--out/runner_profile.json` (`bench/runner_profile.py`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench import abuse, chaos, choices, overhead, scheduling, structured
+from loraserve.bench import abuse, chaos, choices, overhead, prefix, runner_profile, scheduling, structured
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -55,7 +59,17 @@ log = logging.getLogger(__name__)
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
-SUITES = ("serving", "chaos", "scheduling", "abuse", "overhead", "structured", "choices")  # bench/<suite>.py
+SUITES = (
+    "serving",
+    "chaos",
+    "scheduling",
+    "abuse",
+    "overhead",
+    "structured",
+    "choices",
+    "prefix",
+    "runner-profile",
+)  # bench/<suite>.py
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
 FULL = {
@@ -155,6 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead.add_arguments(p)
     structured.add_arguments(p)
     choices.add_arguments(p)
+    prefix.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -398,6 +413,8 @@ def main(args: argparse.Namespace) -> int:
         "overhead": overhead,
         "structured": structured,
         "choices": choices,
+        "prefix": prefix,
+        "runner-profile": runner_profile,
     }
     if args.suite in suites:  # a suite of its own (bench/<suite>.py); else the serving benchmark, below
         return suites[args.suite].main(args)

@@ -283,7 +283,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="multiplies each scenario's trace duration (quick: 60/30/60 s)",
     )
-    p.add_argument("--sched-costs", type=Path, help="a run.json whose cost model to reuse instead of measuring")
+    p.add_argument(
+        "--sched-costs",
+        type=Path,
+        help="a run.json (or a runner_profile.json) whose cost model to reuse instead of measuring",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -333,11 +337,5 @@ def main(args: argparse.Namespace) -> int:
 
 
 def cost_model_from(d: dict) -> CostModel:
-    """The inverse of `CostModel.as_dict`."""
-    coef = d["step_coef"]
-    return CostModel(
-        tuple(coef.values()) if isinstance(coef, dict) else tuple(coef),
-        tuple(d["copy_coef"]),
-        tuple(d["fetch_coef"]),
-        d.get("measured_on", {}),
-    )
+    """The inverse of `CostModel.as_dict` (a run.json's or a runner profile's "costs")."""
+    return CostModel.from_dict(d)

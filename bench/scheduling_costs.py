@@ -1,7 +1,7 @@
 """What a worker's step and an adapter load cost, measured on the real engine, for the scheduling simulation.
 
     costs = measure_costs(DEMO_MODEL_DIR, QUICK_GRID)   # ~30 s on one CPU core
-    costs.step_s(step_shape([(1, 100, 8, "a"), (64, 64, 0, None)]))  # chunks: (tokens, context, rank, adapter)
+    costs.step_s(step_features([(1, 100, 8, "a"), (64, 64, 0, None)]))  # chunks: (tokens, context, rank, adapter)
     costs.copy_s(rank)                                  # one adapter into the pool (a miss, or a prefetch)
     costs.fetch_s(rank)                                 # parse, check and pack its bytes (first use on a worker)
 
@@ -10,7 +10,9 @@ over a grid of compositions — batch sizes, prompt lengths, the base model / on
 adapter per request with mixed ranks — and every `engine.step()` is timed, prefill, chunked prefill,
 mixed and decode steps alike, in the CPU time of the stepping thread (torch on one thread, as a
 worker on its own core): on a shared machine, time other processes hold the core is not the
-engine's cost. The grid is run `repeats` times and each step keeps its least time. A linear model is
+engine's cost. Each step's features are those of the chunks its runner computed (tokens whose KV a
+prefix-cache hit supplied are not computed), and its runner's part of the time (`ModelRunner.execute`)
+is kept beside the whole step's. The grid is run `repeats` times and each step keeps its least time. A linear model is
 fitted to them by least squares weighted by 1/√t (relative error alone lets the many small steps
 outvote the full batches that set capacity), coefficients kept non-negative:
 
@@ -18,7 +20,9 @@ outvote the full batches that set capacity), coefficients kept non-negative:
              + c_key·Σ_groups G·S + c_score·Σ_groups G·Q·S
 
 where attention's two groups (decoding sequences, prefill chunks) are each padded to their longest
-member: G sequences, S the longest context, Q the longest chunk (`kernels/attention_torch.py`). A
+member: G sequences, S the longest context, Q the longest chunk (`kernels/attention_torch.py`). The
+model itself (`CostModel`, `StepFeatures`) lives in `worker/step_costs.py`, where the
+emulated runner reads it too (`bench/runner_profile.py` fits its profile from the same timings). A
 grid with equal lengths cannot tell padding from useful work, so the grid ends with a batch of
 heavy-tail requests arriving two per step (`Grid.mixed`): continuous batching's mixed lengths at
 full load.
@@ -30,14 +34,18 @@ packing the rows for the pool).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from loraserve.worker.step_costs import CostModel, StepFeatures
 
 log = logging.getLogger(__name__)
 
@@ -45,45 +53,7 @@ log = logging.getLogger(__name__)
 # processes held that core (the machine is shared). Valid because torch runs one thread here.
 clock = time.thread_time
 
-FEATURES = ("const", "seqs", "tokens", "adapters", "token_rank", "key_slots", "score_slots")
 RANKS = (8, 16, 32, 64)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a step computes, as the cost model sees it."""
-
-    seqs: int
-    tokens: int  # prefill chunk tokens + one per decoding sequence
-    adapters: int  # distinct adapters
-    token_rank: int  # Σ tokens_i · rank_i over sequences with an adapter
-    # Attention pads each group (decoding sequences, prefill chunks) to its longest member
-    # (kernels/attention_torch.py): per group, G sequences · the longest context S (keys gathered)
-    # and G · the longest chunk Q · S (scores).
-    key_slots: int  # Σ_groups G · S
-    score_slots: int  # Σ_groups G · Q · S
-
-    def vector(self) -> tuple[float, ...]:
-        return (1.0, self.seqs, self.tokens, self.adapters, self.token_rank, self.key_slots, self.score_slots)
-
-
-def step_shape(chunks: list[tuple[int, int, int, object]]) -> StepShape:
-    """The shape of a step from its chunks: (tokens this step, context after it, rank or 0, adapter or None)."""
-    groups = ([c for c in chunks if c[0] == 1], [c for c in chunks if c[0] > 1])  # decode, prefill
-    key_slots = score_slots = 0
-    for group in groups:
-        if group:
-            longest_context = max(c[1] for c in group)
-            key_slots += len(group) * longest_context
-            score_slots += len(group) * max(c[0] for c in group) * longest_context
-    return StepShape(
-        seqs=len(chunks),
-        tokens=sum(c[0] for c in chunks),
-        adapters=len({c[3] for c in chunks if c[3] is not None}),
-        token_rank=sum(c[0] * c[2] for c in chunks),
-        key_slots=key_slots,
-        score_slots=score_slots,
-    )
 
 
 @dataclass(frozen=True)
@@ -111,28 +81,6 @@ TINY_GRID = Grid(
 )
 
 
-@dataclass(frozen=True)
-class CostModel:
-    step_coef: tuple[float, ...]  # seconds per unit of each FEATURES entry
-    copy_coef: tuple[float, float]  # copy_s = a + b · rank
-    fetch_coef: tuple[float, float]  # fetch_s = a + b · rank
-    measured_on: dict = field(default_factory=dict)  # machine, model, threads, samples, fit quality
-
-    def step_s(self, shape: StepShape) -> float:
-        return float(sum(c * x for c, x in zip(self.step_coef, shape.vector(), strict=True)))
-
-    def copy_s(self, rank: int) -> float:
-        return self.copy_coef[0] + self.copy_coef[1] * rank
-
-    def fetch_s(self, rank: int) -> float:
-        return self.fetch_coef[0] + self.fetch_coef[1] * rank
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["step_coef"] = dict(zip(FEATURES, self.step_coef, strict=True))
-        return d
-
-
 def fixed_costs() -> CostModel:
     """A plausible cost model without measuring (unit tests): ~2 ms a step plus per-token costs."""
     return CostModel((2e-3, 5e-5, 2e-5, 1e-4, 1e-8, 1e-6, 1e-9), (3e-4, 1e-6), (2e-3, 2e-5), {"source": "fixed"})
@@ -148,62 +96,126 @@ def machine() -> dict:
 
 
 # ---- measuring -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Calibration:
+    """The real engine's times over a grid: each step's features and its least time over the repeats,
+    whole (`engine.step()`) and the runner's part of it (`ModelRunner.execute`: the forward pass and
+    sampling, what the emulated runner stands in for); and adapter copies and fetches per rank."""
+
+    shapes: list[StepFeatures]
+    step_s: list[float]
+    runner_s: list[float]
+    copies: list[tuple[int, float]]  # (rank, seconds)
+    fetches: list[tuple[int, float]]
+    measured_on: dict
+
+    def costs(self) -> CostModel:
+        """The whole step's cost model, fitted (`fit_step_model`)."""
+        coef, quality = fit_step_model(self.shapes, self.step_s)
+        return CostModel(tuple(coef), _line(self.copies), _line(self.fetches), {**self.measured_on, **quality})
+
+
 def measure_costs(model_dir: Path, grid: Grid = QUICK_GRID, seed: int = 0) -> CostModel:
     """Time the real engine over `grid` and fit the cost model (see the module docstring)."""
+    return calibrate(model_dir, grid, seed).costs()
+
+
+def calibrate(model_dir: Path, grid: Grid = QUICK_GRID, seed: int = 0) -> Calibration:
+    """Time the real engine over `grid` (torch on one thread, as a worker on its own core)."""
+    with one_torch_thread():
+        return _measure(model_dir, grid, seed)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread meanwhile: one core per worker; and `clock` sees only this thread."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core per worker; and `clock` sees only this thread
+    torch.set_num_threads(1)
     try:
-        return _measure(model_dir, grid, seed)
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(model_dir: Path, grid: Grid, seed: int) -> CostModel:
-    from loraserve.bench.engine_system import AdapterBank, warm_up
-    from loraserve.bench.synthetic_adapters import SyntheticAdapters
+def calibration_adapters(grid: Grid) -> dict[str, int]:
+    """The adapters the grid's batches use, name -> rank: enough of each rank for a distinct one per request."""
+    n_per_rank = max(grid.batch_sizes) // len(RANKS) + 1
+    return {f"cost-{rank}-{i}": rank for i in range(n_per_rank) for rank in RANKS}
+
+
+def calibration_engine(model_dir: Path, bank, adapters: dict[str, int], config=None):
+    """An engine as the calibration runs it (`config`: the same with other settings, e.g. the emulated
+    runner), with `adapters` registered, warmed up and all resident: the steps timed copy nothing."""
+    from loraserve.bench.engine_system import warm_up
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
 
-    started = time.perf_counter()
-    bank = AdapterBank(SyntheticAdapters(model_dir, seed=seed))
-    n_per_rank = max(grid.batch_sizes) // len(RANKS) + 1
-    adapters = {f"cost-{rank}-{i}": rank for i in range(n_per_rank) for rank in RANKS}
-    engine = Engine(model_dir, EngineConfig(device="cpu", max_batch_size=64, pool_pages=2048, prefetch=False))
+    engine = Engine(model_dir, config or EngineConfig(**CALIBRATION_ENGINE))
     try:
         for name, rank in adapters.items():
             engine.add_adapter(name, bank.get(name, rank))
         warm_up(engine, adapters)
-        for name in adapters:  # every adapter resident: the steps timed below copy nothing
+        for name in adapters:
             engine.pool.ensure(engine.registry.latest(name))
-        runs = [_time_steps(engine, adapters, grid) for _ in range(grid.repeats)]
-        shapes = runs[0][0]
-        if any(r[0] != shapes for r in runs):
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+# No prefix cache: the grid repeats its prompts, and every step should compute the tokens it is timed for.
+CALIBRATION_ENGINE = {
+    "device": "cpu",
+    "max_batch_size": 64,
+    "pool_pages": 2048,
+    "prefetch": False,
+    "prefix_cache": False,
+}
+
+
+def _measure(model_dir: Path, grid: Grid, seed: int) -> Calibration:
+    from loraserve.bench.engine_system import AdapterBank
+    from loraserve.bench.synthetic_adapters import SyntheticAdapters
+
+    started = time.perf_counter()
+    bank = AdapterBank(SyntheticAdapters(model_dir, seed=seed))
+    adapters = calibration_adapters(grid)
+    engine = calibration_engine(model_dir, bank, adapters)
+    try:
+        runs = [time_steps(engine, adapters, grid) for _ in range(grid.repeats)]
+        shapes = runs[0].shapes
+        if any(r.shapes != shapes for r in runs):
             raise RuntimeError("the engine scheduled the same batches differently on a repeat")
-        seconds = [min(times) for times in zip(*(r[1] for r in runs), strict=True)]
-        copy = _time_copies(engine, bank, grid.load_samples)
-        fetch = _time_fetches(engine, bank, grid.load_samples)
+        step_s = [min(times) for times in zip(*(r.step_s for r in runs), strict=True)]
+        runner_s = [min(times) for times in zip(*(r.runner_s for r in runs), strict=True)]
+        copies = _time_copies(engine, bank, grid.load_samples)
+        fetches = _time_fetches(engine, bank, grid.load_samples)
     finally:
         engine.close()
-    coef, quality = fit_step_model(shapes, seconds)
-    return CostModel(
-        tuple(coef),
-        _line(copy),
-        _line(fetch),
-        {
-            **machine(),
-            "model": str(model_dir),
-            "torch_threads": 1,
-            "clock": "thread CPU time",
-            "step_samples": len(seconds),
-            **quality,
-            "measure_wall_s": round(time.perf_counter() - started, 1),
-        },
-    )
+    measured_on = {
+        **machine(),
+        "model": str(model_dir),
+        "torch_threads": 1,
+        "clock": "thread CPU time",
+        "step_samples": len(step_s),
+        "measure_wall_s": round(time.perf_counter() - started, 1),
+    }
+    return Calibration(shapes, step_s, runner_s, copies, fetches, measured_on)
 
 
-def _time_steps(engine, adapters: dict[str, int], grid: Grid) -> tuple[list[StepShape], list[float]]:
+@dataclass
+class StepTimes:
+    """One pass over the grid: each step's features, its time and its runner's part."""
+
+    shapes: list[StepFeatures] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    runner_s: list[float] = field(default_factory=list)
+
+
+def time_steps(engine, adapters: dict[str, int], grid: Grid, timer: Callable[[], float] = clock) -> StepTimes:
+    """Run the grid's batches through `engine`, timing every step with `timer` (and its runner's part)."""
     names = list(adapters)
     batches = []
     for batch in grid.batch_sizes:
@@ -211,18 +223,46 @@ def _time_steps(engine, adapters: dict[str, int], grid: Grid) -> tuple[list[Step
             for mix in grid.mixes:
                 chosen = {"base": [None] * batch, "one": [names[0]] * batch, "distinct": names[:batch]}[mix]
                 batches.append([(prompt_len, grid.new_tokens, a) for a in chosen])
-    shapes, seconds = [], []
-    for batch in batches:
-        requests = [_add(engine, i, request) for i, request in enumerate(batch)]
-        _step_all(engine, requests, adapters, shapes, seconds)
-    if grid.mixed:  # two new requests before each step while they last: a full batch and a queue
-        requests = []
-        for i, request in enumerate(_mixed_batch(adapters, grid.mixed)):
-            requests.append(_add(engine, i, request))
-            if i % 2:
-                _step_all(engine, requests, adapters, shapes, seconds, steps=1)
-        _step_all(engine, requests, adapters, shapes, seconds)
-    return shapes, seconds
+    times = StepTimes()
+    with _RunnerTimer(engine, timer) as runner:
+        for batch in batches:
+            for i, request in enumerate(batch):
+                _add(engine, i, request)
+            _step_all(engine, runner, times)
+        if grid.mixed:  # two new requests before each step while they last: a full batch and a queue
+            for i, request in enumerate(_mixed_batch(adapters, grid.mixed)):
+                _add(engine, i, request)
+                if i % 2:
+                    _step_all(engine, runner, times, steps=1)
+            _step_all(engine, runner, times)
+    return times
+
+
+class _RunnerTimer:
+    """Times each call of `engine.runner.execute` while in use, and notes the features of the batch it
+    computed (the runner is put back after). The features come from the runner's chunks, as the emulated
+    runner reads them: tokens whose KV a prefix cache hit or a shared prefill supplied are not computed."""
+
+    def __init__(self, engine, timer: Callable[[], float]):
+        from loraserve.worker.emulated_runner import batch_features
+
+        self.engine, self.timer, self.last, self.features = engine, timer, 0.0, None
+        self.execute, self.batch_features = engine.runner.execute, batch_features
+
+    def __enter__(self) -> _RunnerTimer:
+        self.engine.runner.execute = self._timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.runner.execute  # the instance attribute: the class's method shows again
+
+    def _timed(self, batch, *args, **kwargs):
+        self.features = self.batch_features(batch)
+        start = self.timer()
+        try:
+            return self.execute(batch, *args, **kwargs)
+        finally:
+            self.last = self.timer() - start
 
 
 def _add(engine, i: int, request: tuple[int, int, str | None]):
@@ -233,14 +273,18 @@ def _add(engine, i: int, request: tuple[int, int, str | None]):
     return engine.add_request([5 + (i + j) % 200 for j in range(prompt_len)], sampling, adapter, f"c-{i}")
 
 
-def _step_all(engine, requests, adapters, shapes: list, seconds: list, steps: int | None = None) -> None:
-    """Step until nothing is left (or `steps` times), timing each step and noting its shape."""
+def _step_all(engine, runner: _RunnerTimer, times: StepTimes, steps: int | None = None) -> None:
+    """Step until nothing is left (or `steps` times), timing each step that computed something and noting
+    its shape."""
     while engine.has_unfinished() and (steps is None or steps > 0):
-        before = {r.request_id: r.num_computed for r in requests}
-        start = clock()
+        runner.features = None
+        start = runner.timer()
         engine.step()
-        seconds.append(clock() - start)
-        shapes.append(_shape(requests, before, adapters))
+        seconds = runner.timer() - start
+        if runner.features is not None:
+            times.step_s.append(seconds)
+            times.runner_s.append(runner.last)
+            times.shapes.append(runner.features)
         steps = None if steps is None else steps - 1
 
 
@@ -257,16 +301,6 @@ def _mixed_batch(adapters: dict[str, int], n: int) -> list[tuple[int, int, str |
         rank, i = trace.adapters[r.adapter], int(r.adapter.rsplit("-", 1)[1])
         out.append((r.prompt_len, r.output_len, by_rank[rank][(i // len(RANKS)) % len(by_rank[rank])]))
     return out
-
-
-def _shape(requests, before: dict[str, int], ranks: dict[str, int]) -> StepShape:
-    chunks = []
-    for r in requests:
-        n = r.num_computed - before[r.request_id]
-        if n > 0:  # scheduled (not preempted: that drops its KV)
-            rank = ranks[r.adapter[0]] if r.adapter is not None else 0
-            chunks.append((n, r.num_computed, rank, r.adapter))
-    return step_shape(chunks)
 
 
 def _prepared(engine, adapter):
@@ -313,7 +347,7 @@ def _line(samples: list[tuple[int, float]]) -> tuple[float, float]:
     return (max(0.0, float(np.mean(medians) - b * np.mean(ranks))), b)
 
 
-def fit_step_model(shapes: list[StepShape], seconds: list[float]) -> tuple[list[float], dict]:
+def fit_step_model(shapes: list[StepFeatures], seconds: list[float]) -> tuple[list[float], dict]:
     """Least squares weighted by 1/√t, with non-negative coefficients (features that come out
     negative are dropped and the rest refitted). Returns (coefficients, fit quality)."""
     x = np.array([s.vector() for s in shapes], dtype=np.float64)

@@ -35,7 +35,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loraserve.bench.scheduling_costs import CostModel, StepShape, step_shape
 from loraserve.bench.scheduling_traces import SimRequest, SimTrace
 from loraserve.bench.synthetic_adapters import DEFAULT_TARGETS
 from loraserve.errors import LoraserveError
@@ -46,6 +45,7 @@ from loraserve.worker.page_pool import PagePool
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.request import FinishReason, Request, Status
 from loraserve.worker.sampling import SamplingParams
+from loraserve.worker.step_costs import CostModel, StepFeatures, step_features
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
 from loraserve.worker.unified_pool import UNKNOWN_SCORE, LoadStats, prefetch_targets
 
@@ -356,8 +356,8 @@ class SimWorker:
         self.counters.tokens += shape.tokens
         return now + seconds
 
-    def _shape(self, plan: StepPlan) -> StepShape:
-        return step_shape(
+    def _shape(self, plan: StepPlan) -> StepFeatures:
+        return step_features(
             [
                 (n, r.num_computed + n, self.ranks[r.adapter[0]] if r.adapter else 0, r.adapter)
                 for r, n in plan.scheduled

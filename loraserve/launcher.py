@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2
 from loraserve import internal_auth, telemetry
 from loraserve.adapter_store.config import stack_data_dir
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.errors import InvalidConfigError
+from loraserve.errors import InvalidConfigError, InvalidModelError
 from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.tls import ClientTls, add_tls_arguments, load_server_tls, load_up_client_tls
 from loraserve.gateway.tool_parsers import add_tool_parser_argument
@@ -118,6 +118,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="workers keep KV pages for later requests with the same prefix (--no-prefix-cache: off)",
+    )
+    parser.add_argument(
+        "--runner",
+        choices=("real", "emulated"),
+        default="real",
+        help="workers' runner: real (the model) or emulated (a benchmark and test tool, never for serving: "
+        "no weights, steps wait what --runner-profile predicts, deterministic tokens; dozens fit on one machine)",
+    )
+    parser.add_argument(
+        "--runner-profile",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --runner emulated: `loraserve bench --suite runner-profile`'s runner_profile.json",
     )
     parser.add_argument(
         "--adapter-cache-gb",
@@ -250,6 +264,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             *_flags(adapter_cache_gb=args.adapter_cache_gb, torch_threads=threads),
             *(["--enforce-eager"] if args.enforce_eager else []),
             *([] if args.prefix_cache else ["--no-prefix-cache"]),
+            *_runner_flags(args),
             *common,
         ]
     commands["gateway"] = [
@@ -267,9 +282,38 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return commands
 
 
+def _runner_flags(args: argparse.Namespace) -> list[str]:
+    """A worker's runner flags (none for the real runner)."""
+    if args.runner == "real":
+        return []
+    profile = [] if args.runner_profile is None else ["--runner-profile", str(Path(args.runner_profile).resolve())]
+    return ["--runner", args.runner, *profile]
+
+
+def check_runner(args: argparse.Namespace) -> None:
+    """Before any worker starts: an emulated runner's profile exists, parses and fits the model
+    (InvalidConfigError saying what to do), rather than every worker failing in a restart loop."""
+    if args.runner != "emulated":
+        return
+    from loraserve.model_config import ModelConfig
+    from loraserve.worker.runner_profile import HOW_TO_WRITE, load_profile
+
+    if args.runner_profile is None:
+        raise InvalidConfigError(f"--runner emulated needs --runner-profile FILE: {HOW_TO_WRITE}")
+    if any(device not in ("cpu", "auto") for device in args.device.split(",")):
+        raise InvalidConfigError(f"--runner emulated runs on the CPU: --device {args.device} is not for it")
+    try:
+        model = ModelConfig.from_dir(args.model)
+    except InvalidModelError as e:
+        raise InvalidConfigError(f"--model {args.model}: {e}") from None
+    load_profile(Path(args.runner_profile), model)
+
+
 def supervisor(args: argparse.Namespace, tls: ClientTls | None) -> Supervisor:
     """Every role of the stack (in start order) under one Supervisor; roles with a gRPC server are
-    health-checked (the gateway through `tls` when it serves TLS: `gateway_tls(args)`)."""
+    health-checked (the gateway through `tls` when it serves TLS: `gateway_tls(args)`). Checks an
+    emulated runner's profile first (`check_runner`)."""
+    check_runner(args)
     ports = Ports(args.base_port)
     internal_auth.generate(internal_keys_dir(args))
     health = {"adapter-store": ports.store, "scheduler": ports.scheduler, "gateway": args.bind}

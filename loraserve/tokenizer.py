@@ -32,6 +32,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def special_ids(self) -> frozenset[int]:
+        """Ids of special tokens: EOS, BOS and every added token marked special (`<unk>`, `<|im_start|>`, ...)."""
+        added = self._tok.get_added_tokens_decoder()
+        bos = () if self.bos_token_id is None else (self.bos_token_id,)
+        return frozenset((*self.eos_token_ids, *bos, *(i for i, token in added.items() if token.special)))
+
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json holds it (what llguidance reads)."""
         return self._tok.to_str()

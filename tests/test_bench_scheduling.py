@@ -12,19 +12,13 @@ import pytest
 from loraserve.bench import main as bench_main
 from loraserve.bench import scheduling
 from loraserve.bench import scheduling_traces as traces
-from loraserve.bench.scheduling_costs import (
-    TINY_GRID,
-    StepShape,
-    fit_step_model,
-    fixed_costs,
-    measure_costs,
-    step_shape,
-)
+from loraserve.bench.scheduling_costs import TINY_GRID, fit_step_model, fixed_costs, measure_costs
 from loraserve.bench.scheduling_sim import SimConfig, SimPool, Simulation, SimWorker
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.flags import EnvArgumentParser
 from loraserve.model_config import ModelConfig
 from loraserve.worker.pool_layout import PoolLayout
+from loraserve.worker.step_costs import StepFeatures, step_features
 
 RECORD_FIELDS = ("scenario", "policy", "ttft_p50_s", "ttft_p99_s", "slo_attainment", "req_per_s", "prefetch_hit_rate")
 MODEL = ModelConfig.from_dir(DEMO_MODEL_DIR)
@@ -60,15 +54,15 @@ def test_burst_arrives_at_once():
 
 # ---- the cost model ------------------------------------------------------------------------------
 def test_step_shape_pads_each_attention_group_to_its_longest_member():
-    shape = step_shape([(1, 100, 8, "a"), (1, 20, 16, "b"), (50, 60, 0, None), (10, 10, 8, "a")])
-    assert shape == StepShape(seqs=4, tokens=62, adapters=2, token_rank=104, key_slots=320, score_slots=6200)
+    shape = step_features([(1, 100, 8, "a"), (1, 20, 16, "b"), (50, 60, 0, None), (10, 10, 8, "a")])
+    assert shape == StepFeatures(seqs=4, tokens=62, adapters=2, token_rank=104, key_slots=320, score_slots=6200)
 
 
 def test_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
     truth = np.array([2e-3, 1e-4, 3e-5, 2e-4, 5e-7, 2e-6, 1e-8])
     shapes = [
-        StepShape(int(s), int(t), int(a), int(tr), int(at), int(kv))
+        StepFeatures(int(s), int(t), int(a), int(tr), int(at), int(kv))
         for s, t, a, tr, at, kv in zip(
             rng.integers(1, 33, 200),
             rng.integers(1, 2048, 200),
@@ -89,8 +83,8 @@ def test_measuring_the_engine_gives_positive_costs():
     costs = measure_costs(DEMO_MODEL_DIR, TINY_GRID)
     assert costs.measured_on["step_samples"] > 10
     assert all(c >= 0 for c in costs.step_coef) and costs.step_coef[0] > 0
-    small = costs.step_s(step_shape([(1, 1, 0, None)]))
-    big = costs.step_s(step_shape([(64, 128, 32, ("a", 1))] * 4))
+    small = costs.step_s(step_features([(1, 1, 0, None)]))
+    big = costs.step_s(step_features([(64, 128, 32, ("a", 1))] * 4))
     assert 0 < small < big < 5.0
     assert 0 < costs.copy_s(8) <= costs.copy_s(64) and 0 < costs.fetch_s(8) <= costs.fetch_s(64)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
 from loraserve.tokenizer import IncrementalDetokenizer
-from loraserve.worker.config import EngineConfig
+from loraserve.worker.config import RUNNERS, EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.sampling import SamplingParams
 
@@ -56,6 +56,22 @@ def add_engine_arguments(
         help="no CUDA graphs: run every decode step eagerly (by default, on CUDA with the triton backend, "
         "decode steps replay a graph captured per batch-size bucket at start-up)",
     )
+    g.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="real",
+        help="real: run the model; emulated: a benchmark and test tool, never for serving: no weights loaded, "
+        "each step waits the time --runner-profile predicts (on the CPU, taking almost none of it) and emits "
+        "deterministic tokens",
+    )
+    g.add_argument(
+        "--runner-profile",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --runner emulated: the step-cost profile measured on the real engine "
+        "(`loraserve bench --suite runner-profile --out DIR` writes DIR/runner_profile.json)",
+    )
     if adapter_cache_gb is not None:
         g.add_argument(
             "--adapter-cache-gb",
@@ -84,6 +100,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=args.prefix_cache,
         cuda_graphs="off" if args.enforce_eager else "auto",
         adapter_cache_bytes=_gib_to_bytes(getattr(args, "adapter_cache_gb", None)),
+        runner=args.runner,
+        runner_profile=args.runner_profile,
     )
 
 

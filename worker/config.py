@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -10,6 +11,7 @@ from loraserve.errors import InvalidConfigError
 from loraserve.wire import MAX_BATCH
 
 CUDA_GRAPHS = ("auto", "off", "uncaptured")
+RUNNERS = ("real", "emulated")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -44,6 +46,11 @@ class EngineConfig:
     cuda_graphs: str = "auto"
     # Compile every kernel variant, and capture the graphs, before serving: "auto" does on CUDA.
     warm_up: str = "auto"  # "auto", "on", "off"
+    # "real" runs the model; "emulated" (a benchmark and test tool, `worker/emulated_runner.py`) loads
+    # no weights and waits each step's time as `runner_profile` predicts, on the CPU, with
+    # deterministic tokens; kernels, graphs and warm-up do not apply to it.
+    runner: str = "real"
+    runner_profile: Path | None = None  # `bench --suite runner-profile`'s runner_profile.json
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -78,6 +85,16 @@ class EngineConfig:
             bad("max_model_len", "must be >= 2")
         if self.adapter_cache_bytes is not None and self.adapter_cache_bytes < 0:
             bad("adapter_cache_bytes", "must be >= 0, or unset to keep every adapter")
+        if self.runner not in RUNNERS:
+            bad("runner", f"choose {' or '.join(RUNNERS)}")
+        if self.runner == "emulated" and self.runner_profile is None:
+            bad(
+                "runner",
+                "the emulated runner needs runner_profile (--runner-profile FILE): write one with `loraserve "
+                "bench --suite runner-profile --model MODEL_DIR --out DIR`, then pass DIR/runner_profile.json",
+            )
+        if self.runner == "emulated" and self.device not in ("auto", "cpu"):
+            bad("device", "the emulated runner runs on the CPU: leave device auto or cpu")
 
     def decode_buckets(self) -> list[int]:
         """The batch sizes decode steps are padded to: 1, 2, 4, 8, then every multiple of 8, up to max_batch_size."""

@@ -10,6 +10,10 @@ Each `step()` is three calls on plain data, as in nano-vllm and vLLM v1:
     output = runner.execute(plan.batch)     # one forward pass over all their tokens, then sampling
     outputs = self._update(plan, output)    # the only place request state changes
 
+With `EngineConfig(runner="emulated")` (a benchmark and test tool) the runner is an `EmulatedRunner`:
+no weights, each step sleeps the time a measured profile predicts and emits deterministic tokens
+(`emulated_runner.py`); everything else here is the same.
+
 The step scheduler also makes each request's adapter resident through the unified pool (copying it
 in unless a prefetch did) and preempts when the pool is full; `_update` appends tokens, checks
 stops, sets timestamps and finishes requests, whose pages go back to the pool.
@@ -36,21 +40,23 @@ import torch
 from loraserve.errors import AdapterNotFoundError, InvalidConfigError, InvalidRequestError, ResourceExhaustedError
 from loraserve.kernels.backend import KernelBackend, select_backend
 from loraserve.model_config import ModelConfig
+from loraserve.prefix_keys import adapter_identity, chain_root
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes, load_adapter_dir
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.emulated_runner import EmulatedRunner
 from loraserve.worker.grammar import GrammarMatchers
 from loraserve.worker.model import load_model
 from loraserve.worker.pool_layout import PoolLayout
-from loraserve.worker.prefix_cache import chain_root
 from loraserve.worker.request import FinishReason, Request
 from loraserve.worker.runner import DecodePadding, ModelRunner, RunnerOutput, step_capacity
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
 from loraserve.worker.unified_pool import UnifiedPool
 from loraserve.worker.warm_up import warm_up
+from loraserve.worker.weights import tensor_sizes
 
 log = logging.getLogger(__name__)
 
@@ -133,30 +139,28 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size)  # structured output
-        self.device = config.torch_device()
+        # The emulated runner (a benchmark and test tool, `emulated_runner.py`): no weights, steps wait. Its
+        # profile is read, and checked against the model, before anything is allocated.
+        emulated = config.runner == "emulated"
+        runner = None
+        if emulated:
+            runner = EmulatedRunner.from_profile(config.runner_profile, self.model_config, self.tokenizer)
+        self.device = torch.device("cpu") if emulated else config.torch_device()
         self.dtype = config.torch_dtype(self.device, self.model_config.torch_dtype)
-        self.model = load_model(model_dir, self.model_config, self.device, self.dtype)
+        self.model = None if emulated else load_model(model_dir, self.model_config, self.device, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.layout = PoolLayout.for_model(self.model_config, config.rows_per_page, self._pool_pages())
         self.registry = AdapterRegistry(budget_bytes=config.adapter_cache_bytes)  # adapters in host RAM
         fraction = config.adapter_pool_fraction
         adapter_pages = max(1, int(self.layout.num_pages * fraction)) if fraction else None
-        # The unified pool: ONE buffer for KV cache and adapter weights (see pool_layout.py).
-        self.pool = UnifiedPool(self.layout, self.model_config, self.registry, self.dtype, self.device, adapter_pages)
+        # The unified pool: ONE buffer for KV cache and adapter weights (see pool_layout.py). Emulated, its
+        # memory is taken only where adapters are copied in (nothing writes KV).
+        self.pool = UnifiedPool(
+            self.layout, self.model_config, self.registry, self.dtype, self.device, adapter_pages, zeroed=not emulated
+        )
         self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
-        backend = select_backend(config.backend, self.device)
-        capacity = step_capacity(config, self.layout, self.model_config, self.max_model_len)
-        graphs = self._graph_mode(backend)
-        warm = config.warm_up == "on" or (config.warm_up == "auto" and self.device.type == "cuda")
-        # The scratch page: padded decode steps' pads and the warm-up's dummy steps write there.
-        scratch = self.pool.reserve_kv_page(PAD_SEQUENCE) if config.pad_decode_steps or graphs or warm else None
-        padding = DecodePadding(tuple(config.decode_buckets()), scratch) if config.pad_decode_steps or graphs else None
-        self.runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend, capacity, padding)
         self.warm_up_seconds = None
-        if warm:
-            self.warm_up_seconds = warm_up(self.runner, scratch, config.max_lora_rank, graphs)
-        elif graphs is not None:
-            self.runner.capture_decode_graphs(graphs, config.max_lora_rank)
+        self.runner: ModelRunner | EmulatedRunner = runner or self._model_runner()
         self.requests: dict[str, Request] = {}
         self._adapter_ids: dict[AdapterKey, str] = {}  # weights' identity per version, for prefix caching
         self._aborted: dict[str, str | None] = {}  # request id -> error (None: cancelled), ended next step
@@ -164,11 +168,7 @@ class Engine:
         self.steps = 0
         # Bytes a step must read: every weight of the base model once (embeddings aside, unless tied
         # to the output layer), plus the weights of each distinct adapter in the batch.
-        self.base_bytes = sum(
-            p.numel() * p.element_size()
-            for name, p in self.model.named_parameters()
-            if "embed_tokens" not in name or self.model_config.tie_word_embeddings
-        )
+        self.base_bytes = self._base_bytes()
         self.adapter_bytes_read = 0
         self.last_step: StepShape | None = None  # the last step's batch composition; None if it computed nothing
         log.info(
@@ -180,6 +180,37 @@ class Engine:
             self.pool.tensor.numel() * self.pool.tensor.element_size() / 2**20,
             self.layout.tokens_per_page,
         )
+
+    def _base_bytes(self) -> int:
+        """The base model's weights a step reads (embeddings aside, unless tied to the output layer); without
+        a model (emulated), from the checkpoint's headers, as the model would hold them."""
+        tied = self.model_config.tie_word_embeddings
+        if self.model is not None:
+            sizes = ((name, p.numel()) for name, p in self.model.named_parameters())
+        else:  # the tensors `load_model` keeps
+            sizes = (
+                (name, n)
+                for name, n in tensor_sizes(self.model_dir)
+                if not name.endswith("rotary_emb.inv_freq") and not (tied and name == "lm_head.weight")
+            )
+        return self.dtype.itemsize * sum(n for name, n in sizes if "embed_tokens" not in name or tied)
+
+    def _model_runner(self) -> ModelRunner:
+        """The runner of the real model: kernels chosen, decode graphs captured and warmed up as configured."""
+        config = self.config
+        backend = select_backend(config.backend, self.device)
+        capacity = step_capacity(config, self.layout, self.model_config, self.max_model_len)
+        graphs = self._graph_mode(backend)
+        warm = config.warm_up == "on" or (config.warm_up == "auto" and self.device.type == "cuda")
+        # The scratch page: padded decode steps' pads and the warm-up's dummy steps write there.
+        scratch = self.pool.reserve_kv_page(PAD_SEQUENCE) if config.pad_decode_steps or graphs or warm else None
+        padding = DecodePadding(tuple(config.decode_buckets()), scratch) if config.pad_decode_steps or graphs else None
+        runner = ModelRunner(self.model, self.pool.tensor, self.layout, backend, capacity, padding)
+        if warm:
+            self.warm_up_seconds = warm_up(runner, scratch, config.max_lora_rank, graphs)
+        elif graphs is not None:
+            runner.capture_decode_graphs(graphs, config.max_lora_rank)
+        return runner
 
     def _graph_mode(self, backend: KernelBackend) -> str | None:
         """The decode graphs' mode (`worker.decode_graphs`), or None for none, from `cuda_graphs`."""
@@ -319,7 +350,7 @@ class Engine:
 
         `group`: requests of one group with the same adapter and prompt compute the prompt's KV once
         (shared prefill, `step_scheduler`): the n choices of one prompt. `cache_salt`: only requests
-        with the same salt share cached KV (`prefix_cache.py`; the worker passes the tenant's).
+        with the same salt share cached KV (`loraserve/prefix_keys.py`; the worker passes the tenant's).
 
         `output_ids` continues a request another worker started (failover): the tokens it already
         generated are recomputed with the prompt, as after a preemption, and count against
@@ -350,8 +381,8 @@ class Engine:
         return request
 
     def _adapter_identity(self, key: AdapterKey | None) -> str:
-        """What a cached KV block's adapter is: name, version and weights (`prefix_cache.py`)."""
-        return "" if key is None else f"{key[0]}\0{key[1]}\0{self._adapter_ids.get(key, '')}"
+        """What a cached KV block's adapter is: name, version and weights (`loraserve/prefix_keys.py`)."""
+        return "" if key is None else adapter_identity(key[0], key[1], self._adapter_ids.get(key, ""))
 
     def _check_prompt(self, token_ids: list[int], sampling: SamplingParams, generated: int = 0) -> None:
         """`token_ids`: the prompt, then the `generated` tokens of an earlier attempt."""

@@ -55,6 +55,7 @@ from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
 from loraserve.wire import (
+    MAX_PREFIXES,
     MAX_RESIDENT,
     MAX_STEP_SAMPLES,
     AdapterKey,
@@ -73,6 +74,8 @@ from loraserve.worker.engine import Cached, Engine, GenerateRequest, StepOutput
 from loraserve.worker.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
+PREFIXES_MIN_S = 0.05  # cached-prefix fingerprints go out at most this often when they change ...
+PREFIXES_RESEND_S = 2.0  # ... and this often when they do not
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ class WorkerService:
         self._fetch_pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="adapter-fetch")
         self._fetchers = threading.local()
         self._last_report = 0.0
+        self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
         self.instance = uuid.uuid4().hex  # tells the scheduler a restarted worker from the process it replaced
         self._inbox = Dispatcher({Assign: self._on_assign, Cancel: self._on_cancel, Prefetch: self._on_prefetch})
@@ -504,12 +508,23 @@ class WorkerService:
             instance=self.instance,
             draining=self.draining,
             step_samples=self.step_samples,
+            cached_prefixes=self._cached_prefixes(),
         )
         send(self.scheduler_socket, report)
         self.last_report = report  # one reference swap: safe for the scrape thread
         self.finished_since_report = []
         self.step_samples = []
         self._last_report = time.monotonic()
+
+    def _cached_prefixes(self) -> bytes | None:
+        """The pool's cached-prefix fingerprints when they changed (at most every PREFIXES_MIN_S), and
+        every PREFIXES_RESEND_S in any case (a scheduler that restarted learns them); else None."""
+        epoch, now = self.engine.pool.prefix_epoch, time.monotonic()
+        sent_epoch, sent_at = self._prefixes_sent
+        if now - sent_at < (PREFIXES_MIN_S if epoch != sent_epoch else PREFIXES_RESEND_S):
+            return None
+        self._prefixes_sent = epoch, now
+        return b"".join(self.engine.pool.cached_prefixes(MAX_PREFIXES))
 
     def _hand_back_everything(self, message: str) -> None:
         """End every request here as lost with this worker: each gateway fails its own over elsewhere."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,14 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
             "(convert with `model.save_pretrained(dir, safe_serialization=True)`)"
         )
     raise InvalidModelError(f"{model_dir} has no model.safetensors or {INDEX_FILE}")
+
+
+def tensor_sizes(model_dir: str | Path) -> Iterator[tuple[str, int]]:
+    """(name, element count) for every tensor of the checkpoint, from the files' headers: nothing is loaded."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, math.prod(f.get_slice(name).get_shape())
 
 
 def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
