@@ -19,14 +19,13 @@ total_ms_shared, total_ms_alone, ttft_speedup` (alone ÷ shared) and `total_spee
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from loraserve.bench.results import write_results
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +134,5 @@ def main(args: argparse.Namespace) -> int:
             f"{r['total_ms_alone']:.0f} ms ({r['total_speedup']:.2f}x)"
         )
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        machine = {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-        }
-        (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))
-        print(f"results: {args.out / 'results.json'}")
+        print(f"results: {write_results(args.out, 'choices', records, threads=args.threads)}")
     return 0

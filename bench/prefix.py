@@ -24,15 +24,14 @@ tokens) and `seconds`. The report adds the on/off ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import random
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+
+from loraserve.bench.results import write_results
 
 log = logging.getLogger(__name__)
 MODEL = "random-25m"
@@ -238,20 +237,8 @@ def main(args: argparse.Namespace) -> int:
     for name, value in summary.items():
         print(f"{name}: {value:.2f}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        machine = {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-        }
-        payload = {
-            "machine": machine,
-            "model": preset.model,
-            "preset": vars(preset),
-            "records": records,
-            "ratios": summary,
-        }
-        (args.out / "results.json").write_text(json.dumps(payload, indent=1))
-        print(f"results: {args.out / 'results.json'}")
+        path = write_results(
+            args.out, "prefix", records, threads=args.threads, model=preset.model, preset=vars(preset), ratios=summary
+        )
+        print(f"results: {path}")
     return 0

@@ -24,13 +24,11 @@ batch unconstrained), `overhead` (step_ms / free_step_ms - 1), `mask_ms_per_requ
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import platform
 import time
 from dataclasses import dataclass
 
+from loraserve.bench.results import write_results
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 
 log = logging.getLogger(__name__)
@@ -151,13 +149,5 @@ def main(args: argparse.Namespace) -> int:
             f"{r['mask_wait_ms_per_step']:.3f} ms per step not hidden"
         )
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        machine = {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-        }
-        (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))
-        print(f"results: {args.out / 'results.json'}")
+        print(f"results: {write_results(args.out, 'structured', records, threads=args.threads)}")
     return 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BLOCK_HASH_BYTES = 16
 FINGERPRINT_BYTES = 16
@@ -73,15 +73,34 @@ def checkpoints(blocks: int) -> list[int]:
     return sorted(out)
 
 
-def fingerprint(root: bytes, tokens: Sequence[int]) -> bytes:
-    """The fingerprint of the prefix `tokens` (whole pages of them) under `root`."""
-    return _fingerprint_hasher(root, array("I", tokens).tobytes()).digest()[:FINGERPRINT_BYTES]
+class SequenceFingerprints:
+    """A growing sequence's checkpoint fingerprints, each computed once, in one pass over its tokens
+    (a worker's request: its pages fill in order; after a preemption it asks again for ones it knows)."""
+
+    __slots__ = ("_blocks", "_hasher", "known")
+
+    def __init__(self, root: bytes):
+        self._hasher = _fingerprint_hasher(root)
+        self._blocks = 0  # pages hashed so far
+        self.known: dict[int, bytes] = {}  # checkpoint (pages) -> fingerprint
+
+    def at(self, blocks: int, tokens: Callable[[int, int], list[int]], tokens_per_page: int) -> bytes:
+        """The fingerprint of the first `blocks` pages (a checkpoint); `tokens(start, end)` reads the
+        sequence's tokens."""
+        known = self.known.get(blocks)
+        if known is not None:
+            return known
+        if blocks < self._blocks:
+            raise ValueError(f"checkpoint {blocks} is behind the {self._blocks} pages hashed")
+        self._hasher.update(array("I", tokens(self._blocks * tokens_per_page, blocks * tokens_per_page)).tobytes())
+        self._blocks = blocks
+        known = self.known[blocks] = self._hasher.copy().digest()[:FINGERPRINT_BYTES]
+        return known
 
 
-def _fingerprint_hasher(root: bytes, data: bytes = b""):
+def _fingerprint_hasher(root: bytes):
     hasher = hashlib.sha256(b"fp")
     hasher.update(root)
-    hasher.update(data)
     return hasher
 
 

@@ -46,6 +46,7 @@ def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
     assert bench_main.main(args) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {"cpu", "cores", "torch"} <= set(results["machine"]) and results["model"] == "demo"
+    assert results["suite"] == "prefix" and results["commit"]  # this checkout's
     by = {(r["workload"], r["cache"]): r for r in results["records"]}
     assert set(by) == {(w, c) for w in ("multi-turn", "unique") for c in ("on", "off")}
     requests = TINY.adapters * TINY.tenants * TINY.conversations * TINY.turns

@@ -40,7 +40,7 @@ import torch
 from loraserve.errors import AdapterNotFoundError, InvalidConfigError, InvalidRequestError, ResourceExhaustedError
 from loraserve.kernels.backend import KernelBackend, select_backend
 from loraserve.model_config import ModelConfig
-from loraserve.prefix_keys import adapter_identity, chain_root
+from loraserve.prefix_keys import SequenceFingerprints, adapter_identity, chain_root
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
@@ -372,6 +372,7 @@ class Engine:
         )
         if self.config.prefix_cache:
             request.chain_root = chain_root(cache_salt, self._adapter_identity(key))
+            request.fingerprints = SequenceFingerprints(request.chain_root)
         if sampling.prompt_logprobs is not None and not output_ids:  # a continued request reported them
             request.prompt_logprobs = [None] * (len(prompt_ids) - 1)
         if key is not None:

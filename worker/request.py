@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.prefix_keys import SequenceFingerprints
 from loraserve.wire import AdapterKey, TokenLogprob  # (name, version): requests keep the version they started with
 from loraserve.worker.sampling import SamplingParams
 
@@ -56,10 +57,11 @@ class Request:
     group: str | None = None
     shared_prefill_tokens: int = 0  # prompt tokens whose KV was copied from a member of its group
     # Prefix caching (`loraserve/prefix_keys.py`): the root of its block-hash chain (None: caching off), the
-    # hashes of its full blocks so far, how many of its pages are registered, and how many prompt
-    # tokens its first admission found cached (reported with the first token).
+    # hashes of its full blocks so far, its checkpoint prefixes' fingerprints, how many of its pages are
+    # registered, and how many prompt tokens its first admission found cached (reported with the first token).
     chain_root: bytes | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    fingerprints: SequenceFingerprints | None = None
     registered_pages: int = 0
     cached_tokens: int = 0
     guide: Any = None  # with sampling.grammar: its llguidance matcher, at the end of output_ids (`worker/grammar.py`)

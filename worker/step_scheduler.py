@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.prefix_keys import extend_chain, fingerprint, is_checkpoint
+from loraserve.prefix_keys import extend_chain, is_checkpoint
 from loraserve.wire import AdapterKey
 from loraserve.worker.request import FinishReason, Request, Status
 from loraserve.worker.sampling import SamplingParams
@@ -263,7 +263,7 @@ class StepScheduler:
 
     def cache_computed(self, request: Request) -> None:
         """Register `request`'s pages its computed KV now fills (prefix caching; after each step)."""
-        if request.chain_root is None:
+        if request.chain_root is None or request.fingerprints is None:
             return
         per_page = self.pool.layout.tokens_per_page
         full = request.num_computed // per_page
@@ -274,11 +274,7 @@ class StepScheduler:
             extend_chain(request.block_hashes, request.chain_root, request.token_ids(hashed, full * per_page), per_page)
         for index in range(request.registered_pages, full):
             blocks = index + 1  # a checkpoint prefix's last page carries its fingerprint, for the scheduler
-            mark = (
-                fingerprint(request.chain_root, request.token_ids(0, blocks * per_page))
-                if is_checkpoint(blocks)
-                else None
-            )
+            mark = request.fingerprints.at(blocks, request.token_ids, per_page) if is_checkpoint(blocks) else None
             self.pool.register_kv_page(request.request_id, index, request.block_hashes[index], mark)
         request.registered_pages = full
 
