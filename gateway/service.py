@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from importlib.metadata import PackageNotFoundError, version
 from typing import Protocol
 
 import grpc
@@ -42,7 +43,15 @@ from loraserve.gateway.stops import StopFilter
 from loraserve.gateway.tenant_adapters import TenantAdapters, renamed_uploads, shown
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.token_sink import TokenSink
-from loraserve.gateway.validation import Limits, ValidRequest, check_context, fairness_tenant, validate_generate
+from loraserve.gateway.validation import (
+    END_USER_METADATA,
+    MAX_END_USER_CHARS,
+    Limits,
+    ValidRequest,
+    check_context,
+    fairness_tenant,
+    validate_generate,
+)
 from loraserve.grpc_utils import RETRY_AFTER_KEY, forward_stream, internal_call, refuse_stream
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
@@ -183,6 +192,8 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             span.set_attribute("loraserve.tenant", principal.tenant)
             if request.client_request_id:
                 span.set_attribute("loraserve.client_request_id", request.client_request_id[:128])
+            if metadata.get(END_USER_METADATA):
+                span.set_attribute("loraserve.end_user", metadata[END_USER_METADATA][:MAX_END_USER_CHARS])
             with trace.use_span(span, end_on_exit=False):
                 valid, prompt_ids, version = await self._prepare(request, principal)
             span.set_attribute("loraserve.adapter", valid.adapter or "")
@@ -391,6 +402,17 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return gateway_pb2.TokenizeResponse(ids=ids, tokens=self.tokenizer.token_strings(ids))
 
+    async def Detokenize(self, request: gateway_pb2.DetokenizeRequest, context):
+        self._principal(context).require(Scope.GENERATE, "detokenize")
+        vocab = self.limits.vocab_size
+        bad = next((i for i, t in enumerate(request.ids) if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "ids", f"ids[{bad}] = {request.ids[bad]} is not below the vocabulary size {vocab}"
+            )
+        text = self.tokenizer.decode(list(request.ids), skip_special_tokens=request.skip_special_tokens)
+        return gateway_pb2.DetokenizeResponse(text=text)
+
     async def GetModelInfo(self, request, context):
         self._principal(context).require(Scope.GENERATE, "read model info")
         return gateway_pb2.ModelInfo(
@@ -402,6 +424,7 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
             max_lora_rank=self.config.max_lora_rank,
             ready_workers=self.ready_workers,
             eos_token_ids=list(self.tokenizer.eos_token_ids),
+            server_version=package_version(),
         )
 
     # ---- adapter admin (proxied to the adapter store, in the caller's namespace) ----------------
@@ -508,3 +531,11 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def package_version() -> str:
+    """The installed loraserve release; "unknown" when run from a source tree never installed."""
+    try:
+        return version("loraserve")
+    except PackageNotFoundError:
+        return "unknown"

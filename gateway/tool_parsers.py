@@ -3,6 +3,12 @@
 Each model family writes tool calls its own way; `parser_named` picks the parser that the gateway's
 `--tool-call-parser NAME` flag names. Text that does not hold well-formed calls is returned whole as
 plain content, never as a partial guess. Pure functions over strings: no I/O.
+
+Each parser also writes its format as a grammar (`strict_grammar`, Lark in llguidance's dialect): free
+text, or calls in the family's format whose arguments match their functions' schemas. That is what
+`tool_choice: "auto"` with `strict` tools is constrained to: the model still chooses between text and
+calls, but a call it begins can only end well-formed, with valid arguments (llguidance's lazy lexemes
+let text run freely until a call's opening tag).
 """
 
 from __future__ import annotations
@@ -32,6 +38,20 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParsedOutput: ...
 
     def format_call(self, call: ToolCall) -> str: ...
+
+    def strict_grammar(self, functions: dict[str, dict[str, Any]], parallel: bool) -> str: ...
+
+
+COMPACT = {"whitespace_flexible": False}  # JSON written compactly, as every other constrained JSON
+
+
+def _arguments(schema: dict[str, Any]) -> str:
+    """A function's arguments in Lark: a compact JSON value valid against `schema` (llguidance's %json)."""
+    return "%json " + json.dumps({"x-guidance": COMPACT} | schema)
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)
 
 
 _DECODER = json.JSONDecoder()
@@ -97,6 +117,20 @@ class HermesParser:
         body = json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}, ensure_ascii=False)
         return f"{self.START}\n{body}\n{self.END}"
 
+    def strict_grammar(self, functions: dict[str, dict[str, Any]], parallel: bool) -> str:
+        """Free text, with calls (at most one unless `parallel`) wherever the model opens `<tool_call>`:
+        `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>`, ARGS valid against N's schema."""
+        calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+        lines = ["%llguidance {}", f"start: ({calls}){'*' if parallel else '?'} TEXT", r"TEXT: /(.|\n)*/"]
+        closing = "}\n" + self.END
+        for i, (name, schema) in enumerate(functions.items()):
+            opening = "\n" + json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "arguments": '
+            lines += [
+                f"call_{i}_open[lazy]: TEXT {_literal(self.START)}",
+                f"call_{i}: call_{i}_open {_literal(opening)} {_arguments(schema)} {_literal(closing)}",
+            ]
+        return "\n".join(lines) + "\n"
+
 
 class Llama3JsonParser:
     """Llama 3.1/3.2 JSON tool calling: `{"name": ..., "parameters": {...}}`, several joined by `;`."""
@@ -128,6 +162,18 @@ class Llama3JsonParser:
 
     def format_call(self, call: ToolCall) -> str:
         return json.dumps({"name": call.name, "parameters": json.loads(call.arguments)}, ensure_ascii=False)
+
+    def strict_grammar(self, functions: dict[str, dict[str, Any]], parallel: bool) -> str:
+        """Text that does not begin with `{`, or calls from the start (several joined by `; ` when
+        `parallel`): `{"name": N, "parameters": ARGS}`, ARGS valid against N's schema."""
+        calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+        more = ' ("; " call)*' if parallel else ""
+        lines = ["%llguidance {}", f"start: TEXT | SPACE? call{more}", f"call: {calls}"]
+        lines += [r"TEXT: /[ \t\r\n]*([^ \t\r\n{](.|\n)*)?/", r"SPACE: /[ \t\r\n]+/"]
+        for i, (name, schema) in enumerate(functions.items()):
+            opening = json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "parameters": '
+            lines.append(f"call_{i}: {_literal(opening)} {_arguments(schema)} {_literal('}')}")
+        return "\n".join(lines) + "\n"
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

@@ -14,6 +14,8 @@ from loraserve.v1 import gateway_pb2
 
 MAX_TTFT_SLO_S = 86400.0
 CLIENT_METADATA = "x-loraserve-client"  # without an auth file: the caller's id, for fair scheduling
+END_USER_METADATA = "x-loraserve-end-user"  # the caller's end user (OpenAI's `user`), put on the trace
+MAX_END_USER_CHARS = 256
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,12 @@ Hypothesis builds request bodies field by field: each OpenAI parameter absent, w
 edge (0, negative, huge, NaN as a string, empty) or any JSON value at all, strings that include lone
 surrogates and control characters, plus unknown fields and raw bytes that are not JSON (or not
 UTF-8). One stack on the embedded demo model (one worker, the HTTP port) serves the module; the
-bodies are sent over a real socket. Properties: no answer is a 5xx, a stream never carries an
-internal error, and the gateway still generates afterwards. `max_tokens` stays small when it is a
-valid number, so that accepted requests finish quickly.
+bodies are sent over a real socket. Properties: no answer is a 5xx or hangs, a stream never carries
+an internal error and ends with `[DONE]`, an accepted generation answers one choice per prompt and
+`n` (indices 0, 1, ... in order; a stream closes each exactly once), and the gateway still
+generates afterwards. Every field the request schemas accept, and every one they refuse by name, is
+generated (`test_the_fuzzer_covers_every_field`). `max_tokens` stays small when it is a valid
+number, so that accepted requests finish quickly.
 
 Examples are few by default (the module stays well under 30 s) and derandomized when CI is set; for
 a longer hunt: LORASERVE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q tests/test_fuzz_http.py
@@ -25,6 +28,8 @@ from hypothesis import strategies as st
 from stack import LocalStack, free_port_block
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.gateway.http.refusals import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
+from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "60"))
@@ -57,8 +62,8 @@ _TOKEN_IDS = st.lists(st.integers(0, 300), min_size=1, max_size=12)
 # values the gateway takes, mostly (a mutation below puts anything else in any parameter)
 _SHARED = {
     "temperature": st.floats(0, 2),
-    "top_p": st.floats(0.05, 1),
-    "top_k": st.integers(0, 50),
+    "top_p": st.one_of(st.floats(0.05, 1), st.just(0)),
+    "top_k": st.integers(-1, 50),
     "seed": st.integers(0, 2**63 - 1),
     "stop": st.one_of(_TEXT, st.lists(_TEXT, max_size=4)),
     "presence_penalty": st.floats(-2, 2),
@@ -72,7 +77,25 @@ _SHARED = {
     "stop_token_ids": st.lists(st.integers(0, 1100), max_size=3),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "cache_salt": _TEXT,
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}
+    ),
+    "logit_bias": st.one_of(
+        st.just({}), st.dictionaries(st.sampled_from(["5", "x"]), st.floats(-100, 100), max_size=2)
+    ),
 }
+
+
+def _not_implemented(table: dict) -> st.SearchStrategy:
+    """Mostly nothing, else one or two of the fields that are refused unless they ask for nothing: each
+    with such a value or any other."""
+    field = st.sampled_from(sorted(table)).flatmap(
+        lambda name: st.tuples(st.just(name), st.one_of(st.sampled_from([None, *table[name][0]]), _JSON))
+    )
+    return st.one_of(st.just({}), st.just({}), st.lists(field, min_size=1, max_size=2).map(dict))
+
+
 _SCHEMA = st.one_of(
     st.sampled_from(
         [
@@ -116,30 +139,40 @@ _TOOLS = {
     ),
     "parallel_tool_calls": st.booleans(),
 }
-_OTHER = ["stream_options", "logit_bias", "unknown_field"]  # fields only mutations set
+_OTHER = ["unknown_field"]  # fields only mutations set
 _MODEL = st.sampled_from(["upper", "rot13", "title", BASE, BASE, "no-such-adapter"])
 
 
-def _bodies(required: dict, optional: dict, other: list[str]) -> st.SearchStrategy:
+def _bodies(required: dict, optional: dict, other: list[str], refused: dict | None = None) -> st.SearchStrategy:
     """Bodies the gateway mostly takes, half of them with one or two fields (`other` ones too) set to any
-    JSON value, odd strings included."""
+    JSON value, odd strings included; a third with fields of `refused` (`_not_implemented`)."""
     fields = sorted([*required, *optional, *_OTHER, *other])
     changes = st.dictionaries(st.sampled_from(fields), st.one_of(_JSON, _ODD_TEXT), min_size=1, max_size=2)
     base = st.fixed_dictionaries(required, optional=optional)
-    return st.builds(lambda body, changed: body | changed, base, st.one_of(st.just({}), changes))
+    extensions = _not_implemented(refused) if refused else st.just({})
+    return st.builds(
+        lambda body, extra, changed: body | extra | changed, base, extensions, st.one_of(st.just({}), changes)
+    )
 
 
-COMPLETIONS = _bodies(
-    {
-        "model": _MODEL,
-        "prompt": st.one_of(
-            _TEXT.filter(bool), _TOKEN_IDS, st.lists(_TEXT, min_size=1, max_size=3), st.lists(_TOKEN_IDS, max_size=3)
-        ),
-        "max_tokens": st.integers(1, 4),
-    },
-    _SHARED | _STRUCTURED | {"logprobs": st.integers(0, 20), "echo": st.booleans(), "best_of": st.integers(1, 4)},
-    ["suffix"],
+_COMPLETION_REQUIRED = {
+    "model": _MODEL,
+    "prompt": st.one_of(
+        _TEXT.filter(bool), _TOKEN_IDS, st.lists(_TEXT, min_size=1, max_size=3), st.lists(_TOKEN_IDS, max_size=3)
+    ),
+    "max_tokens": st.integers(0, 4),  # 0: with echo, the prompt scored alone
+}
+_COMPLETION_OPTIONAL = (
+    _SHARED
+    | _STRUCTURED
+    | {
+        "logprobs": st.integers(0, 20),
+        "echo": st.booleans(),
+        "best_of": st.integers(1, 4),
+        "suffix": st.sampled_from(["", "end"]),
+    }
 )
+COMPLETIONS = _bodies(_COMPLETION_REQUIRED, _COMPLETION_OPTIONAL, [], NOT_IMPLEMENTED | COMPLETION_NOT_IMPLEMENTED)
 _CONTENT = st.one_of(_TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=3))
 _TOOL_CALL = st.builds(
     lambda name, args: {"id": "call_1", "type": "function", "function": {"name": name, "arguments": args}},
@@ -150,14 +183,18 @@ _MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "tool"]), "content": _CONTENT},
     optional={"name": _TEXT, "tool_calls": st.lists(_TOOL_CALL, max_size=2), "tool_call_id": _TEXT},
 )
-CHAT = _bodies(
-    {"model": _MODEL, "messages": st.lists(_MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)},
+_CHAT_REQUIRED = {
+    "model": _MODEL,
+    "messages": st.lists(_MESSAGE, min_size=1, max_size=3),
+    "max_tokens": st.integers(1, 4),
+}
+_CHAT_OPTIONAL = (
     _SHARED
     | _STRUCTURED
     | _TOOLS
-    | {"max_completion_tokens": st.integers(1, 4), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)},
-    [],
+    | {"max_completion_tokens": st.integers(1, 4), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}
 )
+CHAT = _bodies(_CHAT_REQUIRED, _CHAT_OPTIONAL, [], NOT_IMPLEMENTED | CHAT_NOT_IMPLEMENTED)
 TOKENIZE = _bodies(
     {},
     {
@@ -227,12 +264,33 @@ def send(stack, path: str, body: bytes, content_type: str | None = "application/
         conn.close()
 
 
-def check(stack, path: str, body: bytes) -> None:
-    """The properties of one request's answer."""
+def check(stack, path: str, body: bytes, choices: int | None = None) -> None:
+    """The properties of one request's answer; `choices`: how many an accepted generation answers."""
     status, answer = send(stack, path, body)
-    assert status < 500, f"{path} {body[:300]!r} -> {status} {answer[:300]!r}"
-    if status == 200 and answer.startswith(b"data: "):  # a stream: a failure after the start is an event
-        assert b'"type":"internal_error"' not in answer, f"{path} {body[:300]!r} -> {answer[-300:]!r}"
+    where = f"{path} {body[:300]!r} -> {status}"
+    assert status < 500, f"{where} {answer[:300]!r}"
+    if status != 200 or choices is None:
+        return
+    if answer.startswith(b"data: "):  # a stream: a failure after the start is an event
+        assert b'"type":"internal_error"' not in answer, f"{where} {answer[-300:]!r}"
+        assert answer.endswith(b"data: [DONE]\n\n"), f"{where} {answer[-300:]!r}"
+        events = [json.loads(e.removeprefix(b"data: ")) for e in answer.split(b"\n\n")[:-2]]
+        if any("error" in e for e in events):
+            return
+        closed = [c["index"] for e in events for c in e["choices"] if c["finish_reason"] is not None]
+        assert sorted(closed) == list(range(choices)), f"{where} closed {closed}, not {choices} choices"
+    else:
+        indices = [c["index"] for c in json.loads(answer)["choices"]]
+        assert indices == list(range(choices)), f"{where} answered {indices}, not {choices} choices"
+
+
+def _choices(kind: type, body: dict) -> int | None:
+    """The choices an accepted `body` answers (prompts × n); None when the schema itself refuses it."""
+    try:
+        request = kind.model_validate(body)
+    except Exception:  # any failure: the gateway refuses it too (its 400 is checked as any answer is)
+        return None
+    return request.prompt_count() * request.choices
 
 
 def _json(value: dict) -> bytes:
@@ -245,7 +303,7 @@ def _json(value: dict) -> bytes:
 @example(body={"model": "upper", "prompt": "\ud800"})
 @example(body={"model": "upper", "prompt": PROMPT, "stop": ["\udfff"], "max_tokens": 2})
 def test_fuzzed_completions_never_fail_internally(stack, body):
-    check(stack, "/v1/completions", _json(body))
+    check(stack, "/v1/completions", _json(body), _choices(CompletionRequest, body))
 
 
 @FUZZ
@@ -253,7 +311,7 @@ def test_fuzzed_completions_never_fail_internally(stack, body):
 @example(body={"model": "upper", "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2})
 @example(body={"model": "upper", "messages": [{"role": "user\udc80", "content": "hi"}], "max_tokens": 2})
 def test_fuzzed_chat_completions_never_fail_internally(stack, body):
-    check(stack, "/v1/chat/completions", _json(body))
+    check(stack, "/v1/chat/completions", _json(body), _choices(ChatCompletionRequest, body))
 
 
 @FUZZ
@@ -319,3 +377,13 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(stack, path, body, 
 def test_the_gateway_still_generates_afterwards(stack):
     status, answer = send(stack, "/v1/completions", _json({"model": "upper", "prompt": PROMPT, "max_tokens": 4}))
     assert status == 200 and json.loads(answer)["choices"][0]["text"], answer
+
+
+def test_the_fuzzer_covers_every_field():
+    """Every field of the request schemas is generated (and those refused by name, from their tables)."""
+    for kind, generated in (
+        (CompletionRequest, {*_COMPLETION_REQUIRED, *_COMPLETION_OPTIONAL}),
+        (ChatCompletionRequest, {*_CHAT_REQUIRED, *_CHAT_OPTIONAL}),
+    ):
+        missing = set(kind.model_fields) - generated
+        assert not missing, f"{kind.__name__}: the fuzzer never sets {sorted(missing)}"

@@ -33,6 +33,7 @@ from helpers import hf_sequence_logits
 from readme import python_example
 from stack import LocalStack, free_port_block, scrape_metrics
 
+from loraserve.client import ApiError, Client
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.demo.styles import shows_style
 from loraserve.v1 import common_pb2, gateway_pb2
@@ -212,6 +213,7 @@ def test_http_requests_are_traced_like_grpc_ones_and_join_the_callers_trace(stac
         model="upper",
         prompt=PROMPT,
         max_tokens=4,
+        user="end-user-42",  # OpenAI's end-user id: on the trace, for who looks for a user's requests
         extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
     )
     deadline = time.monotonic() + 15
@@ -225,6 +227,18 @@ def test_http_requests_are_traced_like_grpc_ones_and_join_the_callers_trace(stac
     (generate,) = [s for s in spans if s["name"] == "gateway.generate"]
     assert generate["attributes"]["loraserve.client_request_id"] == reply.id  # the OpenAI id, on loraserve's trace
     assert generate["attributes"]["loraserve.tenant"] == "a" and generate["attributes"]["loraserve.adapter"] == "upper"
+    assert generate["attributes"]["loraserve.end_user"] == "end-user-42"
+    grpc_trace = "6bf92f3577b34da6a3ce929d0e0e4736"  # the gRPC API's spelling: metadata
+    metadata = (
+        *_auth("a"),
+        ("x-loraserve-end-user", "end-user-7"),
+        ("traceparent", f"00-{grpc_trace}-00f067aa0ba902b7-01"),
+    )
+    stack.api.Generate(gateway_pb2.GenerateRequest(text=PROMPT, max_new_tokens=2), timeout=60, metadata=metadata)
+    while not (found := [s for s in collector.traces().get(grpc_trace, []) if s["name"] == "gateway.generate"]):
+        assert time.monotonic() < deadline + 15, "no gateway.generate span on the gRPC request's trace"
+        time.sleep(0.3)
+    assert found[0]["attributes"]["loraserve.end_user"] == "end-user-7"
 
 
 def test_errors_have_openais_shape_and_status(stack):
@@ -472,6 +486,8 @@ def test_health_and_version_answer_without_a_key(stack, lone_gateway):
     assert get(stack.http_port, "/health") == (200, b"")  # a worker is ready
     status, body = get(stack.http_port, "/version")
     assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("loraserve")
+    info = stack.api.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10, metadata=_auth("a"))
+    assert info.server_version == json.loads(body)["version"]  # the gRPC API's /version
     assert get(stack.http_port, "/v1/models")[0] == 401  # the other routes still want a key
     process, port, log = lone_gateway()  # no scheduler behind it: no worker is ready
     _wait_listening(process, port, log)
@@ -503,6 +519,12 @@ def test_tokenize_and_detokenize_in_vllms_shapes(stack):
     assert chat["count"] == usage.prompt_tokens  # what a chat completion's prompt is
     detokenized = json.loads(post(stack, "/detokenize", {"tokens": bare["tokens"]}).read())
     assert detokenized["prompt"] == reference.decode(bare["tokens"])
+    with Client(stack.address, api_key=KEYS["a"]) as grpc_client:  # the gRPC API's /detokenize
+        assert grpc_client.detokenize(answer["tokens"]) == reference.decode(answer["tokens"])  # "<s>" kept
+        assert grpc_client.detokenize(answer["tokens"], skip_special_tokens=True) == reference.decode(ids[1:])
+        with pytest.raises(ApiError) as refused:
+            grpc_client.detokenize([1, 10**6])
+        assert refused.value.code == "INVALID_ARGUMENT" and refused.value.details.startswith("ids: ")
     for path, body, status, param in (
         ("/tokenize", {"prompt": PROMPT, "messages": messages}, 400, "prompt"),
         ("/tokenize", {"model": "mine", "prompt": PROMPT}, 404, "model"),  # tenant b's adapter
@@ -529,10 +551,21 @@ def test_every_accepted_parameter_takes_effect_or_is_refused(stack):
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"top_k": -2}, "top_k"),
         ({"logprobs": 2, "n": 2, "best_of": 1}, "best_of"),
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),  # named as sent, not as `stop`
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"add_special_tokens": False}, "add_special_tokens"),
+        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ):
         response = post(stack, completions, base | extra)
         error = json.loads(response.read())["error"]
         assert (response.status, error["param"]) == (400, param), (extra, error)
+    chat = {"model": "upper", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8}
+    for extra, param in (({"echo": True}, "echo"), ({"function_call": "auto"}, "function_call")):
+        response = post(stack, "/v1/chat/completions", chat | extra)
+        error = json.loads(response.read())["error"]
+        assert (response.status, error["param"]) == (400, param), (extra, error)
+    asks_for_nothing = {"use_beam_search": False, "min_tokens": 0, "add_special_tokens": True, "logit_bias": {}}
+    assert post(stack, completions, base | asks_for_nothing).status == 200  # vLLM's defaults, spelled out
 
     def text(**fields) -> str:
         reply = client(stack).completions.create(**base, temperature=1.2, seed=3, extra_body=fields)
@@ -636,6 +669,61 @@ def test_a_batch_of_prompts_answers_each_in_order(stack):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == reply.usage.completion_tokens
 
 
+def _answered(stack, path: str, body: dict) -> dict[int, tuple[str, list, str]]:
+    """Each choice of the answer to `body` (whole, or joined from its stream): (text, log-probability
+    tokens, finish reason); a stream's chat choices must each open with the assistant's role."""
+    chat = path.endswith("chat/completions")
+    response = post(stack, path, body)
+    assert response.status == 200, response.read()
+    if not body.get("stream"):
+        out = {}
+        for c in json.loads(response.read())["choices"]:
+            logprobs = c["logprobs"] or {}
+            tokens = [e["token"] for e in logprobs.get("content", [])] if chat else logprobs.get("tokens", [])
+            out[c["index"]] = (c["message"]["content"] if chat else c["text"], tokens, c["finish_reason"])
+        return out
+    texts, tokens, reasons, roles = {}, {}, {}, {}
+    for event in sse_events(response)[:-1]:
+        for c in json.loads(event)["choices"]:
+            i = c["index"]
+            part = c["delta"] if chat else {"content": c["text"]}
+            texts[i] = texts.get(i, "") + (part.get("content") or "")
+            roles[i] = roles.get(i, 0) + ("role" in part)
+            logprobs = c["logprobs"] or {}
+            tokens[i] = tokens.get(i, []) + (
+                [e["token"] for e in logprobs.get("content", [])] if chat else logprobs.get("tokens", [])
+            )
+            reasons[i] = c["finish_reason"] or reasons.get(i)
+    assert not chat or set(roles.values()) == {1}, roles
+    return {i: (texts[i], tokens[i], reasons[i]) for i in texts}
+
+
+def test_a_stream_answers_what_the_whole_answer_does(stack):
+    greedy = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=4).text
+    bodies = [
+        (  # a batch of two choices each, echoed with log-probabilities
+            "/v1/completions",
+            {"prompt": [PROMPT, "a small river"], "n": 2, "echo": True, "logprobs": 1, "temperature": 1.0, "seed": 4},
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "echo": True, "stop": [greedy[:2]], "temperature": 0}),  # no text
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": PROMPT}], "n": 3, "logprobs": True, "top_logprobs": 1, "seed": 2},
+        ),
+    ]
+    answers = []
+    for path, fields in bodies:
+        body = {"model": "upper", "max_tokens": 5} | fields
+        whole = _answered(stack, path, body)
+        assert whole == _answered(stack, path, body | {"stream": True}), body
+        prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+        assert sorted(whole) == list(range(body.get("n", 1) * prompts))
+        answers.append(whole)
+    echoed, tokens, _ = answers[0][2]  # the second prompt's first choice: its text and tokens begin with it
+    assert echoed.startswith("a small river") and "".join(tokens[1:]).startswith("a small river") and tokens[0] == "<s>"
+    assert answers[1] == {0: (PROMPT, [], "stop")}  # stopped before any text: the echo alone
+
+
 def test_logprobs_and_echo_are_peft_s_through_grpc_and_http(stack):
     """gRPC against transformers + peft, then completions (echo, a stream) and chat against gRPC."""
     sampling = common_pb2.SamplingParameters(logprobs=3, prompt_logprobs=3)
@@ -662,6 +750,15 @@ def test_logprobs_and_echo_are_peft_s_through_grpc_and_http(stack):
     assert choice["text"].startswith(PROMPT) and len(choice["logprobs"]["tokens"]) == len(prompt_ids) + 1
     assert choice["logprobs"]["token_logprobs"][0] is None and choice["logprobs"]["top_logprobs"][0] is None
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e.logprob for e in entries[: len(prompt_ids)]])
+    # OpenAI's older scoring request (lm-eval's openai-completions, HELM): max_tokens 0, the prompt alone
+    body = {"model": "upper", "prompt": [PROMPT, PROMPT], "max_tokens": 0, "logprobs": 1, "echo": True}
+    scored_only = json.loads(post(stack, "/v1/completions", body).read())
+    for only in scored_only["choices"]:
+        assert (only["text"], only["finish_reason"]) == (PROMPT, "length")
+        assert only["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"][:-1]
+    assert scored_only["usage"]["completion_tokens"] == 0
+    streamed_only = sse_events(post(stack, "/v1/completions", body | {"stream": True}))
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in streamed_only[:-1]) == PROMPT * 2
 
     completion = client(stack).completions.create(
         model="upper", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3, echo=True
@@ -669,8 +766,12 @@ def test_logprobs_and_echo_are_peft_s_through_grpc_and_http(stack):
     logprobs = completion.choices[0].logprobs
     assert completion.choices[0].text == PROMPT + scored.text
     assert logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in entries])
-    assert all(len(top) <= 3 for top in logprobs.top_logprobs[1:])
-    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    listed = zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True)
+    for token, logprob, top in listed:
+        assert len(top) <= 4 and top[token] == logprob  # the 3 likeliest and the token's own, as OpenAI answers
+    text = completion.choices[0].text  # each token's text begins where its offset says (BOS is not in the text)
+    assert logprobs.tokens[0] == "<s>" and logprobs.text_offset[:2] == [0, 0]
+    assert all(text.startswith(t, o) for t, o in zip(logprobs.tokens[1:], logprobs.text_offset[1:], strict=True))
     streamed = client(stack).completions.create(
         model="upper", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3, echo=True, stream=True
     )
@@ -950,6 +1051,10 @@ def test_tool_choice_named_and_required_answer_valid_calls(stack):
     ]
     auto = c.chat.completions.create(model="upper", messages=history, max_tokens=8, temperature=0, tools=[WEATHER])
     assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content  # the demo model writes text
+    # a strict tool holds auto to the parser's grammar (test_tool_parsers.py), where text runs as it would
+    strict = {"type": "function", "function": WEATHER["function"] | {"strict": True}}
+    held = c.chat.completions.create(model="upper", messages=history, max_tokens=8, temperature=0, tools=[strict])
+    assert held.choices[0].message.content == auto.choices[0].message.content
 
 
 def test_tool_refusals_name_the_parameter(stack):
@@ -963,6 +1068,14 @@ def test_tool_refusals_name_the_parameter(stack):
             {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
             "response_format",
         ),
+        (  # auto with a strict tool is constrained too: one constraint per request
+            {
+                "tools": [{"type": "function", "function": WEATHER["function"] | {"strict": True}}],
+                "guided_regex": "a+",
+            },
+            "guided_regex",
+        ),
+        ({"tools": [WEATHER], "functions": [WEATHER["function"]]}, "functions"),  # the old spelling: refused
         (
             {
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -170,6 +171,44 @@ def test_unsupported_parameters_are_named():
     assert refused(ChatCompletionRequest, messages=image)[0] == "messages[0].content"
     parts = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}])
     assert parts.unsupported() is None and parts.conversation() == [{"role": "user", "content": "a"}]
+    # what loraserve does not do is refused by name, unless the value asks for nothing
+    usage_stats = {"include_usage": True, "continuous_usage_stats": True}
+    stream = {"stream": True, **prompt}
+    assert (
+        refused(CompletionRequest, stream_options=usage_stats, **stream)[0] == "stream_options.continuous_usage_stats"
+    )
+    assert refused(CompletionRequest, stream_options=usage_stats | {"continuous_usage_stats": False}, **stream) is None
+    for fields in (
+        {"min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "prompt_logprobs": None},
+        {"add_special_tokens": True, "priority": 0, "store": False, "logits_processors": []},
+    ):
+        assert refused(CompletionRequest, **fields, **prompt) is None, fields
+    assert refused(ChatCompletionRequest, echo=False, add_generation_prompt=True, modalities=["text"], **chat) is None
+    assert refused(CompletionRequest, logit_bias={}, suffix="", **prompt) is None  # OpenAI's: asking for nothing
+    assert refused(CompletionRequest, logit_bias={"5": 1.0}, **prompt)[0] == "logit_bias"
+    assert refused(CompletionRequest, suffix="end", **prompt)[0] == "suffix"
+    assert refused(CompletionRequest, max_tokens=0, **prompt)[0] == "max_tokens"  # 0: only to score the prompt
+    scoring = CompletionRequest(model="m", max_tokens=0, echo=True, logprobs=1, **prompt)
+    assert scoring.unsupported() is None and scoring.prompt_only and scoring.new_tokens == 1
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", max_tokens=0, **chat)
+    for kind, fields, name in (
+        (CompletionRequest, {"use_beam_search": True}, "use_beam_search"),
+        (CompletionRequest, {"min_tokens": False}, "min_tokens"),  # false is not the count 0
+        (CompletionRequest, {"add_special_tokens": False}, "add_special_tokens"),
+        (CompletionRequest, {"priority": 5}, "priority"),
+        (CompletionRequest, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        (ChatCompletionRequest, {"echo": True}, "echo"),
+        (ChatCompletionRequest, {"functions": [{"name": "f"}]}, "functions"),
+        (ChatCompletionRequest, {"function_call": "auto"}, "function_call"),
+        (ChatCompletionRequest, {"modalities": ["text", "audio"]}, "modalities"),
+        (ChatCompletionRequest, {"add_generation_prompt": False}, "add_generation_prompt"),
+        (ChatCompletionRequest, {"continue_final_message": True}, "continue_final_message"),
+        (ChatCompletionRequest, {"chat_template": "{{ x }}"}, "chat_template"),
+        (ChatCompletionRequest, {"add_special_tokens": True}, "add_special_tokens"),
+    ):
+        found = refused(kind, **fields, **(prompt if kind is CompletionRequest else chat))
+        assert (found and found[0]) == name, (fields, found)
 
 
 def test_sampling_defaults_are_openais():
@@ -226,21 +265,36 @@ def _entry(token_id: int, logprob: float | None, top: list[tuple[int, float]] = 
     return entry
 
 
+def _tokenizer(texts: dict[int, str], special: frozenset[int] = frozenset()) -> SimpleNamespace:
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(texts[i] for i in ids if not (skip_special_tokens and i in special))
+
+    return SimpleNamespace(decode=decode)
+
+
 def test_logprobs_have_openais_shapes():
     texts = {1: "<s>", 2: "ab", 3: " c", 4: "\u00e9"}
-    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(texts[i] for i in ids))
+    tokenizer = _tokenizer(texts, frozenset({1}))
     completion = LogprobFormat(tokenizer, chat=False)
     prompt = completion.format([_entry(1, None), _entry(2, -1.5, [(2, -1.5), (3, -2.0)])], index=1)
     assert prompt == {
         "tokens": ["<s>", "ab"],
         "token_logprobs": [None, -1.5],
         "top_logprobs": [None, {"ab": -1.5, " c": -2.0}],
-        "text_offset": [0, 3],
+        "text_offset": [0, 0],  # BOS is not in the text: "ab" begins it
     }
     later = completion.format([_entry(3, -0.25, [(3, -0.25), (2, -3.0)])], index=1)
-    assert later["text_offset"] == [5] and later["top_logprobs"] == [{" c": -0.25, "ab": -3.0}]
+    assert later["text_offset"] == [2] and later["top_logprobs"] == [{" c": -0.25, "ab": -3.0}]
     assert completion.format([_entry(3, -0.25)], index=0)["text_offset"] == [0]  # each choice its own offsets
+    # OpenAI: "the API will always return the logprob of the sampled token" (up to k + 1 entries)
+    sampled = completion.format([_entry(3, -2.5, [(2, -0.5)]), _entry(2, -0.5)], index=2)["top_logprobs"]
+    assert sampled == [{"ab": -0.5, " c": -2.5}, {"ab": -0.5}]  # logprobs: 1, then logprobs: 0
+    kept = LogprobFormat(tokenizer, chat=False, keep_special=True)  # skip_special_tokens: false: "<s>" is text
+    assert kept.format([_entry(1, None), _entry(2, -1.0)])["text_offset"] == [0, 3]
     chat = LogprobFormat(tokenizer, chat=True).format([_entry(4, -0.5, [(4, -0.5)])])
+    assert LogprobFormat(tokenizer, chat=True).format([_entry(3, -1.0, [(2, -0.5)])])["content"][0]["top_logprobs"] == [
+        {"token": "ab", "logprob": -0.5, "bytes": [97, 98]}  # chat: exactly the k most likely
+    ]
     assert chat == {
         "content": [
             {
@@ -255,7 +309,7 @@ def test_logprobs_have_openais_shapes():
 
 
 def test_echo_begins_the_text_and_the_logprobs_with_the_prompts():
-    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "".join(f"<{i}>" for i in ids))
+    tokenizer = _tokenizer({i: f"<{i}>" for i in range(10)})
     final = Final("length", prompt_tokens=2, completion_tokens=1)
     answers = Answers("cmpl-1", "m", chat=False, logprobs=LogprobFormat(tokenizer, chat=False), echo=["P0", "P1"])
     piece = Piece("x", [_entry(9, -1.0)], [_entry(5, None), _entry(6, -2.0)])
@@ -334,18 +388,15 @@ def test_each_spelling_of_structured_output_is_one_constraint():
         "guided_choice": ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
         "guided_grammar": ({"guided_grammar": 'start: "x"'}, "grammar", 'start: "x"'),
         "structured_outputs": ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+        "structured_outputs.json_object": ({"structured_outputs": {"json_object": True}}, "json_object", True),
     }
     for name, (fields, kind, value) in spellings.items():
         body = CompletionRequest(model="m", prompt="p", **fields)
         found = requested_constraint(body.constraint_fields())
         assert found is not None and found[:2] == (kind, value), name
         assert compiled(found)  # each compiles to an llguidance grammar
-    assert (
-        requested_constraint(
-            CompletionRequest(model="m", prompt="p", response_format={"type": "text"}).constraint_fields()
-        )
-        is None
-    )
+    for nothing in ({"response_format": {"type": "text"}}, {"structured_outputs": {"json_object": False}}):
+        assert requested_constraint(CompletionRequest(model="m", prompt="p", **nothing).constraint_fields()) is None
     for fields, param in (
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),  # two constraints
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
@@ -401,6 +452,11 @@ def test_tool_choice_modes_and_their_answers():
     ]
     single = tool_choice(_tools("f", "g"), "auto", False, hermes)  # parallel_tool_calls: false keeps the first
     assert len(single.parse(text).tool_calls) == 1
+    strict = _tools("f", "g")
+    strict[1].function.strict = True  # one strict tool: auto is held to the parser's grammar
+    kind, grammar, param = tool_choice(strict, "auto", None, hermes).constraint()
+    assert (kind, param) == ("grammar", "tools") and grammar == hermes.strict_grammar(auto.functions, True)
+    assert compiled((kind, grammar, param))  # llguidance takes it
     plain = answers.whole([(Piece("just text"), Final("stop", 3, 2))])["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": "just text"}
 
@@ -461,3 +517,88 @@ def test_best_of_keeps_each_prompts_likeliest_and_usage_counts_each_prompt_once(
     assert best_of(results, 3, 3) == results
     usage = Final.summed([f for _, f in results], 3)
     assert (usage.prompt_tokens, usage.completion_tokens) == (20, 8)
+
+
+# Every field a request body accepts takes effect (or is refused at other values). Most reach the
+# GenerateRequest the body becomes: checked here by building it with and without the field. The
+# others shape the answer at the HTTP edge; each names the stack test (test_openai_http.py) showing it.
+REACHES_THE_REQUEST = {  # field -> (a value that asks for something, fields set beside it in both requests)
+    "model": ("upper", {}),
+    "max_tokens": (7, {}),
+    "temperature": (0.5, {}),
+    "top_p": (0.5, {}),
+    "seed": (3, {}),
+    "stop": (["x"], {}),
+    "presence_penalty": (0.5, {}),
+    "frequency_penalty": (0.5, {}),
+    "top_k": (5, {}),
+    "repetition_penalty": (1.5, {}),
+    "ignore_eos": (True, {}),
+    "stop_token_ids": ([2], {}),
+    "min_p": (0.1, {}),
+    "include_stop_str_in_output": (True, {}),
+    "skip_special_tokens": (False, {}),
+    "response_format": ({"type": "json_object"}, {}),
+    "guided_json": ({"type": "integer"}, {}),
+    "guided_regex": ("a+", {}),
+    "guided_choice": (["a", "b"], {}),
+    "guided_grammar": ('start: "a"', {}),
+    "structured_outputs": ({"regex": "b+"}, {}),
+    "cache_salt": ("u1", {}),
+    "logprobs": (2, {}),  # chat: True (below)
+    "top_logprobs": (3, {"logprobs": True}),
+    "max_completion_tokens": (9, {}),
+}
+SHAPES_THE_ANSWER = {
+    "prompt": "test_a_batch_of_prompts_answers_each_in_order",
+    "messages": "test_greedy_output_is_the_grpc_apis_for_completions_and_chat",
+    "stream": "test_streams_with_the_client_add_up_to_the_whole_answer",
+    "stream_options": "test_raw_sse_framing",
+    "n": "test_n_choices_share_their_prompts_prefill_and_best_of_answers_the_likeliest",
+    "best_of": "test_n_choices_share_their_prompts_prefill_and_best_of_answers_the_likeliest",
+    "echo": "test_logprobs_and_echo_are_peft_s_through_grpc_and_http",
+    "user": "test_http_requests_are_traced_like_grpc_ones_and_join_the_callers_trace",
+    "tools": "test_tool_choice_named_and_required_answer_valid_calls",
+    "tool_choice": "test_tool_choice_named_and_required_answer_valid_calls",
+    "parallel_tool_calls": "test_tool_choice_named_and_required_answer_valid_calls",
+    "logit_bias": "accepted only empty: test_unsupported_parameters_are_named",
+    "suffix": "accepted only empty: test_unsupported_parameters_are_named",
+    "guided_decoding_backend": "only llguidance: test_each_spelling_of_structured_output_is_one_constraint",
+}
+
+
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatCompletionRequest])
+def test_every_accepted_field_reaches_the_request_or_shapes_the_answer(kind):
+    from pathlib import Path
+
+    base = {"model": "m", "prompt": "p"} if kind is CompletionRequest else {"model": "m", "messages": [{"role": "u"}]}
+    routes = OpenAiRoutes(SimpleNamespace(config=SimpleNamespace(model_name="m")), None, 0)
+    unclassified = set(kind.model_fields) - set(REACHES_THE_REQUEST) - set(SHAPES_THE_ANSWER)
+    assert not unclassified, f"say where {sorted(unclassified)} take effect (and test it), or refuse them"
+    tests = Path(__file__).read_text() + Path(__file__).with_name("test_openai_http.py").read_text()
+    for test in SHAPES_THE_ANSWER.values():
+        assert f"def {test.rsplit(': ', 1)[-1]}(" in tests, test
+    for field in set(kind.model_fields) & set(REACHES_THE_REQUEST):
+        value, beside = REACHES_THE_REQUEST[field]
+        if field == "logprobs" and kind is ChatCompletionRequest:
+            value = True
+        plain = routes._generate_request(kind(**base | beside))
+        asked = routes._generate_request(kind(**base | beside | {field: value}))
+        assert asked != plain, f"{field}: {value!r} changes nothing in the request"
+
+
+def test_the_readme_lists_every_refusal():
+    """The README's one table of refusals names every field the schemas refuse by name."""
+    from pathlib import Path
+
+    from loraserve.gateway.http.refusals import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("| refused | why |") :]
+    table = table[: table.index("\n\n")]
+    named = set(re.findall(r"`([a-z_.]+)", table))
+    refused = {*NOT_IMPLEMENTED, *CHAT_NOT_IMPLEMENTED, *COMPLETION_NOT_IMPLEMENTED}
+    others = {"top_p", "repetition_penalty", "best_of", "top_logprobs", "stream_options", "continuous_usage_stats"}
+    others |= {"logit_bias", "suffix", "guided_decoding_backend", "response_format", "structured_outputs"}
+    others |= {"tool_choice", "ignore_eos", "lora_int_id"}
+    assert not (refused | others) - named, sorted((refused | others) - named)

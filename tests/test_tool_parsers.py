@@ -175,3 +175,60 @@ def test_format_call_round_trips(parser_name: str, name: str, args: dict) -> Non
     assert parsed.content is None
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [(name, args)]
     assert parsed.tool_calls == [call]
+
+
+# strict grammars: what tool_choice "auto" with strict tools is held to (checked with llguidance itself)
+
+SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "get_time": {"type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]},
+}
+
+
+def _allows(parser_name: str, parallel: bool, text: str) -> bool:
+    """Whether the parser's strict grammar lets a model write `text` (the demo tokenizer's tokens) and stop."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from loraserve.demo.assets import DEMO_MODEL_DIR
+    from loraserve.structured import grammar_for
+    from loraserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_dir(DEMO_MODEL_DIR)
+    ll = LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size, eos_token=list(tokenizer.eos_token_ids))
+    matcher = LLMatcher(ll, grammar_for("grammar", parser_named(parser_name).strict_grammar(SCHEMAS, parallel), "t"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
+LLAMA_CALL = '{"name": "get_time", "parameters": {"zone":2}}'
+
+
+@pytest.mark.parametrize(
+    ("parser_name", "parallel", "text", "allowed"),
+    [
+        ("hermes", True, "plain text, {braces} and all", True),
+        ("hermes", True, "", True),
+        ("hermes", True, "Let me look. " + HERMES_CALL, True),
+        ("hermes", True, HERMES_CALL + "\n" + HERMES_CALL.replace("Paris", "Rome"), True),
+        ("hermes", True, HERMES_CALL.replace('"Paris"', '"Ouagadougou"'), False),  # over maxLength
+        ("hermes", True, HERMES_CALL.replace('"city"', '"town"'), False),  # not its schema
+        ("hermes", True, HERMES_CALL.replace("get_weather", "get_wether"), False),  # no such tool
+        ("hermes", False, HERMES_CALL, True),
+        ("llama3_json", True, "no call here {", True),
+        ("llama3_json", True, LLAMA_CALL, True),
+        ("llama3_json", True, LLAMA_CALL + "; " + LLAMA_CALL, True),
+        ("llama3_json", False, LLAMA_CALL + "; " + LLAMA_CALL, False),  # one call only
+        ("llama3_json", True, LLAMA_CALL.replace("2", '"two"'), False),
+        ("llama3_json", True, '{"x": 1}', False),  # text that opens with "{" is a call
+    ],
+)
+def test_strict_grammars_let_text_run_and_hold_calls_to_their_schemas(parser_name, parallel, text, allowed):
+    assert _allows(parser_name, parallel, text) is allowed
+    if allowed and ("<tool_call>" in text or text.startswith("{")):
+        assert parser_named(parser_name).parse(text).tool_calls  # a call the grammar lets through, the parser reads

@@ -239,11 +239,12 @@ class StepScheduler:
             self.pool.kv_page_table(request.request_id)[first:pages],
             strict=True,
         )
+        copied = shared - request.num_computed  # the tokens past the pages found cached
         request.num_computed = shared
         if request.prompt_logprobs is not None:
             request.prompt_logprobs = list(donor.prompt_logprobs)
-        request.shared_prefill_tokens = shared
-        self.shared_prefill_tokens += shared
+        request.shared_prefill_tokens = copied
+        self.shared_prefill_tokens += copied
 
     def _attach_cached(self, request: Request) -> int | None:
         """Attach the cached pages of `request`'s longest cached prefix as its first pages; the tokens they

@@ -30,6 +30,7 @@ from loraserve.gateway.http.errors import http_error
 from loraserve.gateway.http.generation import ClientGone, Generation, GenerationStream, HttpCall, until_disconnected
 from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, Piece, sse
 from loraserve.gateway.service import LoraServeService
+from loraserve.gateway.validation import END_USER_METADATA
 from loraserve.v1 import gateway_pb2
 
 
@@ -41,11 +42,13 @@ async def answer(
     stream: bool,
     prompt_param: str,
     candidates: int = 1,
+    end_user: str | None = None,
 ) -> Response:
     """The response to `generates` (`candidates` per prompt, prompt by prompt: one per choice, or
     best_of's candidates, of which the n likeliest are answered). `prompt_param` is what a prompt
-    problem names."""
-    calls = [HttpCall(request.headers) for _ in generates]
+    problem names; `end_user` (OpenAI's `user`) goes on each generation's trace."""
+    extra = {END_USER_METADATA: end_user} if end_user else None
+    calls = [HttpCall(request.headers, extra) for _ in generates]
     for index, generate in enumerate(generates):  # on the request's trace, beside loraserve's own id
         generate.client_request_id = answers.id if len(generates) == 1 else f"{answers.id}-{index}"
     generations = [Generation(service.generate_events(g, c)) for g, c in zip(generates, calls, strict=True)]
@@ -87,20 +90,24 @@ def _cancel(generations: list[Generation]) -> None:
 async def _events(firsts: list[Piece | Final], generations: list[Generation], answers: Answers) -> AsyncIterator[bytes]:
     """The SSE stream, from the generations' first events on (`GenerationStream` stops them after it)."""
     try:
-        opening = answers.opening()
-        if opening is not None:
-            yield sse(opening)
+        for index in range(len(generations)):  # chat: each choice's role
+            opening = answers.opening(index)
+            if opening is not None:
+                yield sse(opening)
         finals: dict[int, Final] = {}
         started: set[int] = set()  # the choices whose first piece was sent
         held: dict[int, list[Piece]] = {}  # a buffered answer's pieces, per prompt
-        async for index, item in _merged(firsts, generations):
+        async for index, generated in _merged(firsts, generations):
+            item = answers.shown(generated)
+            if isinstance(item, Piece) and not (item.text or item.logprobs or item.prompt_logprobs):
+                continue  # all of it left out (`prompt_only`)
             if isinstance(item, Final):
                 finals[index] = item
                 if answers.buffered:
                     for chunk in answers.settled(Piece.joined(held.pop(index, [])), item, index):
                         yield sse(chunk)
                 else:
-                    yield sse(answers.closing(item, index))
+                    yield sse(answers.closing(item, index, first=index not in started))
             elif answers.buffered:
                 held.setdefault(index, []).append(item)
             else:

@@ -138,19 +138,28 @@ class OpenAiRoutes:
             else:
                 generate.token_ids.ids.extend(prompt)
             generates += _choices(generate, body, f"{answer_id}-{index}")
+        keep_special = body.skip_special_tokens is False
         decode = self.service.tokenizer.decode
-        texts = [p if isinstance(p, str) else decode(p) for p in body.prompt_values()]
+        texts = [p if isinstance(p, str) else decode(p, not keep_special) for p in body.prompt_values()]
         answers = Answers(
             answer_id,
             body.model,
             chat=False,
             include_usage=body.include_usage,
-            logprobs=self._logprob_format(body.logprobs is not None, chat=False),
+            logprobs=self._logprob_format(body.logprobs is not None, chat=False, keep_special=keep_special),
             echo=[t for t in texts for _ in range(body.choices)] if body.echo else None,
             choices_per_prompt=body.choices,
+            prompt_only=body.prompt_only,
         )
         return await answer(
-            self.service, generates, answers, request, bool(body.stream), "prompt", candidates=body.candidates
+            self.service,
+            generates,
+            answers,
+            request,
+            bool(body.stream),
+            "prompt",
+            candidates=body.candidates,
+            end_user=body.user,
         )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
@@ -181,17 +190,26 @@ class OpenAiRoutes:
             body.model,
             chat=True,
             include_usage=body.include_usage,
-            logprobs=self._logprob_format(bool(body.logprobs), chat=True),
+            logprobs=self._logprob_format(
+                bool(body.logprobs), chat=True, keep_special=body.skip_special_tokens is False
+            ),
             tools=tools,
             choices_per_prompt=body.choices,
         )
         generates = _choices(generate, body, answers.id)
         return await answer(
-            self.service, generates, answers, request, bool(body.stream), "messages", candidates=body.candidates
+            self.service,
+            generates,
+            answers,
+            request,
+            bool(body.stream),
+            "messages",
+            candidates=body.candidates,
+            end_user=body.user,
         )
 
-    def _logprob_format(self, asked: bool, chat: bool) -> LogprobFormat | None:
-        return LogprobFormat(self.service.tokenizer, chat) if asked else None
+    def _logprob_format(self, asked: bool, chat: bool, keep_special: bool) -> LogprobFormat | None:
+        return LogprobFormat(self.service.tokenizer, chat, keep_special) if asked else None
 
     def _generate_request(
         self, body: CompletionRequest | ChatCompletionRequest, tool_constraint: tuple[str, Any, str] | None = None
@@ -206,7 +224,8 @@ class OpenAiRoutes:
             constraint = requested_constraint(body.constraint_fields())
             if constraint is not None and tool_constraint is not None:
                 raise InvalidRequestError(
-                    constraint[2], "cannot be combined with tool_choice 'required' or a named function"
+                    constraint[2],
+                    "cannot be combined with tool_choice 'required', a named function, or 'auto' with strict tools",
                 )
             constraint = constraint or tool_constraint
             if constraint is not None:

@@ -44,7 +44,6 @@ PARAMS = {
     "max_new_tokens": "max_tokens",
     "prompt.text": "prompt",
     "prompt.token_ids": "prompt",
-    "stop_token_ids": "stop",
 }
 
 

@@ -35,10 +35,13 @@ class ClientGone(Exception):
 
 
 class HttpCall:
-    """An HTTP request as the generation path sees a call (`gateway.service.CallContext`)."""
+    """An HTTP request as the generation path sees a call (`gateway.service.CallContext`): its headers,
+    and `extra` metadata from its body (which replaces headers of the same name)."""
 
-    def __init__(self, headers: Mapping[str, str]):
-        self._metadata = tuple((key.lower(), value) for key, value in headers.items())
+    def __init__(self, headers: Mapping[str, str], extra: Mapping[str, str] | None = None):
+        extra = extra or {}
+        headers = [(key.lower(), value) for key, value in headers.items() if key.lower() not in extra]
+        self._metadata = (*headers, *extra.items())
         self.retry_after_s: float | None = None
 
     def invocation_metadata(self) -> Sequence[tuple[str, str]]:

@@ -2,14 +2,17 @@
 
 - Completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, lists
   with one item per token; `top_logprobs[i]` maps the k most likely tokens' text to their
-  log-probabilities. With `echo`, the prompt's tokens come first, the very first with `null`s
-  (nothing predicts it).
+  log-probabilities, and the token's own too (as OpenAI and vLLM: up to k + 1 entries, so `logprobs:
+  0` gives the token's alone). With `echo`, the prompt's tokens come first, the very first with
+  `null`s (nothing predicts it).
 - Chat (`logprobs: true, top_logprobs: k`): `{"content": [{"token", "logprob", "bytes",
-  "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...], "refusal": null}`.
+  "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...], "refusal": null}` (exactly the k most likely).
 
 A token's text is the tokenizer's decoding of that token alone (special tokens included), its
-`bytes` that text's UTF-8; `text_offset` counts characters of those texts from the first token
-reported, so a stream's offsets go on from chunk to chunk.
+`bytes` that text's UTF-8. `text_offset` is where each token's text begins in the choice's text:
+it counts the characters of the tokens before it, from the first token reported (so a stream's
+offsets go on from chunk to chunk), a special token counting none unless the text keeps special
+tokens (`skip_special_tokens: false`): the BOS an echoed prompt begins with is not in its text.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ from loraserve.v1 import common_pb2
 class LogprobFormat:
     """Formats a request's log-probabilities; remembers each choice's text offset across stream chunks."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool):
+    def __init__(self, tokenizer: Tokenizer, chat: bool, keep_special: bool = False):
         self.chat = chat
         self._text = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        )
+        # the room a token takes in the choice's text, which leaves special tokens out unless it keeps them
+        self._width = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: len(tokenizer.decode([token_id], skip_special_tokens=not keep_special))
         )
         self._offsets: dict[int, int] = {}
 
@@ -39,19 +46,23 @@ class LogprobFormat:
     def _completion(self, entries: Sequence[common_pb2.TokenLogprob], index: int) -> dict[str, Any]:
         tokens, offsets, offset = [], [], self._offsets.get(index, 0)
         for entry in entries:
-            text = self._text(entry.token_id)
-            tokens.append(text)
+            tokens.append(self._text(entry.token_id))
             offsets.append(offset)
-            offset += len(text)
+            offset += self._width(entry.token_id)
         self._offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob if e.HasField("logprob") else None for e in entries],
-            "top_logprobs": [
-                {self._text(t.token_id): t.logprob for t in e.top} if e.HasField("logprob") else None for e in entries
-            ],
+            "top_logprobs": [self._top(e) if e.HasField("logprob") else None for e in entries],
             "text_offset": offsets,
         }
+
+    def _top(self, entry: common_pb2.TokenLogprob) -> dict[str, float]:
+        """The most likely tokens' text -> log-probability, then the token's own (when not among them)."""
+        top = {self._text(t.token_id): t.logprob for t in entry.top}
+        if all(t.token_id != entry.token_id for t in entry.top):
+            top.setdefault(self._text(entry.token_id), entry.logprob)
+        return top
 
     def _chat(self, entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
         return {

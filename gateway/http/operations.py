@@ -3,8 +3,9 @@
 `/health` and `/version` need no key (probes and load balancers carry none, as gRPC health needs
 none): `/health` answers 200 with an empty body while at least one worker is ready and the gateway
 is not draining, else 503 with an OpenAI error body saying which. `/tokenize` and `/detokenize` act
-for an authenticated caller (scope `generate`, as the gRPC `Tokenize`) and use the base model's
-tokenizer, which every adapter shares; a `model` they are given must be one the caller can use.
+for an authenticated caller (scope `generate`, as the gRPC `Tokenize` and `Detokenize`) and use the
+base model's tokenizer, which every adapter shares; a `model` they are given must be one the caller
+can use. Over gRPC the version is `ModelInfo.server_version`, and `max_model_len` `max_context_length`.
 
     POST /tokenize    {"prompt": str} or {"messages": [...]}, "add_special_tokens", "return_token_strs"
                       -> {"count", "max_model_len", "tokens": [ids], "token_strs": [str] | null}
@@ -14,7 +15,6 @@ tokenizer, which every adapter shares; a `model` they are given must be one the 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import Request
@@ -25,20 +25,13 @@ from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http.errors import bad_request, error_body, http_error
 from loraserve.gateway.http.schemas import DetokenizeRequest, TokenizeRequest, conversation
-from loraserve.gateway.service import LoraServeService
+from loraserve.gateway.service import LoraServeService, package_version
 from loraserve.gateway.tenants import Scope
 
 OPEN_PATHS = frozenset({"/health", "/version"})  # answered without a key
 
 FindModel = Callable[[str, Principal], Awaitable[Any]]  # raises a 404 HttpError for a model the caller lacks
 Caller = Callable[[Request], Principal]  # the authenticated caller of a request
-
-
-def package_version() -> str:
-    try:
-        return version("loraserve")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
 
 
 class OperationRoutes:

@@ -1,7 +1,7 @@
 """OpenAI-shaped answers: whole completions, stream chunks and their SSE framing. Pure functions.
 
 A stream is a sequence of `data: <json>\\n\\n` events: (chat only) a first chunk with the assistant
-role, one chunk per piece of text, a last chunk with the finish reason, then, with
+role for each choice, one chunk per piece of text, a last chunk with the finish reason, then, with
 `stream_options.include_usage`, a chunk with no choices and the usage (every other chunk then
 carries `"usage": null`), and finally `data: [DONE]`. A failure after the stream has begun is one
 event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts interleaves
@@ -13,7 +13,8 @@ because a call can only be parsed from the whole text.
 
 With log-probabilities asked for, each choice (whole or chunk) carries those of its tokens
 (`logprobs.py`); with `echo`, a completion's text (its first chunk's, in a stream) begins with the
-prompt, and its log-probabilities with the prompt's.
+prompt, and its log-probabilities with the prompt's (a choice that ends before any text still
+begins with it: its closing chunk carries the echo).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class Answers:
     echo: Sequence[str] | None = None  # completions with echo: each prompt's text
     tools: ToolChoice | None = None  # chat with tools in use: the text is parsed into tool calls
     choices_per_prompt: int = 1  # n: choice i is prompt i // n's
+    prompt_only: bool = False  # completions' `max_tokens: 0` with echo: what was generated is left out
 
     @property
     def buffered(self) -> bool:
@@ -107,6 +109,8 @@ class Answers:
     def whole(self, results: list[tuple[Piece, Final]], usage: Final | None = None) -> dict[str, Any]:
         """The non-streaming answer to one or several prompts: choice i is the i-th result (prompt
         i // n's), the usage their sum unless given (best_of: every candidate's, not only the kept)."""
+        results = [(self.shown(piece), self.shown(final)) for piece, final in results]
+        usage = usage and self.shown(usage)
         choices = []
         for index, (piece, final) in enumerate(results):
             text = self._echo(index) + piece.text
@@ -119,9 +123,18 @@ class Answers:
         usage = usage or Final.summed([final for _, final in results], self.choices_per_prompt)
         return self._object(self.chat and "chat.completion", choices) | {"usage": usage.usage()}
 
-    def opening(self) -> dict[str, Any] | None:
-        """The chunk before any text (chat: the assistant's role), or None."""
-        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+    def shown(self, item: Piece | Final) -> Piece | Final:
+        """`item` as the answer shows it: with `prompt_only`, the prompt's log-probabilities alone, and
+        a `length` finish with no completion tokens."""
+        if not self.prompt_only:
+            return item
+        if isinstance(item, Final):
+            return Final("length", item.prompt_tokens, 0, item.cached_tokens)
+        return Piece("", (), item.prompt_logprobs)
+
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
+        """The chunk before any text of choice `index` (chat: the assistant's role), or None."""
+        return self._chunk({"role": "assistant", "content": ""}, None, index) if self.chat else None
 
     def piece(self, piece: Piece, index: int = 0, first: bool = False) -> dict[str, Any]:
         """The chunk of a piece of choice `index`'s text; `first`: its first (which an echo begins)."""
@@ -130,8 +143,10 @@ class Answers:
         chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, first)
         return chunk
 
-    def closing(self, final: Final, index: int = 0) -> dict[str, Any]:
-        return self._chunk({} if self.chat else "", final.finish_reason, index)
+    def closing(self, final: Final, index: int = 0, first: bool = False) -> dict[str, Any]:
+        """The chunk with choice `index`'s finish reason; `first`: no piece of it was sent (which an echo begins)."""
+        text = self._echo(index) if first else ""
+        return self._chunk({} if self.chat else text, final.finish_reason, index)
 
     def settled(self, piece: Piece, final: Final, index: int = 0) -> list[dict[str, Any]]:
         """A buffered stream's last chunks: its whole text as content and tool calls (each call with its

@@ -7,9 +7,13 @@ Structured output's fields (`response_format`, vLLM's `guided_*` and `structured
 `structured.py`. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `tool_calling.py`.
 Fields OpenAI defines that loraserve does not serve (`logit_bias`, `suffix`) are accepted only at
 their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
-OpenAI-compatible servers do, except vLLM's extensions loraserve does not implement
-(`REFUSED_EXTENSIONS`), which are refused. `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output` and `skip_special_tokens` are extensions (vLLM's names).
+OpenAI-compatible servers do, except the ones that ask for what loraserve does not do — vLLM's
+extensions it does not implement and OpenAI's fields for other features (the tables of
+`refusals.py`): those are accepted only at the values that ask for nothing (null, or what loraserve
+does anyway) and refused by name otherwise.
+`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens` and `cache_salt` are extensions (vLLM's names). `user` (OpenAI's end-user id)
+goes on the request's trace, as the gRPC metadata `x-loraserve-end-user` does.
 Every string anywhere in a body (values and keys, known fields or not) must be Unicode text: JSON can
 spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused whole
 (`invalid_unicode`, naming where the surrogate is) before any field is looked at.
@@ -18,11 +22,18 @@ spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a b
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from loraserve.gateway.http.refusals import (
+    CHAT_NOT_IMPLEMENTED,
+    COMPLETION_NOT_IMPLEMENTED,
+    NOT_IMPLEMENTED,
+    NOT_SUPPORTED,
+    asks_for_nothing,
+)
 from loraserve.params import MAX_LOGPROBS
 
 UINT32_MAX = 2**32 - 1
@@ -91,21 +102,7 @@ def _printable(text: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-
-
-# vLLM's sampling extensions loraserve does not implement yet: refused with a 400 naming them rather
-# than ignored (other unknown fields are ignored, as OpenAI-compatible servers do).
-REFUSED_EXTENSIONS = (
-    "min_tokens",
-    "spaces_between_special_tokens",
-    "guided_whitespace_pattern",
-    "use_beam_search",
-    "length_penalty",
-    "bad_words",
-    "allowed_token_ids",
-    "prompt_logprobs",
-    "truncate_prompt_tokens",
-)
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk (refused when true)
 
 
 CONSTRAINT_FIELDS = (
@@ -135,7 +132,7 @@ class _Generation(_Body):
     n: int | None = Field(None, ge=1, le=MAX_GENERATIONS)  # choices per prompt, sharing its prefill
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)  # the end user, recorded on the request's trace
     logit_bias: dict[str, float] | None = None
     top_k: int | None = Field(None, ge=-1, le=UINT32_MAX)  # extension; -1 or 0: off (vLLM's -1)
     repetition_penalty: float | None = None  # extension
@@ -204,10 +201,13 @@ class _Generation(_Body):
     def prompt_count(self) -> int:
         return 1
 
+    not_implemented: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NOT_IMPLEMENTED  # and the endpoint's
+
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter set to something loraserve does not do; else None."""
         extra = self.model_extra or {}
         generations = self.prompt_count() * self.candidates
+        stream_options = self.stream_options
         refusals = [
             (
                 generations > MAX_GENERATIONS,
@@ -217,9 +217,17 @@ class _Generation(_Body):
             # 0 is the gRPC API's "unset" for these two: refused here rather than read as 1
             (self.top_p == 0, "top_p", "must be in (0, 1], got 0 (for greedy decoding set temperature to 0)"),
             (self.repetition_penalty == 0, "repetition_penalty", "must be in [0.01, 10] (1 turns it off), got 0"),
-            *((name in extra, name, "is not supported") for name in REFUSED_EXTENSIONS),
-            (bool(self.logit_bias), "logit_bias", "is not supported"),
-            (self.stream_options is not None and not self.stream, "stream_options", "needs stream: true"),
+            *(
+                (name in extra and not asks_for_nothing(extra[name], nothing), name, why)
+                for name, (nothing, why) in self.not_implemented.items()
+            ),
+            (bool(self.logit_bias), "logit_bias", NOT_SUPPORTED),
+            (stream_options is not None and not self.stream, "stream_options", "needs stream: true"),
+            (
+                stream_options is not None and bool(stream_options.continuous_usage_stats),
+                "stream_options.continuous_usage_stats",
+                "is not supported: the usage comes in the last chunk (include_usage)",
+            ),
         ]
         return next(((name, why) for refused, name, why in refusals if refused), None)
 
@@ -228,17 +236,32 @@ class CompletionRequest(_Generation):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(None, ge=0, le=UINT32_MAX)  # 0: with echo, the prompt scored alone
     echo: bool | None = False  # the answer's text (and log-probabilities) begin with the prompt's
     best_of: int | None = Field(None, ge=1, le=MAX_GENERATIONS)  # candidates per prompt: the n likeliest are answered
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per token: its own and the k most likely
     suffix: str | None = None
+
+    not_implemented: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NOT_IMPLEMENTED | COMPLETION_NOT_IMPLEMENTED
 
     def logprob_fields(self) -> dict[str, int]:
         if self.logprobs is None:
             return {}
         return {"logprobs": self.logprobs} | ({"prompt_logprobs": self.logprobs} if self.echo else {})
 
+    @property
+    def prompt_only(self) -> bool:
+        """`max_tokens: 0` with echo: the prompt's text and log-probabilities, nothing generated (one
+        token is, to score the prompt: the answer leaves it out)."""
+        return self.max_tokens == 0
+
+    @property
+    def new_tokens(self) -> int:
+        return 1 if self.prompt_only else super().new_tokens
+
     def unsupported(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "must be at least 1 (0 only with echo: the prompt scored, nothing generated)"
         if len(self.prompt_values()) > MAX_PROMPTS:
             return "prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(self.prompt_values())}"
         if self.best_of is not None and self.best_of < self.choices:
@@ -328,6 +351,8 @@ class ChatCompletionRequest(_Generation):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    not_implemented: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NOT_IMPLEMENTED | CHAT_NOT_IMPLEMENTED
 
     @property
     def new_tokens(self) -> int:

@@ -6,7 +6,8 @@
 - vLLM's `guided_json` (a schema, as an object or JSON text), `guided_regex`, `guided_choice` (a list
   of strings) and `guided_grammar` (Lark or GBNF), with `guided_decoding_backend` "auto",
   "llguidance" or "guidance" (the engine loraserve runs).
-- vLLM's newer `structured_outputs`: `{"json": ..., "regex": ..., "choice": [...], "grammar": ...}`.
+- vLLM's newer `structured_outputs`: `{"json": ..., "regex": ..., "choice": [...], "grammar": ...,
+  "json_object": true}` (its other keys, such as `structural_tag` or `whitespace_pattern`, are refused).
 
 At most one constraint per request. The answer is compiled here (`loraserve/structured.py`), so a bad
 schema or regex is a 400 naming the parameter, and travels downstream as an llguidance grammar.
@@ -20,7 +21,13 @@ from loraserve.errors import InvalidRequestError
 from loraserve.structured import grammar_for
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 BACKENDS = ("auto", "llguidance", "guidance")
 
 
@@ -48,7 +55,8 @@ def requested_constraint(fields: dict[str, Any]) -> tuple[str, Any, str] | None:
             raise InvalidRequestError(
                 "structured_outputs", f"{', '.join(unknown)} not supported (use one of {', '.join(STRUCTURED_OUTPUTS)})"
             )
-        found += [(STRUCTURED_OUTPUTS[k], v, "structured_outputs") for k, v in outputs.items() if v is not None]
+        asked = {k: v for k, v in outputs.items() if v is not None and not (k == "json_object" and v is False)}
+        found += [(STRUCTURED_OUTPUTS[k], v, "structured_outputs") for k, v in asked.items()]
     backend = fields.get("guided_decoding_backend")
     if backend is not None and backend not in BACKENDS:
         raise InvalidRequestError("guided_decoding_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")

@@ -6,7 +6,9 @@ transformers' `apply_chat_template` does):
 - `"none"`: the model answers in text; nothing is parsed.
 - `"auto"` (the default with tools): the model writes freely; its text is parsed into tool calls by
   the model family's parser (`tool_parsers.py`), chosen with the gateway's `--tool-call-parser`.
-  Without that flag `"auto"` is refused: the gateway cannot know how the model writes a call.
+  Without that flag `"auto"` is refused: the gateway cannot know how the model writes a call. With
+  a tool marked `strict`, the output is constrained to the parser's grammar: free text, or calls in
+  the family's format, each naming a given tool with arguments valid against its `parameters`.
 - `"required"`: the output is constrained (structured output) to a JSON list of one or more calls,
   `[{"name": ..., "parameters": {...}}]`, each naming a given tool with arguments valid against its
   `parameters` schema (one call at most with `parallel_tool_calls: false`).
@@ -37,9 +39,14 @@ class ToolChoice:
     name: str | None = None  # mode "function": the function
     parser: ToolCallParser | None = None  # mode "auto"
     parallel: bool = True  # more than one call per answer
+    strict: bool = False  # mode "auto": a tool is `strict`, so calls are held to the parser's grammar
 
     def constraint(self) -> tuple[str, Any, str] | None:
         """The structured output this choice needs (`structured.requested_constraint`'s shape), or None."""
+        if self.mode == "auto":
+            return (
+                ("grammar", self.parser.strict_grammar(self.functions, self.parallel), "tools") if self.strict else None
+            )
         if self.mode == "function":
             return "json_schema", self.functions[self.name], "tool_choice"
         if self.mode == "required":
@@ -98,7 +105,8 @@ def tool_choice(
                 "'auto' needs the gateway's --tool-call-parser (how this model writes a call); "
                 "'required' or a named function work without it",
             )
-        return ToolChoice("auto", functions, parser=parser, parallel=parallel)
+        strict = any(t.function.strict for t in tools)
+        return ToolChoice("auto", functions, parser=parser, parallel=parallel, strict=strict)
     if choice == "required":
         return ToolChoice("required", functions, parallel=parallel)
     name = choice.function.name

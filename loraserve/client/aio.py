@@ -72,6 +72,11 @@ class AsyncClient:
     async def tokenize(self, text: str, add_special_tokens: bool = False, *, timeout: float | None = None) -> Tokens:
         return await self._unary(api.tokenize(text, add_special_tokens), timeout)
 
+    async def detokenize(
+        self, ids: Sequence[int], skip_special_tokens: bool = False, *, timeout: float | None = None
+    ) -> str:
+        return await self._unary(api.detokenize(ids, skip_special_tokens), timeout)
+
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         return await self._unary(api.model_info(), timeout)
 

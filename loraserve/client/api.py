@@ -123,6 +123,7 @@ class ModelInfo:
     max_lora_rank: int
     ready_workers: int
     eos_token_ids: tuple[int, ...]
+    server_version: str
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,11 @@ def stream(prompt: Prompt, adapter: str, options: Mapping[str, Any]) -> Call[Non
 def tokenize(text: str, add_special_tokens: bool) -> Call[Tokens]:
     request = gateway_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
     return Call("Tokenize", request, lambda pb: _from_pb(Tokens, pb), "query", True)
+
+
+def detokenize(ids: Sequence[int], skip_special_tokens: bool) -> Call[str]:
+    request = gateway_pb2.DetokenizeRequest(ids=list(ids), skip_special_tokens=skip_special_tokens)
+    return Call("Detokenize", request, lambda pb: pb.text, "query", True)
 
 
 def model_info() -> Call[ModelInfo]:

@@ -78,6 +78,9 @@ class Client:
     def tokenize(self, text: str, add_special_tokens: bool = False, *, timeout: float | None = None) -> Tokens:
         return self._unary(api.tokenize(text, add_special_tokens), timeout)
 
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False, *, timeout: float | None = None) -> str:
+        return self._unary(api.detokenize(ids, skip_special_tokens), timeout)
+
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         return self._unary(api.model_info(), timeout)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loraserve.v1 import common_pb2 as loraserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloraserve/v1/gateway.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf6\x02\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.loraserve.v1.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .loraserve.v1.SamplingParameters\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\x12\n\nttft_slo_s\x18\t \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x0b \x01(\x08\x12\x15\n\rprefill_group\x18\x0c \x01(\t\x12\x12\n\ncache_salt\x18\r \x01(\tB\x08\n\x06prompt\"\x83\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.loraserve.v1.Usage\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.loraserve.v1.Timings\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x08 \x01(\r\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x11\n\tfailovers\x18\n \x01(\r\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\"\x7f\n\x16GenerateStreamResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.loraserve.v1.TokenChunkH\x00\x12\x31\n\x07summary\x18\x02 \x01(\x0b\x32\x1e.loraserve.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\x90\x01\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xc8\x01\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x06 \x01(\r\x12\x15\n\rready_workers\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\"\x15\n\x13ListAdaptersRequest\"C\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.AdapterInfo\"&\n\x16\x44\x65scribeAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"v\n\x14UploadAdapterRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.loraserve.v1.UploadHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.FileChunkH\x00\x42\x06\n\x04part\"\x1c\n\x0cUploadHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\tFileChunk\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"<\n\x1eRegisterAdapterFromPathRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44\x65leteAdapterResponse\x12\x0f\n\x07version\x18\x01 \x01(\r2\x81\x06\n\tLoraServe\x12I\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.loraserve.v1.GenerateRequest\x1a$.loraserve.v1.GenerateStreamResponse0\x01\x12I\n\x08Tokenize\x12\x1d.loraserve.v1.TokenizeRequest\x1a\x1e.loraserve.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.loraserve.v1.GetModelInfoRequest\x1a\x17.loraserve.v1.ModelInfo\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12R\n\x0f\x44\x65scribeAdapter\x12$.loraserve.v1.DescribeAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12P\n\rUploadAdapter\x12\".loraserve.v1.UploadAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo(\x01\x12\x62\n\x17RegisterAdapterFromPath\x12,.loraserve.v1.RegisterAdapterFromPathRequest\x1a\x19.loraserve.v1.AdapterInfo\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aloraserve/v1/gateway.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf6\x02\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.loraserve.v1.TokenIdsH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .loraserve.v1.SamplingParameters\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x19\n\x11\x63lient_request_id\x18\x08 \x01(\t\x12\x12\n\nttft_slo_s\x18\t \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x0b \x01(\x08\x12\x15\n\rprefill_group\x18\x0c \x01(\t\x12\x12\n\ncache_salt\x18\r \x01(\tB\x08\n\x06prompt\"\x83\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.loraserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.loraserve.v1.Usage\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.loraserve.v1.Timings\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x08 \x01(\r\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x11\n\tfailovers\x18\n \x01(\r\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\"\x7f\n\x16GenerateStreamResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.loraserve.v1.TokenChunkH\x00\x12\x31\n\x07summary\x18\x02 \x01(\x0b\x32\x1e.loraserve.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent\"\x90\x01\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1a.loraserve.v1.TokenLogprob\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"/\n\x10TokenizeResponse\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"=\n\x11\x44\x65tokenizeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xe0\x01\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x06 \x01(\r\x12\x15\n\rready_workers\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x16\n\x0eserver_version\x18\t \x01(\t\"\x15\n\x13ListAdaptersRequest\"C\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.AdapterInfo\"&\n\x16\x44\x65scribeAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"v\n\x14UploadAdapterRequest\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.loraserve.v1.UploadHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.loraserve.v1.FileChunkH\x00\x42\x06\n\x04part\"\x1c\n\x0cUploadHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\tFileChunk\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"<\n\x1eRegisterAdapterFromPathRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44\x65leteAdapterResponse\x12\x0f\n\x07version\x18\x01 \x01(\r2\xd2\x06\n\tLoraServe\x12I\n\x08Generate\x12\x1d.loraserve.v1.GenerateRequest\x1a\x1e.loraserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.loraserve.v1.GenerateRequest\x1a$.loraserve.v1.GenerateStreamResponse0\x01\x12I\n\x08Tokenize\x12\x1d.loraserve.v1.TokenizeRequest\x1a\x1e.loraserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.loraserve.v1.DetokenizeRequest\x1a .loraserve.v1.DetokenizeResponse\x12J\n\x0cGetModelInfo\x12!.loraserve.v1.GetModelInfoRequest\x1a\x17.loraserve.v1.ModelInfo\x12U\n\x0cListAdapters\x12!.loraserve.v1.ListAdaptersRequest\x1a\".loraserve.v1.ListAdaptersResponse\x12R\n\x0f\x44\x65scribeAdapter\x12$.loraserve.v1.DescribeAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo\x12P\n\rUploadAdapter\x12\".loraserve.v1.UploadAdapterRequest\x1a\x19.loraserve.v1.AdapterInfo(\x01\x12\x62\n\x17RegisterAdapterFromPath\x12,.loraserve.v1.RegisterAdapterFromPathRequest\x1a\x19.loraserve.v1.AdapterInfo\x12X\n\rDeleteAdapter\x12\".loraserve.v1.DeleteAdapterRequest\x1a#.loraserve.v1.DeleteAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,28 +46,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZEREQUEST']._serialized_end=1198
   _globals['_TOKENIZERESPONSE']._serialized_start=1200
   _globals['_TOKENIZERESPONSE']._serialized_end=1247
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1249
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1270
-  _globals['_MODELINFO']._serialized_start=1273
-  _globals['_MODELINFO']._serialized_end=1473
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1475
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1496
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1498
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1565
-  _globals['_DESCRIBEADAPTERREQUEST']._serialized_start=1567
-  _globals['_DESCRIBEADAPTERREQUEST']._serialized_end=1605
-  _globals['_UPLOADADAPTERREQUEST']._serialized_start=1607
-  _globals['_UPLOADADAPTERREQUEST']._serialized_end=1725
-  _globals['_UPLOADHEADER']._serialized_start=1727
-  _globals['_UPLOADHEADER']._serialized_end=1755
-  _globals['_FILECHUNK']._serialized_start=1757
-  _globals['_FILECHUNK']._serialized_end=1796
-  _globals['_REGISTERADAPTERFROMPATHREQUEST']._serialized_start=1798
-  _globals['_REGISTERADAPTERFROMPATHREQUEST']._serialized_end=1858
-  _globals['_DELETEADAPTERREQUEST']._serialized_start=1860
-  _globals['_DELETEADAPTERREQUEST']._serialized_end=1896
-  _globals['_DELETEADAPTERRESPONSE']._serialized_start=1898
-  _globals['_DELETEADAPTERRESPONSE']._serialized_end=1938
-  _globals['_LORASERVE']._serialized_start=1941
-  _globals['_LORASERVE']._serialized_end=2710
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1249
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1310
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1312
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1346
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1348
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1369
+  _globals['_MODELINFO']._serialized_start=1372
+  _globals['_MODELINFO']._serialized_end=1596
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1598
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1619
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1621
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1688
+  _globals['_DESCRIBEADAPTERREQUEST']._serialized_start=1690
+  _globals['_DESCRIBEADAPTERREQUEST']._serialized_end=1728
+  _globals['_UPLOADADAPTERREQUEST']._serialized_start=1730
+  _globals['_UPLOADADAPTERREQUEST']._serialized_end=1848
+  _globals['_UPLOADHEADER']._serialized_start=1850
+  _globals['_UPLOADHEADER']._serialized_end=1878
+  _globals['_FILECHUNK']._serialized_start=1880
+  _globals['_FILECHUNK']._serialized_end=1919
+  _globals['_REGISTERADAPTERFROMPATHREQUEST']._serialized_start=1921
+  _globals['_REGISTERADAPTERFROMPATHREQUEST']._serialized_end=1981
+  _globals['_DELETEADAPTERREQUEST']._serialized_start=1983
+  _globals['_DELETEADAPTERREQUEST']._serialized_end=2019
+  _globals['_DELETEADAPTERRESPONSE']._serialized_start=2021
+  _globals['_DELETEADAPTERRESPONSE']._serialized_end=2061
+  _globals['_LORASERVE']._serialized_start=2064
+  _globals['_LORASERVE']._serialized_end=2914
 # @@protoc_insertion_point(module_scope)

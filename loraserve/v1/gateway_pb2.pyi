@@ -107,12 +107,26 @@ class TokenizeResponse(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("ids", "skip_special_tokens")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_type", "model_name", "vocab_size", "max_context_length", "default_max_new_tokens", "max_lora_rank", "ready_workers", "eos_token_ids")
+    __slots__ = ("model_type", "model_name", "vocab_size", "max_context_length", "default_max_new_tokens", "max_lora_rank", "ready_workers", "eos_token_ids", "server_version")
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +135,7 @@ class ModelInfo(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     READY_WORKERS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     model_name: str
     vocab_size: int
@@ -129,7 +144,8 @@ class ModelInfo(_message.Message):
     max_lora_rank: int
     ready_workers: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_type: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., ready_workers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    server_version: str
+    def __init__(self, model_type: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., ready_workers: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., server_version: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
     __slots__ = ()

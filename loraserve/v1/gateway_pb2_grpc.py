@@ -52,6 +52,11 @@ class LoraServeStub:
                 request_serializer=loraserve_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=loraserve_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/loraserve.v1.LoraServe/Detokenize',
+                request_serializer=loraserve_dot_v1_dot_gateway__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=loraserve_dot_v1_dot_gateway__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/loraserve.v1.LoraServe/GetModelInfo',
                 request_serializer=loraserve_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
@@ -106,6 +111,13 @@ class LoraServeServicer:
 
     def Tokenize(self, request, context):
         """Tokenize text with the model's tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turn token ids back into text with the model's tokenizer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +182,11 @@ def add_LoraServeServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=loraserve_dot_v1_dot_gateway__pb2.TokenizeRequest.FromString,
                     response_serializer=loraserve_dot_v1_dot_gateway__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=loraserve_dot_v1_dot_gateway__pb2.DetokenizeRequest.FromString,
+                    response_serializer=loraserve_dot_v1_dot_gateway__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -285,6 +302,33 @@ class LoraServe:
             '/loraserve.v1.LoraServe/Tokenize',
             loraserve_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
             loraserve_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraserve.v1.LoraServe/Detokenize',
+            loraserve_dot_v1_dot_gateway__pb2.DetokenizeRequest.SerializeToString,
+            loraserve_dot_v1_dot_gateway__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
