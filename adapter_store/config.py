@@ -26,7 +26,7 @@ class StoreLimits:
 
     max_lora_rank: int = 128
     max_adapter_bytes: int = 512 * MIB  # the largest weights file accepted
-    budget_bytes: int = 8 * GIB  # host RAM for every held version's files, retained ones included
+    budget_bytes: int = 8 * GIB  # host RAM for every held version's files and rows, retained ones included
     retention_s: float = 600.0  # superseded / deleted versions stay fetchable this long
 
     def __post_init__(self) -> None:
@@ -89,6 +89,8 @@ class StoreConfig:
     purge_interval_s: float = 10.0  # how often expired versions are dropped when nothing else does it
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)  # RAM only unless set (main sets it)
     keys: InternalKeys | None = None  # data port admits workers only; gRPC needs the internal token
+    adapter_rows: bool = True  # keep every version packed in the pool's row layout, for workers that ask
+    shm_root: Path | None = Path("/dev/shm")  # where rows go in shared memory for same-host workers; None: sockets only
 
     def __post_init__(self) -> None:
         if not self.bind:

@@ -8,6 +8,12 @@ zero-copy: the store's immutable bytes objects go straight into send_multipart(c
 ZMQ's I/O thread reads them from there (they stay alive while queued even if purged meanwhile).
 Each reply carries the weights' sha256, which the worker's fetcher checks the bytes against.
 
+A worker may ask for the adapter in its pool's row layout (`FetchAdapter.row_width`): a store that packs
+rows (`adapter_store/rows.py`) for a model of that shape answers `ADAPTER_ROWS` with the rows as a raw frame
+(zero-copy, like the files) and each layer's sha256, or — when the worker said it can map this host's shared
+memory and the rows are in a shared-memory file — with that file's name and token and no rows on the
+socket. Otherwise it answers with the files, as to any worker.
+
 A malformed message is logged (rate-limited per peer and kind) and dropped; a peer that cannot
 take a reply (gone, or its queue full) loses that reply and the worker times out and retries. An
 unexpected error that still ends the thread is kept in `failure`, and `watch()` — supervised by
@@ -29,7 +35,7 @@ from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import make_socket, send
 from loraserve.supervise import RoleFailed, watch_thread
-from loraserve.wire import AdapterPayload, FetchAdapter, FetchFailed, Message, WireError, decode
+from loraserve.wire import AdapterPayload, AdapterRows, FetchAdapter, FetchFailed, Message, WireError, decode
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +122,36 @@ class DataPlane:
             span.set_attribute("loraserve.adapter.name", fetch.name)
             span.set_attribute("loraserve.adapter.version", fetch.version)
             try:
-                record, files = self.store.get_version(fetch.name, fetch.version)
+                record, files, rows = self.store.get_rows(fetch.name, fetch.version)
             except LoraserveError as e:
                 span.set_attribute("loraserve.error", e.status)
                 return FetchFailed(fetch.name, fetch.version, status=e.status, error=str(e))
             except Exception as e:  # the loop must survive anything
                 log.exception("serving adapter %s v%d failed", fetch.name, fetch.version)
                 return FetchFailed(fetch.name, fetch.version, status="INTERNAL", error=f"the store failed: {e}")
-            span.set_attribute("loraserve.adapter.bytes", len(files.config_json) + len(files.weights))
             self.served += 1
+            if rows is not None and (fetch.row_width, fetch.num_layers) == (rows.spec.row_width, rows.spec.num_layers):
+                shared = fetch.shared_memory and rows.file is not None
+                span.set_attribute("loraserve.adapter.bytes", 0 if shared else rows.spec.nbytes)
+                span.set_attribute("loraserve.adapter.shared_memory", shared)
+                return AdapterRows(
+                    name=fetch.name,
+                    version=fetch.version,
+                    sha256=record.sha256,
+                    rank=rows.rank,
+                    modules=list(rows.modules),
+                    layers=list(rows.layers),
+                    dtype=rows.spec.dtype,
+                    num_layers=rows.spec.num_layers,
+                    num_rows=rows.spec.num_rows,
+                    row_width=rows.spec.row_width,
+                    digests=rows.digests,
+                    shm_name=rows.file.name if shared else "",
+                    shm_token=rows.file.token if shared else "",
+                    config_json=files.config_json,
+                    rows=b"" if shared else rows.buffer,
+                )
+            span.set_attribute("loraserve.adapter.bytes", len(files.config_json) + len(files.weights))
             return AdapterPayload(
                 name=fetch.name,
                 version=fetch.version,

@@ -31,6 +31,7 @@ from loraserve.adapter_store.config import (
 )
 from loraserve.adapter_store.data_plane import DataPlane
 from loraserve.adapter_store.persistence import Backend, DirectoryBackend
+from loraserve.adapter_store.rows import RowsMaker
 from loraserve.adapter_store.service import AdapterStoreService
 from loraserve.adapter_store.store import AdapterStore
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
@@ -93,7 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--object-store-endpoint", default=None, metavar="URL", help="the object store's endpoint (default: AWS S3)"
     )
-    parser.add_argument("--memory-budget-gb", type=float, default=8.0, help="host RAM for adapters, GiB")
+    parser.add_argument(
+        "--memory-budget-gb", type=float, default=8.0, help="host RAM for adapters (their files and pool rows), GiB"
+    )
     parser.add_argument("--max-adapter-mb", type=float, default=512.0, help="largest weights file accepted, MiB")
     parser.add_argument("--max-lora-rank", type=int, default=128, help="largest LoRA rank accepted")
     parser.add_argument(
@@ -101,6 +104,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         help="seconds a superseded or deleted version stays fetchable for requests in flight",
+    )
+    parser.add_argument(
+        "--adapter-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep each version packed in the workers' pool row layout too (about its size again in RAM), so a "
+        "worker copies it into its pool without parsing or packing (--no-adapter-rows: the files only)",
+    )
+    parser.add_argument(
+        "--shared-memory-root",
+        default="/dev/shm",
+        metavar="DIR",
+        help="a tmpfs where the packed rows live, mapped by workers on this host and user instead of sent over "
+        "the socket (a private loraserve-UID directory is made there); empty: sockets only",
     )
     add_internal_keys_argument(parser)
     telemetry.add_tracing_arguments(parser)
@@ -135,6 +152,8 @@ def config_from_args(args: argparse.Namespace) -> StoreConfig:
         preload=tuple(preload),
         persistence=persistence_from_args(args),
         keys=keys,
+        adapter_rows=args.adapter_rows,
+        shm_root=Path(args.shared_memory_root) if args.shared_memory_root else None,
     )
 
 
@@ -196,12 +215,20 @@ async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
 
 
 async def _serve(config: StoreConfig, model: ModelConfig, catalog: Catalog | None, stop_event: threading.Event) -> None:
-    store = AdapterStore(model, config.limits, adapter_root=config.adapter_root, catalog=catalog)
-    data_plane = DataPlane(store, config.data_address, config.keys)
+    rows = RowsMaker(model, config.shm_root) if config.adapter_rows else None
+    store = AdapterStore(model, config.limits, adapter_root=config.adapter_root, catalog=catalog, rows=rows)
+    try:
+        data_plane = DataPlane(store, config.data_address, config.keys)
+    except BaseException:
+        if rows is not None:
+            rows.close()
+        raise
     try:
         server, port = new_server(config.bind, server_interceptors(config.keys.token if config.keys else None))
     except BaseException:
         data_plane.stop()
+        if rows is not None:
+            rows.close()
         raise
     adapter_store_pb2_grpc.add_AdapterStoreServicer_to_server(AdapterStoreService(store, config.data_address), server)
     health = add_health_and_reflection(server, [SERVICE])
@@ -230,6 +257,8 @@ async def _serve(config: StoreConfig, model: ModelConfig, catalog: Catalog | Non
         await set_serving(health, [SERVICE], False)
         await server.stop(grace=GRACE_S)
         data_plane.stop()
+        if rows is not None:
+            rows.close()  # its shared-memory files; workers' mappings stay valid
 
 
 def main(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loraserve.adapter_config import CONFIG_FILE
-from loraserve.adapter_format import WEIGHTS_FILES, check_adapter_bytes
+from loraserve.adapter_format import WEIGHTS_FILES, CheckedAdapter, check_adapter_bytes
 from loraserve.adapter_store.catalog import ADAPTERS, Catalog, CorruptEntry, StoredAdapter
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB, StoreLimits
 from loraserve.adapter_store.files import (
@@ -43,6 +43,7 @@ from loraserve.adapter_store.files import (
     resolve_under_root,
     too_large_message,
 )
+from loraserve.adapter_store.rows import PackedRows, RowsMaker
 from loraserve.errors import (
     AdapterNotFoundError,
     FailedPreconditionError,
@@ -115,10 +116,16 @@ class _Held:
     record: AdapterRecord
     files: AdapterFiles
     retired_at: float | None = None  # clock() when superseded or deleted
+    rows: PackedRows | None = None  # the weights in the pool's row layout (`rows.py`), with a RowsMaker
 
     @property
     def nbytes(self) -> int:
-        return len(self.files.config_json) + len(self.files.weights)
+        """Host RAM it holds: its files, and its rows (in RAM or in shared memory, which is RAM too)."""
+        return len(self.files.config_json) + len(self.files.weights) + _rows_bytes(self.rows)
+
+
+def _rows_bytes(rows: PackedRows | None) -> int:
+    return rows.buffer.nbytes if rows is not None else 0
 
 
 def check_name(name: str, field: str = "name") -> None:
@@ -144,9 +151,11 @@ class AdapterStore:
         adapter_root: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         catalog: Catalog | None = None,
+        rows: RowsMaker | None = None,
     ):
         self.model, self.limits, self.adapter_root = model, limits, adapter_root
         self.catalog = catalog  # None: RAM only
+        self.rows = rows  # None: workers get the files only
         self._clock = clock
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # held across a durable write: registrations and deletes, in turn
@@ -168,21 +177,29 @@ class AdapterStore:
     ) -> AdapterRecord:
         """Validate with the engine's own rules, keep durably (with a catalog), then serve as the next version."""
         config_json, weights = bytes(config_json), bytes(weights)  # no copy when given bytes
-        record = self._validate(name, config_json, weights, weights_format, source, version=0, created=time.time())
+        record, checked = self._validate(name, config_json, weights, weights_format, source, 0, time.time())
         files = AdapterFiles(config_json, weights, weights_format)
-        with self._write_lock:
-            with self._lock:
-                self._purge_locked()
-                self._check_fits_locked(len(config_json) + len(weights))
-                version = self._last_version.get(name, 0) + 1
-                self._last_version[name] = version  # a failed write burns the number: versions only go up
-                previous = self._current.get(name)
-            record = replace(record, version=version)
-            if self.catalog is not None:
-                stored = StoredAdapter(name, version, config_json, weights, weights_format, source, record.created_unix)
-                self.catalog.save(stored, supersedes=previous)
-            with self._lock:
-                self._add_locked(record, files)
+        rows = self._pack(checked, record)
+        try:
+            with self._write_lock:
+                with self._lock:
+                    self._purge_locked()
+                    self._check_fits_locked(len(config_json) + len(weights) + _rows_bytes(rows))
+                    version = self._last_version.get(name, 0) + 1
+                    self._last_version[name] = version  # a failed write burns the number: versions only go up
+                    previous = self._current.get(name)
+                record = replace(record, version=version)
+                if self.catalog is not None:
+                    stored = StoredAdapter(
+                        name, version, config_json, weights, weights_format, source, record.created_unix
+                    )
+                    self.catalog.save(stored, supersedes=previous)
+                with self._lock:
+                    self._add_locked(record, files, rows)
+        except BaseException:
+            if rows is not None:  # not served: its shared-memory file goes
+                rows.release()
+            raise
         log.info(
             "registered adapter %s v%d (rank %d, %s, %.1f MiB) from %s",
             name,
@@ -204,8 +221,8 @@ class AdapterStore:
         version: int,
         created: float,
         max_rank: int | None = None,
-    ) -> AdapterRecord:
-        """Every check a registration makes, in cost order; the record of what passed.
+    ) -> tuple[AdapterRecord, CheckedAdapter]:
+        """Every check a registration makes, in cost order; the record of what passed, and its weights.
 
         `max_rank` replaces the configured --max-lora-rank (restore checks the rank itself)."""
         check_name(name)
@@ -222,7 +239,7 @@ class AdapterStore:
         self.check_fits(len(config_json) + len(weights))  # cheap refusal before the expensive validation
         max_rank = self.limits.max_lora_rank if max_rank is None else max_rank
         adapter = check_adapter_bytes(config_json, weights, self.model, max_rank, weights_format)
-        return AdapterRecord(
+        record = AdapterRecord(
             name=name,
             version=version,
             rank=adapter.config.rank,
@@ -235,12 +252,22 @@ class AdapterStore:
             source=source,
             sha256=hashlib.sha256(weights).hexdigest(),
         )
+        return record, adapter
 
-    def _add_locked(self, record: AdapterRecord, files: AdapterFiles) -> None:
+    def _pack(self, checked: CheckedAdapter, record: AdapterRecord) -> PackedRows | None:
+        """The validated weights in the pool's row layout, when this store makes rows (outside the lock)."""
+        return self.rows.pack(checked, record.sha256) if self.rows is not None else None
+
+    def _add_locked(self, record: AdapterRecord, files: AdapterFiles, rows: PackedRows | None = None) -> None:
         """Serve `record` as its name's current version; the previous one retires."""
         name, version = record.name, record.version
-        self._held[(name, version)] = _Held(record, files)
-        self._used += len(files.config_json) + len(files.weights)
+        replaced = self._held.get((name, version))
+        if replaced is not None:
+            self._used -= replaced.nbytes
+            if replaced.rows is not None:
+                replaced.rows.release()
+        held = self._held[(name, version)] = _Held(record, files, rows=rows)
+        self._used += held.nbytes
         previous = self._current.get(name)
         if previous is not None:
             self._retire_locked(name, previous)
@@ -299,7 +326,7 @@ class AdapterStore:
         for i, version in enumerate(versions):
             try:
                 stored = catalog.read(name, version)
-                record = self._validate_stored(stored)
+                record, checked = self._validate_stored(stored)
             except CorruptEntry as e:
                 plan.quarantine.append((name, version, f"it is corrupt ({e})"))
                 continue
@@ -322,15 +349,16 @@ class AdapterStore:
                 continue
             except ResourceExhaustedError as e:  # the memory budget: a start-up error, nothing is moved away
                 raise ResourceExhaustedError(f"restoring {name} v{version} from {catalog.location}: {e}") from None
+            rows = self._pack(checked, record)
             with self._lock:
-                self._add_locked(record, AdapterFiles(stored.config_json, stored.weights, stored.weights_format))
+                self._add_locked(record, AdapterFiles(stored.config_json, stored.weights, stored.weights_format), rows)
             plan.served += 1
             if i:
                 plan.fallbacks.append((name, version, versions[:i]))
             plan.superseded += [(name, older, version) for older in versions[i + 1 :]]
             return
 
-    def _validate_stored(self, stored: StoredAdapter) -> AdapterRecord:
+    def _validate_stored(self, stored: StoredAdapter) -> tuple[AdapterRecord, CheckedAdapter]:
         """Validate a stored version as a registration, but raise OverLimitError for today's size and rank limits."""
         limit = self.limits.max_adapter_bytes
         if len(stored.weights) > limit:
@@ -338,7 +366,7 @@ class AdapterStore:
                 f"its weights are {len(stored.weights) / MIB:.1f} MiB ({len(stored.weights)} bytes), over this "
                 f"store's --max-adapter-mb of {limit / MIB:.1f} MiB ({limit} bytes)"
             )
-        record = self._validate(
+        record, checked = self._validate(
             stored.name,
             stored.config_json,
             stored.weights,
@@ -352,7 +380,7 @@ class AdapterStore:
             raise OverLimitError(
                 f"its rank {record.rank} is over this store's --max-lora-rank of {self.limits.max_lora_rank}"
             )
-        return record
+        return record, checked
 
     def preload(self, name: str, directory: Path) -> AdapterRecord:
         """Register a directory the operator named (anywhere, no root confinement), unless the name's
@@ -413,6 +441,15 @@ class AdapterStore:
         else:
             why += f"; version {version} never existed"
         raise NotFoundError(why)
+
+    def get_rows(self, name: str, version: int) -> tuple[AdapterRecord, AdapterFiles, PackedRows | None]:
+        """`get_version`, and the version's rows (None when this store makes none)."""
+        with self._lock:
+            self._purge_locked()
+            held = self._held.get((name, version))
+            if held is not None:
+                return held.record, held.files, held.rows
+        return (*self.get_version(name, version), None)  # raises the precise NotFoundError
 
     def describe(self, name: str) -> AdapterRecord:
         with self._lock:
@@ -491,7 +528,10 @@ class AdapterStore:
         now, purged = self._clock(), 0
         while self._retired and now - self._retired[0][0] >= self.limits.retention_s:
             _, key = self._retired.popleft()
-            self._used -= self._held.pop(key).nbytes
+            held = self._held.pop(key)
+            self._used -= held.nbytes
+            if held.rows is not None:
+                held.rows.release()
             purged += 1
             log.info("purged adapter %s v%d (retention over)", *key)
         return purged

@@ -53,6 +53,7 @@ from loraserve.gateway.validation import (
     validate_generate,
 )
 from loraserve.grpc_utils import RETRY_AFTER_KEY, forward_stream, internal_call, refuse_stream
+from loraserve.names import TENANT_NAME
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
 from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
@@ -231,15 +232,40 @@ class LoraServeService(gateway_pb2_grpc.LoraServeServicer):
         ns = Namespace.of(principal)
         with tracer.start_as_current_span("gateway.validate"):
             valid = validate_generate(request, self.limits, lambda name: ns.check(name, "adapter"))
-        with tracer.start_as_current_span("gateway.tokenize"):
-            prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
-            check_context(prompt_ids, valid.sampling, self.limits)
         version = AdapterVersion()
-        if valid.adapter is not None:
+        if valid.adapter is not None:  # resolved first: a worker starts fetching it while the prompt is tokenized
             with tracer.start_as_current_span("gateway.adapter_lookup"):
                 store_name, version = await self.adapters.resolve(ns, valid.adapter)
             valid = replace(valid, adapter=store_name)  # what workers fetch: TENANT~NAME or a public name
+            self._hint(store_name, version, principal.tenant)
+            await asyncio.sleep(0)  # the hint's call starts before the prompt is tokenized
+        with tracer.start_as_current_span("gateway.tokenize"):
+            prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
+            check_context(prompt_ids, valid.sampling, self.limits)
         return valid, prompt_ids, version
+
+    def _hint(self, adapter: str, version: AdapterVersion, tenant: str) -> None:
+        """Tell the scheduler, without waiting, that a request for this adapter version follows: the worker it
+        would go to starts fetching the adapter now (`scheduler/hints.py`). A hint that fails changes nothing."""
+        hint = scheduler_pb2.PrepareAdapterRequest(
+            adapter=adapter,
+            adapter_version=version.version,
+            adapter_sha256=version.sha256,
+            adapter_rank=version.rank,
+            tenant=tenant if TENANT_NAME.fullmatch(tenant) else "",
+        )
+
+        metadata = telemetry.grpc_metadata()  # the request's trace: the worker's fetch and the store join it
+
+        async def send() -> None:
+            try:
+                await self.scheduler.PrepareAdapter(hint, timeout=self.config.internal_timeout_s, metadata=metadata)
+            except Exception as e:  # a best-effort hint: an older scheduler (UNIMPLEMENTED), one going away
+                log.debug("adapter hint for %s not taken: %s", adapter, e)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _submit(
         self,

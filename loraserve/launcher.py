@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="workers keep KV pages for later requests with the same prefix (--no-prefix-cache: off)",
     )
     parser.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers copy the adapters the scheduler predicts into their pool ahead of need (--no-prefetch: off)",
+    )
+    parser.add_argument(
         "--runner",
         choices=("real", "emulated"),
         default="real",
@@ -132,6 +138,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="with --runner emulated: `loraserve bench --suite runner-profile`'s runner_profile.json",
+    )
+    parser.add_argument(
+        "--adapter-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the store keeps adapters packed in the workers' pool row layout and workers fetch those "
+        "(--no-adapter-rows: workers fetch the files and parse, validate and pack them)",
+    )
+    parser.add_argument(
+        "--shared-memory-root",
+        default="/dev/shm",
+        metavar="DIR",
+        help="where the store's rows live in shared memory, mapped by workers on this host; empty: sockets only",
     )
     parser.add_argument(
         "--adapter-cache-gb",
@@ -239,7 +258,8 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             *base,
             "adapter-store",
             *_flags(model=args.model, bind=ports.store, data_address=ports.store_data, adapter_root=args.adapter_root),
-            *_flags(data_dir=data_dir),
+            *_flags(data_dir=data_dir, shared_memory_root=args.shared_memory_root),
+            *([] if args.adapter_rows else ["--no-adapter-rows"]),
             *preloads,
             *common,
         ],
@@ -264,6 +284,9 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
             *_flags(adapter_cache_gb=args.adapter_cache_gb, torch_threads=threads),
             *(["--enforce-eager"] if args.enforce_eager else []),
             *([] if args.prefix_cache else ["--no-prefix-cache"]),
+            *([] if args.prefetch else ["--no-prefetch"]),
+            *([] if args.adapter_rows else ["--no-adapter-rows"]),
+            *_flags(shared_memory_root=args.shared_memory_root),
             *_runner_flags(args),
             *common,
         ]

@@ -49,6 +49,7 @@ class MsgType(enum.IntEnum):
     ADAPTER = 7  # adapter store -> worker: the adapter's files (2 raw frames)
     FETCH_FAILED = 8  # adapter store -> worker: could not serve a fetch
     STEP_TOKENS = 9  # worker -> gateway: one step's new tokens for all of this gateway's requests
+    ADAPTER_ROWS = 10  # adapter store -> worker: the adapter packed in the pool's row layout (`pool_rows.py`)
 
 
 # ---- the schema vocabulary --------------------------------------------------------------------
@@ -89,6 +90,7 @@ MAX_RESIDENT = 4096  # resident adapters named in one report
 MAX_PREFETCH = 1024  # adapters in one prefetch hint
 MAX_STEP_SAMPLES = 64  # measured steps in one report
 MAX_PREFIXES = 4096  # cached prefix fingerprints in one report (its most recently used)
+MAX_ROW_LAYERS = 1024  # layers of an adapter's packed rows (`loraserve/pool_rows.py`)
 
 Id = Annotated[str, Limit(max_len=MAX_ID)]
 Text = Annotated[str, Limit(max_len=MAX_TEXT)]
@@ -233,6 +235,8 @@ class Prefetch(Message):
     # remembers the latest score of each adapter, and a prefetch evicts only adapters scored lower
     # than the one it fetches. Empty: unknown, each counts as UNKNOWN_SCORE (see worker/unified_pool.py).
     scores: Annotated[list[Probability], Limit(max_len=MAX_PREFETCH)] = field(default_factory=list)
+    # A gateway's hint for one request (`scheduler/hints.py`): that request's trace, which the fetch joins.
+    trace: TraceCarrier = field(default_factory=dict)
 
     def check(self) -> None:
         if self.scores and len(self.scores) != len(self.adapters):
@@ -319,6 +323,11 @@ class FetchAdapter(Message):
     name: Id
     version: Version
     trace: TraceCarrier = field(default_factory=dict)
+    # Rows: ask for the adapter packed in the pool's row layout of a model of this shape (an AdapterRows
+    # reply; a store without rows, or for another shape, answers with the files). 0: the files.
+    row_width: Annotated[int, Limit(0, 1 << 20)] = 0
+    num_layers: Annotated[int, Limit(0, MAX_ROW_LAYERS)] = 0
+    shared_memory: bool = False  # the worker can map the store's shared-memory files (same host, same user)
 
 
 @dataclass
@@ -336,6 +345,37 @@ class AdapterPayload(Message):
 
 
 @dataclass
+class AdapterRows(Message):
+    """An adapter version packed in the pool's row layout (`loraserve/pool_rows.py`): the header in the map,
+    adapter_config.json in frame 2, the rows in frame 3 — or, with `shm_name`, an empty frame 3 and the rows
+    in the store's shared-memory file of that name, whose header carries `shm_token`."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ADAPTER_ROWS
+    name: Id
+    version: Version
+    sha256: Annotated[str, Limit(max_len=64)]  # of the weights file the rows were packed from (its identity)
+    rank: Annotated[int, Limit(1, 1 << 16)]
+    modules: Annotated[list[Annotated[str, Limit(max_len=16)]], Limit(max_len=8)]  # targeted, LORA_MODULES order
+    layers: Annotated[list[Annotated[int, Limit(0, MAX_ROW_LAYERS - 1)]], Limit(max_len=MAX_ROW_LAYERS)]  # with weights
+    dtype: Annotated[str, Limit(max_len=16)]  # "float16" | "bfloat16" | "float32" | "float64"
+    num_layers: Annotated[int, Limit(1, MAX_ROW_LAYERS)]
+    num_rows: Annotated[int, Limit(1, 1 << 24)]
+    row_width: Annotated[int, Limit(1, 1 << 20)]
+    digests: Annotated[list[Annotated[str, Limit(max_len=64)]], Limit(max_len=MAX_ROW_LAYERS)]  # sha256 per layer
+    shm_name: Annotated[str, Limit(max_len=128)] = ""  # "": the rows are in frame 3
+    shm_token: Annotated[str, Limit(max_len=64)] = ""
+    config_json: bytes | memoryview = b""  # carried as a raw frame
+    rows: bytes | memoryview = b""  # carried as a raw frame
+    BUFFERS: ClassVar[tuple[str, ...]] = ("config_json", "rows")
+
+    def check(self) -> None:
+        if len(self.digests) != self.num_layers:
+            raise WireError("AdapterRows: digests and num_layers differ")
+        if bool(self.shm_name) != bool(self.shm_token):
+            raise WireError("AdapterRows: shm_name and shm_token go together")
+
+
+@dataclass
 class FetchFailed(Message):
     TYPE: ClassVar[MsgType] = MsgType.FETCH_FAILED
     name: Id
@@ -346,7 +386,18 @@ class FetchFailed(Message):
 
 _TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
-    for cls in (WorkerReport, Assign, Cancel, Prefetch, Tokens, FetchAdapter, AdapterPayload, FetchFailed, StepTokens)
+    for cls in (
+        WorkerReport,
+        Assign,
+        Cancel,
+        Prefetch,
+        Tokens,
+        FetchAdapter,
+        AdapterPayload,
+        FetchFailed,
+        StepTokens,
+        AdapterRows,
+    )
 }
 
 
@@ -571,7 +622,13 @@ def _fast_check(hint: Any) -> Callable[[Any], Any] | None:
             out = tuple([c(x) for c, x in zip(checks, v)])  # noqa: B905 (lengths checked above)
             return _MISMATCH if _MISMATCH in out else out
 
-        return check_tuple
+        def check_pair(v: Any) -> Any:  # (name, version) pairs fill the longest lists: one call each, not three
+            if (type(v) is not list and type(v) is not tuple) or len(v) != 2:
+                return _MISMATCH
+            a, b = checks[0](v[0]), checks[1](v[1])
+            return _MISMATCH if a is _MISMATCH or b is _MISMATCH else (a, b)
+
+        return check_pair if size == 2 else check_tuple
     return None
 
 

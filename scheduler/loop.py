@@ -26,7 +26,7 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import zmq
 import zmq.asyncio
@@ -43,6 +43,7 @@ from loraserve.names import SHA256_HEX, TENANT_NAME
 from loraserve.prefix_keys import PrefixProbe, adapter_identity, chain_root
 from loraserve.scheduler import metrics
 from loraserve.scheduler.disconnects import DisconnectWatch
+from loraserve.scheduler.hints import AdapterHints
 from loraserve.scheduler.policy import (
     AssignTo,
     CancelOn,
@@ -97,6 +98,7 @@ class SchedulerLoop:
         self.gateways = PushSockets(self.ctx, curve=keys.client_of("gateway") if keys is not None else None)
         self.pending: dict[str, _Pending] = {}
         self.quotas = TokenQuotas()  # each tenant's tokens_per_minute, for every gateway at once
+        self.hints = AdapterHints()  # gateways' early word of the adapters requests will need
         self.tick_s = tick_s
         self.instance = uuid.uuid4().hex  # in ClusterState: gateways tell a restarted scheduler by it
         self._wake = asyncio.Event()
@@ -158,6 +160,25 @@ class SchedulerLoop:
         self.pending[request.request_id] = _Pending(request, span, sampling, prompt_ids)
         self._wake.set()
         return position
+
+    def prepare_adapter(self, request: scheduler_pb2.PrepareAdapterRequest, metadata) -> str:
+        """A gateway's hint that a request for this adapter follows: the worker placement would choose starts
+        fetching it now (`scheduler/hints.py`), in the request's trace. Returns that worker's id, or "" when
+        none was told."""
+        _check_hint(request)
+        adapter = (request.adapter, request.adapter_version)
+        decision = self.hints.hint(self.policy, adapter, request.adapter_rank, request.tenant, time.time())
+        if decision is None:
+            return ""
+        context = telemetry.context_from(metadata)
+        with telemetry.tracer().start_as_current_span("scheduler.adapter_hint", context=context) as span:
+            span.set_attribute("loraserve.adapter", f"{request.adapter}@{request.adapter_version}")
+            span.set_attribute("loraserve.worker_id", decision.worker_id)
+            decision = replace(decision, trace=tuple(telemetry.carrier().items()))
+        if not self._prefetch(decision):
+            return ""
+        metrics.ADAPTER_HINTS.inc()
+        return decision.worker_id
 
     def cancel(self, request_id: str, reason: str) -> bool:
         found, decisions = self.policy.cancel(request_id, reason)
@@ -286,9 +307,12 @@ class SchedulerLoop:
             self._wake.set()
             return False
 
-    def _prefetch(self, decision: PrefetchOn) -> None:
-        if self._to_worker(decision.worker_id, Prefetch([list(k) for k in decision.adapters], list(decision.scores))):
+    def _prefetch(self, decision: PrefetchOn) -> bool:
+        adapters, scores = [list(k) for k in decision.adapters], list(decision.scores)
+        if self._to_worker(decision.worker_id, Prefetch(adapters, scores, dict(decision.trace))):
             metrics.PREFETCH_HINTS.inc(len(decision.adapters))
+            return True
+        return False
 
     def _migrate(self, decision: Migrate) -> None:
         """Its gateway submits it again (retry), then its worker drops it: the new attempt has its own id."""
@@ -367,6 +391,18 @@ def _prefix_probe(request: scheduler_pb2.SubmitRequest, prompt_ids: list[int]) -
         identity = adapter_identity(request.adapter, request.adapter_version, request.adapter_sha256)
     tokens = prompt_ids + request.output_ids[:] if request.output_ids else prompt_ids
     return PrefixProbe(chain_root(request.cache_salt, identity), tokens)
+
+
+def _check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:
+    """Refuse a hint naming what no ASSIGN could carry (the worker's decoder would drop the PREFETCH)."""
+    if not request.adapter or len(request.adapter) > MAX_ID:
+        raise InvalidRequestError("adapter", f"must be 1-{MAX_ID} characters")
+    if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
+        raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
+    if request.adapter_rank > MAX_ADAPTER_RANK:
+        raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
+    if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
+        raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")
 
 
 def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:

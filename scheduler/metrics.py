@@ -14,6 +14,9 @@ REFUSED = Counter(
     ["code"],
 )
 PREFETCH_HINTS = Counter("loraserve_scheduler_prefetch_hints", "Adapters named in prefetch hints sent to workers")
+ADAPTER_HINTS = Counter(
+    "loraserve_scheduler_adapter_hints", "Gateways' early adapter hints (PrepareAdapter) that started a worker's fetch"
+)
 WORKER_DISCONNECTS = Counter(
     "loraserve_scheduler_worker_socket_disconnects", "TCP disconnects seen on the workers' socket (any peer)"
 )

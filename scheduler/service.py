@@ -1,4 +1,4 @@
-"""The scheduler's gRPC control plane: Submit, Cancel, GetClusterState."""
+"""The scheduler's gRPC control plane: Submit, Cancel, GetClusterState, PrepareAdapter."""
 
 from __future__ import annotations
 
@@ -32,3 +32,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetClusterState(self, request, context: grpc.aio.ServicerContext):
         return self.loop.cluster_state()
+
+    async def PrepareAdapter(self, request: scheduler_pb2.PrepareAdapterRequest, context: grpc.aio.ServicerContext):
+        worker_id = self.loop.prepare_adapter(request, context.invocation_metadata())
+        return scheduler_pb2.PrepareAdapterResponse(worker_id=worker_id)

@@ -310,7 +310,8 @@ def test_one_trace_per_request_spans_all_four_roles(stack, collector):
     assert services == {"loraserve-gateway", "loraserve-scheduler", "loraserve-worker", "loraserve-adapter-store"}
     assert {"gateway.generate", "scheduler.queue", "worker.prefill", "worker.decode", "worker.adapter_fetch"} <= names
     fetch = next(s for s in traces[0] if s["name"] == "worker.adapter_fetch")
-    assert fetch["attributes"]["loraserve.adapter.source"] == "cold"
+    # the gateway's hint starts the fetch before the ASSIGN: the request joins it (cold) or finds it loaded (hit)
+    assert fetch["attributes"]["loraserve.adapter.source"] in ("cold", "hit")
 
 
 def test_loraserve_up_shows_the_demo_and_stops_cleanly():

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from loraserve.wire import (
     _TYPES,
     AdapterPayload,
+    AdapterRows,
     Assign,
     Cancel,
     FetchAdapter,
@@ -50,7 +51,9 @@ VALID: list[Message] = [
     Prefetch([("x", 1), ("y", 2)], [0.9, 0.25]),
     Tokens("r", [1], "w", True, "stop", timings={"queue_s": 0.1}),
     FetchAdapter("x", 1, {"traceparent": "00-1"}),
+    FetchAdapter("x", 1, {}, row_width=64, num_layers=2, shared_memory=True),
     AdapterPayload("x", 1, "safetensors", b"{}", b"weights"),
+    AdapterRows("x", 1, "ab" * 32, 2, ["q_proj"], [0, 1], "float32", 2, 4, 8, ["cd" * 32] * 2, config_json=b"{}"),
     FetchFailed("x", 1, "NOT_FOUND", "no such adapter"),
     StepTokens("w", ["r", "s"], [[1, 2], []]),
 ]

@@ -35,10 +35,11 @@ class LoraAdapter:
     use_rslora: bool
     modules: tuple[str, ...]  # targeted projections, in LORA_MODULES order
     layers: tuple[int, ...]  # layers that carry weights
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B); {}: rows only
     config: dict
     sha256: str | None = None  # hex SHA-256 of the weights file it was read from, when the caller checked it
-    # The rows `pack` makes for one pool's geometry and dtype, packed ahead of a load (`with_rows`).
+    # The rows `pack` makes for one pool's geometry, packed ahead of a load (`with_rows`), or as the store
+    # sent them (`worker/adapter_rows.py`: then the only copy of the weights, in the adapter's own dtype).
     packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -59,6 +60,8 @@ class LoraAdapter:
 
         Shape: [num_layers, layout.num_rows, row_width]; layers without weights are zero.
         """
+        if not self.weights:
+            raise ValueError("this adapter holds only packed rows, and they do not fit this pool")
         layout = self.layout(pool, model)
         w = pool.row_width
         rows = torch.zeros(pool.num_layers, layout.num_rows, w, dtype=dtype)
@@ -77,10 +80,11 @@ class LoraAdapter:
         return dataclasses.replace(self, packed=rows)
 
     def rows(self, pool: PoolLayout, model: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
-        """`pack(pool, model, dtype)`: the rows packed ahead of time when they fit that pool, else packed now."""
+        """`pack(pool, model, dtype)`: the rows packed ahead of time when they fit that pool (cast when only
+        their dtype differs: exact, as packing only ever widened the weights), else packed now."""
         rows = self.packed
-        if rows is not None and rows.dtype == dtype and rows.shape == self._packed_shape(pool, model):
-            return rows
+        if rows is not None and rows.shape == self._packed_shape(pool, model):
+            return rows if rows.dtype == dtype else rows.to(dtype)
         return self.pack(pool, model, dtype)
 
     def _packed_shape(self, pool: PoolLayout, model: ModelConfig) -> tuple[int, int, int]:

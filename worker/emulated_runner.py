@@ -52,6 +52,8 @@ def _key(chunk: SeqChunk) -> AdapterKey | None:
 class EmulatedRunner:
     """Waits each step's predicted time and emits deterministic tokens (see the module docstring)."""
 
+    waits_per_layer = False  # reads no adapter rows: the engine waits for a whole copy before the step
+
     def __init__(self, profile: RunnerProfile, model: PseudoModel):
         self.profile, self.model = profile, model
         self.masks = MaskComputer(model.vocab_size)  # structured output's, while the step waits

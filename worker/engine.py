@@ -444,11 +444,14 @@ class Engine:
             self._fail_unschedulable(outputs)
             return outputs
         scheduled_at = time.monotonic()
-        waited = {key: self.pool.wait_ready(key) for key in plan.adapters}
+        by_layer = self.runner.waits_per_layer  # an adapter still being copied in: waited for per layer
+        waited = {key: self.pool.wait_ready(key, by_layer) for key in plan.adapters}
         if self.config.prefetch:  # adapters of the requests queued next: needed for sure
             waiting = itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
             self._prefetch([r.adapter for r in waiting if r.adapter is not None])
         output = self.runner.execute(plan.batch, plan.kv_copies)
+        for key in waited if by_layer else ():
+            waited[key] += self.pool.layer_wait_s(key)
         return outputs + self._update(plan, output, scheduled_at, waited)
 
     def _shape(self, plan: StepPlan) -> StepShape:

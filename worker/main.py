@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+from pathlib import Path
 
 from loraserve import telemetry
 from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
@@ -31,6 +32,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_drain_argument(parser, "to let requests in flight finish before handing them back to fail over")
     parser.add_argument(
         "--fetch-timeout", type=float, default=10.0, help="seconds to wait for an adapter from the store"
+    )
+    parser.add_argument(
+        "--adapter-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fetch adapters already packed in the pool's row layout when the store has them, instead of their "
+        "files to parse, validate and pack here (--no-adapter-rows: the files)",
+    )
+    parser.add_argument(
+        "--shared-memory-root",
+        default="/dev/shm",
+        metavar="DIR",
+        help="the store's --shared-memory-root: rows of a store on this host and user are mapped from there, "
+        "not received over the socket; empty: the socket only",
+    )
+    parser.add_argument(
+        "--verify-shared-memory",
+        action="store_true",
+        help="hash rows mapped from shared memory against the store's digests too (rows over the socket always are)",
     )
     parser.add_argument(
         "--torch-threads",
@@ -64,6 +84,9 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
         drain_timeout_s=args.drain_timeout,
         fetch_timeout_s=args.fetch_timeout,
         keys=keys,
+        adapter_rows=args.adapter_rows,
+        shm_root=Path(args.shared_memory_root) if args.shared_memory_root else None,
+        verify_shared_memory=args.verify_shared_memory,
     )
     service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
     if args.metrics_port:

@@ -22,6 +22,7 @@ from loraserve.errors import InvalidModelError
 from loraserve.kernels.backend import KernelBackend
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES, ModelConfig
+from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.rope import inverse_frequencies
 from loraserve.worker.weights import iter_tensors
 
@@ -37,9 +38,13 @@ class ForwardBatch:
     lora: LoraPlan | None  # None when no token of the step uses an adapter
     pool: torch.Tensor  # [L, rows, W]: the unified pool
     backend: KernelBackend
+    copies: tuple[LayerProgress, ...] = ()  # adapters of the step still being copied in, layer by layer
 
     def add_lora(self, layer: int, group: int, x: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
-        """outputs[i] += the LoRA term of module LORA_GROUPS[group][i] on input x, for every adapter token."""
+        """outputs[i] += the LoRA term of module LORA_GROUPS[group][i] on input x, for every adapter token;
+        first waits for the layer's rows of every adapter still being copied (`worker/layer_progress.py`)."""
+        for copy in self.copies:
+            copy.wait_layer(layer)
         if self.lora is not None:
             self.backend.lora_apply(outputs, x, self.pool[layer], self.lora, layer, group)
 

@@ -30,6 +30,7 @@ from loraserve.wire import TokenLogprob
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.decode_graphs import DecodeGraphs
 from loraserve.worker.grammar import MaskComputer, unpack
+from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.logprobs import logprobs_from_logits, score_rows
 from loraserve.worker.model import CausalLM, ForwardBatch
 from loraserve.worker.pool_layout import PoolLayout
@@ -96,12 +97,20 @@ class DecodePadding:
         return SeqChunk("", [0], 0, [self.scratch_page], None, None)
 
 
+def _copies_in_flight(batch: list[SeqChunk]) -> tuple[LayerProgress, ...]:
+    """The background copies of the step's adapters that have not finished: the model waits per layer."""
+    copies = {id(r): r for c in batch if (r := getattr(c.adapter, "ready", None)) is not None}  # AdapterSlot.ready
+    return tuple(r for r in copies.values() if not r.done())
+
+
 class ModelRunner:
     """The forward pass of one step over plain data, its metadata staged in buffers allocated once.
 
     `capacity` should come from `step_capacity(engine_config, ...)`; without it the buffers are
     sized for `EngineConfig()`'s defaults and the model's full context.
     """
+
+    waits_per_layer = True  # an adapter still being copied in is waited for layer by layer, in the model
 
     def __init__(
         self,
@@ -155,10 +164,13 @@ class ModelRunner:
         sampling = [c for c in batch if c.sample is not None]
         guided = [i for i, c in enumerate(sampling) if c.sample.guide is not None]
         masks = self.masks.start([sampling[i].sample.guide for i in guided]) if guided else None
+        copies = _copies_in_flight(batch)
         if graphed:
+            for copy in copies:  # a graph replays every layer at once
+                copy.wait_all()
             hidden = self.graphs.run(len(batch))
         else:
-            forward = ForwardBatch(step.positions, step.attention, step.lora, self.pool_tensor, self.backend)
+            forward = ForwardBatch(step.positions, step.attention, step.lora, self.pool_tensor, self.backend, copies)
             hidden = self.model(step.input_ids, forward)
         prompt_logprobs = self._score_prompts(batch, step, hidden)
         if not sampling:

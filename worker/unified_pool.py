@@ -12,7 +12,7 @@ adapter frees its pages, forgets its slot and settles its copy in one call.
     pool.remember_scores(scores)      # the scheduler's predictions: how likely each adapter is needed
     pool.prefetch(keys, reserve)      # copy these in the background, ahead of need
     pool.make_room(pages, keep, for_kv=True)   # evict idle adapters until pages are free
-    pool.wait_ready(key)              # before a step reads the adapter's rows
+    pool.wait_ready(key, by_layer)    # before a step reads the adapter's rows (or per layer, in the model)
 
 Adapter weights come from the host cache (`AdapterRegistry`): an adapter's footprint and packed
 rows are computed from its validated weights there. `prepare(adapter)` packs the rows ahead of time
@@ -24,6 +24,11 @@ score, the predicted likelihood that it is needed here soon: 1.0 (`NEEDED`) for 
 request needs, else the latest score the scheduler sent (`remember_scores`), else `UNKNOWN_SCORE`.
 A prefetch takes free pages, or pages of idle adapters scored strictly lower than the one it
 fetches; a request's own load (`ensure`) may still evict any idle adapter, least recently used first.
+
+Copies go layer by layer, layer 0 first, each as few slice copies as the adapter's pages have contiguous
+runs. A background copy marks each layer done (`LayerProgress`), so a step that needs the adapter before
+the copy finished waits per layer inside the model (`wait_ready(key, by_layer=True)`): its prefill starts
+as soon as layer 0 is in.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +48,7 @@ from loraserve.model_config import ModelConfig
 from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter
+from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.page_pool import EvictionPolicy, PagePool, PoolStats
 from loraserve.worker.pool_layout import PoolLayout
 
@@ -51,6 +57,8 @@ log = logging.getLogger(__name__)
 NEEDED = 1.0  # the score of an adapter a request queued here needs
 UNKNOWN_SCORE = 0.5  # the score of an adapter nobody predicted (a prefetch then evicts only lower ones)
 MAX_SCORES = 1 << 14  # scores remembered, the most recently updated ones
+SPLIT_COPY_BYTES = 4 << 20  # CPU: copies of at least this many bytes are split over the copy threads
+INLINE_COPY_BYTES = 4 << 20  # CPU: a copy requests wait on, if smaller, is made at once (a handoff costs more)
 
 
 def prefetch_targets(
@@ -60,10 +68,9 @@ def prefetch_targets(
     resident: Callable[[], Iterable[AdapterKey]],
     score: Callable[[AdapterKey], float],
 ) -> Iterator[tuple[AdapterKey, frozenset[AdapterKey]]]:
-    """The prefetch rule, for the pool and for the scheduling simulation that mirrors it: each hinted
-    adapter not yet resident, in order, with the adapters making room for it must not evict — the
-    other hinted ones, those queued requests need (scored NEEDED), and every resident adapter scored
-    at least as high as it. `resident` is asked again for each, as earlier copies change it."""
+    """The prefetch rule: each hinted adapter not yet resident, in order, with the adapters making room
+    for it must not evict — the other hinted ones, those queued requests need (scored NEEDED), and
+    every resident adapter scored at least as high as it. `resident` is asked again for each, as earlier copies change it."""
     keys = list(dict.fromkeys(keys))
     wanted = frozenset(keys) | needed
 
@@ -90,8 +97,9 @@ class AdapterSlot:
     pages: tuple[int, ...]  # its pages in logical order (host ints: the step's metadata builder reads them)
     row_index: torch.Tensor  # int64 [num_rows]: physical row of each logical row
     useful_elements: int  # weights stored, over all layers (what a step reads)
-    ready: torch.cuda.Event | Future | None = field(default=None, repr=False)  # a pending background copy
+    ready: LayerProgress | None = field(default=None, repr=False)  # a background copy, until a step saw it done
     demand: bool = False  # that copy is for requests already waiting on it: a miss when used, not a hit
+    counted: bool = False  # a step used it while it was being copied (its hit or miss is counted)
 
 
 @dataclass
@@ -119,6 +127,7 @@ class UnifiedPool:
         adapter_pages: int | None = None,
         policy: EvictionPolicy | None = None,
         zeroed: bool = True,
+        copy_threads: int = 2,
     ) -> None:
         self.layout, self.model, self.host = layout, model, host
         shape = (layout.num_layers, layout.rows_per_layer, layout.row_width)
@@ -134,6 +143,9 @@ class UnifiedPool:
         self.stats = LoadStats()
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._executor = None if self._stream else ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
+        # CPU: a large copy is split by layers over this many threads (one memcpy thread gets ~half the bandwidth)
+        helpers = copy_threads - 1 if self._stream is None else 0
+        self._helpers = ThreadPoolExecutor(helpers, thread_name_prefix="adapter-copy") if helpers > 0 else None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -276,10 +288,10 @@ class UnifiedPool:
     def prepare(self, adapter: LoraAdapter) -> LoraAdapter:
         """`adapter` with its rows packed for this pool, pinned when the pool is on CUDA: the host-side
         work of a load, done ahead of it. Thread-safe (reads only the pool's fixed geometry)."""
-        rows = adapter.pack(self.layout, self.model, self.tensor.dtype)
-        if self.device.type == "cuda":
+        rows = adapter.rows(self.layout, self.model, self.tensor.dtype)  # rows the store sent: as they are
+        if self.device.type == "cuda" and not rows.is_pinned():
             rows = rows.pin_memory()
-        return adapter.with_rows(rows)
+        return adapter if rows is adapter.packed else adapter.with_rows(rows)
 
     def settle(self) -> None:
         """Unpin the prefetches whose copy finished (called once per step)."""
@@ -287,24 +299,38 @@ class UnifiedPool:
             self._prefetching.discard(key)
             self._pages.unpin(key)
 
-    def wait_ready(self, key: AdapterKey) -> float:
-        """Make sure a step can read `key`'s rows; returns seconds waited. Counts prefetch hits."""
+    def wait_ready(self, key: AdapterKey, by_layer: bool = False) -> float:
+        """Make sure a step can read `key`'s rows; returns seconds waited. Counts prefetch hits.
+
+        `by_layer`: the step's model waits for each layer itself (`slot.ready.wait_layer`) when the copy is
+        still running; this then returns at once and leaves the progress on the slot until `settle`."""
         slot = self._slots[key]
         if slot.ready is None:
             return 0.0
         start = time.perf_counter()
-        if slot.demand:
+        done = self._copy_done(slot)
+        if slot.counted:  # an earlier step already read it while it was being copied
+            pass
+        elif slot.demand:
             self.stats.misses += 1
-        elif self._copy_done(slot):
+        elif done:
             self.stats.prefetch_hits += 1
         else:
             self.stats.prefetch_late += 1
-        if isinstance(slot.ready, torch.cuda.Event):
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
-        else:
-            slot.ready.result()
+        slot.counted = True
+        if by_layer and not done:
+            return 0.0
+        slot.ready.wait_all()
         slot.ready = None
         return time.perf_counter() - start
+
+    def layer_wait_s(self, key: AdapterKey) -> float:
+        """Seconds steps blocked on `key`'s copy inside the model since the last call (CPU; 0 on CUDA)."""
+        slot = self._slots.get(key)
+        if slot is None or slot.ready is None:
+            return 0.0
+        waited, slot.ready.waited_s = slot.ready.waited_s, 0.0
+        return waited
 
     def pin(self, key: AdapterKey) -> None:
         """A running request uses `key`: it cannot be evicted until `unpin`."""
@@ -323,6 +349,8 @@ class UnifiedPool:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
 
     # ---- internals -----------------------------------------------------------------------------
     def _allocate(self, key: AdapterKey, keep: frozenset, extra_pages: int = 0) -> bool:
@@ -345,35 +373,79 @@ class UnifiedPool:
         )
         return True
 
-    def _copy(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
-        """Copy (packing first unless `prepare` did); takes the adapter itself, as a prefetch's copy may
-        outlive its host-cache entry."""
-        rows = adapter.rows(self.layout, self.model, self.tensor.dtype)
-        if self.device.type == "cuda":
-            rows = (rows if rows.is_pinned() else rows.pin_memory()).to(self.device, non_blocking=True)
-        self.tensor.index_copy_(1, slot.row_index, rows)
+    def _copy(self, slot: AdapterSlot, adapter: LoraAdapter, progress: LayerProgress | None = None) -> None:
+        """Copy (packing first unless `prepare` did) layer by layer, each layer as slice copies of the slot's
+        contiguous page runs, marking `progress` as layers land; takes the adapter itself, as a prefetch's copy
+        may outlive its host-cache entry."""
+        try:
+            rows = adapter.rows(self.layout, self.model, self.tensor.dtype)  # [L, num_rows, W]
+            if self.device.type == "cuda" and not rows.is_pinned():
+                rows = rows.pin_memory()
+            runs = self._runs(slot)
+            layers = range(self.layout.num_layers)
+            helper = None
+            if self._helpers is not None and rows.nbytes >= SPLIT_COPY_BYTES:  # the upper half on a helper
+                half = len(layers) // 2
+                helper = self._helpers.submit(self._copy_layers, rows, runs, layers[half:], progress)
+                layers = layers[:half]
+            try:
+                self._copy_layers(rows, runs, layers, progress)
+            finally:  # never leave a helper writing after this returns (the pages may be freed then)
+                if helper is not None:
+                    wait([helper])
+            if helper is not None:
+                helper.result()
+        except BaseException as e:
+            if progress is not None:
+                progress.failed(e)
+            raise
+
+    def _copy_layers(
+        self, rows: torch.Tensor, runs: list[tuple[int, int, int]], layers: range, progress: LayerProgress | None
+    ) -> None:
+        for layer in layers:
+            target, source = self.tensor[layer], rows[layer]
+            for physical, logical, count in runs:
+                target[physical : physical + count].copy_(source[logical : logical + count], non_blocking=True)
+            if progress is not None:
+                progress.layer_done(layer)
+
+    def _runs(self, slot: AdapterSlot) -> list[tuple[int, int, int]]:
+        """(first physical row, first logical row, rows) of each run of consecutive pages of the slot."""
+        per_page, total = self.layout.rows_per_page, int(slot.row_index.shape[0])
+        runs: list[tuple[int, int, int]] = []
+        for i, page in enumerate(slot.pages):
+            logical = i * per_page
+            count = min(per_page, total - logical)
+            if count <= 0:
+                break
+            last = runs[-1] if runs else None
+            if last is not None and last[0] + last[2] == page * per_page and last[1] + last[2] == logical:
+                runs[-1] = (last[0], last[1], last[2] + count)
+            else:
+                runs.append((page * per_page, logical, count))
+        return runs
 
     def _copy_in_background(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
-        if self._stream is not None:
+        slot.ready = LayerProgress(self.layout.num_layers, self.device)
+        if self._stream is not None:  # queued on the copy stream now, an event per layer
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                self._copy(slot, adapter)
-                slot.ready = torch.cuda.Event()
-                slot.ready.record(self._stream)
+                self._copy(slot, adapter, slot.ready)
+        elif slot.demand and adapter.nbytes < INLINE_COPY_BYTES:  # requests wait on it, and it is quick: at once
+            self._copy(slot, adapter, slot.ready)
         else:
-            slot.ready = self._executor.submit(self._copy, slot, adapter)
+            self._executor.submit(self._copy, slot, adapter, slot.ready)
         self.stats.prefetches += not slot.demand
         self.stats.loads += 1
 
     @staticmethod
     def _copy_done(slot: AdapterSlot) -> bool:
-        if slot.ready is None:
-            return True
-        return slot.ready.query() if isinstance(slot.ready, torch.cuda.Event) else slot.ready.done()
+        return slot.ready is None or slot.ready.done()
 
     def _forget(self, key: AdapterKey) -> None:
         """The pages of `key` were freed: drop its slot, never letting a background copy outlive them."""
         slot = self._slots.pop(key)
         self.stats.evictions += 1
-        if slot.ready is not None and not isinstance(slot.ready, torch.cuda.Event):
-            slot.ready.result()
+        if slot.ready is not None:
+            slot.ready.join()

@@ -122,3 +122,23 @@ class ClusterState(_message.Message):
     max_queue_length: int
     instance: str
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., queue_length: _Optional[int] = ..., max_queue_length: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+
+class PrepareAdapterRequest(_message.Message):
+    __slots__ = ("adapter", "adapter_version", "adapter_sha256", "adapter_rank", "tenant")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    adapter_version: int
+    adapter_sha256: str
+    adapter_rank: int
+    tenant: str
+    def __init__(self, adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., adapter_sha256: _Optional[str] = ..., adapter_rank: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class PrepareAdapterResponse(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...

@@ -50,6 +50,11 @@ class SchedulerStub:
                 request_serializer=loraserve_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.SerializeToString,
                 response_deserializer=loraserve_dot_v1_dot_scheduler__pb2.ClusterState.FromString,
                 _registered_method=True)
+        self.PrepareAdapter = channel.unary_unary(
+                '/loraserve.v1.Scheduler/PrepareAdapter',
+                request_serializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterRequest.SerializeToString,
+                response_deserializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -77,6 +82,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareAdapter(self, request, context):
+        """Early word from the gateway that a request for this adapter version follows (sent as soon as the
+        request is parsed, before it is tokenized): the scheduler tells the worker it would place such a
+        request on to start fetching the adapter now, unless a worker holds or is loading it. A hint only:
+        nothing is queued, and a hint that is never followed by a Submit costs a prefetch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +109,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetClusterState,
                     request_deserializer=loraserve_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.FromString,
                     response_serializer=loraserve_dot_v1_dot_scheduler__pb2.ClusterState.SerializeToString,
+            ),
+            'PrepareAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareAdapter,
+                    request_deserializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterRequest.FromString,
+                    response_serializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +198,33 @@ class Scheduler:
             '/loraserve.v1.Scheduler/GetClusterState',
             loraserve_dot_v1_dot_scheduler__pb2.GetClusterStateRequest.SerializeToString,
             loraserve_dot_v1_dot_scheduler__pb2.ClusterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraserve.v1.Scheduler/PrepareAdapter',
+            loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterRequest.SerializeToString,
+            loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,77 @@
+"""The store's copy of each version in the pool's row layout: packed once, sent to every worker as it is.
+
+`RowsMaker` packs a validated adapter (`loraserve/pool_rows.py`, numpy) into shared memory when the host
+allows it (`loraserve/shared_rows.py`), else into RAM, and computes each layer's sha256. `PackedRows` is
+what the data plane sends: over the socket (zero-copy from the same buffer) or, to a worker on this host,
+as the name of the file. The rows are a derived copy of the weights file the store also keeps: they cost
+about as much RAM again (shared memory counts as RAM), outside the store's memory budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from loraserve.adapter_format import CheckedAdapter
+from loraserve.model_config import ModelConfig
+from loraserve.pool_rows import RowsSpec, layer_digests, pack_rows, rows_spec
+from loraserve.shared_rows import SharedMemoryUnavailable, SharedRowsDir, SharedRowsFile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PackedRows:
+    """One version's rows, their layer digests, and the shared-memory file holding them (if any)."""
+
+    spec: RowsSpec
+    rank: int
+    modules: tuple[str, ...]
+    layers: tuple[int, ...]
+    digests: list[str]
+    buffer: memoryview  # the rows' bytes
+    file: SharedRowsFile | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """The version is gone: remove its file (mappings, the store's own included, end when unused)."""
+        if self.file is not None:
+            self.file.unlink()
+
+
+class RowsMaker:
+    """Packs validated adapters for the store's model, into shared memory under `shm_root` when it can."""
+
+    def __init__(self, model: ModelConfig, shm_root: Path | None):
+        self.model = model
+        self.shared: SharedRowsDir | None = None
+        if shm_root is not None:
+            try:
+                self.shared = SharedRowsDir(shm_root)
+            except SharedMemoryUnavailable as e:
+                log.warning("adapter rows go over sockets only: %s", e)
+
+    def pack(self, checked: CheckedAdapter, sha256: str) -> PackedRows:
+        """The adapter's rows and layer digests: in a shared-memory file, or in RAM when there is none or it
+        cannot be made (a full tmpfs: workers then get these rows over the socket)."""
+        spec = rows_spec(self.model, checked)
+        file = None
+        if self.shared is not None:
+            try:
+                file = self.shared.create(spec.nbytes, sha256)
+            except OSError as e:
+                log.warning("adapter rows (%d bytes) kept in RAM, not in shared memory: %s", spec.nbytes, e)
+        buffer = file.rows if file is not None else memoryview(bytearray(spec.nbytes))
+        pack_rows(checked, self.model, np.frombuffer(buffer, dtype=np.uint8))
+        rank = checked.config.rank
+        return PackedRows(spec, rank, checked.modules, checked.layers, layer_digests(buffer, spec), buffer, file)
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+
+    @property
+    def shm_base(self) -> Path | None:
+        return self.shared.base if self.shared is not None else None

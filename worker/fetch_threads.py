@@ -1,0 +1,140 @@
+"""A worker's adapter fetches, on background threads: from the store to an adapter ready to copy into the pool.
+
+Each fetch thread keeps its own `AdapterFetcher` (a ZMQ socket is used by one thread only). A fetch asks
+the store for the adapter in the pool's row layout (`FetchConfig.adapter_rows`): the rows are checked for
+this pool (`worker/adapter_rows.py`) and held as they arrived, mapped from the store's shared memory when
+both share a host and a user. From a store that sends files (or with rows off) the files are parsed,
+validated and packed here, as before. Either way the step loop only registers the result and copies it.
+
+A finished fetch is queued in `results` and wakes the step loop at once (`Wakeup`): an idle loop otherwise
+sleeps up to its poll interval (50 ms) before it looks, which a cold request would pay in its TTFT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraserve.adapter_store.client import AdapterFetcher, FetchedRows
+from loraserve.errors import LoraserveError
+from loraserve.internal_auth import Curve
+from loraserve.shared_rows import user_dir
+from loraserve.wire import AdapterKey
+from loraserve.worker.adapter_rows import rows_adapter
+from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
+from loraserve.worker.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    store_address: str = "tcp://127.0.0.1:7301"
+    timeout_s: float = 10.0
+    threads: int = 2
+    curve: Curve | None = None  # CURVE client options for the store's data port
+    adapter_rows: bool = True  # ask for the pool's row layout (the store packed it), not the files
+    shm_root: Path | None = Path("/dev/shm")  # map rows from a store on this host; None: sockets only
+    verify_shared: bool = False  # hash mapped rows against the store's digests too (they crossed no socket)
+
+
+@dataclass
+class Fetched:
+    """A fetch's outcome: the adapter ready to load, or the error to fail its requests with."""
+
+    key: AdapterKey
+    adapter: LoraAdapter | None = None
+    error: LoraserveError | None = None
+    seconds: float = 0.0
+    for_prefetch: bool = False
+    source: str = ""  # "shared-memory" | "rows" | "files"
+    waiting: list[str] = field(default_factory=list)
+
+
+class Wakeup:
+    """A pipe the step loop polls beside its sockets; any thread may `wake` it, even after `close` (a fetch
+    still running when the worker stops): then nothing is written, never to a descriptor reused since."""
+
+    def __init__(self) -> None:
+        self.fd, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError):  # already full of wake-ups: the loop will look anyway
+                os.write(self._write, b"\0")
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 4096):
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._write)
+
+
+class FetchThreads:
+    """Fetch threads feeding `results` (see the module docstring)."""
+
+    def __init__(self, config: FetchConfig, engine: Engine, wakeup: Wakeup):
+        self.config, self.engine, self.wakeup = config, engine, wakeup
+        self.results: queue.Queue[Fetched] = queue.Queue()
+        self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="adapter-fetch")
+        self._local = threading.local()
+
+    def submit(self, key: AdapterKey, for_prefetch: bool, trace: dict | None) -> None:
+        self._pool.submit(self._fetch, key, for_prefetch, trace)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fetcher(self) -> AdapterFetcher:
+        fetcher = getattr(self._local, "fetcher", None)
+        if fetcher is None:
+            c = self.config
+            shared = user_dir(c.shm_root) if c.adapter_rows and c.shm_root is not None else None
+            fetcher = AdapterFetcher(
+                c.store_address, c.timeout_s, curve=c.curve, shared_memory=shared, verify_shared=c.verify_shared
+            )
+            self._local.fetcher = fetcher
+        return fetcher
+
+    def _fetch(self, key: AdapterKey, for_prefetch: bool, trace: dict | None) -> None:
+        start = time.perf_counter()
+        result = Fetched(key, for_prefetch=for_prefetch)
+        try:
+            result.adapter, result.source = self._load(key, trace)
+        except LoraserveError as e:
+            result.error = e
+        except Exception as e:  # never let a fetch thread die silently
+            log.exception("fetching adapter %s v%d failed", *key)
+            result.error = LoraserveError(f"fetching adapter {key[0]} v{key[1]} failed: {e}")
+        result.seconds = time.perf_counter() - start
+        self.results.put(result)
+        self.wakeup.wake()
+
+    def _load(self, key: AdapterKey, trace: dict | None) -> tuple[LoraAdapter, str]:
+        """The adapter, checked and ready to copy into the pool, and how it came."""
+        e, fetcher = self.engine, self._fetcher()
+        model, max_rank = e.model_config, e.config.max_lora_rank
+        if self.config.adapter_rows:
+            got = fetcher.fetch_rows(key[0], key[1], model.kv_width, model.num_layers, trace=trace)
+        else:
+            got = fetcher.fetch_adapter(key[0], key[1], trace=trace)  # weights checked against got.sha256
+        if isinstance(got, FetchedRows):
+            return e.prepare_adapter(rows_adapter(got, model, max_rank)), "shared-memory" if got.shared else "rows"
+        adapter = load_adapter_bytes(got.config_json, got.weights, model, max_rank, got.weights_format, got.sha256)
+        return e.prepare_adapter(adapter), "files"  # packed here, so that loading it is only a copy
