@@ -28,12 +28,15 @@ throughput with 1000 distinct adapters over one.
 `bench/choices.py`).
 `--suite prefix` prefix caching on multi-turn chat, with the cache on and off (`bench/prefix.py`).
 
-`--suite scheduling` compares the default scheduling policy with `fcfs` on the same traces
-(`bench/scheduling.py`): a simulated stack driving the real policy, with step costs measured on the
-real engine.
+`--suite scheduling --stack` compares the default scheduling policy with `fcfs` on the same traces
+(`bench/scheduling.py`), through the real stack with emulated workers; `--suite control-plane` measures
+the scheduler alone at 64 emulated workers and 10,000 adapters (`bench/control_plane.py`).
 
 `--suite runner-profile` calibrates the emulated runner (`--runner emulated`) on the real engine
 and writes `--out/runner_profile.json` (`bench/runner_profile.py`).
+
+`--suite cold` measures what a request whose adapter is resident nowhere pays on a real stack, and an
+adapter's fetch + load against memcpy (`bench/cold.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.bench import abuse, chaos, choices, overhead, prefix, runner_profile, scheduling, structured
+from loraserve.bench import (
+    abuse,
+    chaos,
+    choices,
+    cold,
+    control_plane,
+    overhead,
+    prefix,
+    runner_profile,
+    scheduling,
+    structured,
+)
 from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.metrics import summarize
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
@@ -69,6 +83,8 @@ SUITES = (
     "choices",
     "prefix",
     "runner-profile",
+    "cold",
+    "control-plane",
 )  # bench/<suite>.py
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
@@ -170,6 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_arguments(p)
     choices.add_arguments(p)
     prefix.add_arguments(p)
+    cold.add_arguments(p)
+    control_plane.add_arguments(p)
 
 
 @dataclass(frozen=True)
@@ -415,6 +433,8 @@ def main(args: argparse.Namespace) -> int:
         "choices": choices,
         "prefix": prefix,
         "runner-profile": runner_profile,
+        "cold": cold,
+        "control-plane": control_plane,
     }
     if args.suite in suites:  # a suite of its own (bench/<suite>.py); else the serving benchmark, below
         return suites[args.suite].main(args)

@@ -8,10 +8,10 @@ benchmark's calibration grid (`bench/scheduling_costs.py`: batch sizes × prompt
 mixes, then heavy-tail requests arriving two per step; each step's least thread CPU time over the
 repeats), and fits two linear models of the step's features (`worker/step_costs.py`): the runner's
 part (`runner_coef`: the forward pass and sampling, what the emulated runner waits instead) and the
-whole step (`costs`, with adapter copy and fetch costs per rank: what the scheduling simulation
-charges). Then the fidelity check: the same workload through an engine with the emulated runner,
-each step's wall time (least over the repeats) against the real step's — the total and the
-per-step ratios, recorded in the profile beside the model's shape and the machine. Writes
+whole step (`costs`, with adapter copy and fetch costs per rank). Then the fidelity check: the same
+workload through an engine with the emulated runner, each step's wall time (least over the repeats)
+against the real step's — the total and the per-step ratios, recorded in the profile beside the
+model's shape and the machine. Writes
 `--out/runner_profile.json` (`worker/runner_profile.py`).
 """
 

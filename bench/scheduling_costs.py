@@ -1,6 +1,6 @@
-"""What a worker's step and an adapter load cost, measured on the real engine, for the scheduling simulation.
+"""What a worker's step and an adapter load cost, measured on the real engine: the emulated runner's calibration.
 
-    costs = measure_costs(DEMO_MODEL_DIR, QUICK_GRID)   # ~30 s on one CPU core
+    costs = calibrate(DEMO_MODEL_DIR, QUICK_GRID).costs()   # ~30 s on one CPU core
     costs.step_s(step_features([(1, 100, 8, "a"), (64, 64, 0, None)]))  # chunks: (tokens, context, rank, adapter)
     costs.copy_s(rank)                                  # one adapter into the pool (a miss, or a prefetch)
     costs.fetch_s(rank)                                 # parse, check and pack its bytes (first use on a worker)
@@ -113,11 +113,6 @@ class Calibration:
         """The whole step's cost model, fitted (`fit_step_model`)."""
         coef, quality = fit_step_model(self.shapes, self.step_s)
         return CostModel(tuple(coef), _line(self.copies), _line(self.fetches), {**self.measured_on, **quality})
-
-
-def measure_costs(model_dir: Path, grid: Grid = QUICK_GRID, seed: int = 0) -> CostModel:
-    """Time the real engine over `grid` and fit the cost model (see the module docstring)."""
-    return calibrate(model_dir, grid, seed).costs()
 
 
 def calibrate(model_dir: Path, grid: Grid = QUICK_GRID, seed: int = 0) -> Calibration:

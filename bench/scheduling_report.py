@@ -9,13 +9,16 @@ COLUMNS = (
     ("policy", "policy"),
     ("tenant", "tenant"),
     ("flood", "flood"),
+    ("prefetch", "prefetch"),
     ("n", "n_requests"),
     ("TTFT p50 (s)", "ttft_p50_s"),
     ("TTFT p99 (s)", "ttft_p99_s"),
-    ("queued p99 (s)", "queued_p99_s"),
+    ("queue p99 (s)", "queue_p99_s"),
     ("SLO", "slo_attainment"),
     ("req/s", "req_per_s"),
+    ("load wait (s)", "load_wait_s"),
     ("prefetch hit", "prefetch_hit_rate"),
+    ("ready before", "loads_ready_before_scheduled"),
     ("refused", "refused"),
     ("p99 fcfs/this", "ttft_p99_improvement_vs_fcfs"),
 )
@@ -51,7 +54,7 @@ def print_report(records: list[dict], run: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="loraserve bench --suite scheduling (simulated stack, measured step costs)")
+    table = Table(title="loraserve bench --suite scheduling --stack (the real stack, emulated workers)")
     for title, _ in COLUMNS:
         table.add_column(title, justify="left" if title in ("scenario", "policy", "tenant") else "right")
     for row in rows(records):
@@ -65,12 +68,13 @@ def print_report(records: list[dict], run: dict) -> None:
 def _label(r: dict) -> str:
     if "tenant" in r:
         return f"flood: {r['tenant']}" + ("" if r.get("flood") else " (calm)")
-    return r["scenario"]
+    return r["scenario"] + ("" if r.get("prefetch", True) else " (no prefetch)")
 
 
 def plot(records: list[dict], out_dir: Path, prefix: str = "scheduling") -> list[Path]:
-    """Three bar charts, default policy beside fcfs for every record pair: TTFT p99 (log scale),
-    SLO attainment, and req/s with the prefetch hit rate. Returns the files written."""
+    """Three bar charts, default policy beside fcfs for every record pair: TTFT p99 and p50 (log scale),
+    SLO attainment and req/s, and the prefetch hit rate with the time requests waited for adapters.
+    Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,7 +87,7 @@ def plot(records: list[dict], out_dir: Path, prefix: str = "scheduling") -> list
     panels = [
         ("ttft", [("ttft_p99_s", "TTFT p99 (s, log)", True), ("ttft_p50_s", "TTFT p50 (s, log)", True)]),
         ("slo", [("slo_attainment", "SLO attainment", False), ("req_per_s", "completed req/s", False)]),
-        ("prefetch", [("prefetch_hit_rate", "prefetch hit rate", False)]),
+        ("prefetch", [("prefetch_hit_rate", "prefetch hit rate", False), ("load_wait_s", "load wait (s)", False)]),
     ]
     written = []
     for name, metrics in panels:

@@ -6,7 +6,7 @@ request state of its own (the policy owns the queue, the workers and the placed 
     load_of(view, ...)              a worker as placement sees it (`placement.WorkerLoad`)
     estimate(loads, request, ahead) what admission needs (`admission.ClusterEstimate`)
     migrations(loads, waiting, now) which waiting requests move (`migration.py`)
-    prefetch(loads, ...)            scored hints per worker (`popularity.py`)
+    prefetch(loads, ...)            scored hints per worker (`popularity.py`): the queue, popularity, returns
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from loraserve.scheduler.admission import ClusterEstimate
 from loraserve.scheduler.cost_model import BatchShape, StepCostModel
 from loraserve.scheduler.migration import Move, RunningRequest, WaitingRequest, plan_migrations
 from loraserve.scheduler.placement import Demand, Placement, WorkerLoad
-from loraserve.scheduler.popularity import AdapterPopularity, PrefetchPlan, plan_prefetch
+from loraserve.scheduler.popularity import AdapterPopularity, PrefetchPlan, ReturningAdapters, plan_prefetch
 from loraserve.wire import AdapterKey, WorkerReport
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ LOADING_S = 2.0  # an adapter hinted to or needed on a worker counts as "being l
 # or until the worker reports it resident (from then on its reports say whether it still is)
 REPLICATE_SCORE = 0.9  # a popular adapter this likely to be asked for on each worker goes to all
 TYPICAL_PROMPT = 128  # tokens of the request a popular adapter is prefetched for (placement's what-if)
+RETURNING = 8  # returning adapters (the most recently ended) looked at in a prediction
 
 Lookup = Callable[[str], "QueuedRequest | None"]  # request id -> the placed request, if this scheduler placed it
 
@@ -43,6 +44,7 @@ class AdaptivePlanner:
         self.cost = StepCostModel(config.step_cost)
         self.placement = Placement(self.cost, config.adapter_load_s)
         self.popularity = AdapterPopularity(config.popularity_half_life_s)
+        self.returns = ReturningAdapters(config.return_window_s)
         self._loading: dict[str, dict[AdapterKey, float]] = {}  # worker -> adapter -> since
         self._caching: dict[str, dict[bytes, float]] = {}  # worker -> prefix fingerprint placed there -> since
 
@@ -50,6 +52,16 @@ class AdaptivePlanner:
     def observe(self, report: WorkerReport) -> None:
         for tokens, rank_tokens, adapters, kv_pages, seconds in report.step_samples:
             self.cost.observe(BatchShape(tokens, rank_tokens, adapters, kv_pages), seconds)
+
+    def arrived(self, request: QueuedRequest, now: float) -> None:
+        """A new request (not a resumed one): its adapter's popularity, and whether it returned."""
+        if request.adapter is not None:
+            self.popularity.arrived(request.adapter, now)
+            self.returns.arrived(request.adapter, now)
+
+    def ended(self, request: QueuedRequest, now: float) -> None:
+        if request.adapter is not None:
+            self.returns.ended(request.adapter, self.rank(request), now)
 
     def loading(self, worker_id: str, adapter: AdapterKey, now: float) -> None:
         self._loading.setdefault(worker_id, {})[adapter] = now
@@ -191,6 +203,12 @@ class AdaptivePlanner:
                 )
                 target = self.placement.choose(loads, typical)
                 popular.append((adapter, likelihood, [target.worker_id] if target is not None else []))
+        returning = self.returns.candidates(now, self.config.min_prefetch_score, RETURNING)
+        for adapter, score, rank in returning:  # where its next request would go (affinity: where it is)
+            target = self.placement.choose(
+                loads, Demand(adapter, rank, TYPICAL_PROMPT, TYPICAL_PROMPT, TYPICAL_PROMPT / 2)
+            )
+            popular.append((adapter, score, [target.worker_id] if target is not None else []))
         return plan_prefetch(
             queued, popular, holds=lambda w, a: a in by_id[w].adapters, min_score=self.config.min_prefetch_score
         )
@@ -212,6 +230,9 @@ class _Union(AbstractSet[T], Generic[T]):
 
     def __len__(self) -> int:
         return len(self._resident) + sum(1 for k in self._loading if k not in self._resident)
+
+    def __bool__(self) -> bool:  # without counting: `if prefixes:` is asked for every worker of every placement
+        return bool(self._resident) or bool(self._loading)
 
 
 def _unexpired(coming: dict[bytes, float], reported: AbstractSet[bytes], now: float) -> dict[bytes, float]:

@@ -69,17 +69,29 @@ class StepCostModel:
         self._xtx = np.zeros((5, 5))
         self._xty = np.zeros(5)
         self._theta = self._theta0.copy()
+        self._coef = tuple(float(c) for c in self._theta)  # the same, as floats: placement asks thousands of times
         self._dirty = False
         self.samples = 0
 
     @property
     def coefficients(self) -> StepCost:
         self._refit()
-        return StepCost(*(float(c) for c in self._theta))
+        return StepCost(*self._coef)
+
+    def coef(self) -> tuple[float, float, float, float, float]:
+        """(base, per token, per rank-token, per adapter, per KV page), seconds: what `step_s` multiplies."""
+        self._refit()
+        return self._coef
 
     def step_s(self, shape: BatchShape) -> float:
-        self._refit()
-        return float(self._theta @ shape.features())
+        base, token, rank_token, adapter, kv_page = self.coef()
+        return (
+            base
+            + token * shape.tokens
+            + rank_token * shape.rank_tokens
+            + adapter * shape.adapters
+            + kv_page * shape.kv_pages
+        )
 
     def observe(self, shape: BatchShape, seconds: float) -> None:
         if not 0 <= seconds < 3600:
@@ -97,4 +109,5 @@ class StepCostModel:
         b = self._xty + self._ridge @ self._theta0
         with contextlib.suppress(np.linalg.LinAlgError):  # cannot happen with a positive ridge; keep the last fit
             self._theta = np.clip(np.linalg.solve(a, b), 0.0, None)
+            self._coef = tuple(float(c) for c in self._theta)
         self._dirty = False

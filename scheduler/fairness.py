@@ -13,12 +13,17 @@ backlogged): being idle earns no credit to spend later in a burst that would sta
 The scheduler does not see each generated token, so a request is charged when it is placed, for
 its prompt and its token budget (`max_new_tokens`), i.e. VTC with the output length predicted by
 its upper bound; requests that stop early are over-charged by the same rule for every tenant.
+
+VTC orders the queue; `flooder_cap` bounds the batch slots of a tenant that floods the others (one
+sending at least twice as many requests per second as any other active tenant: `TenantRates`), so
+their steps stay short.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from loraserve.errors import InvalidConfigError
 
@@ -74,16 +79,51 @@ class VirtualTokenCounter:
                 del self._counters[tenant]
 
 
-def flooder_cap(in_flight: Counter[str], queued: dict[str, int], slots: int, share: float) -> tuple[str, int] | None:
-    """(the flooding tenant, the batch slots it may hold), or None when fewer than two tenants are active.
+class TenantRates:
+    """Each tenant's arrival rate, requests per second, as an exponentially weighted average (half-life
+    `half_life_s`); at most `max_tenants` (the least recently active go first)."""
+
+    def __init__(self, half_life_s: float = 5.0, max_tenants: int = 4096):
+        if half_life_s <= 0 or max_tenants < 1:
+            raise InvalidConfigError("half_life_s must be > 0 and max_tenants >= 1")
+        self.tau = half_life_s / math.log(2)
+        self.max_tenants = max_tenants
+        self._rates: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tenant -> (rate, at)
+
+    def arrived(self, tenant: str, now: float) -> None:
+        self._rates[tenant] = (self.rate(tenant, now) + 1.0 / self.tau, now)
+        self._rates.move_to_end(tenant)
+        while len(self._rates) > self.max_tenants:
+            self._rates.popitem(last=False)
+
+    def rate(self, tenant: str, now: float) -> float:
+        rate, at = self._rates.get(tenant, (0.0, now))
+        return rate * math.exp(-max(0.0, now - at) / self.tau)
+
+
+def flooder_cap(
+    in_flight: Counter[str],
+    queued: dict[str, int],
+    slots: int,
+    share: float,
+    rate: Callable[[str], float] | None = None,
+    flood_ratio: float = 2.0,
+) -> tuple[str, int] | None:
+    """(the flooding tenant, the batch slots it may hold), or None when no tenant floods the others.
 
     VTC orders the queue, but a tenant that fills every batch slot still makes the others wait for
     a slot to free, and slows every step they join (a step's time grows with its batch). So while
     others are active (running or queued), the tenant with the largest backlog may hold at most
-    `share` of an equal split of the slots; the rest stays free for the tenants that send less.
+    `share` of an equal split of the slots; the rest stays free for the tenants that send less —
+    provided it sends at least `flood_ratio` times as many requests as any other active tenant
+    (`rate(tenant)`, requests per second; None: not asked). Tenants that send alike are never capped,
+    however many there are and however long their backlogs: a cap on one of equals would only grow
+    its backlog, and keep it the largest.
     """
     active = {t for t, n in in_flight.items() if n > 0} | {t for t, n in queued.items() if n > 0}
     if len(active) < 2 or not queued:
         return None
     flooder = max(queued, key=lambda t: (queued[t], t))
+    if rate is not None and rate(flooder) < flood_ratio * max(rate(t) for t in active if t != flooder):
+        return None
     return flooder, max(1, math.floor(share * slots / len(active)))

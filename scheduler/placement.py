@@ -24,7 +24,7 @@ Nothing is placed beyond a worker's batch or pool room, so consolidation never s
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from loraserve.prefix_keys import PrefixProbe
 from loraserve.scheduler.cost_model import BatchShape, StepCostModel
@@ -71,39 +71,59 @@ class Placement:
     cost: StepCostModel
     adapter_load_s: float = 0.05  # seconds to fetch and install an adapter a worker lacks
     tie: float = 0.05  # relative cost difference that counts as equal (then the busiest wins)
+    prune_above: int = 16  # with more workers with room than this, only `_candidates` are costed
+    prune_keep: int = 4  # the least and the most loaded kept as candidates
+
+    def _candidates(self, workers: list[WorkerLoad], d: Demand) -> list[WorkerLoad]:
+        """The workers that can win in a large cluster: those holding, loading or batching the request's
+        adapter (affinity), the `prune_keep` least loaded (the cheapest steps) and the `prune_keep` busiest
+        (where near-ties go). Loads decide the rest of the cost, so a worker outside these three groups
+        is cheaper than all of them only when its batch is unusually cheap for its size; what placement
+        gains is a cost linear in the candidates, not in the cluster (docs/benchmarks.md, "Control plane")."""
+        adapter = d.adapter
+        chosen = {w.worker_id: w for w in workers if adapter is not None and adapter in w.adapters}
+        by_load = sorted(workers, key=lambda w: (w.requests, w.worker_id))
+        for w in (*by_load[: self.prune_keep], *by_load[-self.prune_keep :]):
+            chosen.setdefault(w.worker_id, w)
+        return list(chosen.values())
 
     def fits(self, w: WorkerLoad, d: Demand) -> bool:
         return w.requests < w.max_batch and d.kv_pages(w.tokens_per_page) <= w.room_pages
 
     def cost_on(self, w: WorkerLoad, d: Demand) -> float:
-        pages = d.kv_pages(w.tokens_per_page)
-        new_segment = int(d.adapter is not None and d.adapter not in w.batch_adapters)
-        decode = self.cost.step_s(w.batch)
-        joined = _add(w.batch, 1, d.rank, new_segment, pages)
-        computed = d.prompt_len - d.cached_tokens(w)
-        prefill = self.cost.step_s(_add(w.batch, computed, d.rank * computed, new_segment, pages))
-        miss = self.adapter_load_s if d.adapter is not None and d.adapter not in w.adapters else 0.0
-        ttft = w.waiting * decode + prefill + miss
-        with_r = self.cost.step_s(joined)
-        return ttft + d.expected_output * (with_r + w.requests * (with_r - decode))
+        return self._cost(w, d, self.cost.coef())
+
+    def _cost(self, w: WorkerLoad, d: Demand, coef: tuple[float, ...]) -> float:
+        """The module docstring's cost. The model is linear, so each step r joins costs the batch's step
+        plus r's share: its tokens and rank-tokens, its segment if new, its KV pages."""
+        base, per_token, per_rank_token, per_adapter, per_kv_page = coef
+        b = w.batch
+        decode = base + per_token * b.tokens + per_rank_token * b.rank_tokens + per_adapter * b.adapters
+        decode += per_kv_page * b.kv_pages  # step_s(w.batch), inline: this runs for every worker of every placement
+        adapter = d.adapter
+        joins = per_kv_page * d.kv_pages(w.tokens_per_page)  # r's KV and its segment, in every step it is in
+        miss = 0.0
+        if adapter is not None:
+            if adapter not in w.batch_adapters:
+                joins += per_adapter
+            if adapter not in w.adapters:
+                miss = self.adapter_load_s
+        per_computed = per_token + per_rank_token * d.rank
+        computed = d.prompt_len - (d.cached_tokens(w) if d.prefix is not None and w.prefixes else 0)
+        ttft = (w.waiting + 1) * decode + per_computed * computed + joins + miss  # waits, then r's prefill step
+        added = per_computed + joins  # what r's decode token adds to a step: with_r - decode
+        return ttft + d.expected_output * (decode + added + w.requests * added)
 
     def choose(self, workers: list[WorkerLoad], d: Demand, need_room: bool = True) -> WorkerLoad | None:
         """The cheapest worker with room (or, with need_room False, the cheapest at all: where the
-        request would go once room frees up, for prediction)."""
-        candidates = [w for w in workers if self.fits(w, d)] if need_room else list(workers)
-        if not candidates:
+        request would go once room frees up, for prediction). Beyond `prune_above` workers the cost is
+        computed only for the likely winners (`_candidates`)."""
+        coef = self.cost.coef()
+        fitting = [w for w in workers if not need_room or self.fits(w, d)]
+        if len(fitting) > self.prune_above:
+            fitting = self._candidates(fitting, d)
+        costs = [(self._cost(w, d, coef), w) for w in fitting]
+        if not costs:
             return None
-        costs = {w.worker_id: self.cost_on(w, d) for w in candidates}
-        best = min(costs.values())
-        near = [w for w in candidates if costs[w.worker_id] <= best * (1 + self.tie) + 1e-9]
-        return max(near, key=lambda w: (w.requests, -costs[w.worker_id], w.worker_id))
-
-
-def _add(batch: BatchShape, tokens: int, rank_tokens: int, adapters: int, pages: int) -> BatchShape:
-    return replace(
-        batch,
-        tokens=batch.tokens + tokens,
-        rank_tokens=batch.rank_tokens + rank_tokens,
-        adapters=batch.adapters + adapters,
-        kv_pages=batch.kv_pages + pages,
-    )
+        near = min(c for c, _ in costs) * (1 + self.tie) + 1e-9
+        return max((w for c, w in costs if c <= near), key=lambda w: (w.requests, -self._cost(w, d, coef), w.worker_id))

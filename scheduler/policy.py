@@ -40,11 +40,17 @@ for a worker, within a bound, and submit them again).
 package instead — the multi-queue under VTC fairness (`queues.py`, `fairness.py`), SLO-aware early
 refusal (`admission.py`), placement by the step-cost model with adapter affinity (`placement.py`,
 `cost_model.py`), migration off overloaded workers (`migration.py`) and scored prefetch from the
-queue and adapter popularity (`popularity.py`). Failure handling is the same under both.
+queue, adapter popularity and adapters likely to come back (`popularity.py`). Its per-worker views
+are made once per report and kept true as requests are assigned, and prediction and migration run
+at most every `predict_interval_s` / `migrate_interval_s`, and placement in a large cluster costs only
+its likely winners (`Placement.choose`): a decision's cost grows little with the cluster
+(docs/benchmarks.md, "Scheduling"). Failure handling is the same under both.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,13 +60,14 @@ from loraserve.prefix_keys import PrefixProbe
 from loraserve.scheduler.adaptive import AdaptivePlanner
 from loraserve.scheduler.admission import check_admission
 from loraserve.scheduler.cost_model import StepCost
-from loraserve.scheduler.fairness import VirtualTokenCounter, flooder_cap
+from loraserve.scheduler.fairness import TenantRates, VirtualTokenCounter, flooder_cap
 from loraserve.scheduler.placement import WorkerLoad
 from loraserve.scheduler.queues import FifoQueue, MultiQueue, SizeClasses
 from loraserve.wire import AdapterKey, WorkerReport
 
 POLICIES = ("adaptive", "fcfs")  # the first is the default
 MAX_GROUPS = 4096  # prefill groups whose worker placement remembers (the most recent)
+LOAD_REFRESH_S = 0.25  # a worker's placement view is made again at least this often (workers report as often)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,10 @@ class PolicyConfig:
     vtc_input_weight: float = 1.0  # VTC charge per prompt token
     vtc_output_weight: float = 2.0  # VTC charge per output token (budgeted)
     flood_share: float = 0.5  # a tenant holding this share of a queue 3/4 full is refused (others may come)
-    flooder_slot_share: float = 0.5  # of an equal split of batch slots, what the largest backlog may hold
+    # Of an equal split of batch slots, what the tenant with the largest backlog may hold while others are active.
+    # On the real stack (docs/benchmarks.md, "Scheduling") 0.5 left a flooded victim's p99 TTFT at 2.2x its calm
+    # value (steps grow with the batch on the emulated CPU device); 0.1 keeps it at 1.2x.
+    flooder_slot_share: float = 0.1
     output_fraction: float = 0.5  # expected output as a share of max_new_tokens (cost and admission)
     step_cost: StepCost = field(default_factory=StepCost)  # the step-time model's starting coefficients (refit online)
     adapter_load_s: float = 0.05  # cost of placing a request where its adapter is not resident
@@ -86,6 +96,9 @@ class PolicyConfig:
     popularity_half_life_s: float = 30.0  # of the per-adapter EWMA arrival rate
     prefetch_horizon_s: float = 2.0  # popularity scores: the chance of a request within this
     min_prefetch_score: float = 0.2  # popular adapters less likely than this are not prefetched
+    predict_interval_s: float = 0.02  # prefetch hints are planned at most this often (each round otherwise)
+    migrate_interval_s: float = 0.1  # migrations are planned at most this often
+    return_window_s: float = 10.0  # an adapter asked for again this soon after a request for it ended "returned"
     hold_slo_share: float = 0.5  # ... and at most this share of its TTFT target
     # A request whose adapter its busy worker lacks may wait this long for a prefetch there. Off: in the
     # scheduling benchmark a 40 ms hold raised the prefetch hit rate (0.03 -> 0.35 on `popularity`) but
@@ -106,6 +119,8 @@ class PolicyConfig:
         if not 0 < self.flood_share <= 1 or not 0 < self.output_fraction <= 1 or not 0 < self.flooder_slot_share <= 1:
             raise InvalidConfigError(f"invalid scheduler policy config {self}")
         if self.popularity_half_life_s <= 0 or self.prefetch_horizon_s <= 0 or not 0 <= self.min_prefetch_score <= 1:
+            raise InvalidConfigError(f"invalid scheduler policy config {self}")
+        if self.return_window_s <= 0 or self.predict_interval_s < 0 or self.migrate_interval_s < 0:
             raise InvalidConfigError(f"invalid scheduler policy config {self}")
         if self.vtc_input_weight < 0 or self.vtc_output_weight < 0:
             raise InvalidConfigError(f"invalid scheduler policy config {self}")
@@ -191,6 +206,7 @@ class PrefetchOn:
     worker_id: str
     adapters: tuple[AdapterKey, ...]
     scores: tuple[float, ...] = ()  # parallel to adapters, each in [0, 1]; empty: unknown (fcfs)
+    trace: tuple[tuple[str, str], ...] = ()  # a hint's: the trace of the request it is for (`scheduler/hints.py`)
 
 
 @dataclass(frozen=True)
@@ -240,13 +256,20 @@ class SchedulerPolicy:
         self.workers: dict[str, WorkerView] = {}
         # request id -> (worker, request); the request is None when adopted (placed by an earlier scheduler)
         self.placed: dict[str, tuple[str, QueuedRequest | None]] = {}
+        self._in_flight: Counter[str] = Counter()  # tenant -> its requests in `placed` (adopted ones aside)
+        self._rates = TenantRates()  # tenant -> arrivals per second: who floods the others
+        self._fresh: tuple[float, list[WorkerView]] | None = None  # `_fresh_workers`' answer at a time
+        self._next_predict = self._next_migrate = -math.inf  # adaptive: when prediction and migration run next
+        self._held = False
         self._zombies: OrderedDict[str, str] = OrderedDict()  # dropped worker id -> its instance then
         self._prefetch_sent: dict[str, tuple] = {}
         self._no_worker_since: float | None = None
-        # Within `schedule`: each worker's (requests held, KV pages reserved) and placement view,
-        # computed once a round and updated in place as the round assigns to it (see `_counts`).
-        self._round_counts: dict[str, tuple[int, int]] | None = None
-        self._round_loads: dict[str, WorkerLoad] | None = None
+        # Each worker's (requests held, KV pages reserved) and placement view (with when it was made),
+        # computed when asked after its report, updated in place as requests are assigned to it, and
+        # dropped when it reports or loses requests (see `_counts`, `_invalidate`).
+        self._worker_counts: dict[str, tuple[int, int]] = {}
+        self._worker_loads: dict[str, tuple[WorkerLoad, float]] = {}
+        self._deadlines: list[tuple[float, str]] = []  # (deadline, request id) of queued requests: a heap
         self._group_workers: OrderedDict[str, str] = OrderedDict()  # prefill group -> its last worker
 
     # ---- inputs --------------------------------------------------------------------------------
@@ -262,33 +285,40 @@ class SchedulerPolicy:
         `adaptive`, a new request is also refused early when it cannot meet its TTFT target or
         deadline, or when its tenant floods a nearly full queue.
         """
-        if not self.ready_workers():
+        ready = self.ready_workers()
+        if not ready:
             raise UnavailableError("no worker is ready to serve requests; try again shortly")
         if len(self.queue) >= self.config.max_queue_length and not resumed:
             raise ResourceExhaustedError(
                 f"the scheduler queue is full ({self.config.max_queue_length} requests waiting); retry later"
             )
-        if not any(self._fits_ever(w, request) for w in self.ready_workers()):
+        if not any(self._fits_ever(w, request) for w in ready):
             raise ResourceExhaustedError(
                 f"no worker's pool can ever hold this request ({request.prompt_len} prompt + "
                 f"{request.max_new_tokens} new tokens); lower max_new_tokens"
             )
         request.enqueued = now
-        if request.adapter is not None:
-            self.planner.popularity.arrived(request.adapter, now)
+        if not resumed:
+            self.planner.arrived(request, now)
+            self._rates.arrived(request.tenant, now)
         if resumed:
-            self.queue.push(request, front=True)
+            self._enqueue(request, front=True)
             return 0
         if not self.adaptive:
-            self.queue.push(request)
+            self._enqueue(request)
             return len(self.queue) - 1
         self._check_flood(request)
         ahead = self.queue.ahead(request, now)
         if request.ttft_slo_s is not None or request.deadline is not None:
             estimate = self.planner.estimate(self._loads(now), request, ahead)
             check_admission(estimate, now, request.arrival, request.ttft_slo_s, request.deadline)
-        self.queue.push(request)
+        self._enqueue(request)
         return ahead
+
+    def _enqueue(self, request: QueuedRequest, front: bool = False) -> None:
+        self.queue.push(request, front=front)
+        if request.deadline is not None:  # `_expire` looks only at these
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
 
     def _check_flood(self, request: QueuedRequest) -> None:
         assert isinstance(self.queue, MultiQueue)
@@ -313,7 +343,7 @@ class SchedulerPolicy:
     def forget(self, request_id: str) -> None:
         """A placed request ended outside the policy (its ASSIGN could not be sent): drop it from
         `placed` and from its worker's assignments together, so neither keeps a dangling id."""
-        placed = self.placed.pop(request_id, None)
+        placed = self._unplace(request_id)
         if placed is not None and placed[0] in self.workers:
             self.workers[placed[0]].assigned.discard(request_id)
 
@@ -337,10 +367,13 @@ class SchedulerPolicy:
                     view.assigned.add(request_id)
                     self.placed[request_id] = (report.worker_id, None)
         view.update(report, now)
+        self._invalidate(view.worker_id)
         self.planner.observe(report)
         for request_id in report.finished:
             view.assigned.discard(request_id)
-            self.placed.pop(request_id, None)
+            placed = self._unplace(request_id)
+            if self.adaptive and placed is not None and placed[1] is not None:
+                self.planner.ended(placed[1], now)
         if report.fatal:  # its last report: it crashed, or drained and stops
             how = "stopped" if report.draining else "failed"
             decisions += self._drop(view, f"worker {report.worker_id} {how}: {report.fatal}")
@@ -349,21 +382,31 @@ class SchedulerPolicy:
     def unreachable(self, worker_id: str, request_id: str | None = None) -> list[Decision]:
         """A message to `worker_id` could not be delivered: the worker is gone. Drop it (what it held
         fails) and put `request_id`, whose ASSIGN bounced, back at the head of the queue."""
-        placed = self.placed.pop(request_id, None) if request_id else None
+        placed = self._unplace(request_id) if request_id else None
         view = self.workers.get(worker_id)
         if view is not None and request_id:
             view.assigned.discard(request_id)
         if placed is not None and placed[1] is not None:
-            self.queue.push(placed[1], front=True)
+            self._enqueue(placed[1], front=True)
         return self._drop(view, f"worker {worker_id} is unreachable") if view is not None else []
+
+    def hint_target(self, request: QueuedRequest, now: float) -> str | None:
+        """The worker a request like `request` would be placed on now, if it neither holds its adapter nor
+        (adaptive) is loading it; from then on it counts as loading it, so placement follows the hint. For
+        the gateway's early hints (`scheduler/hints.py`), before the request itself is submitted."""
+        worker = self._choose(request, now) if request.adapter is not None else None
+        if worker is None or request.adapter in worker.resident:
+            return None
+        if self.adaptive:
+            if request.adapter in self._load_of(worker, now).adapters:
+                return None
+            self.planner.loading(worker.worker_id, request.adapter, now)
+            self._invalidate(worker.worker_id)
+        return worker.worker_id
 
     # ---- the scheduling round ------------------------------------------------------------------
     def schedule(self, now: float) -> list[Decision]:
-        self._round_counts, self._round_loads = {}, {}
-        try:
-            return self._schedule(now)
-        finally:
-            self._round_counts = self._round_loads = None
+        return self._schedule(now)
 
     def _schedule(self, now: float) -> list[Decision]:
         decisions: list[Decision] = []
@@ -372,16 +415,21 @@ class SchedulerPolicy:
                 decisions += self._drop(view, f"worker {view.worker_id} stopped responding")
         decisions += self._expire(now)
         decisions += self._place(now)
-        if self.adaptive:
-            decisions += self._migrate(now)
-            decisions += self._predict_adaptive(now)
+        if self.adaptive:  # each at most every its interval: their work grows with the cluster, not with a round
+            if now >= self._next_migrate or now < self._next_migrate - self.config.migrate_interval_s:
+                self._next_migrate = now + self.config.migrate_interval_s
+                decisions += self._migrate(now)
+            due = now >= self._next_predict or now < self._next_predict - self.config.predict_interval_s
+            if due or self._held:  # a request held for its prefetch needs the hint this round
+                self._next_predict = now + self.config.predict_interval_s
+                decisions += self._predict_adaptive(now)
         else:
             decisions += self._predict()
         return decisions
 
     def _drop(self, view: WorkerView, reason: str) -> list[Decision]:
         del self.workers[view.worker_id]
-        self._forget_round(view.worker_id)
+        self._invalidate(view.worker_id)
         self._prefetch_sent.pop(view.worker_id, None)
         self.planner.forget_worker(view.worker_id)
         self._zombies[view.worker_id] = view.report.instance
@@ -389,16 +437,17 @@ class SchedulerPolicy:
             self._zombies.popitem(last=False)
         decisions: list[Decision] = [WorkerGone(view.worker_id, reason)]
         for request_id in sorted(view.assigned):
-            placed = self.placed.pop(request_id, None)
+            placed = self._unplace(request_id)
             if placed is not None and placed[1] is not None:  # adopted ones: their gateway watches the cluster
                 decisions.append(Fail(placed[1], "UNAVAILABLE", f"{reason}; the request was lost", retry=True))
         return decisions
 
     def _expire(self, now: float) -> list[Decision]:
         decisions: list[Decision] = []
-        for request in self.queue.values():
-            if request.deadline is not None and now >= request.deadline:
-                self.queue.remove(request.request_id)
+        while self._deadlines and self._deadlines[0][0] <= now:  # only queued requests with a deadline
+            _, request_id = heapq.heappop(self._deadlines)
+            request = self.queue.remove(request_id)
+            if request is not None:
                 decisions.append(Fail(request, "DEADLINE_EXCEEDED", "the deadline passed while the request was queued"))
         if self.ready_workers():
             self._no_worker_since = None
@@ -413,6 +462,7 @@ class SchedulerPolicy:
 
     def _place(self, now: float) -> list[Decision]:
         decisions: list[Decision] = []
+        self._held = False  # a request was held for its adapter's prefetch this round
         passed: set[str] = set()  # could not be placed this round (adaptive: others may overtake them)
         in_flight, cap = self._tenant_slots(now)
         capped = {cap[0]} if cap is not None and in_flight[cap[0]] >= cap[1] else set()
@@ -420,6 +470,7 @@ class SchedulerPolicy:
             worker = self._choose(request, now)
             if worker is not None and self._hold_for_prefetch(request, worker, now):
                 passed.add(request.request_id)
+                self._held = True
                 continue
             if worker is None:
                 passed.add(request.request_id)
@@ -429,9 +480,10 @@ class SchedulerPolicy:
             self.queue.remove(request.request_id)
             self.queue.taken(request)
             request.placed_at = now
-            self._round_assigned(worker, request)
+            self._assigned_to(worker, request)
             worker.assigned.add(request.request_id)
             self.placed[request.request_id] = (worker.worker_id, request)
+            self._in_flight[request.tenant] += 1
             if request.group is not None:
                 self._remember_group(request.group, worker.worker_id)
             if request.adapter is not None:
@@ -439,7 +491,6 @@ class SchedulerPolicy:
             if self.adaptive and request.prefix is not None:
                 self.planner.caching(worker.worker_id, request.prefix, worker.report.tokens_per_page, now)
             decisions.append(AssignTo(worker.worker_id, request))
-            in_flight[request.tenant] += 1
             if cap is not None and request.tenant == cap[0] and in_flight[request.tenant] >= cap[1]:
                 capped.add(request.tenant)
         return decisions
@@ -463,44 +514,47 @@ class SchedulerPolicy:
         )
 
     def _tenant_slots(self, now: float) -> tuple[Counter[str], tuple[str, int] | None]:
-        """Requests each tenant holds on workers, and (adaptive, several tenants active) the
-        flooding tenant with the most slots it may hold (`fairness.flooder_cap`)."""
-        in_flight = Counter(r.tenant for _, r in self.placed.values() if r is not None)
+        """Requests each tenant holds on workers (kept as requests are placed and end: `_unplace`), and
+        (adaptive, several tenants active) the flooding tenant with the most slots it may hold
+        (`fairness.flooder_cap`)."""
+        in_flight = self._in_flight
         if not isinstance(self.queue, MultiQueue):
             return in_flight, None
         slots = sum(w.report.max_batch_size for w in self._fresh_workers(now))
-        return in_flight, flooder_cap(in_flight, self.queue.backlogs(), slots, self.config.flooder_slot_share)
+        share = self.config.flooder_slot_share
+        return in_flight, flooder_cap(
+            in_flight, self.queue.backlogs(), slots, share, lambda t: self._rates.rate(t, now)
+        )
 
     def _load(self, view: WorkerView) -> int:
         """Requests the worker holds: reported running/waiting plus assignments not yet reported."""
         return self._counts(view)[0]
 
     def _counts(self, view: WorkerView) -> tuple[int, int]:
-        """(requests held, KV pages reserved by unreported assignments). Within a round they are
-        computed once per worker, however many requests the round tries: a worker's lists can be
-        thousands long (bounded by the wire), and a round tries up to 64 requests on each worker."""
-        counts = self._round_counts.get(view.worker_id) if self._round_counts is not None else None
+        """(requests held, KV pages reserved by unreported assignments). Computed once per report of the
+        worker, however many requests are placed meanwhile: a worker's lists can be thousands long
+        (bounded by the wire), and every placement asks about every worker."""
+        counts = self._worker_counts.get(view.worker_id)
         if counts is None:
             requests = (self.placed[r][1] for r in view.unreported() if r in self.placed)
             counts = view.held(), sum(self._kv_pages(view, r) for r in requests if r is not None)
-            if self._round_counts is not None:
-                self._round_counts[view.worker_id] = counts
+            self._worker_counts[view.worker_id] = counts
         return counts
 
-    def _round_assigned(self, view: WorkerView, request: QueuedRequest) -> None:
-        """Keep this round's cached view of `view` true after `request` is assigned to it."""
-        if self._round_counts is not None and view.worker_id in self._round_counts:
-            held, reserved = self._round_counts[view.worker_id]
-            self._round_counts[view.worker_id] = held + 1, reserved + self._kv_pages(view, request)
-        if self._round_loads is not None and view.worker_id in self._round_loads:
-            load = self._round_loads[view.worker_id]
-            self._round_loads[view.worker_id] = self.planner.with_request(load, request)
+    def _assigned_to(self, view: WorkerView, request: QueuedRequest) -> None:
+        """Keep the cached view of `view` true after `request` is assigned to it."""
+        if view.worker_id in self._worker_counts:
+            held, reserved = self._worker_counts[view.worker_id]
+            self._worker_counts[view.worker_id] = held + 1, reserved + self._kv_pages(view, request)
+        if view.worker_id in self._worker_loads:
+            load, made = self._worker_loads[view.worker_id]
+            self._worker_loads[view.worker_id] = self.planner.with_request(load, request), made
 
-    def _forget_round(self, worker_id: str) -> None:
-        """`worker_id` lost requests (or is gone): compute its view again when asked."""
-        for cache in (self._round_counts, self._round_loads):
-            if cache is not None:
-                cache.pop(worker_id, None)
+    def _invalidate(self, worker_id: str) -> None:
+        """`worker_id` reported, lost requests, is loading an adapter or is gone: compute its view again."""
+        self._worker_counts.pop(worker_id, None)
+        self._worker_loads.pop(worker_id, None)
+        self._fresh = None
 
     def _room_pages(self, view: WorkerView) -> int:
         """Pool pages still free for KV, counting what unreported assignments will take."""
@@ -510,6 +564,18 @@ class SchedulerPolicy:
     def _reserved_pages(self, view: WorkerView) -> int:
         """KV pages that assignments the worker has not reported yet will take."""
         return self._counts(view)[1]
+
+    def _unplace(self, request_id: str) -> tuple[str, QueuedRequest | None] | None:
+        """Forget where `request_id` was placed (it ended, failed or moved); (worker id, request) or None."""
+        placed = self.placed.pop(request_id, None)
+        if placed is not None:
+            self._invalidate(placed[0])
+        if placed is not None and placed[1] is not None:
+            tenant = placed[1].tenant
+            self._in_flight[tenant] -= 1
+            if self._in_flight[tenant] <= 0:
+                del self._in_flight[tenant]
+        return placed
 
     def _placed_request(self, request_id: str) -> QueuedRequest | None:
         placed = self.placed.get(request_id)
@@ -524,9 +590,12 @@ class SchedulerPolicy:
         return self._kv_pages(view, request) <= view.report.total_pages
 
     def _fresh_workers(self, now: float) -> list[WorkerView]:
-        """Ready workers whose last report is recent enough to place on."""
-        fresh_s = min(self.config.stale_after_s, self.config.worker_timeout_s)
-        return [w for w in self.ready_workers() if now - w.last_report <= fresh_s]
+        """Ready workers whose last report is recent enough to place on; made once per `now` (a round
+        asks many times) and again after any report, since a report can change any of it."""
+        if self._fresh is None or self._fresh[0] != now:
+            fresh_s = min(self.config.stale_after_s, self.config.worker_timeout_s)
+            self._fresh = now, [w for w in self.ready_workers() if now - w.last_report <= fresh_s]
+        return self._fresh[1]
 
     def _loads(self, now: float) -> list[WorkerLoad]:
         """The fresh workers as adaptive placement sees them."""
@@ -534,11 +603,13 @@ class SchedulerPolicy:
         return [self._load_of(w, now) for w in workers]
 
     def _load_of(self, view: WorkerView, now: float) -> WorkerLoad:
-        load = self._round_loads.get(view.worker_id) if self._round_loads is not None else None
-        if load is None:
-            load = self.planner.load_of(view, self._placed_request, self._reserved_pages(view), now)
-            if self._round_loads is not None:
-                self._round_loads[view.worker_id] = load
+        """The worker as placement sees it; made again after LOAD_REFRESH_S at most, as what it is
+        loading and the prefixes placed there expire with time (`adaptive.LOADING_S`)."""
+        cached = self._worker_loads.get(view.worker_id)
+        if cached is not None and 0 <= now - cached[1] <= LOAD_REFRESH_S:
+            return cached[0]
+        load = self.planner.load_of(view, self._placed_request, self._reserved_pages(view), now)
+        self._worker_loads[view.worker_id] = load, now
         return load
 
     def _remember_group(self, group: str, worker_id: str) -> None:
@@ -599,9 +670,9 @@ class SchedulerPolicy:
                         into.append((view.worker_id, request))
         decisions: list[Decision] = []
         for move in self.planner.migrations(loads, waiting, running, now):
-            _, request = self.placed.pop(move.request_id)
+            _, request = self._unplace(move.request_id)
             self.workers[move.source].assigned.discard(move.request_id)
-            self._forget_round(move.source)
+            self._invalidate(move.source)
             assert request is not None
             reason = f"migrated from overloaded worker {move.source} to idle worker {move.target}"
             decisions.append(Migrate(move.source, request, reason))
@@ -635,5 +706,6 @@ class SchedulerPolicy:
                 decisions.append(PrefetchOn(view.worker_id, adapters, scores))
                 for adapter in adapters:
                     self.planner.loading(view.worker_id, adapter, now)
+                self._invalidate(view.worker_id)
             self._prefetch_sent[view.worker_id] = sent
         return decisions

@@ -1,5 +1,6 @@
-"""The scheduling benchmark (`loraserve bench --suite scheduling`): seeded traces, the simulated
-workers' invariants, the cost model's fit, and a tiny run of the whole suite through the CLI."""
+"""The scheduling benchmark (`loraserve bench --suite scheduling --stack`): seeded traces (conversations
+included), the records' arithmetic, and a tiny run of the suite through the CLI on a real stack of two
+emulated workers; and the control-plane suite (`--suite control-plane`) at a tiny size."""
 
 from __future__ import annotations
 
@@ -8,19 +9,23 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from emulated import fixed_profile
 
+from loraserve.bench import control_plane, scheduling
 from loraserve.bench import main as bench_main
-from loraserve.bench import scheduling
 from loraserve.bench import scheduling_traces as traces
-from loraserve.bench.scheduling_costs import TINY_GRID, fit_step_model, fixed_costs, measure_costs
-from loraserve.bench.scheduling_sim import SimConfig, SimPool, Simulation, SimWorker
+from loraserve.bench.scheduling_costs import fit_step_model
+from loraserve.bench.scheduling_stack import Outcome, StackRun, workload_ids
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.flags import EnvArgumentParser
 from loraserve.model_config import ModelConfig
-from loraserve.worker.pool_layout import PoolLayout
+from loraserve.worker.runner_profile import RunnerProfile
 from loraserve.worker.step_costs import StepFeatures, step_features
 
-RECORD_FIELDS = ("scenario", "policy", "ttft_p50_s", "ttft_p99_s", "slo_attainment", "req_per_s", "prefetch_hit_rate")
+RECORD_FIELDS = (
+    *("scenario", "policy", "prefetch", "ttft_p50_s", "ttft_p99_s", "slo_attainment", "req_per_s"),
+    *("prefetch_hit_rate", "load_wait_s", "n_workers"),
+)
 MODEL = ModelConfig.from_dir(DEMO_MODEL_DIR)
 
 
@@ -47,12 +52,28 @@ def test_traces_are_seeded_and_shaped():
     assert calm.requests == tuple(r for r in flood.requests if r.tenant == "victim")
 
 
-def test_burst_arrives_at_once():
-    burst = traces.burst(traces.popularity(100.0, 5.0, seed=0, n_adapters=50), 40)
-    assert len(burst.requests) == 40 and {r.arrival_s for r in burst.requests} == {0.0}
+def test_a_conversation_reuses_its_adapter_and_extends_its_prompt_after_a_think_time():
+    trace = traces.conversations(20.0, 60.0, seed=5, n_adapters=100)
+    assert trace == traces.conversations(20.0, 60.0, seed=5, n_adapters=100)
+    by_id = {r.request_id: r for r in trace.requests}
+    follow_ups = [r for r in trace.requests if r.follows is not None]
+    assert len(follow_ups) / len(trace.requests) == pytest.approx(1 - 1 / traces.MEAN_TURNS, abs=0.12)
+    for r in follow_ups:
+        previous = by_id[r.follows]
+        assert (r.adapter, r.stream) == (previous.adapter, previous.stream)
+        assert r.prompt_len >= previous.prompt_len + previous.output_len + 16  # its history, then a new message
+        assert r.think_s >= traces.MIN_THINK_S and r.arrival_s > previous.arrival_s
+    assert all(r.prompt_len + r.output_len <= traces.MAX_CONTEXT for r in trace.requests)
+    assert len(trace.requests) / 60.0 == pytest.approx(20.0, rel=0.3)  # about `rate` requests a second
+    # a follow-up's prompt ids begin with its predecessor's (the prefix cache can find the history)
+    later = follow_ups[0]
+    first = workload_ids(by_id[later.follows], MODEL.vocab_size, 0)
+    assert workload_ids(later, MODEL.vocab_size, 0)[: len(first)] == first
+    alone = traces.burst(trace, 30)
+    assert all(r.arrival_s == 0.0 and r.follows is None for r in alone.requests)
 
 
-# ---- the cost model ------------------------------------------------------------------------------
+# ---- the step-cost model the emulated workers wait by ----------------------------------------------
 def test_step_shape_pads_each_attention_group_to_its_longest_member():
     shape = step_features([(1, 100, 8, "a"), (1, 20, 16, "b"), (50, 60, 0, None), (10, 10, 8, "a")])
     assert shape == StepFeatures(seqs=4, tokens=62, adapters=2, token_rank=104, key_slots=320, score_slots=6200)
@@ -61,151 +82,166 @@ def test_step_shape_pads_each_attention_group_to_its_longest_member():
 def test_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
     truth = np.array([2e-3, 1e-4, 3e-5, 2e-4, 5e-7, 2e-6, 1e-8])
-    shapes = [
-        StepFeatures(int(s), int(t), int(a), int(tr), int(at), int(kv))
-        for s, t, a, tr, at, kv in zip(
-            rng.integers(1, 33, 200),
-            rng.integers(1, 2048, 200),
-            rng.integers(0, 9, 200),
-            rng.integers(0, 50_000, 200),
-            rng.integers(0, 500_000, 200),
-            rng.integers(0, 10_000, 200),
-            strict=True,
-        )
-    ]
+    columns = [rng.integers(lo, hi, 200) for lo, hi in ((1, 33), (1, 2048), (0, 9), (0, 50_000), (0, 500_000))]
+    shapes = [StepFeatures(*(int(c[i]) for c in columns), int(rng.integers(0, 10_000))) for i in range(200)]
     seconds = [float(np.dot(truth, s.vector())) for s in shapes]
     coef, quality = fit_step_model(shapes, seconds)
     assert np.allclose(coef, truth, rtol=1e-3)
     assert quality["fit_median_rel_error"] < 1e-3
 
 
-def test_measuring_the_engine_gives_positive_costs():
-    costs = measure_costs(DEMO_MODEL_DIR, TINY_GRID)
-    assert costs.measured_on["step_samples"] > 10
-    assert all(c >= 0 for c in costs.step_coef) and costs.step_coef[0] > 0
-    small = costs.step_s(step_features([(1, 1, 0, None)]))
-    big = costs.step_s(step_features([(64, 128, 32, ("a", 1))] * 4))
-    assert 0 < small < big < 5.0
-    assert 0 < costs.copy_s(8) <= costs.copy_s(64) and 0 < costs.fetch_s(8) <= costs.fetch_s(64)
+# ---- the records' arithmetic ---------------------------------------------------------------------
+def _outcome(i: int, sent: float, ttft: float | None, done: float | None, status: str, wait: float = 0.0) -> Outcome:
+    request = traces.SchedRequest(f"r{i}", sent, "a", 16, 8)
+    first = None if ttft is None else sent + ttft
+    return Outcome(request, 0.5, sent, first, done, status, adapter_load_s=wait)
 
 
-# ---- the simulation ------------------------------------------------------------------------------
-class Checked(Simulation):
-    """Checks every report the policy gets and every time a worker goes idle."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.reports = 0
-        self.idle_with_work = 0
-
-    def _report(self, report):
-        assert len(report.running) <= report.max_batch_size
-        assert report.kv_pages + report.adapter_pages + report.free_pages == report.total_pages
-        assert report.evictable_pages <= report.adapter_pages
-        self.reports += 1
-        super()._report(report)
-
-    def _begin(self, worker: SimWorker):
-        super()._begin(worker)
-        # work conservation: idle while holding requests only when waiting for a copy into the pool
-        if not worker.busy and worker.scheduler.has_work() and not worker.pool.copying():
-            self.idle_with_work += 1
+def test_a_record_counts_what_the_client_saw_and_what_the_workers_counted():
+    outcomes = [_outcome(i, float(i), 0.1 * (i + 1), float(i) + 2.0, "ok", wait=0.01) for i in range(9)]
+    outcomes.append(_outcome(9, 9.0, None, None, "refused"))
+    workers = {
+        "w0": {"prefetch_hits": 3, "prefetch_misses": 1, "found_ready": 2, "found_cold": 2, "found_resident": 5},
+        "w1": {"prefetch_hits": 0, "prefetch_misses": 0, "found_loading": 1},
+    }
+    record = scheduling.summarize(outcomes, StackRun(outcomes, workers, 10.0, 1.0))
+    assert record["n_requests"] == 10 and (record["completed"], record["refused"]) == (9, 1)
+    assert record["ttft_p50_s"] == pytest.approx(0.5) and record["ttft_max_s"] == pytest.approx(0.9)
+    assert record["slo_attainment"] == pytest.approx(0.5)  # 5 of 10 within 0.5 s; the refused one misses
+    assert record["req_per_s"] == pytest.approx(9 / 10.0)  # the first sent at 0, the last done at 10
+    assert record["load_wait_s"] == pytest.approx(0.09) and record["load_wait_mean_s"] == pytest.approx(0.01)
+    assert record["prefetch_hit_rate"] == pytest.approx(0.75)
+    assert record["loads_ready_before_scheduled"] == pytest.approx(2 / 5)  # ready / (ready + loading + cold)
+    assert record["adapter_requests"] == {"resident": 5, "ready": 2, "loading": 1, "cold": 2}
 
 
-def _run(trace, policy: str, pool_pages: int = 1536, **config):
-    config = SimConfig(pool_pages=pool_pages, max_batch_size=8, check_invariants=True, **config)
-    sim = Checked(trace, scheduling.make_policy(policy), config, fixed_costs(), MODEL, lambda r: 0.5)
-    return sim, sim.run()
+def test_ratios_and_targets_compare_like_with_like():
+    def rec(scenario, policy, role, prefetch=True, p50=0.1, p99=0.2, rps=10.0, wait=1.0, hit=0.6, **tags):
+        return {
+            "scenario": scenario,
+            "policy": policy,
+            "role": role,
+            "prefetch": prefetch,
+            **tags,
+            "ttft_p50_s": p50,
+            "ttft_p99_s": p99,
+            "req_per_s": rps,
+            "load_wait_s": wait,
+            "prefetch_hit_rate": hit,
+        }
+
+    records = [
+        rec("heavy-tail", "adaptive", "default", p99=0.1),
+        rec("heavy-tail", "fcfs", "baseline", p99=0.4, rps=10.4),
+        rec("conversations", "adaptive", "default", wait=0.1),
+        rec("conversations", "fcfs", "baseline"),
+        rec("conversations", "adaptive", "default", prefetch=False, wait=0.6),
+        rec("flood", "adaptive", "default", p99=0.3, tenant="victim", flood=True),
+        rec("flood", "adaptive", "default", p99=0.1, tenant="victim", flood=False),
+        rec("flood", "fcfs", "baseline", tenant="victim", flood=True, p99=9.0),
+        rec("flood", "fcfs", "baseline", tenant="victim", flood=False),
+    ]
+    scheduling.add_ratios(records)
+    assert records[0]["ttft_p99_improvement_vs_fcfs"] == pytest.approx(4.0)
+    assert records[0]["req_per_s_vs_fcfs"] == pytest.approx(10 / 10.4, abs=1e-4)
+    assert records[4]["load_wait_vs_prefetch"] == pytest.approx(6.0) and "ttft_p50_vs_fcfs" not in records[4]
+    met = {t["name"]: (t["value"], t["met"]) for t in scheduling.targets(records)}
+    assert met["heavy-tail p99 TTFT, fcfs / default"] == (4.0, True)
+    assert met["heavy-tail req/s, default / fcfs"][1] is True  # 3.8 % lower: within 5 %
+    assert met["victim p99 TTFT, flood / calm (default policy)"] == (3.0, False)
+    assert met["conversations load wait, prefetch off / on"] == (6.0, True)
+    assert met["conversations prefetch hit rate (default policy)"] == (0.6, True)
 
 
-@pytest.mark.parametrize("policy", scheduling.policies())
-def test_every_request_is_served_once_within_the_batch_and_the_pool(policy):
-    trace = traces.heavy_tail(60.0, 3.0, seed=4, n_adapters=12)
-    sim, result = _run(trace, policy)
-    assert [o.status for o in result.outcomes] == ["ok"] * len(trace.requests)
-    assert sim.reports > 0 and sim.idle_with_work == 0
-    for o in result.outcomes:
-        assert o.request.arrival_s <= o.assigned_s <= o.first_token_s <= o.finished_s
-    counters = result.workers.values()
-    assert all(c["max_running"] <= 8 for c in counters)
-    assert all(c["stuck"] == 0 for c in counters)
-    assert len(counters) == 2 and sum(c["steps"] for c in counters) > 0
-    # work conservation in tokens: every prompt once, every output token but the last once (no preemption here)
-    assert sum(c["preemptions"] for c in counters) == 0
-    expected = sum(r.prompt_len + r.output_len - 1 for r in trace.requests)
-    assert sum(c["tokens"] for c in counters) == expected
+def test_a_scaled_profile_waits_that_many_times_longer():
+    profile = RunnerProfile.from_dict(json.loads(fixed_profile_text()))
+    scaled = scheduling.scaled_profile(profile, 6.0)
+    assert scaled.runner_coef == tuple(6.0 * c for c in profile.runner_coef)
+    assert scaled.costs.step_coef == tuple(6.0 * c for c in profile.costs.step_coef)
+    assert scaled.costs.copy_coef == profile.costs.copy_coef and scaled.fidelity["time_scale"] == 6.0
 
 
-def test_a_small_pool_evicts_and_still_serves_everything():
-    trace = traces.popularity(80.0, 3.0, seed=5, n_adapters=200)
-    sim, result = _run(trace, "fcfs", pool_pages=160)
-    assert {o.status for o in result.outcomes} == {"ok"}
-    assert sim.idle_with_work == 0
-    assert sum(c["evictions"] for c in result.workers.values()) > 0
+def fixed_profile_text() -> str:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        return fixed_profile(Path(d) / "p.json").read_text()
 
 
-def test_the_simulation_is_deterministic():
-    trace = traces.flood(15.0, 75.0, 2.0, seed=6)
-    runs = [_run(trace, scheduling.policies()[0])[1] for _ in range(2)]
-    first, second = (
-        [(o.request.request_id, o.status, o.first_token_s, o.finished_s) for o in r.outcomes] for r in runs
-    )
-    assert first == second
-
-
-def test_prefetch_never_evicts_a_likelier_adapter():
-    layout = PoolLayout.for_model(MODEL, 32, 40)
-    now = [0.0]
-    pool = SimPool(layout, lambda key: (10, 100), lambda key: 0.01, lambda: now[0])
-    for name in ("a", "b", "c", "d"):
-        assert pool.ensure((name, 1))  # 40 pages: full, all idle
-    pool.remember_scores([(("a", 1), 0.9), (("b", 1), 0.9), (("c", 1), 0.9), (("d", 1), 0.9)])
-    assert pool.prefetch([("x", 1)], reserve_pages=0) == []  # x (unknown: 0.5) may not evict any of them
-    pool.remember_scores([(("x", 1), 0.8), (("d", 1), 0.1)])  # only d is less likely than x
-    assert pool.prefetch([("x", 1)], reserve_pages=0) == [("x", 1)]
-    assert pool.resident_adapters() == [("a", 1), ("b", 1), ("c", 1), ("x", 1)]
-    assert pool.wait_ready(("x", 1)) == pytest.approx(0.01)  # needed at once: the step waits for the copy
-    assert (pool.stats.prefetch_late, pool.stats.prefetch_hits) == (1, 0)
-    pool.check_invariants()
-
-
-# ---- the suite -----------------------------------------------------------------------------------
-def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
-    costs = tmp_path / "run.json"
-    costs.write_text(json.dumps({"costs": fixed_costs().as_dict()}))
+# ---- the suites through the CLI ------------------------------------------------------------------
+def _args(*argv: str):
     parser = EnvArgumentParser()
     bench_main.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            *("--suite", "scheduling", "--quick", "--sched-duration-scale", "0.05"),
-            *("--sched-costs", str(costs), "--out", str(tmp_path / "out")),
-        ]
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.slow
+def test_tiny_stack_suite_through_the_cli(tmp_path, monkeypatch):
+    """Conversations on real stacks of two emulated workers: calibration, both policies, prefetch off."""
+    monkeypatch.setattr(
+        scheduling,
+        "QUICK",
+        {"duration_s": dict.fromkeys(scheduling.SCENARIOS, 3.0)} | {"burst": 24, "probe": 2, "drain_s": 8.0},
     )
-    monkeypatch.setattr(scheduling, "BURST", 120)  # a small capacity burst
+    monkeypatch.setitem(scheduling.ADAPTERS, "conversations", 12)
+    monkeypatch.setattr(traces, "THINK_S", 0.5)  # short pauses: short runs
+    monkeypatch.setattr(traces, "MIN_THINK_S", 0.2)
+    monkeypatch.setitem(scheduling.POOL_PAGES, "conversations", 256)
+    profile = fixed_profile(tmp_path / "runner_profile.json", step_s=0.004)
+    out = tmp_path / "out"
+    args = _args(
+        *("--suite", "scheduling", "--stack", "--quick", "--sched-scenarios", "conversations"),
+        *("--sched-workers", "2", "--runner-profile", str(profile), "--out", str(out)),
+    )
     assert bench_main.main(args) == 0
-    records = json.loads((tmp_path / "out" / "results.json").read_text())
+    records = json.loads((out / "results.json").read_text())
     default, baseline = scheduling.policies()
-    for scenario in scheduling.SCENARIOS:
-        mine = [r for r in records if r["scenario"] == scenario]
-        assert {r["role"] for r in mine} == {"default", "baseline"}
-        assert {r["policy"] for r in mine} == {default, baseline}
+    assert [(r["policy"], r["prefetch"]) for r in records] == [(default, True), (baseline, True), (default, False)]
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     for r in records:
         assert all(r[k] is not None for k in RECORD_FIELDS), r
+        assert r["stack"] is True and r["n_workers"] == 2 and r["scenario"] == "conversations"
         assert 0 <= r["slo_attainment"] <= 1 and 0 <= r["prefetch_hit_rate"] <= 1
-    flood = [(r["role"], r["tenant"], r["flood"]) for r in records if r["scenario"] == "flood"]
-    for role in ("default", "baseline"):
-        assert sorted(t for t in flood if t[0] == role) == [
-            (role, "flooder", True),
-            (role, "victim", False),
-            (role, "victim", True),
-        ]
-    # both policies saw the same requests
-    by_role = {role: [r["n_requests"] for r in records if r["role"] == role] for role in ("default", "baseline")}
-    assert by_role["default"] == by_role["baseline"]
-    run = json.loads((tmp_path / "out" / "run.json").read_text())
-    assert run["costs"]["measured_on"] == {"source": "fixed"} and run["targets"]
-    assert {p.name for p in (tmp_path / "out").glob("*.png")} == {
-        "scheduling-ttft.png",
-        "scheduling-slo.png",
-        "scheduling-prefetch.png",
+        statuses = r["completed"] + r["refused"] + r["failed"] + r["unfinished"] + r["unsent"]
+        assert statuses == r["n_requests"] and r["completed"] > 0
+        mine = [x for x in rows if (x["policy"], x["prefetch"]) == (r["policy"], r["prefetch"])]
+        assert len(mine) == r["n_requests"]
+        waited = sum(x["adapter_load_s"] for x in mine if x["status"] == "ok" and x["adapter"])
+        assert r["load_wait_s"] == pytest.approx(waited, abs=1e-3)
+        assert sum(r["adapter_requests"].values()) >= r["completed"]  # each reached a worker with its adapter
+    assert {r["n_requests"] for r in records} == {len(traces_of(rows, default, True))}  # the same requests
+    off, on = records[2], records[0]
+    assert on["load_wait_s"] > 0  # the first request for each adapter waits for its fetch from the store
+    assert off["load_wait_vs_prefetch"] == pytest.approx(off["load_wait_s"] / on["load_wait_s"], rel=1e-2)
+    run = json.loads((out / "run.json").read_text())
+    assert run["scenarios"]["conversations"]["capacity_req_per_s"] > 0 and run["profile"]["time_scale"] == 6.0
+    assert {t["name"] for t in run["targets"]} >= {
+        "conversations load wait, prefetch off / on",
+        "conversations prefetch hit rate (default policy)",
+        "conversations TTFT p99, default / fcfs",
     }
+    plots = {"scheduling-ttft.png", "scheduling-slo.png", "scheduling-prefetch.png"}
+    assert {p.name for p in out.glob("*.png")} == plots
+
+
+def traces_of(rows: list[dict], policy: str, prefetch: bool) -> list[dict]:
+    return [x for x in rows if (x["policy"], x["prefetch"]) == (policy, prefetch)]
+
+
+@pytest.mark.slow
+def test_tiny_control_plane_suite_through_the_cli(tmp_path, monkeypatch):
+    """A real scheduler, 4 emulated workers in one process, Submits over gRPC: every request placed, and
+    the decision latencies measured inside the scheduler and end to end."""
+    monkeypatch.setattr(control_plane, "QUICK", {"rates": (200.0,), "phase_s": 1.5, "policies": ("adaptive",)})
+    out = tmp_path / "cp"
+    args = _args("--suite", "control-plane", "--quick", "--cp-workers", "4", "--cp-adapters", "100", "--out", str(out))
+    assert bench_main.main(args) == 0
+    result = json.loads((out / "control_plane.json").read_text())
+    assert (result["workers"], result["adapters"]) == (4, 100)
+    ((phase,),) = [run["phases"] for run in result["runs"]]
+    assert phase["sent"] == 300 and phase["codes"] == {"OK": 300} and phase["assigned"] == 300
+    assert 0 <= phase["decision_p50_s"] <= phase["decision_p99_s"] <= phase["end_to_end_p99_s"]
+    assert phase["admitted_req_per_s"] == pytest.approx(200.0, rel=0.1) and 0 < phase["scheduler_cpu"] < 2
+    assert phase["kept_up"] is True
+    assert [t["name"] for t in result["targets"]] == ["admitted req/s", "decision p99 at 5000 req/s offered (s)"]

@@ -24,7 +24,7 @@ from loraserve.gateway.validation import Limits, fairness_tenant, validate_gener
 from loraserve.prefix_keys import PrefixProbe, chain_root
 from loraserve.scheduler.admission import ClusterEstimate, check_admission
 from loraserve.scheduler.cost_model import BatchShape, StepCost, StepCostModel
-from loraserve.scheduler.fairness import VirtualTokenCounter, flooder_cap
+from loraserve.scheduler.fairness import TenantRates, VirtualTokenCounter, flooder_cap
 from loraserve.scheduler.migration import RunningRequest, WaitingRequest, plan_migrations
 from loraserve.scheduler.placement import Demand, Placement, WorkerLoad
 from loraserve.scheduler.policy import (
@@ -35,7 +35,7 @@ from loraserve.scheduler.policy import (
     QueuedRequest,
     SchedulerPolicy,
 )
-from loraserve.scheduler.popularity import AdapterPopularity, plan_prefetch
+from loraserve.scheduler.popularity import AdapterPopularity, ReturningAdapters, plan_prefetch
 from loraserve.scheduler.queues import MultiQueue, SizeClasses
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import gateway_pb2
@@ -173,7 +173,24 @@ def test_a_flooding_tenant_is_refused_when_the_queue_is_nearly_full_and_others_a
 def test_the_tenant_with_the_largest_backlog_is_held_to_a_share_of_the_slots():
     assert flooder_cap(Counter({"a": 3}), {"a": 10}, slots=8, share=0.5) is None  # alone: every slot
     assert flooder_cap(Counter({"a": 3, "b": 1}), {"a": 10}, slots=8, share=0.5) == ("a", 2)
-    policy = SchedulerPolicy()
+    assert flooder_cap(Counter({"a": 3, "b": 1}), {"a": 10}, slots=8, share=PolicyConfig().flooder_slot_share) == (
+        "a",
+        1,
+    )
+    # tenants that send alike are not capped, whatever their backlogs; one sending twice the others' is
+    rates = TenantRates(half_life_s=5.0)
+    for t in range(100):
+        for tenant in ("t0", "t1", "t2"):
+            rates.arrived(tenant, t * 0.01)
+        if t % 4 == 0:
+            rates.arrived("light", t * 0.01)
+    balanced = Counter({"t0": 50, "t1": 50, "t2": 50})
+    assert flooder_cap(balanced, {"t0": 30, "t1": 3}, 512, 0.1, lambda t: rates.rate(t, 1.0)) is None
+    for t in range(200):
+        rates.arrived("t0", 1.0 + t * 0.005)  # t0 now sends 3 times as much
+    assert flooder_cap(balanced, {"t0": 30, "t1": 3}, 512, 0.1, lambda t: rates.rate(t, 2.0)) == ("t0", 17)
+    assert rates.rate("t1", 6.0) == pytest.approx(rates.rate("t1", 1.0) / 2, rel=1e-6)  # one half-life later
+    policy = SchedulerPolicy(PolicyConfig(flooder_slot_share=0.5))
     policy.on_report(report("w", max_batch=8), 0.0)
     policy.add(request("calm0", tenant="calm", new=200), 0.0)
     for i in range(10):
@@ -357,6 +374,65 @@ def test_popularity_is_an_ewma_of_arrival_rates():
     assert popularity.rate(("hot", 1), 20.0) == pytest.approx(hot / 2, rel=1e-6)  # one half-life later
     assert [k for k, _ in popularity.most_popular(10.0, 2)] == [("hot", 1), ("cold", 1)]
     assert popularity.likelihood(("hot", 1), 10.0, 1.0) > 0.9 > popularity.likelihood(("cold", 1), 10.0, 1.0)
+
+
+def test_popularity_forgets_the_least_popular_half_and_ranks_without_recomputing_rates():
+    popularity = AdapterPopularity(half_life_s=10.0, max_adapters=4, refresh_s=1.0)
+    for i in range(12):
+        for _ in range(12 - i):  # adapter i arrives 12 - i times: 0 the most popular
+            popularity.arrived((f"a{i}", 1), 0.0)
+    assert len(popularity._keys) <= 8 and popularity.rate(("a0", 1), 0.0) > popularity.rate(("a3", 1), 0.0) > 0
+    assert [k for k, _ in popularity.most_popular(0.0, 2)] == [("a0", 1), ("a1", 1)]
+    popularity.arrived(("new", 1), 0.5)
+    for _ in range(50):
+        popularity.arrived(("new", 1), 0.5)
+    assert [k for k, _ in popularity.most_popular(0.5, 2)] == [("a0", 1), ("a1", 1)]  # the ranking is 0.5 s old
+    assert next(k for k, _ in popularity.most_popular(1.5, 2)) == ("new", 1)  # refreshed after refresh_s
+
+
+def test_an_adapter_whose_requests_come_back_is_learnt_apart_from_one_whose_do_not():
+    returns = ReturningAdapters(window_s=5.0, prior=2.0)
+    chat, tail = ("chat", 1), ("tail", 1)
+    for turn in range(4):
+        t = 10.0 * turn
+        returns.ended(chat, 16, t)
+        returns.arrived(chat, t + 2.0)  # the next turn, 2 s later
+        returns.ended(tail, 8, t)  # nobody asks for it again
+    returns.expire(100.0)
+    assert returns.probability(chat) > 0.8 and returns.probability(tail) < 0.3
+    assert 0.4 < returns.p_all() < 0.6  # and an adapter never seen gets the average
+    returns.ended(tail, 8, 100.0)
+    returns.ended(chat, 16, 100.5)
+    assert [(a, rank) for a, _, rank in returns.candidates(101.0, 0.2, limit=8)] == [(chat, 16)]  # tail: unlikely
+    assert [a for a, _, _ in returns.candidates(101.0, 0.0, limit=8)] == [chat, tail]  # the likeliest first
+    assert [a for a, _, _ in returns.candidates(101.0, 0.0, limit=1)] == [chat]  # the most recently ended
+    returns.arrived(chat, 102.0)  # the next turn came: no longer pending
+    assert [a for a, _, _ in returns.candidates(102.0, 0.0, limit=8)] == [tail]
+    assert returns.candidates(106.0, 0.0, limit=8) == []  # past the window: it did not return
+
+
+def test_the_policy_fetches_an_evicted_conversation_adapter_again_before_the_next_turn():
+    policy = SchedulerPolicy()
+    chat = ("chat", 1)
+    policy.on_report(report("w", resident=[chat]), 0.0)
+    policy.on_report(report("v"), 0.0)
+    now = 0.0
+    for turn in range(4):  # turns end on w and come back 2 s later: the policy learns it
+        policy.add(request(f"turn{turn}", adapter=chat), now)
+        (placed,) = assigned(policy.schedule(now))
+        assert placed == ("w", f"turn{turn}")  # affinity: where the adapter is
+        now += 0.5
+        policy.on_report(report("w", resident=[chat], finished=[f"turn{turn}"]), now)
+        for _ in range(4):  # the user thinks; the workers report
+            now += 0.5
+            policy.on_report(report("w", resident=[chat]), now)
+            policy.on_report(report("v"), now)
+    policy.on_report(report("w", resident=[("other", 1)]), now)  # w evicted it while the user thinks
+    policy.on_report(report("v"), now)
+    hints = [d for d in policy.schedule(now) if isinstance(d, PrefetchOn)]
+    assert [(d.worker_id, d.adapters) for d in hints] == [("w", (chat,))] and hints[0].scores[0] >= 0.5
+    policy.on_report(report("w", resident=[("other", 1), chat]), now + 0.1)  # back in w's pool
+    assert not [d for d in policy.schedule(now + 0.1) if isinstance(d, PrefetchOn)]
 
 
 def test_the_prefetch_planner_sends_to_the_chosen_worker_only_with_scores():

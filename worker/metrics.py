@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -22,6 +22,13 @@ STEP_SECONDS = Histogram(
     "Duration of one engine step (one forward over the batch)",
     ["worker"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+
+ADAPTER_REQUESTS = Counter(
+    "loraserve_worker_adapter_requests",
+    "Requests for an adapter, by how they found it on arrival: resident (no load), ready (a prefetch had "
+    "loaded it), loading (its fetch or copy was under way), cold (its load started with the request)",
+    ["worker", "found"],
 )
 
 # adapter-cache counters: (metric name, help, key in the loader's stats)

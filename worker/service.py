@@ -39,15 +39,14 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 from opentelemetry import trace
 from zmq.utils.monitor import recv_monitor_message
 
 from loraserve import telemetry
-from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.dispatch import Dispatcher
 from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.internal_auth import Curve, InternalKeys
@@ -69,8 +68,8 @@ from loraserve.wire import (
     decode,
 )
 from loraserve.worker import metrics
-from loraserve.worker.adapters import load_adapter_bytes
 from loraserve.worker.engine import Cached, Engine, GenerateRequest, StepOutput
+from loraserve.worker.fetch_threads import FetchConfig, FetchThreads, Wakeup
 from loraserve.worker.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -88,9 +87,23 @@ class WorkerConfig:
     fetch_threads: int = 2
     drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish here
     keys: InternalKeys | None = None  # CURVE keys: talk to the scheduler, store and gateways as a worker
+    adapter_rows: bool = True  # fetch adapters in the pool's row layout (`worker/fetch_threads.py`)
+    shm_root: Path | None = Path("/dev/shm")  # map rows from a store on this host; None: over the socket only
+    verify_shared_memory: bool = False  # hash mapped rows too (`loraserve/shared_rows.py` says why it is off)
 
     def curve_to(self, role: str) -> Curve | None:
         return self.keys.client_of(role) if self.keys is not None else None
+
+    def fetching(self) -> FetchConfig:
+        return FetchConfig(
+            self.store_address,
+            self.fetch_timeout_s,
+            self.fetch_threads,
+            self.curve_to("store"),
+            self.adapter_rows,
+            self.shm_root,
+            self.verify_shared_memory,
+        )
 
 
 @dataclass
@@ -102,18 +115,9 @@ class _Tracked:
     context: object  # trace context from the scheduler
     request: Request | None = None  # None while its adapter is being fetched
     adapter_source: str = "none"  # none | hit | prefetched | cold
+    adapter_transport: str = ""  # a cold one's: shared-memory | rows | files (`worker/fetch_threads.py`)
     fetch_s: float = 0.0
     expired: bool = False
-
-
-@dataclass
-class _Fetched:
-    key: AdapterKey
-    adapter: object | None = None
-    error: LoraserveError | None = None
-    seconds: float = 0.0
-    for_prefetch: bool = False
-    waiting: list[str] = field(default_factory=list)
 
 
 class WorkerService:
@@ -138,14 +142,16 @@ class WorkerService:
         self._dropped = RateLimitedLog(log)
         self.tracked: dict[str, _Tracked] = {}
         self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
-        self.fetched: queue.Queue[_Fetched] = queue.Queue()
+        self._wakeup = Wakeup()  # fetch threads wake the loop when an adapter arrives
+        self._fetches = FetchThreads(config.fetching(), engine, self._wakeup)
+        self._poller = zmq.Poller()
+        self._poller.register(self.scheduler_socket, zmq.POLLIN)
+        self._poller.register(self._wakeup.fd, zmq.POLLIN)
         self.finished_since_report: list[str] = []
         self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since the last report
         self.ready = False
         self.draining = False
         self._step_seconds = metrics.STEP_SECONDS.labels(config.worker_id)
-        self._fetch_pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="adapter-fetch")
-        self._fetchers = threading.local()
         self._last_report = 0.0
         self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
@@ -208,8 +214,10 @@ class WorkerService:
 
     # ---- scheduler messages --------------------------------------------------------------------
     def _drain_scheduler(self, block_s: float) -> None:
-        if block_s and not self.scheduler_socket.poll(int(block_s * 1000)):
-            return
+        """Handle the scheduler's messages; when idle (`block_s`), wait that long for one or for a fetch."""
+        if block_s:
+            self._poller.poll(int(block_s * 1000))
+        self._wakeup.clear()
         while True:
             try:
                 frames = self.scheduler_socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -235,6 +243,8 @@ class WorkerService:
         self._send(assign.reply_to, Tokens(assign.request_id, [], self.config.worker_id))  # "it reached a worker"
         key = (assign.adapter, assign.adapter_version) if assign.adapter else None
         cached = Cached.YES if key is None else self.engine.cached(key, assign.adapter_sha256 or None)
+        if key is not None:
+            metrics.ADAPTER_REQUESTS.labels(self.config.worker_id, self._found(key)).inc()
         if cached is Cached.YES:
             if key is not None:
                 tracked.adapter_source = "hit" if self.engine.pool.is_resident(key) else "prefetched"
@@ -249,6 +259,20 @@ class WorkerService:
             self.awaiting[key] = []
             self._fetch(key, for_prefetch=False, trace_context=assign.trace)
         self.awaiting[key].append(assign.request_id)
+
+    def _found(self, key: AdapterKey) -> str:
+        """How a request's adapter stood when the request arrived (`metrics.ADAPTER_REQUESTS`): resident
+        (in the pool, no load for it), ready (a prefetch had loaded it: the load finished before the
+        request was scheduled), loading (a fetch or copy was under way), cold (its load starts now)."""
+        pool = self.engine.pool
+        if pool.is_resident(key):
+            ready = pool.slot(key).ready  # a background copy no step has waited for yet
+            if ready is None:
+                return "resident"
+            if not (ready.query() if hasattr(ready, "query") else ready.done()):
+                return "loading"
+            return "resident" if pool.slot(key).demand else "ready"
+        return "loading" if key in self.awaiting else "cold"
 
     def _start(self, tracked: _Tracked) -> None:
         a = tracked.assign
@@ -299,39 +323,16 @@ class WorkerService:
         for key in keys:
             if not self.engine.registry.has(key) and key not in self.awaiting:
                 self.awaiting[key] = []
-                self._fetch(key, for_prefetch=True, trace_context=None)
+                self._fetch(key, for_prefetch=True, trace_context=prefetch.trace or None)  # a hint's request trace
 
     # ---- adapter fetching (background threads) -------------------------------------------------
     def _fetch(self, key: AdapterKey, for_prefetch: bool, trace_context: dict | None) -> None:
-        self._fetch_pool.submit(self._fetch_one, key, for_prefetch, trace_context)
-
-    def _fetch_one(self, key: AdapterKey, for_prefetch: bool, trace_context: dict | None) -> None:
-        start = time.perf_counter()
-        result = _Fetched(key, for_prefetch=for_prefetch)
-        fetcher = getattr(self._fetchers, "fetcher", None)
-        if fetcher is None:
-            fetcher = self._fetchers.fetcher = AdapterFetcher(
-                self.config.store_address, self.config.fetch_timeout_s, curve=self.config.curve_to("store")
-            )
-        try:
-            got = fetcher.fetch_adapter(key[0], key[1], trace=trace_context)  # weights checked against got.sha256
-            m = self.engine
-            adapter = load_adapter_bytes(
-                got.config_json, got.weights, m.model_config, m.config.max_lora_rank, got.weights_format, got.sha256
-            )
-            result.adapter = m.prepare_adapter(adapter)  # packed here, so that loading it is only a copy
-        except LoraserveError as e:
-            result.error = e
-        except Exception as e:  # never let a fetch thread die silently
-            log.exception("fetching adapter %s v%d failed", *key)
-            result.error = LoraserveError(f"fetching adapter {key[0]} v{key[1]} failed: {e}")
-        result.seconds = time.perf_counter() - start
-        self.fetched.put(result)
+        self._fetches.submit(key, for_prefetch, trace_context)
 
     def _register_fetched(self) -> None:
         while True:
             try:
-                result = self.fetched.get_nowait()
+                result = self._fetches.results.get_nowait()
             except queue.Empty:
                 return
             waiting = self.awaiting.pop(result.key, [])
@@ -344,7 +345,8 @@ class WorkerService:
             for request_id in waiting:
                 tracked = self.tracked.get(request_id)
                 if tracked is not None:
-                    tracked.fetch_s = result.seconds
+                    tracked.fetch_s = min(result.seconds, time.time() - tracked.received)  # it may have joined late
+                    tracked.adapter_transport = result.source
                     self._start(tracked)
             if result.for_prefetch or waiting:  # queued requests make it NEEDED: it may evict any idle one
                 self.engine.prefetch([result.key], demand=bool(waiting))
@@ -457,6 +459,8 @@ class WorkerService:
             span = tracer.start_span("worker.adapter_fetch", context=ctx, start_time=received_ns)
             span.set_attribute("loraserve.adapter", f"{tracked.assign.adapter}@{tracked.assign.adapter_version}")
             span.set_attribute("loraserve.adapter.source", tracked.adapter_source)
+            if tracked.adapter_transport:
+                span.set_attribute("loraserve.adapter.transport", tracked.adapter_transport)
             span.end(end_time=received_ns + int(timings.get("adapter_load_s", 0.0) * 1e9))
         if "first_token_unix" in timings:
             start = int(timings["first_scheduled_unix"] * 1e9)
@@ -532,7 +536,8 @@ class WorkerService:
             self._end(request_id, error_status="UNAVAILABLE", error=message, retry=True)
 
     def close(self) -> None:
-        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetches.close()
+        self._wakeup.close()
         self._gateway_watch.close()
         self.scheduler_socket.close(linger=200)
         self.gateways.close(linger_ms=200)

@@ -12,8 +12,8 @@ The model (fitted by `bench/scheduling_costs.py` on the real engine) is
 
 where attention's two groups (decoding sequences, prefill chunks) are each padded to their longest
 member: G sequences, S the longest context, Q the longest chunk (`kernels/attention_torch.py`).
-The scheduling simulation charges its steps with it, and the emulated runner waits what it predicts
-(`worker/emulated_runner.py`), so it lives here, where the worker can read it without bench/.
+The emulated runner waits what it predicts (`worker/emulated_runner.py`; the scheduling benchmark's
+workers are emulated), so it lives here, where the worker can read it without bench/.
 """
 
 from __future__ import annotations
