@@ -18,7 +18,6 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_rows import rows_adapter
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
 from loraserve.worker.engine import Engine
+from loraserve.worker.fetch_queue import FetchQueue
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +87,30 @@ class Wakeup:
 
 
 class FetchThreads:
-    """Fetch threads feeding `results` (see the module docstring)."""
+    """Fetch threads feeding `results` (see the module docstring), taking fetches from a `FetchQueue`:
+    a request's fetch before any prefetch."""
 
     def __init__(self, config: FetchConfig, engine: Engine, wakeup: Wakeup):
         self.config, self.engine, self.wakeup = config, engine, wakeup
         self.results: queue.Queue[Fetched] = queue.Queue()
-        self._pool = ThreadPoolExecutor(config.threads, thread_name_prefix="adapter-fetch")
+        self.queue = FetchQueue()
         self._local = threading.local()
+        for i in range(config.threads):
+            threading.Thread(target=self._run, name=f"adapter-fetch-{i}", daemon=True).start()
 
     def submit(self, key: AdapterKey, for_prefetch: bool, trace: dict | None) -> None:
-        self._pool.submit(self._fetch, key, for_prefetch, trace)
+        self.queue.put(key, demand=not for_prefetch, trace=trace)
+
+    def promote(self, key: AdapterKey) -> bool:
+        """A request now waits for `key`: a queued prefetch of it goes ahead of the other prefetches."""
+        return self.queue.promote(key)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.queue.close()  # queued fetches are dropped; those under way end on their own
+
+    def _run(self) -> None:
+        while (job := self.queue.take()) is not None:
+            self._fetch(job.key, not job.demand, job.trace)
 
     def _fetcher(self) -> AdapterFetcher:
         fetcher = getattr(self._local, "fetcher", None)

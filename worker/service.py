@@ -258,6 +258,8 @@ class WorkerService:
         if key not in self.awaiting:
             self.awaiting[key] = []
             self._fetch(key, for_prefetch=False, trace_context=assign.trace)
+        elif not self.awaiting[key]:  # only a prefetch of it is queued or under way: it waits for it now
+            self._fetches.promote(key)
         self.awaiting[key].append(assign.request_id)
 
     def _found(self, key: AdapterKey) -> str:

@@ -70,7 +70,8 @@ def prefetch_targets(
 ) -> Iterator[tuple[AdapterKey, frozenset[AdapterKey]]]:
     """The prefetch rule: each hinted adapter not yet resident, in order, with the adapters making room
     for it must not evict — the other hinted ones, those queued requests need (scored NEEDED), and
-    every resident adapter scored at least as high as it. `resident` is asked again for each, as earlier copies change it."""
+    every resident adapter scored at least as high as it. `resident` is asked again for each, as earlier
+    copies change it."""
     keys = list(dict.fromkeys(keys))
     wanted = frozenset(keys) | needed
 
