@@ -1,13 +1,4 @@
-"""The adapter store's durable catalog: every registered version, laid out in a `Backend`.
-
-Layout (keys below the data dir or the bucket prefix):
-
-    store.json                                  {"schema": 1, "model": {...}}: the base model's shapes
-    adapters/<name>/last_version.json           the name's high-water mark: versions are never reused
-    adapters/<name>/v<N>/adapter_config.json    the files as registered
-    adapters/<name>/v<N>/adapter_model.safetensors   (or adapter_model.bin)
-    adapters/<name>/v<N>/meta.json              name, version, format, source, created, sha256 + size per file
-    quarantine/<time>-<id>/...                  entries that failed verification at start, with reason.txt
+"""The adapter store's durable catalog: every registered version, laid out in a `Backend` (layout.py).
 
 Order makes every change atomic: a registration writes last_version.json, then the two files,
 then meta.json — the commit point — and only then removes the version it superseded (its files
@@ -16,22 +7,20 @@ the backend. So after a crash at any point, a version is committed exactly when 
 exists, and last_version.json already covers every version a client was ever told about (delete `a`
 at v3, restart, upload `a`: v4).
 
-At start, `load` only lists what is there; it changes nothing. The store (`AdapterStore.restore`)
-then walks each name's committed versions newest first, reading each with `read` (sizes and
-sha256 re-checked against meta.json) and validating it as a fresh registration, and serves the
-first good one. Nothing good is ever deleted: a version that fails goes to quarantine/ (with a
-reason.txt and a WARNING) and the next older one is tried; files without a meta.json (an
-interrupted registration or deletion) are quarantined too; an older version is removed only once a
-newer one has passed. These moves are made only after every adapter was loaded, so a store that
-refuses to start moves nothing.
+At start, `load` only lists what is there; it changes nothing. The store (`restore.py`) then walks
+each name's committed versions newest first, reading each with `read` (sizes and sha256 re-checked
+against meta.json) and validating it as a fresh registration, and serves the first good one.
+Nothing good is ever deleted: a version that fails goes to quarantine/ (with a reason.txt and a
+WARNING) and the next older one is tried; files without a meta.json (an interrupted registration
+or deletion) are quarantined too; an older version is removed only once a newer one has passed.
+These moves are made only after every adapter was loaded, so a store that refuses to start moves
+nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import re
 import secrets
 import time
 from collections import defaultdict
@@ -39,37 +28,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.adapter_config import CONFIG_FILE
-from loraserve.adapter_format import WEIGHTS_FILES
+from loraserve.adapter_store.layout import (
+    META,
+    SCHEMA,
+    STORE_RECORD,
+    WEIGHTS_FILE,
+    CorruptEntry,
+    StoredAdapter,
+    check_file,
+    checked_meta,
+    counter_name,
+    dump,
+    last_version_key,
+    last_version_record,
+    meta_record,
+    version_file,
+    version_prefix,
+)
 from loraserve.adapter_store.persistence import QUARANTINE, Backend, StorageConfigError
 from loraserve.errors import LoraserveError
 from loraserve.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-SCHEMA = 1
-STORE_RECORD = "store.json"
-ADAPTERS = "adapters"
-LAST_VERSION = "last_version.json"
-META = "meta.json"
-_WEIGHTS_FILE = {fmt: file for file, fmt in WEIGHTS_FILES.items()}  # "safetensors" -> adapter_model.safetensors
-_VERSION_DIR = re.compile(r"v([1-9][0-9]{0,9})")
-
-
-class CorruptEntry(Exception):
-    """A stored version that cannot be trusted; the message says why."""
-
-
-@dataclass(frozen=True)
-class StoredAdapter:
-    """One registered version, as kept durably."""
-
-    name: str
-    version: int
-    config_json: bytes
-    weights: bytes
-    weights_format: str  # "safetensors" | "bin"
-    source: str  # "upload", or the path it was registered from
-    created_unix: float
 
 
 @dataclass(frozen=True)
@@ -87,15 +67,9 @@ def model_identity(model: ModelConfig) -> dict[str, Any]:
     return {name: getattr(model, name) for name in fields}
 
 
-def _version_prefix(name: str, version: int) -> str:
-    return f"{ADAPTERS}/{name}/v{version}"
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 class Catalog:
+    """Reads and writes the layout through a `Backend`, in the order that keeps every change atomic."""
+
     def __init__(self, backend: Backend):
         self.backend = backend
         self.location = backend.location
@@ -106,7 +80,7 @@ class Catalog:
         try:
             raw = self.backend.get(STORE_RECORD)
         except KeyError:
-            self.backend.put(STORE_RECORD, _dump({"schema": SCHEMA, "model": model}))
+            self.backend.put(STORE_RECORD, dump({"schema": SCHEMA, "model": model}))
             return
         try:
             record = json.loads(raw)
@@ -129,10 +103,10 @@ class Catalog:
             parts = key.split("/")
             if key == STORE_RECORD:
                 continue
-            if len(parts) == 3 and parts[0] == ADAPTERS and parts[2] == LAST_VERSION:
-                counters[parts[1]] = self._read_counter(parts[1])
-            elif len(parts) == 4 and parts[0] == ADAPTERS and (match := _VERSION_DIR.fullmatch(parts[2])):
-                files[(parts[1], int(match[1]))].add(parts[3])
+            if (name := counter_name(parts)) is not None:
+                counters[name] = self._read_counter(name)
+            elif (found := version_file(parts)) is not None:
+                files[found[:2]].add(found[2])
             else:
                 log.warning("%s: ignoring %s (not part of the store's layout)", self.location, key)
         last = dict(counters)
@@ -151,12 +125,12 @@ class Catalog:
 
         Raises CorruptEntry (saying what is wrong) when anything is missing, unreadable or does not match.
         """
-        prefix = _version_prefix(name, version)
+        prefix = version_prefix(name, version)
         try:
-            meta = self._read_meta(prefix, name, version)
+            meta = checked_meta(self._get(prefix, META), name, version)
             weights_format = meta["weights_format"]
-            wanted = (CONFIG_FILE, _WEIGHTS_FILE[weights_format])
-            contents = [self._verified(prefix, file, meta["files"][file]) for file in wanted]
+            wanted = (CONFIG_FILE, WEIGHTS_FILE[weights_format])
+            contents = [check_file(file, self._get(prefix, file), meta["files"][file]) for file in wanted]
         except OSError as e:
             raise CorruptEntry(f"unreadable: {e}") from None
         return StoredAdapter(
@@ -167,35 +141,22 @@ class Catalog:
     def save(self, adapter: StoredAdapter, supersedes: int | None = None) -> None:
         """Keep a new version durably (raises UNAVAILABLE / RESOURCE_EXHAUSTED); then drop `supersedes`."""
         name, version = adapter.name, adapter.version
-        prefix = _version_prefix(name, version)
-        weights_file = _WEIGHTS_FILE[adapter.weights_format]
-        self.backend.put(f"{ADAPTERS}/{name}/{LAST_VERSION}", _dump({"name": name, "last_version": version}))
+        prefix = version_prefix(name, version)
+        self.backend.put(last_version_key(name), dump({"name": name, "last_version": version}))
         self.backend.put(f"{prefix}/{CONFIG_FILE}", adapter.config_json)
-        self.backend.put(f"{prefix}/{weights_file}", adapter.weights)
-        meta = {
-            "schema": SCHEMA,
-            "name": name,
-            "version": version,
-            "weights_format": adapter.weights_format,
-            "source": adapter.source,
-            "created_unix": adapter.created_unix,
-            "files": {
-                CONFIG_FILE: {"sha256": _sha256(adapter.config_json), "size": len(adapter.config_json)},
-                weights_file: {"sha256": _sha256(adapter.weights), "size": len(adapter.weights)},
-            },
-        }
-        self.backend.put(f"{prefix}/{META}", _dump(meta))  # the commit point
+        self.backend.put(f"{prefix}/{WEIGHTS_FILE[adapter.weights_format]}", adapter.weights)
+        self.backend.put(f"{prefix}/{META}", dump(meta_record(adapter)))  # the commit point
         if supersedes is not None:
             self._remove_quietly(name, supersedes)
 
     def delete(self, name: str, version: int) -> None:
         """Unregister durably: meta.json goes first (raises if it cannot), the files after (best effort)."""
-        self.backend.delete(f"{_version_prefix(name, version)}/{META}")
+        self.backend.delete(f"{version_prefix(name, version)}/{META}")
         self._remove_quietly(name, version)
 
     def quarantine(self, name: str, version: int, reason: str) -> None:
         """Move a version's objects under quarantine/ with a reason.txt, at WARNING; never fatal (logged)."""
-        prefix = _version_prefix(name, version)
+        prefix = version_prefix(name, version)
         stamp = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
         log.warning(
             "%s: %s v%d is not served: %s. Its files were moved, not deleted, to %s/%s/%s/%s/ (with reason.txt): "
@@ -240,63 +201,27 @@ class Catalog:
 
     # ---- internals ---------------------------------------------------------------------------------
     def _read_counter(self, name: str) -> int:
-        key = f"{ADAPTERS}/{name}/{LAST_VERSION}"
+        key = last_version_key(name)
         try:
-            record = json.loads(self.backend.get(key))
-            value = record["last_version"]
-            if record["name"] != name or not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(record)
-            return value
+            return last_version_record(self.backend.get(key), name)
         except (ValueError, TypeError, KeyError, OSError) as e:
             log.error("%s: %s is unreadable (%s); using the highest version found instead", self.location, key, e)
             return 0
 
-    def _read_meta(self, prefix: str, name: str, version: int) -> dict[str, Any]:
-        """The version's meta.json, checked for shape (not yet against the files)."""
+    def _get(self, prefix: str, file: str) -> bytes:
+        """One file of a version; CorruptEntry when it is missing."""
         try:
-            meta = json.loads(self.backend.get(f"{prefix}/{META}"))
-        except KeyError:
-            raise CorruptEntry(f"{META} is missing") from None
-        except ValueError as e:  # UnicodeDecodeError included
-            raise CorruptEntry(f"{META} is not valid JSON ({e})") from None
-        if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
-            raise CorruptEntry(f"{META} is not a schema-{SCHEMA} record")
-        if (meta.get("name"), meta.get("version")) != (name, version):
-            raise CorruptEntry(f"{META} names {meta.get('name')!r} v{meta.get('version')}, not its own path")
-        weights_format = meta.get("weights_format")
-        if weights_format not in _WEIGHTS_FILE:
-            raise CorruptEntry(f"{META}: unknown weights_format {weights_format!r}")
-        source, created = meta.get("source"), meta.get("created_unix")
-        if not isinstance(source, str) or not isinstance(created, int | float) or isinstance(created, bool):
-            raise CorruptEntry(f"{META}: source or created_unix missing")
-        expected = meta.get("files")
-        wanted = (CONFIG_FILE, _WEIGHTS_FILE[weights_format])
-        if not isinstance(expected, dict) or set(expected) != set(wanted):
-            raise CorruptEntry(f"{META}: 'files' must list exactly {', '.join(wanted)}")
-        return meta
-
-    def _verified(self, prefix: str, file: str, expected: Any) -> bytes:
-        try:
-            data = self.backend.get(f"{prefix}/{file}")
+            return self.backend.get(f"{prefix}/{file}")
         except KeyError:
             raise CorruptEntry(f"{file} is missing") from None
-        if not isinstance(expected, dict) or len(data) != expected.get("size"):
-            raise CorruptEntry(f"{file} is {len(data)} bytes, {META} says {expected}")
-        if _sha256(data) != expected.get("sha256"):
-            raise CorruptEntry(f"{file} does not match its sha256 in {META}")
-        return data
-
-    def _remove(self, name: str, version: int, present: set[str]) -> None:
-        prefix = _version_prefix(name, version)
-        for file in sorted(present, key=lambda f: f == META):  # meta.json last: a torn removal stays committed
-            self.backend.delete(f"{prefix}/{file}")
 
     def _remove_quietly(self, name: str, version: int) -> None:
         """Remove what is left of a version no longer current; a failure only leaves debris for the next start."""
-        prefix = _version_prefix(name, version)
+        prefix = version_prefix(name, version)
         try:
             present = {k.rsplit("/", 1)[1] for k in self.backend.list_keys(under=prefix)}
-            self._remove(name, version, present)
+            for file in sorted(present, key=lambda f: f == META):  # meta.json last: a torn removal stays committed
+                self.backend.delete(f"{prefix}/{file}")
         except LoraserveError as e:
             log.warning(
                 "%s: could not remove %s v%d yet (%s); the next start removes what is left of it (or quarantines it "
@@ -306,7 +231,3 @@ class Catalog:
                 version,
                 e,
             )
-
-
-def _dump(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, indent=1, sort_keys=True).encode()

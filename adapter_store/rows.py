@@ -4,7 +4,7 @@
 allows it (`loraserve/shared_rows.py`), else into RAM, and computes each layer's sha256. `PackedRows` is
 what the data plane sends: over the socket (zero-copy from the same buffer) or, to a worker on this host,
 as the name of the file. The rows are a derived copy of the weights file the store also keeps: they cost
-about as much RAM again (shared memory counts as RAM), outside the store's memory budget.
+about as much RAM again (shared memory counts as RAM), counted in the store's memory budget.
 """
 
 from __future__ import annotations

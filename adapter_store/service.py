@@ -14,8 +14,10 @@ from contextlib import contextmanager
 from opentelemetry import trace
 
 from loraserve import telemetry
-from loraserve.adapter_store.store import AdapterRecord, AdapterStore, StoreStats, check_name
+from loraserve.adapter_store.store import AdapterStore
 from loraserve.adapter_store.upload import UploadAssembler
+from loraserve.adapter_store.validation import AdapterRecord, check_name
+from loraserve.adapter_store.versions import StoreStats
 from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.grpc_utils import refuse_stream
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2, gateway_pb2

@@ -14,7 +14,7 @@ from loraserve.adapter_config import CONFIG_FILE
 from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, WEIGHTS_FILES
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB
 from loraserve.adapter_store.files import too_large_message
-from loraserve.adapter_store.store import check_name
+from loraserve.adapter_store.validation import check_name
 from loraserve.errors import InvalidRequestError, ResourceExhaustedError
 
 MAX_CHUNK_BYTES = 4 * MIB  # as the proto documents
