@@ -28,7 +28,7 @@ class StoreStats:
     adapters: int  # names registered now
     held_versions: int  # versions held, retired ones included
     retired_versions: int
-    used_bytes: int  # both files of every held version
+    used_bytes: int  # files and rows of every held version
     retired_bytes: int
     budget_bytes: int
     max_adapter_bytes: int

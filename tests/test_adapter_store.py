@@ -1,4 +1,5 @@
-"""The adapter store's pure parts: the store, path confinement, upload assembly, and the fetch client."""
+"""The adapter store's pure parts: the store and its version table, path confinement, upload assembly,
+and the fetch client."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from safetensors.torch import save as save_safetensors
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.adapter_store.config import MIB, StoreLimits
 from loraserve.adapter_store.data_plane import DataPlane
+from loraserve.adapter_store.files import AdapterFiles
 from loraserve.adapter_store.store import AdapterStore, NoAdapterRootError
 from loraserve.adapter_store.upload import UploadAssembler
+from loraserve.adapter_store.validation import AdapterRecord
+from loraserve.adapter_store.versions import Held, StoreStats, VersionTable
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import (
+    AdapterNotFoundError,
     InvalidAdapterError,
     InvalidRequestError,
     NotFoundError,
@@ -189,6 +194,48 @@ def test_the_memory_budget_counts_retired_versions_until_they_are_purged():
         store.register("t", config, weights)
     clock.now += 61
     assert store.register("t", config, weights).version == 1
+
+
+# ---- the version table: no locks, no clock, `now` given ------------------------------------------
+def held(name: str, version: int, nbytes: int = 100) -> Held:
+    record = AdapterRecord(name, version, 8, 16.0, 2.0, ("q_proj",), (0,), nbytes - 10, 0.0, "upload", "0" * 64)
+    return Held(record, AdapterFiles(b"c" * 10, b"w" * (nbytes - 10), "safetensors"))
+
+
+def test_the_version_table_retires_the_previous_version_and_drops_it_when_its_retention_is_over():
+    table = VersionTable(StoreLimits(budget_bytes=4 * MIB, max_adapter_bytes=MIB, retention_s=60.0))
+    assert table.add(held("a", table.next_version("a"), 100), now=0.0) == []
+    assert table.add(held("a", table.next_version("a"), 300), now=10.0) == []  # v1 retires at 10
+    assert (table.current_record("a").version, table.get("a", 1).retired_at) == (2, 10.0)
+    assert table.stats() == StoreStats(1, 2, 1, 400, 100, 4 * MIB, MIB)
+    assert table.purge(now=69.9) == []
+    assert [h.record.version for h in table.purge(now=70.0)] == [1]
+    assert (table.get("a", 1), table.used) == (None, 300)
+    assert "version 1 was released" in str(table.not_held("a", 1))
+    assert "version 3 never existed" in str(table.not_held("a", 3))
+
+
+def test_the_version_table_never_gives_a_number_out_twice():
+    table = VersionTable(StoreLimits(retention_s=0.0))
+    table.add(held("a", table.next_version("a")), now=0.0)
+    version, dropped = table.remove("a", now=1.0)  # zero retention: dropped at once
+    assert (version, [h.record.version for h in dropped], table.records()) == (1, [1], [])
+    assert "adapter 'a' was deleted" in str(table.not_held("a", 1))
+    assert table.next_version("a") == 2
+    table.raise_last_versions({"a": 7, "b": 3})  # the storage's high-water marks
+    table.raise_last_versions({"a": 5})  # never lowered
+    assert (table.next_version("a"), table.next_version("b"), table.next_version("c")) == (8, 4, 1)
+    with pytest.raises(AdapterNotFoundError):
+        table.current_record("a")
+
+
+def test_the_version_table_refuses_what_exceeds_the_budget_naming_the_retired_bytes():
+    table = VersionTable(StoreLimits(budget_bytes=1000, max_adapter_bytes=500, retention_s=60.0))
+    table.add(held("a", 1, 400), now=0.0)
+    table.add(held("a", 2, 400), now=0.0)
+    table.check_fits(200)
+    with pytest.raises(ResourceExhaustedError, match=r"budget exhausted.*by 1 superseded or deleted"):
+        table.check_fits(201)
 
 
 # ---- paths ---------------------------------------------------------------------------------------
