@@ -29,9 +29,9 @@ from loraserve.worker.adapter_rows import TORCH_ROW_DTYPES, rows_adapter
 from loraserve.worker.adapters import load_adapter_bytes
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine, GenerateRequest
+from loraserve.worker.pool_copier import PoolCopier
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.sampling import SamplingParams
-from loraserve.worker.unified_pool import UnifiedPool
 
 MAX_RANK = 64
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -110,7 +110,7 @@ def test_rows_only_adapters_and_a_copy_still_landing_layer_by_layer_are_token_ex
     rows_engine.close()
 
     engine = _engine(tiny_model, tiny_adapters, rows=True)  # nothing in its pool yet
-    pool, copy_layers, events = engine.pool, UnifiedPool._copy_layers, []
+    pool, copy_layers, events = engine.pool, PoolCopier.copy_layers, []
 
     def slow(self, rows, runs, layers, progress):  # each layer lands 30 ms after the one before
         for layer in layers:
@@ -124,7 +124,7 @@ def test_rows_only_adapters_and_a_copy_still_landing_layer_by_layer_are_token_ex
         events.append(("step", time.monotonic()))
         return execute(batch, kv_copies)
 
-    pool._copy_layers = slow.__get__(pool)
+    pool.copier.copy_layers = slow.__get__(pool.copier)
     engine.runner.execute = timed
     assert len(engine.prefetch(names)) == len(names)  # background copies, as a worker starts them on a fetch
     assert _generate(engine, names) == expected

@@ -116,3 +116,12 @@ def test_kv_takes_pages_from_idle_adapters_only_through_make_room():
     assert pool.grow_kv("seq", tokens) and not pool.is_resident(a) and pool.is_resident(b)
     pool.free_kv("seq")
     pool.check_invariants()
+
+
+def test_contiguous_runs_join_consecutive_pages_and_stop_at_the_adapters_rows():
+    from loraserve.worker.pool_copier import contiguous_runs
+
+    # pages 3, 4, 5 are consecutive (rows 6..11), page 9 stands alone; 7 rows of 2 per page fill 4 pages
+    assert contiguous_runs((3, 4, 5, 9), rows_per_page=2, num_rows=7) == [(6, 0, 6), (18, 6, 1)]
+    assert contiguous_runs((5, 4), rows_per_page=2, num_rows=4) == [(10, 0, 2), (8, 2, 2)]  # not in order: two
+    assert contiguous_runs((1, 2, 3), rows_per_page=4, num_rows=4) == [(4, 0, 4)]  # the later pages hold no rows

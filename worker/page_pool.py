@@ -1,14 +1,15 @@
 """Who owns which page of the unified pool: sequences' KV cache and resident adapters.
 
-A pure bookkeeping object (no tensors), private to `UnifiedPool` (unified_pool.py), which owns the
-tensor and copies the data. There is no static split between KV and adapters — both draw from one
+A pure bookkeeping object (no tensors), private to `UnifiedPool` (unified_pool.py), whose copier
+owns the tensor and copies the data. There is no static split between KV and adapters — both draw from one
 free list. Adapters stay resident while unused and are evicted only when someone needs their
 pages, in the order an `EvictionPolicy` chooses (least recently used by default); an adapter
 pinned by a running request or an in-flight copy is never evicted.
 
 KV pages are reference-counted (prefix caching): a full page whose KV is known to hold a given
-block of tokens (`register_kv_page`, under its block hash: `loraserve/prefix_keys.py`) can be attached to
-other sequences with the same prefix (`match_kv`, `attach_kv`), which only read it. When no
+block of tokens (`register_kv_page`, under its block hash: `loraserve/prefix_keys.py`; the
+`PrefixIndex` remembers which) can be attached to other sequences with the same prefix
+(`match_kv`, `attach_kv`), which only read it. When no
 sequence holds a registered page any more it stays cached, idle, in least-recently-released order,
 and is reclaimed only when pages are needed: free pages first, then idle cached pages (oldest
 first), and only then idle adapters. So a cold cached KV page is always given up before an idle
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loraserve.worker.pool_layout import PoolLayout
+from loraserve.worker.prefix_index import PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,17 @@ class PagePool:
         self._kv_tokens: dict[Hashable, int] = {}  # sequence -> tokens it holds room for
         self._adapters: OrderedDict[Hashable, _Adapter] = OrderedDict()  # least recently used first
         self._refs: dict[int, int] = {}  # KV page a sequence holds -> how many hold it
-        self._page_of: dict[bytes, int] = {}  # block hash -> the page holding that block's KV
-        self._hash_of: dict[int, bytes] = {}  # registered page -> its block hash
-        self._cached: OrderedDict[int, None] = OrderedDict()  # idle registered pages, released longest ago first
-        # registered pages that end a checkpoint prefix -> its fingerprint, least recently used first
-        self._fingerprint_of: OrderedDict[int, bytes] = OrderedDict()
-        self.prefix_epoch = 0  # counts changes to the set of fingerprints (the worker reports them when it moves)
-        self.cached_evictions = 0  # idle cached pages reclaimed for other use
+        self.prefixes = PrefixIndex()  # registered KV pages: their blocks, the idle ones, fingerprints
+
+    @property
+    def prefix_epoch(self) -> int:
+        """Counts changes to the set of cached prefix fingerprints (the worker reports them when it moves)."""
+        return self.prefixes.epoch
+
+    @property
+    def cached_evictions(self) -> int:
+        """Idle cached pages reclaimed for other use."""
+        return self.prefixes.evictions
 
     # ---- queries ------------------------------------------------------------------------------
     def kv_page_table(self, seq: Hashable) -> list[int]:
@@ -118,7 +124,7 @@ class PagePool:
 
     def room(self, for_kv: bool) -> int:
         """Pages KV (or adapters) may take now: free ones and idle cached ones."""
-        available = len(self._free) + len(self._cached)
+        available = len(self._free) + self.prefixes.idle_count()
         if not self.split:
             return available
         if for_kv:
@@ -129,15 +135,7 @@ class PagePool:
         """`count` pages: free ones, then idle cached ones, oldest first (their cached KV is forgotten)."""
         pages = []
         while len(pages) < count:
-            if self._free:
-                pages.append(self._free.pop())
-                continue
-            page, _ = self._cached.popitem(last=False)
-            del self._page_of[self._hash_of.pop(page)]
-            if self._fingerprint_of.pop(page, None) is not None:
-                self.prefix_epoch += 1
-            self.cached_evictions += 1
-            pages.append(page)
+            pages.append(self._free.pop() if self._free else self.prefixes.reclaim_oldest())
         return pages
 
     def kv_pages_to_grow(self, seq: Hashable, num_tokens: int) -> int:
@@ -168,22 +166,14 @@ class PagePool:
             if self._refs[page]:
                 continue
             del self._refs[page]
-            if page in self._hash_of:
-                self._cached[page] = None
-            else:
+            if not self.prefixes.release(page):
                 self._free.append(page)
         return len(pages)
 
     # ---- prefix caching ------------------------------------------------------------------------
     def match_kv(self, hashes: list[bytes]) -> list[int]:
         """The pages holding the longest run of leading blocks among `hashes` (a prefix's block hashes)."""
-        pages = []
-        for block in hashes:
-            page = self._page_of.get(block)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return self.prefixes.lookup(hashes)
 
     def attach_kv(self, seq: Hashable, pages: list[int]) -> None:
         """Start `seq`, which holds no page yet, with `pages` (from `match_kv`), read-only: its own KV
@@ -192,9 +182,7 @@ class PagePool:
             raise ValueError(f"sequence {seq!r} already holds pages")
         for page in pages:
             self._refs[page] = self._refs.get(page, 0) + 1
-            self._cached.pop(page, None)
-            if page in self._fingerprint_of:
-                self._fingerprint_of.move_to_end(page)
+            self.prefixes.claim(page)
         self._kv[seq] = list(pages)
         self._kv_tokens[seq] = len(pages) * self.layout.tokens_per_page
 
@@ -202,24 +190,16 @@ class PagePool:
         """Page `index` of `seq` is full and holds the KV of the block hashed `block`: other sequences
         with that prefix may attach it. A block already registered keeps its page. `fingerprint`: the
         page ends a checkpoint prefix (`loraserve/prefix_keys.py`), reported to the scheduler."""
-        page = self._kv[seq][index]
-        if block in self._page_of or page in self._hash_of:
-            return
-        self._page_of[block] = page
-        self._hash_of[page] = block
-        if fingerprint is not None:
-            self._fingerprint_of[page] = fingerprint
-            self.prefix_epoch += 1
+        self.prefixes.register(self._kv[seq][index], block, fingerprint)
 
     def cached_prefixes(self, limit: int) -> list[bytes]:
         """Fingerprints of the checkpoint prefixes whose last page is cached, most recently used first;
         at most `limit`."""
-        recent = reversed(self._fingerprint_of.values())
-        return [fp for fp, _ in zip(recent, range(limit), strict=False)]
+        return self.prefixes.fingerprints(limit)
 
     def cached_kv_pages(self) -> int:
         """Registered pages, held or idle."""
-        return len(self._hash_of)
+        return self.prefixes.registered_count()
 
     # ---- adapters ------------------------------------------------------------------------------
     def allocate_adapter(self, key: Hashable, num_pages: int, useful_elements: int) -> list[int] | None:
@@ -295,7 +275,7 @@ class PagePool:
             resident_adapters=len(self._adapters),
             pinned_adapters=sum(1 for a in self._adapters.values() if a.pins),
             waste_fraction=round(waste, 6),
-            cached_pages=len(self._cached),
+            cached_pages=self.prefixes.idle_count(),
         )
 
     def check_invariants(self) -> None:
@@ -308,11 +288,8 @@ class PagePool:
         if holders != self._refs:
             raise AssertionError("KV page reference counts disagree with the sequences holding them")
         owned = list(self._refs) + [p for a in self._adapters.values() for p in a.pages]
-        everything = owned + self._free + list(self._cached)
-        if any(self._page_of[h] != p for p, h in self._hash_of.items()) or len(self._page_of) != len(self._hash_of):
-            raise AssertionError("block hashes and their pages disagree")
-        if any(p not in self._hash_of for p in (*self._cached, *self._fingerprint_of)):
-            raise AssertionError("an idle cached or fingerprinted page has no block hash")
+        everything = owned + self._free + self.prefixes.idle_pages()
+        self.prefixes.check_invariants()
         if sorted(everything) != list(range(self.layout.num_pages)):
             raise AssertionError("a page is owned twice, leaked, or out of range")
         for seq, pages in self._kv.items():

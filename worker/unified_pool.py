@@ -1,8 +1,9 @@
 """The unified pool: one tensor for KV cache and adapter weights, and the one object that owns it.
 
-`UnifiedPool` owns everything about the pool: the tensor, which page belongs to which sequence or
-adapter (a private `PagePool`), where each resident adapter's rows are (its `AdapterSlot`, the
-form the kernels index), pins, and background copies. The step scheduler asks it for room; the
+`UnifiedPool` owns everything about the pool: which page belongs to which sequence or adapter (a
+private `PagePool`), where each resident adapter's rows are (its `AdapterSlot`, the form the
+kernels index), pins, scores and the copies in flight. It decides; its `PoolCopier`
+(`pool_copier.py`) holds the tensor and makes the copies. The step scheduler asks it for room; the
 engine asks it to prefetch and to drop stale versions; the runner reads slots and page tables.
 Nothing else keeps a copy of any of this, so nothing has to be kept in step by hand: evicting an
 adapter frees its pages, forgets its slot and settles its copy in one call.
@@ -25,8 +26,8 @@ request needs, else the latest score the scheduler sent (`remember_scores`), els
 A prefetch takes free pages, or pages of idle adapters scored strictly lower than the one it
 fetches; a request's own load (`ensure`) may still evict any idle adapter, least recently used first.
 
-Copies go layer by layer, layer 0 first, each as few slice copies as the adapter's pages have contiguous
-runs. A background copy marks each layer done (`LayerProgress`), so a step that needs the adapter before
+Copies go layer by layer, layer 0 first (`PoolCopier`). A background copy marks each layer done
+(`LayerProgress`), so a step that needs the adapter before
 the copy finished waits per layer inside the model (`wait_ready(key, by_layer=True)`): its prefill starts
 as soon as layer 0 is in.
 """
@@ -37,19 +38,18 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
 from loraserve.errors import ResourceExhaustedError
-from loraserve.kernels.batch import page_rows
 from loraserve.model_config import ModelConfig
 from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapters import LoraAdapter
 from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.page_pool import EvictionPolicy, PagePool, PoolStats
+from loraserve.worker.pool_copier import PoolCopier
 from loraserve.worker.pool_layout import PoolLayout
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 NEEDED = 1.0  # the score of an adapter a request queued here needs
 UNKNOWN_SCORE = 0.5  # the score of an adapter nobody predicted (a prefetch then evicts only lower ones)
 MAX_SCORES = 1 << 14  # scores remembered, the most recently updated ones
-SPLIT_COPY_BYTES = 4 << 20  # CPU: copies of at least this many bytes are split over the copy threads
-INLINE_COPY_BYTES = 4 << 20  # CPU: a copy requests wait on, if smaller, is made at once (a handoff costs more)
 
 
 def prefetch_targets(
@@ -102,6 +100,11 @@ class AdapterSlot:
     demand: bool = False  # that copy is for requests already waiting on it: a miss when used, not a hit
     counted: bool = False  # a step used it while it was being copied (its hit or miss is counted)
 
+    @property
+    def copied(self) -> bool:
+        """Its rows are all in the pool (no copy in flight, or the copy finished)."""
+        return self.ready is None or self.ready.done()
+
 
 @dataclass
 class LoadStats:
@@ -113,10 +116,20 @@ class LoadStats:
     evictions: int = 0
     load_seconds: float = 0.0
 
+    def count_use(self, demand: bool, copied: bool) -> None:
+        """A step first used an adapter that a background copy brought in: for waiting requests
+        (`demand`: a miss), or a prefetch finished (a hit) or still in flight (late)."""
+        if demand:
+            self.misses += 1
+        elif copied:
+            self.prefetch_hits += 1
+        else:
+            self.prefetch_late += 1
+
 
 class UnifiedPool:
-    """The one owner of the pool tensor and of every page in it: KV pages, resident adapters and
-    their slots, pins and background copies (see the module docstring)."""
+    """The one owner of every page of the pool: KV pages, resident adapters and their slots, pins,
+    scores and background copies (see the module docstring); its `copier` holds the tensor."""
 
     def __init__(
         self,
@@ -131,22 +144,14 @@ class UnifiedPool:
         copy_threads: int = 2,
     ) -> None:
         self.layout, self.model, self.host = layout, model, host
-        shape = (layout.num_layers, layout.rows_per_layer, layout.row_width)
-        # [L, pages * R, W]: KV and adapters. Not `zeroed` (the emulated runner's pool, whose KV nothing
-        # reads): uninitialized, so the host commits memory only for the pages written.
-        allocate = torch.zeros if zeroed else torch.empty
-        self.tensor = allocate(shape, dtype=dtype, device=device)
+        self.copier = PoolCopier(layout, model, dtype, device, zeroed, copy_threads)
+        self.tensor = self.copier.tensor  # [L, pages * R, W]: KV and adapters (the runner reads it)
         self.device = device
         self._pages = PagePool(layout, adapter_pages, policy)
         self._slots: dict[AdapterKey, AdapterSlot] = {}
         self._prefetching: set[AdapterKey] = set()  # pinned while their background copy runs
         self._scores: OrderedDict[AdapterKey, float] = OrderedDict()  # latest predicted likelihoods
         self.stats = LoadStats()
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._executor = None if self._stream else ThreadPoolExecutor(1, thread_name_prefix="adapter-prefetch")
-        # CPU: a large copy is split by layers over this many threads (one memcpy thread gets ~half the bandwidth)
-        helpers = copy_threads - 1 if self._stream is None else 0
-        self._helpers = ThreadPoolExecutor(helpers, thread_name_prefix="adapter-copy") if helpers > 0 else None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -247,7 +252,7 @@ class UnifiedPool:
             return False
         start = time.perf_counter()
         slot = self._slots[key]
-        self._copy(slot, self.host.get(key))
+        self.copier.copy(slot.pages, len(slot.row_index), self.host.get(key))
         self.stats.misses += 1
         self.stats.loads += 1
         self.stats.load_seconds += time.perf_counter() - start
@@ -281,22 +286,21 @@ class UnifiedPool:
                 continue
             self._pages.pin(key)  # a page being written must not be handed to anyone else
             self._prefetching.add(key)
-            self._slots[key].demand = demand
-            self._copy_in_background(self._slots[key], self.host.get(key))
+            slot = self._slots[key]
+            slot.demand = demand
+            slot.ready = self.copier.copy_in_background(slot.pages, len(slot.row_index), self.host.get(key), demand)
+            self.stats.prefetches += not demand
+            self.stats.loads += 1
             started.append(key)
         return started
 
     def prepare(self, adapter: LoraAdapter) -> LoraAdapter:
-        """`adapter` with its rows packed for this pool, pinned when the pool is on CUDA: the host-side
-        work of a load, done ahead of it. Thread-safe (reads only the pool's fixed geometry)."""
-        rows = adapter.rows(self.layout, self.model, self.tensor.dtype)  # rows the store sent: as they are
-        if self.device.type == "cuda" and not rows.is_pinned():
-            rows = rows.pin_memory()
-        return adapter if rows is adapter.packed else adapter.with_rows(rows)
+        """`adapter` with its rows packed for this pool ahead of its load (`PoolCopier.prepare`; thread-safe)."""
+        return self.copier.prepare(adapter)
 
     def settle(self) -> None:
         """Unpin the prefetches whose copy finished (called once per step)."""
-        for key in [k for k in self._prefetching if self._copy_done(self._slots[k])]:
+        for key in [k for k in self._prefetching if self._slots[k].copied]:
             self._prefetching.discard(key)
             self._pages.unpin(key)
 
@@ -309,15 +313,9 @@ class UnifiedPool:
         if slot.ready is None:
             return 0.0
         start = time.perf_counter()
-        done = self._copy_done(slot)
-        if slot.counted:  # an earlier step already read it while it was being copied
-            pass
-        elif slot.demand:
-            self.stats.misses += 1
-        elif done:
-            self.stats.prefetch_hits += 1
-        else:
-            self.stats.prefetch_late += 1
+        done = slot.copied
+        if not slot.counted:  # else an earlier step already read it while it was being copied
+            self.stats.count_use(slot.demand, done)
         slot.counted = True
         if by_layer and not done:
             return 0.0
@@ -348,10 +346,7 @@ class UnifiedPool:
         self._forget(key)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=True)
+        self.copier.close()
 
     # ---- internals -----------------------------------------------------------------------------
     def _allocate(self, key: AdapterKey, keep: frozenset, extra_pages: int = 0) -> bool:
@@ -369,80 +364,10 @@ class UnifiedPool:
             layout.b_offsets,
             [layer in adapter.layers for layer in range(self.layout.num_layers)],
             tuple(pages),
-            page_rows(pages, self.layout.rows_per_page)[: layout.num_rows].to(self.device),
+            self.copier.row_index(pages, layout.num_rows),
             layout.useful_elements,
         )
         return True
-
-    def _copy(self, slot: AdapterSlot, adapter: LoraAdapter, progress: LayerProgress | None = None) -> None:
-        """Copy (packing first unless `prepare` did) layer by layer, each layer as slice copies of the slot's
-        contiguous page runs, marking `progress` as layers land; takes the adapter itself, as a prefetch's copy
-        may outlive its host-cache entry."""
-        try:
-            rows = adapter.rows(self.layout, self.model, self.tensor.dtype)  # [L, num_rows, W]
-            if self.device.type == "cuda" and not rows.is_pinned():
-                rows = rows.pin_memory()
-            runs = self._runs(slot)
-            layers = range(self.layout.num_layers)
-            helper = None
-            if self._helpers is not None and rows.nbytes >= SPLIT_COPY_BYTES:  # the upper half on a helper
-                half = len(layers) // 2
-                helper = self._helpers.submit(self._copy_layers, rows, runs, layers[half:], progress)
-                layers = layers[:half]
-            try:
-                self._copy_layers(rows, runs, layers, progress)
-            finally:  # never leave a helper writing after this returns (the pages may be freed then)
-                if helper is not None:
-                    wait([helper])
-            if helper is not None:
-                helper.result()
-        except BaseException as e:
-            if progress is not None:
-                progress.failed(e)
-            raise
-
-    def _copy_layers(
-        self, rows: torch.Tensor, runs: list[tuple[int, int, int]], layers: range, progress: LayerProgress | None
-    ) -> None:
-        for layer in layers:
-            target, source = self.tensor[layer], rows[layer]
-            for physical, logical, count in runs:
-                target[physical : physical + count].copy_(source[logical : logical + count], non_blocking=True)
-            if progress is not None:
-                progress.layer_done(layer)
-
-    def _runs(self, slot: AdapterSlot) -> list[tuple[int, int, int]]:
-        """(first physical row, first logical row, rows) of each run of consecutive pages of the slot."""
-        per_page, total = self.layout.rows_per_page, int(slot.row_index.shape[0])
-        runs: list[tuple[int, int, int]] = []
-        for i, page in enumerate(slot.pages):
-            logical = i * per_page
-            count = min(per_page, total - logical)
-            if count <= 0:
-                break
-            last = runs[-1] if runs else None
-            if last is not None and last[0] + last[2] == page * per_page and last[1] + last[2] == logical:
-                runs[-1] = (last[0], last[1], last[2] + count)
-            else:
-                runs.append((page * per_page, logical, count))
-        return runs
-
-    def _copy_in_background(self, slot: AdapterSlot, adapter: LoraAdapter) -> None:
-        slot.ready = LayerProgress(self.layout.num_layers, self.device)
-        if self._stream is not None:  # queued on the copy stream now, an event per layer
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                self._copy(slot, adapter, slot.ready)
-        elif slot.demand and adapter.nbytes < INLINE_COPY_BYTES:  # requests wait on it, and it is quick: at once
-            self._copy(slot, adapter, slot.ready)
-        else:
-            self._executor.submit(self._copy, slot, adapter, slot.ready)
-        self.stats.prefetches += not slot.demand
-        self.stats.loads += 1
-
-    @staticmethod
-    def _copy_done(slot: AdapterSlot) -> bool:
-        return slot.ready is None or slot.ready.done()
 
     def _forget(self, key: AdapterKey) -> None:
         """The pages of `key` were freed: drop its slot, never letting a background copy outlive them."""
