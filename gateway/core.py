@@ -140,7 +140,7 @@ class GenerationCore:
                 version=version,
                 arrival_unix=arrival,
                 deadline_unix=call.deadline_unix,
-                tenant=fairness_tenant(principal.tenant, self.admission.auth.open, metadata),
+                tenant=fairness_tenant(principal.tenant, self.admission.open, metadata),
                 tokens_per_minute=principal.limits.tokens_per_minute or 0,  # metered by the scheduler
             )
             stream = FailoverStream(request_id, self.sink, submit, self.scheduler.cancel, self.config.failover)
