@@ -28,13 +28,22 @@ import grpc
 from loraserve import telemetry
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
-from loraserve.gateway.adapter_versions import watch_store
+from loraserve.gateway.adapter_versions import AdapterVersions, watch_store
+from loraserve.gateway.admin_service import AdapterAdminService
+from loraserve.gateway.admission import Admission
 from loraserve.gateway.audit import audited
 from loraserve.gateway.auth import Authenticator
 from loraserve.gateway.bind_rule import check_bind
+from loraserve.gateway.config import GatewayConfig
+from loraserve.gateway.core import GenerationCore
 from loraserve.gateway.failover import FailoverConfig
+from loraserve.gateway.grpc_calls import add_loraserve
 from loraserve.gateway.http.connections import ConnectionLimits
-from loraserve.gateway.service import GatewayConfig, LoraServeService
+from loraserve.gateway.model_service import ModelService
+from loraserve.gateway.scheduler_client import SchedulerClient
+from loraserve.gateway.service import GenerationService
+from loraserve.gateway.store_client import StoreClient
+from loraserve.gateway.tenant_adapters import TenantAdapters
 from loraserve.gateway.tenants import load_auth_file
 from loraserve.gateway.tls import add_tls_arguments, load_server_tls
 from loraserve.gateway.token_sink import TokenSink
@@ -47,13 +56,7 @@ from loraserve.model_config import ModelConfig
 from loraserve.process import add_drain_argument, run_service
 from loraserve.supervise import health_off, supervise
 from loraserve.tokenizer import Tokenizer
-from loraserve.v1 import (
-    adapter_store_pb2_grpc,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from loraserve.v1 import adapter_store_pb2_grpc, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"].full_name
@@ -165,7 +168,7 @@ def _reload_keys(auth: Authenticator, path: Path | None) -> None:
         log.error("SIGHUP: keeping the current keys: %s", e)
 
 
-async def _watch_cluster(service: LoraServeService, scheduler, health, period_s: float = 0.25) -> None:
+async def _watch_cluster(core: GenerationCore, scheduler, health, period_s: float = 0.25) -> None:
     """Ask the scheduler for the cluster's state a few times a second: SERVING only while a worker is
     ready (and the gateway is not draining); the answer also drives failover (`Streams.on_cluster`)."""
     serving = None
@@ -175,32 +178,32 @@ async def _watch_cluster(service: LoraServeService, scheduler, health, period_s:
             state = await scheduler.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=1.0)
         except grpc.aio.AioRpcError:
             state = None
-            service.streams.on_scheduler_unreachable(asked_at)
+            core.streams.on_scheduler_unreachable(asked_at)
         if state is not None:
             ready = sum(1 for w in state.workers if w.ready and not w.draining)
-            service.streams.on_cluster(state.instance, {w.worker_id for w in state.workers}, ready > 0, asked_at)
+            core.streams.on_cluster(state.instance, {w.worker_id for w in state.workers}, ready > 0, asked_at)
         else:
             ready = 0
-        service.ready_workers = ready
-        if (ready > 0 and not service.draining) != serving:
-            serving = ready > 0 and not service.draining
+        core.ready_workers = ready
+        if (ready > 0 and not core.admission.draining) != serving:
+            serving = ready > 0 and not core.admission.draining
             await set_serving(health, [SERVICE], serving)
             log.info("gateway health: %s (%d ready workers)", "SERVING" if serving else "NOT_SERVING", ready)
         await asyncio.sleep(period_s)
 
 
-async def _drain_on_stop(service: LoraServeService, health, stop_event, drained: asyncio.Event, timeout_s: float):
+async def _drain_on_stop(core: GenerationCore, health, stop_event, drained: asyncio.Event, timeout_s: float):
     """On the stop signal: NOT_SERVING, refuse new calls, wait for the streams in flight, then set `drained`."""
     while not stop_event.is_set():
         await asyncio.sleep(0.1)
-    service.drain()
+    core.admission.drain()
     await set_serving(health, [SERVICE], False)
-    log.info("gateway draining: %d streams in flight (up to %.0f s)", len(service.streams), timeout_s)
+    log.info("gateway draining: %d streams in flight (up to %.0f s)", len(core.streams), timeout_s)
     deadline = time.monotonic() + timeout_s
-    while len(service.streams) and time.monotonic() < deadline:
+    while len(core.streams) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    if len(service.streams):
-        log.warning("gateway: %d streams still in flight at the drain timeout; stopping", len(service.streams))
+    if len(core.streams):
+        log.warning("gateway: %d streams still in flight at the drain timeout; stopping", len(core.streams))
     drained.set()
     await asyncio.Event().wait()  # a supervised task must not end: the role stops on `drained`
 
@@ -227,17 +230,23 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     if args.token_advertise:
         sink.address = args.token_advertise
     scheduler = scheduler_pb2_grpc.SchedulerStub(internal_channel(args.scheduler, token))
-    store = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(args.store, token))
+    store_stub = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(args.store, token))
     config = GatewayConfig(
         Path(args.model).name,
         model.model_type,
         args.max_lora_rank,
         failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace, args.failover_wait),
     )
-    service = LoraServeService(config, limits, tokenizer, sink, scheduler, store, auth)
-    http = _http_server(args, service, tls) if args.http_bind else None  # its socket first: a busy port stops here
+    admission = Admission(auth)
+    store = StoreClient(store_stub, config.internal_timeout_s)
+    versions = AdapterVersions()  # kept by the store's Watch
+    adapters = TenantAdapters(store.ask, versions)  # names as each tenant sees them
+    scheduler_client = SchedulerClient(scheduler, sink.address, config.internal_timeout_s)
+    core = GenerationCore(config, limits, tokenizer, sink, scheduler_client, adapters, admission)
+    admin = AdapterAdminService(admission, store, adapters, versions, config.upload_timeout_s)
+    http = _http_server(args, core, admin, tls) if args.http_bind else None  # its socket first: a busy port stops here
     server, port = new_server(args.bind, credentials=tls.credentials() if tls else None)
-    gateway_pb2_grpc.add_LoraServeServicer_to_server(service, server)
+    add_loraserve(server, GenerationService(core), ModelService(core), admin)
     health = add_health_and_reflection(server, [SERVICE])
     await set_serving(health, [SERVICE], False)
     await server.start()
@@ -250,9 +259,9 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     drained = asyncio.Event()
     tasks = {
         "token sink": sink.run(),
-        "cluster watch": _watch_cluster(service, scheduler, health),
-        "drain": _drain_on_stop(service, health, stop_event, drained, args.drain_timeout),
-        "adapter versions": watch_store(store, service.adapter_versions),
+        "cluster watch": _watch_cluster(core, scheduler, health),
+        "drain": _drain_on_stop(core, health, stop_event, drained, args.drain_timeout),
+        "adapter versions": watch_store(store_stub, versions),
     }
     if http is not None:
         tasks["http"] = http.run()
@@ -263,7 +272,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         sink.shutdown()
 
 
-def _http_server(args: argparse.Namespace, service: LoraServeService, tls):
+def _http_server(args: argparse.Namespace, core: GenerationCore, admin: AdapterAdminService, tls):
     """The OpenAI-compatible HTTP API on --http-bind (imported only then: FastAPI is not light)."""
     from loraserve.gateway.http.server import HttpServer
 
@@ -272,7 +281,8 @@ def _http_server(args: argparse.Namespace, service: LoraServeService, tls):
     )
     tool_parser = parser_named(args.tool_call_parser) if args.tool_call_parser else None
     http = HttpServer(
-        service,
+        core,
+        admin,
         args.model,
         args.http_bind,
         args.tls_cert,

@@ -10,17 +10,18 @@ requests, meters prompt and output tokens for the whole cluster (`scheduler/quot
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from loraserve.errors import ResourceExhaustedError
+from loraserve.gateway.events import RetryLaterError
 from loraserve.gateway.tenants import QuotaLimits
 
 SLOT_RETRY_S = 0.5  # a generation's slot frees when it ends; nothing predicts when
 
 
-class QuotaExceededError(ResourceExhaustedError):
+class QuotaExceededError(RetryLaterError):
     def __init__(self, message: str, retry_after_s: float):
-        super().__init__(message)
+        super().__init__(message, math.ceil(retry_after_s * 1000))
         self.retry_after_s = retry_after_s
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
@@ -44,70 +45,112 @@ class ValidRequest:
     cache_salt: str = ""  # prefix caching: shared only with the caller's requests of this salt
 
 
+AdapterCheck = Callable[[str], str]  # an adapter name as the caller wrote it -> the name, or InvalidRequestError
+SamplingBuilder = Callable[[int, list[int]], SamplingParams]  # (max_new_tokens, stop_token_ids) -> checked params
+
+
 def validate_generate(
-    request: gateway_pb2.GenerateRequest, limits: Limits, check_adapter: Callable[[str], str] | None = None
+    request: gateway_pb2.GenerateRequest, limits: Limits, check_adapter: AdapterCheck | None = None
 ) -> ValidRequest:
-    """Every field checked; `check_adapter(name)` (default: a public name) returns the adapter name or raises."""
-    adapter = request.adapter or None
-    if adapter is not None and check_adapter is not None:
-        adapter = check_adapter(adapter)
-    elif adapter is not None and not PUBLIC_NAME.fullmatch(adapter):
-        raise InvalidRequestError("adapter", f"{adapter[:64]!r} is not a valid adapter name")
+    """The gRPC API's request, every field checked (`validate_request`)."""
     kind = request.WhichOneof("prompt")
-    text, ids = None, None
-    if kind is None or (kind == "text" and not request.text) or (kind == "token_ids" and not request.token_ids.ids):
+    return validate_request(
+        limits,
+        check_adapter,
+        adapter=request.adapter,
+        prompt_text=request.text if kind == "text" else None,
+        prompt_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
+        sampling=partial(sampling_from_pb, request.sampling),
+        max_new_tokens=request.max_new_tokens,
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids),
+        client_request_id=request.client_request_id,
+        ttft_slo_s=request.ttft_slo_s,
+        include_stop=request.include_stop_str_in_output,
+        keep_special_tokens=request.keep_special_tokens,
+        prefill_group=request.prefill_group,
+        cache_salt=request.cache_salt,
+    )
+
+
+def validate_request(
+    limits: Limits,
+    check_adapter: AdapterCheck | None,
+    *,
+    adapter: str,
+    prompt_text: str | None,
+    prompt_ids: list[int] | None,
+    sampling: SamplingBuilder,
+    max_new_tokens: int = 0,
+    stop: tuple[str, ...] = (),
+    stop_token_ids: tuple[int, ...] = (),
+    client_request_id: str = "",
+    ttft_slo_s: float = 0.0,
+    include_stop: bool = False,
+    keep_special_tokens: bool = False,
+    prefill_group: str = "",
+    cache_salt: str = "",
+) -> ValidRequest:
+    """A generation's fields, from any edge, checked: the first problem is an InvalidRequestError naming
+    the field. Empty values mean defaults, as in the proto (`max_new_tokens` 0: the limits' default).
+    `check_adapter(name)` (default: a public name) returns the adapter name or raises; `sampling` builds
+    the sampling parameters once `max_new_tokens` is known."""
+    adapter_name = adapter or None
+    if adapter_name is not None and check_adapter is not None:
+        adapter_name = check_adapter(adapter_name)
+    elif adapter_name is not None and not PUBLIC_NAME.fullmatch(adapter_name):
+        raise InvalidRequestError("adapter", f"{adapter_name[:64]!r} is not a valid adapter name")
+    if not prompt_text and not prompt_ids:
         raise InvalidRequestError("prompt", "is empty: give text or at least one token id")
-    if kind == "text":
-        if len(request.text.encode()) > limits.max_prompt_bytes:
+    if prompt_text is not None:
+        if len(prompt_text.encode()) > limits.max_prompt_bytes:
             raise InvalidRequestError("prompt.text", f"is longer than {limits.max_prompt_bytes} bytes")
-        text = request.text
+        prompt_ids = None
     else:
-        ids = list(request.token_ids.ids)
-        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        prompt_ids = list(prompt_ids)
+        bad = next((t for t in prompt_ids if t >= limits.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(
                 "prompt.token_ids", f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})"
             )
-    if len(request.stop) > limits.max_stop_sequences:
-        raise InvalidRequestError(
-            "stop", f"at most {limits.max_stop_sequences} stop sequences, got {len(request.stop)}"
-        )
-    for stop in request.stop:
-        if not stop or len(stop.encode()) > limits.max_stop_bytes:
+    if len(stop) > limits.max_stop_sequences:
+        raise InvalidRequestError("stop", f"at most {limits.max_stop_sequences} stop sequences, got {len(stop)}")
+    for sequence in stop:
+        if not sequence or len(sequence.encode()) > limits.max_stop_bytes:
             raise InvalidRequestError("stop", f"each stop sequence must be 1..{limits.max_stop_bytes} bytes")
-    bad_stop = next((t for t in request.stop_token_ids if t >= limits.vocab_size), None)
+    bad_stop = next((t for t in stop_token_ids if t >= limits.vocab_size), None)
     if bad_stop is not None:
         raise InvalidRequestError("stop_token_ids", f"token id {bad_stop} is outside the vocabulary")
-    if len(request.client_request_id) > limits.max_client_id_chars:
+    if len(client_request_id) > limits.max_client_id_chars:
         raise InvalidRequestError("client_request_id", f"is longer than {limits.max_client_id_chars} characters")
-    for name in ("prefill_group", "cache_salt"):
-        if len(getattr(request, name)) > limits.max_client_id_chars:
+    for name, value in (("prefill_group", prefill_group), ("cache_salt", cache_salt)):
+        if len(value) > limits.max_client_id_chars:
             raise InvalidRequestError(name, f"is longer than {limits.max_client_id_chars} characters")
-    max_new = request.max_new_tokens or limits.default_max_new_tokens
+    max_new = max_new_tokens or limits.default_max_new_tokens
     if max_new >= limits.max_context:
         raise InvalidRequestError(
             "max_new_tokens",
             f"{max_new} leaves no room for a prompt in the context length {limits.max_context}",
         )
     try:
-        sampling = sampling_from_pb(request.sampling, max_new, list(request.stop_token_ids))
+        params = sampling(max_new, list(stop_token_ids))
     except InvalidRequestError as e:
         field = e.field if e.field in ("max_new_tokens", "stop_token_ids") else f"sampling.{e.field}"
         raise InvalidRequestError(field, str(e).split(": ", 1)[1]) from None
-    if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
+    if not math.isfinite(ttft_slo_s) or not 0 <= ttft_slo_s <= MAX_TTFT_SLO_S:
         raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
     return ValidRequest(
-        adapter,
-        text,
-        ids,
-        sampling,
-        tuple(request.stop),
-        request.client_request_id,
-        request.ttft_slo_s,
-        request.include_stop_str_in_output,
-        request.keep_special_tokens,
-        request.prefill_group,
-        request.cache_salt,
+        adapter_name,
+        prompt_text,
+        prompt_ids,
+        params,
+        stop,
+        client_request_id,
+        ttft_slo_s,
+        include_stop,
+        keep_special_tokens,
+        prefill_group,
+        cache_salt,
     )
 
 

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from loraserve.gateway.events import Logprob, TopLogprob
 from loraserve.gateway.http.answering import _events
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.responses import Answers, Final, Piece
-from loraserve.v1 import common_pb2
 
 TEXTS = {i: f"<{i}>" for i in range(20)}
 TOKENIZER = SimpleNamespace(  # token 1 is special (BOS): left out of texts unless kept
@@ -26,11 +26,8 @@ TOKENIZER = SimpleNamespace(  # token 1 is special (BOS): left out of texts unle
 )
 
 
-def _entry(token_id: int, logprob: float | None = -1.0) -> common_pb2.TokenLogprob:
-    entry = common_pb2.TokenLogprob(token_id=token_id, top=[common_pb2.TopLogprob(token_id=2, logprob=-0.5)])
-    if logprob is not None:
-        entry.logprob = logprob
-    return entry
+def _entry(token_id: int, logprob: float | None = -1.0) -> Logprob:
+    return Logprob(token_id, logprob, (TopLogprob(2, -0.5),))
 
 
 class Scripted:

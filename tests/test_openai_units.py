@@ -15,6 +15,7 @@ from loraserve import errors
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.events import Logprob, TopLogprob
 from loraserve.gateway.http.app import OpenAiRoutes
 from loraserve.gateway.http.errors import HTTP_STATUS, HttpError, http_error
 from loraserve.gateway.http.logprobs import LogprobFormat
@@ -23,7 +24,6 @@ from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequ
 from loraserve.gateway.http.structured import compiled, requested_constraint
 from loraserve.gateway.quotas import QuotaExceededError
 from loraserve.tokenizer import Tokenizer
-from loraserve.v1 import common_pb2
 
 # A Llama-3-style template: system prompt hoisted, loop controls, raise_exception, special tokens.
 LLAMA_LIKE = (
@@ -256,13 +256,8 @@ def test_logprob_parameters_become_sampling_fields():
             kind(model="m", **fields)
 
 
-def _entry(token_id: int, logprob: float | None, top: list[tuple[int, float]] = ()) -> common_pb2.TokenLogprob:
-    entry = common_pb2.TokenLogprob(
-        token_id=token_id, top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top]
-    )
-    if logprob is not None:
-        entry.logprob = logprob
-    return entry
+def _entry(token_id: int, logprob: float | None, top: list[tuple[int, float]] = ()) -> Logprob:
+    return Logprob(token_id, logprob, tuple(TopLogprob(t, v) for t, v in top))
 
 
 def _tokenizer(texts: dict[int, str], special: frozenset[int] = frozenset()) -> SimpleNamespace:
@@ -501,7 +496,7 @@ def test_best_of_keeps_each_prompts_likeliest_and_usage_counts_each_prompt_once(
     from loraserve.gateway.http.answering import best_of
 
     def result(text: str, *logprobs: float) -> tuple[Piece, Final]:
-        entries = [common_pb2.TokenLogprob(token_id=1, logprob=v) for v in logprobs]
+        entries = [Logprob(1, v) for v in logprobs]
         return Piece(text, entries), Final("stop", 10, len(logprobs))
 
     # two prompts, three candidates each
@@ -582,8 +577,8 @@ def test_every_accepted_field_reaches_the_request_or_shapes_the_answer(kind):
         value, beside = REACHES_THE_REQUEST[field]
         if field == "logprobs" and kind is ChatCompletionRequest:
             value = True
-        plain = routes._generate_request(kind(**base | beside))
-        asked = routes._generate_request(kind(**base | beside | {field: value}))
+        plain = routes._draft(kind(**base | beside))
+        asked = routes._draft(kind(**base | beside | {field: value}))
         assert asked != plain, f"{field}: {value!r} changes nothing in the request"
 
 

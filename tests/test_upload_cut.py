@@ -26,9 +26,7 @@ from stack import free_port_block
 from store_proc import StoreProcess, files
 
 from loraserve.errors import UnavailableError
-from loraserve.gateway.auth import Authenticator
-from loraserve.gateway.service import GatewayConfig, LoraServeService
-from loraserve.gateway.validation import Limits
+from loraserve.gateway.store_client import StoreClient
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 CHUNK = 4096
@@ -124,15 +122,13 @@ async def _relay_internal(store_alive: bool) -> BaseException:
     probe_channel = grpc.aio.insecure_channel(f"127.0.0.1:{port if store_alive else free_port_block(1)}")
     store = adapter_store_pb2_grpc.AdapterStoreStub(upload_channel)
     store.GetStoreState = adapter_store_pb2_grpc.AdapterStoreStub(probe_channel).GetStoreState
-    service = LoraServeService(
-        GatewayConfig("m", "llama", 8), Limits(vocab_size=16, max_context=32), None, None, None, store, Authenticator()
-    )
+    client = StoreClient(store, timeout_s=5.0)
 
     async def requests():
         yield gateway_pb2.UploadAdapterRequest(header=gateway_pb2.UploadHeader(name="a"))
 
     try:
-        await service._relay_upload(requests(), timeout=5.0)
+        await client.relay_upload(requests(), timeout=5.0)
     except BaseException as e:
         return e
     finally:

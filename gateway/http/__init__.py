@@ -2,7 +2,7 @@
 
 `server.py` runs it beside the gRPC server when the gateway has `--http-bind`; `app.py` holds the
 routes, `schemas.py` the request bodies, `responses.py` the OpenAI-shaped answers and stream chunks,
-`errors.py` the one table from loraserve errors to HTTP statuses. Every generation goes through the
-gRPC servicer's own path (`LoraServeService.generate_events`): same keys, tenants, quotas,
-validation, tracing, metrics and failover.
+`errors.py` the one table from loraserve errors to HTTP statuses. Every generation is run by the
+generation core (`gateway/core.py`) the gRPC API runs on, with no protobuf in between: same keys,
+tenants, quotas, validation, tracing, metrics and failover.
 """

@@ -22,21 +22,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from loraserve.gateway.core import Call, GenerationCore
+from loraserve.gateway.http.drafts import Draft
 from loraserve.gateway.http.errors import http_error
-from loraserve.gateway.http.generation import ClientGone, Generation, GenerationStream, HttpCall, until_disconnected
+from loraserve.gateway.http.generation import (
+    ClientGone,
+    Generation,
+    GenerationStream,
+    http_metadata,
+    until_disconnected,
+)
 from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, Piece, sse
-from loraserve.gateway.service import LoraServeService
 from loraserve.gateway.validation import END_USER_METADATA
-from loraserve.v1 import gateway_pb2
 
 
 async def answer(
-    service: LoraServeService,
-    generates: list[gateway_pb2.GenerateRequest],
+    core: GenerationCore,
+    drafts: list[Draft],
     answers: Answers,
     request: Request,
     stream: bool,
@@ -44,14 +51,15 @@ async def answer(
     candidates: int = 1,
     end_user: str | None = None,
 ) -> Response:
-    """The response to `generates` (`candidates` per prompt, prompt by prompt: one per choice, or
+    """The response to `drafts` (`candidates` per prompt, prompt by prompt: one per choice, or
     best_of's candidates, of which the n likeliest are answered). `prompt_param` is what a prompt
     problem names; `end_user` (OpenAI's `user`) goes on each generation's trace."""
-    extra = {END_USER_METADATA: end_user} if end_user else None
-    calls = [HttpCall(request.headers, extra) for _ in generates]
-    for index, generate in enumerate(generates):  # on the request's trace, beside loraserve's own id
-        generate.client_request_id = answers.id if len(generates) == 1 else f"{answers.id}-{index}"
-    generations = [Generation(service.generate_events(g, c)) for g, c in zip(generates, calls, strict=True)]
+    metadata = http_metadata(request.headers, {END_USER_METADATA: end_user} if end_user else None)
+    generations = []
+    for index, draft in enumerate(drafts):  # on the request's trace, beside loraserve's own id
+        named = replace(draft, client_request_id=answers.id if len(drafts) == 1 else f"{answers.id}-{index}")
+        call = Call(metadata, client_request_id=named.client_request_id)
+        generations.append(Generation(core.generate(call, named.validator(core.limits))))
     try:
         if not stream:
             results = await until_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
@@ -64,7 +72,7 @@ async def answer(
         return Response(status_code=CLIENT_CLOSED)
     except Exception as e:
         _cancel(generations)
-        hints = [c.retry_after_s for c in calls if c.retry_after_s is not None]
+        hints = [g.retry_after_s for g in generations if g.retry_after_s is not None]
         raise http_error(e, prompt_param, max(hints) if hints else None) from None
     return GenerationStream(generations, _events(list(firsts), generations, answers))
 

@@ -3,9 +3,10 @@ operational routes of `operations.py`: `/health`, `/version`, `/tokenize`, `/det
 adapter routes of `adapter_routes.py`: `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
 
 A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
-name. A request becomes a `GenerateRequest` and runs through the gRPC servicer's own generation path,
-so keys, tenants, quotas, validation, tracing and failover are the gRPC API's; this file translates
-requests in and answers out (`responses.py`), and failures into OpenAI's error shape (`errors.py`).
+name. A request becomes one `Draft` per choice (`drafts.py`), each run by the generation core
+(`gateway/core.py`) as a gRPC request is, so keys, tenants, quotas, validation, tracing and failover
+are the gRPC API's; this file translates requests in and answers out (`responses.py`), and failures
+into OpenAI's error shape (`errors.py`).
 Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
 token ids. `BodyGuard` (`body_guard.py`) stands in front of every route: a caller without a valid
 key gets 401, and a body over the cap 413, before any byte of the body is read; the routes then
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -24,11 +26,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraserve.errors import AdapterNotFoundError, InvalidRequestError, LoraserveError
+from loraserve.gateway.admin_service import AdapterAdminService
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.core import GenerationCore
 from loraserve.gateway.http.adapter_routes import AdapterRoutes
 from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.body_guard import BodyGuard
+from loraserve.gateway.http.drafts import Draft
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
@@ -37,35 +42,35 @@ from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionReques
 from loraserve.gateway.http.structured import compiled, requested_constraint
 from loraserve.gateway.http.tool_calling import tool_choice
 from loraserve.gateway.namespaces import Namespace
-from loraserve.gateway.service import LoraServeService
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.tool_parsers import ToolCallParser
-from loraserve.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 
 
 def build_app(
-    service: LoraServeService,
+    core: GenerationCore,
+    admin: AdapterAdminService,
     chat_template: ChatTemplate | None,
     started_unix: int,
     tool_parser: ToolCallParser | None = None,
 ) -> FastAPI:
-    """The ASGI app serving `service` over HTTP (no docs pages: the API is OpenAI's). A body without a
-    Content-Type is read as JSON too. `tool_parser`: how the model writes tool calls (`tool_choice: auto`)."""
-    routes = OpenAiRoutes(service, chat_template, started_unix, tool_parser)
+    """The ASGI app serving `core`'s generations and `admin`'s adapter loads over HTTP (no docs pages:
+    the API is OpenAI's). A body without a Content-Type is read as JSON too. `tool_parser`: how the
+    model writes tool calls (`tool_choice: auto`)."""
+    routes = OpenAiRoutes(core, chat_template, started_unix, tool_parser)
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None, strict_content_type=False)
     app.state.routes = routes
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
-    operations = OperationRoutes(service, chat_template, routes.caller, routes.model)
+    operations = OperationRoutes(core, chat_template, routes.caller, routes.model)
     app.add_api_route("/health", operations.health, methods=["GET"], response_model=None)
     app.add_api_route("/version", operations.version, methods=["GET"])
     app.add_api_route("/tokenize", operations.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", operations.detokenize, methods=["POST"])
-    adapters = AdapterRoutes(service)
+    adapters = AdapterRoutes(admin)
     app.add_api_route("/v1/load_lora_adapter", adapters.load, methods=["POST"], response_model=None)
     app.add_api_route("/v1/unload_lora_adapter", adapters.unload, methods=["POST"], response_model=None)
     app.add_exception_handler(HttpError, _send_error)
@@ -73,14 +78,14 @@ def build_app(
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_middleware(
-        BodyGuard, authenticate=service.authenticate, max_body_bytes=max_body_bytes(service), open_paths=OPEN_PATHS
+        BodyGuard, authenticate=core.authenticate, max_body_bytes=max_body_bytes(core), open_paths=OPEN_PATHS
     )
     return app
 
 
-def max_body_bytes(service: LoraServeService) -> int:
+def max_body_bytes(core: GenerationCore) -> int:
     """The largest request body read: room for the longest prompt, JSON-escaped, and the other fields."""
-    return 2 * service.limits.max_prompt_bytes + (1 << 16)
+    return 2 * core.limits.max_prompt_bytes + (1 << 16)
 
 
 def _caller(request: Request) -> Principal:
@@ -93,18 +98,18 @@ Caller = Annotated[Principal, Depends(_caller)]  # every route's: the principal 
 class OpenAiRoutes:
     def __init__(
         self,
-        service: LoraServeService,
+        core: GenerationCore,
         chat_template: ChatTemplate | None,
         started_unix: int,
         tool_parser: ToolCallParser | None = None,
     ):
-        self.service, self.chat_template, self.started_unix = service, chat_template, started_unix
+        self.core, self.chat_template, self.started_unix = core, chat_template, started_unix
         self.tool_parser = tool_parser
-        self.base_model = service.config.model_name
+        self.base_model = core.config.model_name
 
     def caller(self, request: Request) -> Principal:
         """The authenticated caller (a dependency of every route; `BodyGuard` has refused the others)."""
-        return self.service.authenticate({k.lower(): v for k, v in request.headers.items()})
+        return self.core.authenticate({k.lower(): v for k, v in request.headers.items()})
 
     # ---- models ---------------------------------------------------------------------------------
     async def models(self, principal: Caller) -> dict[str, Any]:
@@ -118,8 +123,8 @@ class OpenAiRoutes:
 
     async def _models(self, principal: Principal) -> list[dict[str, Any]]:
         principal.require(Scope.GENERATE, "list models")
-        listing = await self.service.adapters.list(Namespace.of(principal))
-        longest = self.service.limits.max_context
+        listing = await self.core.adapters.list(Namespace.of(principal))
+        longest = self.core.limits.max_context
         base = _card(self.base_model, self.started_unix, "loraserve", longest)
         adapters = [
             _card(a.name, int(a.created_unix), a.owner or "loraserve", longest, self.base_model)
@@ -130,16 +135,16 @@ class OpenAiRoutes:
     # ---- generation -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request, principal: Caller) -> Response:
         answer_id = f"cmpl-{uuid.uuid4().hex}"
-        generates = []
+        drafts = []
+        draft = self._draft(body)
         for index, prompt in enumerate(body.prompt_values()):
-            generate = self._generate_request(body)
             if isinstance(prompt, str):
-                generate.text = prompt
+                prompted = replace(draft, prompt_text=prompt)
             else:
-                generate.token_ids.ids.extend(prompt)
-            generates += _choices(generate, body, f"{answer_id}-{index}")
+                prompted = replace(draft, prompt_ids=tuple(prompt))
+            drafts += _choices(prompted, body, f"{answer_id}-{index}")
         keep_special = body.skip_special_tokens is False
-        decode = self.service.tokenizer.decode
+        decode = self.core.tokenizer.decode
         texts = [p if isinstance(p, str) else decode(p, not keep_special) for p in body.prompt_values()]
         answers = Answers(
             answer_id,
@@ -152,8 +157,8 @@ class OpenAiRoutes:
             prompt_only=body.prompt_only,
         )
         return await answer(
-            self.service,
-            generates,
+            self.core,
+            drafts,
             answers,
             request,
             bool(body.stream),
@@ -173,18 +178,19 @@ class OpenAiRoutes:
             tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
         except LoraserveError as e:
             raise http_error(e) from None
-        generate = self._generate_request(body, None if tools is None else tools.constraint())
+        draft = self._draft(body, None if tools is None else tools.constraint())
+        limits = self.core.limits
         try:
             listed = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
             text = self.chat_template.render(body.conversation(), listed)
-            if len(text.encode()) > self.service.limits.max_prompt_bytes:
-                raise InvalidRequestError("messages", f"are longer than {self.service.limits.max_prompt_bytes} bytes")
+            if len(text.encode()) > limits.max_prompt_bytes:
+                raise InvalidRequestError("messages", f"are longer than {limits.max_prompt_bytes} bytes")
         except LoraserveError as e:
             raise http_error(e, "messages") from None
-        ids = self.service.tokenizer.encode(text, add_special_tokens=False)
-        generate.token_ids.ids.extend(ids)
+        ids = self.core.tokenizer.encode(text, add_special_tokens=False)
+        draft = replace(draft, prompt_ids=tuple(ids))
         if not body.new_tokens:  # as OpenAI and vLLM: an answer may run to the end of the context
-            generate.max_new_tokens = max(1, self.service.limits.max_context - len(ids))
+            draft = replace(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
         answers = Answers(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -196,10 +202,10 @@ class OpenAiRoutes:
             tools=tools,
             choices_per_prompt=body.choices,
         )
-        generates = _choices(generate, body, answers.id)
+        drafts = _choices(draft, body, answers.id)
         return await answer(
-            self.service,
-            generates,
+            self.core,
+            drafts,
             answers,
             request,
             bool(body.stream),
@@ -209,17 +215,17 @@ class OpenAiRoutes:
         )
 
     def _logprob_format(self, asked: bool, chat: bool, keep_special: bool) -> LogprobFormat | None:
-        return LogprobFormat(self.service.tokenizer, chat, keep_special) if asked else None
+        return LogprobFormat(self.core.tokenizer, chat, keep_special) if asked else None
 
-    def _generate_request(
+    def _draft(
         self, body: CompletionRequest | ChatCompletionRequest, tool_constraint: tuple[str, Any, str] | None = None
-    ) -> gateway_pb2.GenerateRequest:
-        """The request's GenerateRequest (no prompt yet). `tool_constraint`: the structured output its tool
+    ) -> Draft:
+        """The request's generation (no prompt yet). `tool_constraint`: the structured output its tool
         choice needs, which the body may not ask for a constraint of its own beside."""
         refused = body.unsupported()
         if refused is not None:
             raise bad_request(*refused)
-        sampling = common_pb2.SamplingParameters(**body.sampling())
+        sampling = body.sampling()
         try:
             constraint = requested_constraint(body.constraint_fields())
             if constraint is not None and tool_constraint is not None:
@@ -229,41 +235,37 @@ class OpenAiRoutes:
                 )
             constraint = constraint or tool_constraint
             if constraint is not None:
-                sampling.structured_output.llguidance = compiled(constraint)
+                sampling["grammar"] = compiled(constraint)
         except LoraserveError as e:
             raise http_error(e) from None
-        return gateway_pb2.GenerateRequest(
+        return Draft(
             adapter="" if body.model == self.base_model else body.model,
             sampling=sampling,
             max_new_tokens=body.new_tokens,
-            stop=body.stops,
-            stop_token_ids=body.stop_token_ids or [],
-            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            stop=tuple(body.stops),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            include_stop=bool(body.include_stop_str_in_output),
             cache_salt=body.cache_salt or "",
             keep_special_tokens=body.skip_special_tokens is False,
         )
 
 
-def _choices(
-    generate: gateway_pb2.GenerateRequest, body: CompletionRequest | ChatCompletionRequest, group: str
-) -> list[gateway_pb2.GenerateRequest]:
+def _choices(draft: Draft, body: CompletionRequest | ChatCompletionRequest, group: str) -> list[Draft]:
     """One prompt's generations: `body.candidates` of them (n, or best_of), one prefill group, so the
     prompt is computed once. With a seed, candidate i draws with seed + i (the first with the seed
     itself, as a single choice would); without, each draws its own. best_of > n ranks the candidates
     by their log-probability, so they report it even when the answer does not show it."""
     if body.candidates == 1:
-        return [generate]
-    generates = []
+        return [draft]
+    drafts = []
     for i in range(body.candidates):
-        candidate = gateway_pb2.GenerateRequest()
-        candidate.CopyFrom(generate)
-        candidate.prefill_group = group
-        if generate.sampling.HasField("seed"):
-            candidate.sampling.seed = (generate.sampling.seed + i) % 2**63
-        if body.candidates > body.choices and not candidate.sampling.HasField("logprobs"):
-            candidate.sampling.logprobs = 0
-        generates.append(candidate)
-    return generates
+        sampling = dict(draft.sampling)
+        if "seed" in sampling:
+            sampling["seed"] = (sampling["seed"] + i) % 2**63
+        if body.candidates > body.choices:
+            sampling.setdefault("logprobs", 0)
+        drafts.append(replace(draft, prefill_group=group, sampling=sampling))
+    return drafts
 
 
 def _card(model_id: str, created: int, owner: str, max_model_len: int, parent: str | None = None) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""One generation seen from the HTTP edge: the servicer's own path, run in a task of its own.
+"""One generation seen from the HTTP edge: the generation core's events, run in a task of their own.
 
-`HttpCall` presents a request's headers as the call metadata that path reads (`authorization`,
-`traceparent`), and keeps the retry hint of a quota refusal for a Retry-After header. `Generation`
-runs `LoraServeService.generate_events` in one task (so the trace span opens and closes in one
-context) and hands its events over as plain values: text pieces, then a `Final`. Cancelling it — the
-client went away — cancels that task, which cancels the request downstream exactly as a gRPC client's
-cancel does; once the summary has come, the task runs the generation to its end (its outcome: OK).
+`http_metadata` presents a request's headers as the call metadata the core reads (`authorization`,
+`traceparent`). `Generation` runs `GenerationCore.generate` in one task (so the trace span opens and
+closes in one context) and hands its events over as plain values: text pieces, then a `Final`; a
+refusal's retry hint is kept for a Retry-After header. Cancelling it — the client went away —
+cancels that task, which cancels the request downstream exactly as a gRPC client's cancel does; once
+the summary has come, the task runs the generation to its end (its outcome: OK).
 A dropped client is noticed where the request waits: `until_disconnected` watches the
 connection while a non-streaming request is generated; Starlette does the same for a stream.
 """
@@ -13,70 +13,53 @@ connection while a non-streaming request is generated; Starlette does the same f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from loraserve.convert import FINISH_REASONS
 from loraserve.errors import LoraserveError
+from loraserve.gateway.events import Chunk, Event, RetryLaterError, Summary
 from loraserve.gateway.http.responses import FINISH_REASONS as OPENAI_FINISH_REASONS
 from loraserve.gateway.http.responses import STREAM_HEADERS, Final, Piece
-from loraserve.gateway.service import RETRY_AFTER_KEY
-from loraserve.v1 import gateway_pb2
 
 T = TypeVar("T")
-_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
-class HttpCall:
-    """An HTTP request as the generation path sees a call (`gateway.service.CallContext`): its headers,
-    and `extra` metadata from its body (which replaces headers of the same name)."""
-
-    def __init__(self, headers: Mapping[str, str], extra: Mapping[str, str] | None = None):
-        extra = extra or {}
-        headers = [(key.lower(), value) for key, value in headers.items() if key.lower() not in extra]
-        self._metadata = (*headers, *extra.items())
-        self.retry_after_s: float | None = None
-
-    def invocation_metadata(self) -> Sequence[tuple[str, str]]:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return None  # HTTP carries no deadline; a client that gives up disconnects, which cancels
-
-    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
-        for key, value in metadata:
-            if key == RETRY_AFTER_KEY:
-                self.retry_after_s = int(value) / 1000
+def http_metadata(headers: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """An HTTP request as call metadata: its headers (lower-case names), and `extra` metadata from its
+    body (which replaces headers of the same name)."""
+    return {key.lower(): value for key, value in headers.items()} | dict(extra or {})
 
 
 class Generation:
     """The events of one generation, produced by a task of their own: `Piece`s, then a `Final`."""
 
-    def __init__(self, events: AsyncIterator[gateway_pb2.GenerateStreamResponse]):
+    def __init__(self, events: AsyncIterator[Event]):
         self._queue: asyncio.Queue[Piece | Final | Exception] = asyncio.Queue()
         self._finished = False  # the summary came: the generation is over, and ends as OK
+        self.retry_after_s: float | None = None  # a refusal's hint of when to retry
         self._task = asyncio.get_running_loop().create_task(self._pump(events))
 
-    async def _pump(self, events: AsyncIterator[gateway_pb2.GenerateStreamResponse]) -> None:
+    async def _pump(self, events: AsyncIterator[Event]) -> None:
         try:
             async for event in events:  # to its end, past the summary: closing it early would count CANCELLED
-                if event.HasField("chunk"):
-                    chunk = event.chunk
-                    if chunk.text or chunk.logprobs or chunk.prompt_logprobs:
-                        self._queue.put_nowait(Piece(chunk.text, list(chunk.logprobs), list(chunk.prompt_logprobs)))
+                if isinstance(event, Chunk):
+                    if event.text or event.logprobs or event.prompt_logprobs:
+                        self._queue.put_nowait(Piece(event.text, list(event.logprobs), list(event.prompt_logprobs)))
                 elif not self._finished:
                     self._finished = True
-                    self._queue.put_nowait(_final(event.summary))
+                    self._queue.put_nowait(_final(event))
             if not self._finished:
                 self._queue.put_nowait(LoraserveError("the generation ended without a summary"))
         except Exception as e:  # the request's failure, for the HTTP side to send
+            if isinstance(e, RetryLaterError):
+                self.retry_after_s = e.retry_after_ms / 1000
             self._queue.put_nowait(e)
         finally:
             await events.aclose()  # here, in this task's context, where its trace span was opened
@@ -112,10 +95,9 @@ class Generation:
             self._task.cancel()
 
 
-def _final(summary: gateway_pb2.GenerateResponse) -> Final:
-    reason = _REASON_NAMES.get(summary.finish_reason, "stop")
-    usage = summary.usage
-    return Final(OPENAI_FINISH_REASONS[reason], usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+def _final(summary: Summary) -> Final:
+    reason = summary.finish_reason if summary.finish_reason in OPENAI_FINISH_REASONS else "stop"
+    return Final(OPENAI_FINISH_REASONS[reason], summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

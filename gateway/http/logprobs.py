@@ -1,4 +1,4 @@
-"""Log-probabilities in OpenAI's two shapes, from the generation's `TokenLogprob`s (formatting only, no I/O).
+"""Log-probabilities in OpenAI's two shapes, from the generation's `Logprob`s (formatting only, no I/O).
 
 - Completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, lists
   with one item per token; `top_logprobs[i]` maps the k most likely tokens' text to their
@@ -21,8 +21,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from loraserve.gateway.events import Logprob
 from loraserve.tokenizer import Tokenizer
-from loraserve.v1 import common_pb2
 
 
 class LogprobFormat:
@@ -39,11 +39,11 @@ class LogprobFormat:
         )
         self._offsets: dict[int, int] = {}
 
-    def format(self, entries: Sequence[common_pb2.TokenLogprob], index: int = 0) -> dict[str, Any]:
+    def format(self, entries: Sequence[Logprob], index: int = 0) -> dict[str, Any]:
         """The `logprobs` of choice `index` for `entries`, the choice's next tokens."""
         return self._chat(entries) if self.chat else self._completion(entries, index)
 
-    def _completion(self, entries: Sequence[common_pb2.TokenLogprob], index: int) -> dict[str, Any]:
+    def _completion(self, entries: Sequence[Logprob], index: int) -> dict[str, Any]:
         tokens, offsets, offset = [], [], self._offsets.get(index, 0)
         for entry in entries:
             tokens.append(self._text(entry.token_id))
@@ -52,19 +52,19 @@ class LogprobFormat:
         self._offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob if e.HasField("logprob") else None for e in entries],
-            "top_logprobs": [self._top(e) if e.HasField("logprob") else None for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [self._top(e) if e.logprob is not None else None for e in entries],
             "text_offset": offsets,
         }
 
-    def _top(self, entry: common_pb2.TokenLogprob) -> dict[str, float]:
+    def _top(self, entry: Logprob) -> dict[str, float]:
         """The most likely tokens' text -> log-probability, then the token's own (when not among them)."""
         top = {self._text(t.token_id): t.logprob for t in entry.top}
         if all(t.token_id != entry.token_id for t in entry.top):
             top.setdefault(self._text(entry.token_id), entry.logprob)
         return top
 
-    def _chat(self, entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
+    def _chat(self, entries: Sequence[Logprob]) -> dict[str, Any]:
         return {
             "content": [
                 self._chat_token(e.token_id, e.logprob)

@@ -23,9 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.core import GenerationCore
 from loraserve.gateway.http.errors import bad_request, error_body, http_error
 from loraserve.gateway.http.schemas import DetokenizeRequest, TokenizeRequest, conversation
-from loraserve.gateway.service import LoraServeService, package_version
+from loraserve.gateway.model_service import package_version
 from loraserve.gateway.tenants import Scope
 
 OPEN_PATHS = frozenset({"/health", "/version"})  # answered without a key
@@ -35,15 +36,13 @@ Caller = Callable[[Request], Principal]  # the authenticated caller of a request
 
 
 class OperationRoutes:
-    def __init__(
-        self, service: LoraServeService, chat_template: ChatTemplate | None, caller: Caller, find_model: FindModel
-    ):
-        self.service, self.chat_template, self.caller, self.find_model = service, chat_template, caller, find_model
+    def __init__(self, core: GenerationCore, chat_template: ChatTemplate | None, caller: Caller, find_model: FindModel):
+        self.core, self.chat_template, self.caller, self.find_model = core, chat_template, caller, find_model
 
     async def health(self) -> Response:
-        if self.service.draining:
+        if self.core.admission.draining:
             return _unavailable("this gateway is shutting down")
-        if self.service.ready_workers < 1:
+        if self.core.ready_workers < 1:
             return _unavailable("no worker is ready")
         return Response(status_code=200)
 
@@ -54,7 +53,7 @@ class OperationRoutes:
         await self._caller(request, body.model, "tokenize")
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("prompt", "give either a prompt or messages")
-        limit = self.service.limits.max_prompt_bytes
+        limit = self.core.limits.max_prompt_bytes
         try:
             if body.prompt is not None:
                 text, special = body.prompt, True if body.add_special_tokens is None else body.add_special_tokens
@@ -66,21 +65,21 @@ class OperationRoutes:
                 raise InvalidRequestError("prompt", f"is longer than {limit} bytes")
         except LoraserveError as e:
             raise http_error(e, "prompt" if body.prompt is not None else "messages") from None
-        ids = self.service.tokenizer.encode(text, add_special_tokens=special)
+        ids = self.core.tokenizer.encode(text, add_special_tokens=special)
         return {
             "count": len(ids),
-            "max_model_len": self.service.limits.max_context,
+            "max_model_len": self.core.limits.max_context,
             "tokens": ids,
-            "token_strs": self.service.tokenizer.token_strings(ids) if body.return_token_strs else None,
+            "token_strs": self.core.tokenizer.token_strings(ids) if body.return_token_strs else None,
         }
 
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict[str, str]:
         await self._caller(request, body.model, "detokenize")
-        vocab = self.service.limits.vocab_size
+        vocab = self.core.limits.vocab_size
         bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
         if bad is not None:
             raise bad_request("tokens", f"tokens[{bad}] = {body.tokens[bad]} is not below the vocabulary size {vocab}")
-        return {"prompt": self.service.tokenizer.decode(list(body.tokens), skip_special_tokens=False)}
+        return {"prompt": self.core.tokenizer.decode(list(body.tokens), skip_special_tokens=False)}
 
     async def _caller(self, request: Request, model: str | None, action: str) -> Principal:
         principal = self.caller(request)

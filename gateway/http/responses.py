@@ -25,9 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.gateway.events import Logprob
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.tool_calling import ToolChoice, tool_calls_json
-from loraserve.v1 import common_pb2
 
 DONE = b"data: [DONE]\n\n"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -69,8 +69,8 @@ class Piece:
     (and, on a generation's first piece, its prompt's)."""
 
     text: str
-    logprobs: Sequence[common_pb2.TokenLogprob] = ()
-    prompt_logprobs: Sequence[common_pb2.TokenLogprob] = ()
+    logprobs: Sequence[Logprob] = ()
+    prompt_logprobs: Sequence[Logprob] = ()
 
     @staticmethod
     def joined(pieces: list[Piece]) -> Piece:

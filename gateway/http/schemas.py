@@ -2,7 +2,7 @@
 
 Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter);
 what the values mean (temperature ranges, context length, stop limits, adapter names) is checked by
-the same validation the gRPC API runs (`gateway/validation.py`), once the body is a GenerateRequest.
+the same validation the gRPC API runs (`gateway/validation.py`), once the body is a `Draft` (`drafts.py`).
 Structured output's fields (`response_format`, vLLM's `guided_*` and `structured_outputs`) are read by
 `structured.py`. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `tool_calling.py`.
 Fields OpenAI defines that loraserve does not serve (`logit_bias`, `suffix`) are accepted only at
@@ -165,7 +165,8 @@ class _Generation(_Body):
         return self.max_tokens or 0
 
     def sampling(self) -> dict[str, Any]:
-        """The gRPC SamplingParameters fields of this request."""
+        """The sampling fields of this request, by their `SamplingParams` names (as the gRPC API's
+        SamplingParameters names them too)."""
         fields: dict[str, Any] = {
             "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
@@ -181,7 +182,7 @@ class _Generation(_Body):
         return fields | self.logprob_fields()
 
     def logprob_fields(self) -> dict[str, int]:
-        """The SamplingParameters log-probability fields this request asks for."""
+        """The log-probability sampling fields this request asks for."""
         return {}
 
     def constraint_fields(self) -> dict[str, Any]:

@@ -22,10 +22,11 @@ from pathlib import Path
 import uvicorn
 
 from loraserve.errors import InvalidConfigError
+from loraserve.gateway.admin_service import AdapterAdminService
 from loraserve.gateway.chat_template import ChatTemplate
+from loraserve.gateway.core import GenerationCore
 from loraserve.gateway.http.app import build_app
 from loraserve.gateway.http.connections import ConnectionLimits, ensure_descriptors, guarded_protocol
-from loraserve.gateway.service import LoraServeService
 from loraserve.gateway.tool_parsers import ToolCallParser
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class HttpServer:
 
     def __init__(
         self,
-        service: LoraServeService,
+        core: GenerationCore,
+        admin: AdapterAdminService,
         model_dir: Path,
         bind: str,
         tls_cert: Path | None = None,
@@ -81,7 +83,7 @@ class HttpServer:
         chat_template = ChatTemplate.from_model_dir(model_dir)
         if chat_template is None:
             log.warning("gateway: %s has no chat template: /v1/chat/completions answers 400", model_dir)
-        app = build_app(service, chat_template, int(time.time()), tool_parser)
+        app = build_app(core, admin, chat_template, int(time.time()), tool_parser)
         self.socket = listen(bind)
         self.port = self.socket.getsockname()[1]
         tls: dict = {}

@@ -1,0 +1,208 @@
+"""The generation core: one generation from a call's metadata and its request to a stream of events.
+
+A generation: authenticate (`Admission`) → take one of the tenant's slots (`Quotas`) → validate the
+request in the caller's namespace (INVALID_ARGUMENT naming the field) → resolve the adapter's
+current version (the store-fed cache, else the store: NOT_FOUND) and hint it to the scheduler →
+tokenize → submit to the scheduler (RESOURCE_EXHAUSTED, UNAVAILABLE) → read tokens from the sink
+and turn them into `Chunk`s (`Output`) → a `Summary`. A generation closed early (the client
+cancelled, its deadline passed, the edge stopped reading) is cancelled downstream at once; a worker
+lost mid-stream is replaced without the client noticing (`FailoverStream`).
+
+Plain Python: the edges (`gateway/service.py` for gRPC, `gateway/http/` for HTTP) translate their
+requests into a validation to run and the events back into their own shapes. The request is
+validated here, after admission, so every edge refuses in the same order. Failures are raised as
+`LoraserveError`s (`RetryLaterError` with a retry hint).
+
+State owned here: the live generations (`streams`, which the cluster watch reports to), the
+tenants' generation slots (`quotas`) and the count of ready workers the cluster watch last saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from functools import partial
+
+from opentelemetry import trace
+
+from loraserve import telemetry
+from loraserve.gateway import metrics
+from loraserve.gateway.adapter_versions import AdapterVersion
+from loraserve.gateway.admission import Admission
+from loraserve.gateway.auth import Principal
+from loraserve.gateway.config import GatewayConfig
+from loraserve.gateway.events import Event, Summary
+from loraserve.gateway.failover import FailoverStream, Streams
+from loraserve.gateway.namespaces import Namespace
+from loraserve.gateway.output import Output
+from loraserve.gateway.quotas import Quotas
+from loraserve.gateway.scheduler_client import SchedulerClient
+from loraserve.gateway.tenant_adapters import TenantAdapters
+from loraserve.gateway.tenants import Scope
+from loraserve.gateway.token_sink import TokenSink
+from loraserve.gateway.validation import (
+    END_USER_METADATA,
+    MAX_END_USER_CHARS,
+    AdapterCheck,
+    Limits,
+    ValidRequest,
+    check_context,
+    fairness_tenant,
+)
+from loraserve.tokenizer import Tokenizer
+
+Validate = Callable[[AdapterCheck], ValidRequest]  # the edge's request, validated with this adapter check
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a generation knows of the call that asked for it."""
+
+    metadata: dict[str, str]  # lower-case keys: the API key, the trace context, the client and end-user ids
+    deadline_unix: float | None = None  # the client's deadline; None: none
+    client_request_id: str = ""  # the caller's id for the request, put on the trace before validation
+
+
+class GenerationCore:
+    """Generations for every edge: admission, validation, tracing, metrics, failover, output."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        limits: Limits,
+        tokenizer: Tokenizer,
+        sink: TokenSink,
+        scheduler: SchedulerClient,
+        adapters: TenantAdapters,
+        admission: Admission,
+    ):
+        self.config, self.limits, self.tokenizer, self.sink = config, limits, tokenizer, sink
+        self.scheduler, self.adapters, self.admission = scheduler, adapters, admission
+        self.streams = Streams(config.failover)  # live generations; the cluster watch reports to it
+        self.quotas = Quotas()  # per-tenant generation slots (token quotas: the scheduler's)
+        self.ready_workers = 0  # kept current by the cluster watch (main.py)
+
+    def authenticate(self, metadata: dict[str, str]) -> Principal:
+        """The caller of a call with `metadata`; UNAVAILABLE for everyone while draining."""
+        return self.admission.authenticate(metadata)
+
+    async def generate(self, call: Call, validate: Validate) -> AsyncIterator[Event]:
+        """The events of one generation: `Chunk`s, then a `Summary`. Close it to stop early (which
+        cancels the request downstream); a failure is raised."""
+        arrival = time.time()
+        metrics.IN_FLIGHT.inc()
+        code, events, tenant, admitted = "OK", None, metrics.UNAUTHENTICATED, None
+        try:
+            principal = self.authenticate(call.metadata)
+            tenant = principal.tenant
+            principal.require(Scope.GENERATE, "generate")
+            self.quotas.admit(principal.tenant, principal.limits)
+            admitted = principal
+            events = self._traced(call, validate, principal, arrival)
+            async for event in events:
+                yield event
+        except BaseException as e:
+            code = metrics.outcome(e)
+            raise
+        finally:
+            if events is not None:
+                await events.aclose()  # its clean-up (cancel downstream) now, not at garbage collection
+            if admitted is not None:
+                self.quotas.release(admitted.tenant)
+            metrics.IN_FLIGHT.dec()
+            metrics.REQUESTS.labels(code, tenant).inc()
+
+    async def _traced(
+        self, call: Call, validate: Validate, principal: Principal, arrival: float
+    ) -> AsyncIterator[Event]:
+        request_id = uuid.uuid4().hex
+        metadata = call.metadata
+        span = telemetry.tracer().start_span(
+            "gateway.generate", context=telemetry.context_from(metadata), kind=trace.SpanKind.SERVER
+        )
+        try:  # the span is made current step by step (`current_while_producing`), never across a yield
+            span.set_attribute("loraserve.request_id", request_id)
+            span.set_attribute("loraserve.tenant", principal.tenant)
+            if call.client_request_id:
+                span.set_attribute("loraserve.client_request_id", call.client_request_id[:128])
+            if metadata.get(END_USER_METADATA):
+                span.set_attribute("loraserve.end_user", metadata[END_USER_METADATA][:MAX_END_USER_CHARS])
+            with trace.use_span(span, end_on_exit=False):
+                valid, prompt_ids, version = await self._prepare(validate, principal)
+            span.set_attribute("loraserve.adapter", valid.adapter or "")
+            submit = partial(
+                self.scheduler.submit,
+                valid=valid,
+                prompt_ids=prompt_ids,
+                version=version,
+                arrival_unix=arrival,
+                deadline_unix=call.deadline_unix,
+                tenant=fairness_tenant(principal.tenant, self.admission.open, metadata),
+                tokens_per_minute=principal.limits.tokens_per_minute or 0,  # metered by the scheduler
+            )
+            stream = FailoverStream(request_id, self.sink, submit, self.scheduler.cancel, self.config.failover)
+            output = Output(self.tokenizer, valid, prompt_ids, arrival)
+            events = telemetry.current_while_producing(span, self._stream(request_id, output, stream, version))
+            self.streams.add(stream)
+            finished = False
+            try:
+                async for event in events:
+                    finished = finished or isinstance(event, Summary)
+                    yield event
+            except asyncio.CancelledError:
+                self.scheduler.cancel(stream.attempt_id, "client cancelled or deadline exceeded")
+                raise
+            finally:
+                self.streams.remove(stream)
+                span.set_attribute("loraserve.failovers", stream.failovers)
+                if not finished:
+                    self.scheduler.cancel(stream.attempt_id, "the gateway stopped reading")
+        finally:
+            span.end()
+
+    async def _prepare(
+        self, validate: Validate, principal: Principal
+    ) -> tuple[ValidRequest, list[int], AdapterVersion]:
+        tracer = telemetry.tracer()
+        ns = Namespace.of(principal)
+        with tracer.start_as_current_span("gateway.validate"):
+            valid = validate(lambda name: ns.check(name, "adapter"))
+        version = AdapterVersion()
+        if valid.adapter is not None:  # resolved first: a worker starts fetching it while the prompt is tokenized
+            with tracer.start_as_current_span("gateway.adapter_lookup"):
+                store_name, version = await self.adapters.resolve(ns, valid.adapter)
+            valid = replace(valid, adapter=store_name)  # what workers fetch: TENANT~NAME or a public name
+            self.scheduler.hint(store_name, version, principal.tenant)
+            await asyncio.sleep(0)  # the hint's call starts before the prompt is tokenized
+        with tracer.start_as_current_span("gateway.tokenize"):
+            prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
+            check_context(prompt_ids, valid.sampling, self.limits)
+        return valid, prompt_ids, version
+
+    async def _stream(
+        self, request_id: str, output: Output, stream: FailoverStream, version: AdapterVersion
+    ) -> AsyncIterator[Event]:
+        stream_span = None
+        async for message in stream.messages():
+            first = output.first_token_at is None
+            step = output.push(message)
+            if first and output.first_token_at is not None:
+                metrics.TIME_TO_FIRST_TOKEN.observe(output.first_token_at - output.arrival)
+                stream_span = telemetry.tracer().start_span("gateway.stream")
+            if step.chunk is not None:
+                yield step.chunk
+            if step.done:
+                if step.still_running:
+                    self.scheduler.cancel(stream.attempt_id, "stop sequence")
+                if stream_span is not None:
+                    stream_span.end()
+                metrics.REQUEST_DURATION.observe(time.time() - output.arrival)
+                metrics.PROMPT_TOKENS.inc(len(output.prompt_ids))
+                metrics.OUTPUT_TOKENS.inc(output.completion_tokens)
+                yield output.summary(
+                    request_id, step.finish_reason, message.timings, version, stream.worker_id, stream.failovers
+                )
+                return

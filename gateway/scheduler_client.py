@@ -1,0 +1,131 @@
+"""The gateway's calls to the scheduler: submit an attempt, cancel one, hint an adapter. Plain values
+in; the protobufs are built here and nowhere else in the generation path.
+
+Cancels and hints are fire and forget: each runs in a task this client keeps until it ends, and a
+failure is only logged. A Submit refused RESOURCE_EXHAUSTED with a retry hint (the scheduler's token
+quota) is raised as `RetryLaterError` carrying that hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from loraserve import telemetry
+from loraserve.convert import sampling_to_pb
+from loraserve.errors import ResourceExhaustedError
+from loraserve.gateway.adapter_versions import AdapterVersion
+from loraserve.gateway.events import RetryLaterError
+from loraserve.gateway.validation import ValidRequest
+from loraserve.grpc_utils import RETRY_AFTER_KEY, internal_call
+from loraserve.names import TENANT_NAME
+from loraserve.v1 import scheduler_pb2
+from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerClient:
+    """Submit, Cancel and PrepareAdapter, each with the internal timeout; tokens come back to `reply_to`."""
+
+    def __init__(self, stub: sched_grpc.SchedulerStub, reply_to: str, timeout_s: float):
+        self.stub, self.reply_to, self.timeout_s = stub, reply_to, timeout_s
+        self._background: set[asyncio.Task] = set()
+
+    async def submit(
+        self,
+        attempt_id: str,
+        attempt: int,
+        output_ids: list[int],
+        *,
+        valid: ValidRequest,
+        prompt_ids: list[int],
+        version: AdapterVersion,
+        arrival_unix: float,
+        deadline_unix: float | None,
+        tenant: str,
+        tokens_per_minute: int,
+    ) -> str:
+        """Queue one attempt of a generation (`output_ids`: the tokens its lost predecessors streamed);
+        returns the instance of the scheduler that took it."""
+        sampling = valid.sampling
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=attempt_id,
+            prompt_ids=prompt_ids,
+            adapter=valid.adapter or "",
+            adapter_version=version.version,
+            adapter_sha256=version.sha256,
+            adapter_rank=version.rank,
+            sampling=sampling_to_pb(sampling),
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            deadline_unix=deadline_unix or 0.0,
+            reply_to=self.reply_to,
+            arrival_unix=arrival_unix,
+            output_ids=output_ids,
+            attempt=attempt,
+            tenant=tenant,
+            prefill_group=f"{tenant}/{valid.prefill_group}" if valid.prefill_group else "",
+            cache_salt=f"{len(tenant)}:{tenant}/{valid.cache_salt}",
+            ttft_slo_s=valid.ttft_slo_s,
+            tokens_per_minute=tokens_per_minute,
+        )
+        hints: list[str] = []
+
+        async def call() -> scheduler_pb2.SubmitResponse:
+            try:
+                return await self.stub.Submit(submit, timeout=self.timeout_s, metadata=telemetry.grpc_metadata())
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    hints.extend(v for k, v in e.trailing_metadata() or () if k == RETRY_AFTER_KEY)
+                raise
+
+        with telemetry.tracer().start_as_current_span("gateway.submit"):
+            try:
+                response = await internal_call("the scheduler", call)
+            except ResourceExhaustedError as e:
+                if hints and hints[0].isdigit():
+                    raise RetryLaterError(str(e), int(hints[0])) from None
+                raise
+        return response.instance
+
+    def hint(self, adapter: str, version: AdapterVersion, tenant: str) -> None:
+        """Tell the scheduler, without waiting, that a request for this adapter version follows: the worker it
+        would go to starts fetching the adapter now (`scheduler/hints.py`). A hint that fails changes nothing."""
+        hint = scheduler_pb2.PrepareAdapterRequest(
+            adapter=adapter,
+            adapter_version=version.version,
+            adapter_sha256=version.sha256,
+            adapter_rank=version.rank,
+            tenant=tenant if TENANT_NAME.fullmatch(tenant) else "",
+        )
+        metadata = telemetry.grpc_metadata()  # the request's trace: the worker's fetch and the store join it
+
+        async def send() -> None:
+            try:
+                await self.stub.PrepareAdapter(hint, timeout=self.timeout_s, metadata=metadata)
+            except Exception as e:  # a best-effort hint: an older scheduler (UNIMPLEMENTED), one going away
+                log.debug("adapter hint for %s not taken: %s", adapter, e)
+
+        self._in_background(send)
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """Cancel an attempt downstream, without waiting."""
+
+        async def cancel() -> None:
+            try:
+                await self.stub.Cancel(
+                    scheduler_pb2.CancelRequest(request_id=request_id, reason=reason), timeout=self.timeout_s
+                )
+            except grpc.aio.AioRpcError as e:
+                log.warning("could not cancel %s downstream: %s", request_id, e.details())
+
+        self._in_background(cancel)
+
+    def _in_background(self, work: Callable[[], Awaitable[None]]) -> None:
+        task = asyncio.get_running_loop().create_task(work())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
