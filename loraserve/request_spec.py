@@ -39,24 +39,27 @@ TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LIST)]
 Endpoint = Annotated[str, msgspec.Meta(max_length=1024)]  # tcp:// or ipc://, checked by `check_endpoint`
 
 
+_DEFAULT = SamplingParams()  # the one place sampling defaults are written
+
+
 class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A request's sampling parameters as the scheduler accepted them: `SamplingParams`' fields, values
+    """A request's sampling parameters as the scheduler accepted them: `SamplingParams`' fields, defaults
     and checks (`loraserve/params.py`), in the spec's wire form. The worker's engine reads `params()`."""
 
-    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 64
-    temperature: Finite = 0.0
-    top_k: Count = 0
-    top_p: Finite = 1.0
-    min_p: Finite = 0.0
-    seed: Count | None = None
-    repetition_penalty: Finite = 1.0
-    presence_penalty: Finite = 0.0
-    frequency_penalty: Finite = 0.0
-    stop_token_ids: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_STOP_TOKENS)] = ()
-    ignore_eos: bool = False
-    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_BYTES)] | None = None
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = _DEFAULT.max_new_tokens
+    temperature: Finite = _DEFAULT.temperature
+    top_k: Count = _DEFAULT.top_k
+    top_p: Finite = _DEFAULT.top_p
+    min_p: Finite = _DEFAULT.min_p
+    seed: Count | None = _DEFAULT.seed
+    repetition_penalty: Finite = _DEFAULT.repetition_penalty
+    presence_penalty: Finite = _DEFAULT.presence_penalty
+    frequency_penalty: Finite = _DEFAULT.frequency_penalty
+    stop_token_ids: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_STOP_TOKENS)] = _DEFAULT.stop_token_ids
+    ignore_eos: bool = _DEFAULT.ignore_eos
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = _DEFAULT.logprobs
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = _DEFAULT.prompt_logprobs
+    grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_BYTES)] | None = _DEFAULT.grammar
 
     def __post_init__(self) -> None:
         check_sampling(self)  # InvalidRequestError naming the field: the scheduler answers INVALID_ARGUMENT

@@ -42,7 +42,29 @@ from loraserve.request_spec import (
     Version,
 )
 
-__all__ = ["MAX_ID", "MAX_LIST", "MAX_TEXT", "RequestSpec", "WireError", "decode", "encode"]
+__all__ = [  # the messages, their vocabulary, and the names re-exported from `loraserve/request_spec.py`
+    "MAX_ID",
+    "MAX_LIST",
+    "MAX_TEXT",
+    "AdapterKey",
+    "AdapterPayload",
+    "AdapterRows",
+    "Assign",
+    "Cancel",
+    "FetchAdapter",
+    "FetchFailed",
+    "Message",
+    "MsgType",
+    "Prefetch",
+    "RequestSpec",
+    "StepTokens",
+    "TokenLogprob",
+    "Tokens",
+    "WireError",
+    "WorkerReport",
+    "decode",
+    "encode",
+]
 
 
 class WireError(ValueError):

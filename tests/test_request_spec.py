@@ -3,6 +3,7 @@ engine holds it unchanged; the worker's sockets run on an I/O thread that decode
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from emulated import emulated_engine, fixed_profile
 
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
+from loraserve.params import SamplingParams
 from loraserve.request_spec import RequestSpec, Sampling
 from loraserve.scheduler.submit import spec_from_submit
 from loraserve.sockets import make_socket, send
@@ -99,3 +101,8 @@ def test_the_io_thread_decodes_sends_and_reports_what_failed():
         if not gateway.closed:
             gateway.close(linger=0)
         ctx.term()
+
+
+def test_the_spec_sampling_has_the_sampler_fields_and_defaults():
+    assert Sampling.__struct_fields__ == tuple(f.name for f in dataclasses.fields(SamplingParams))
+    assert Sampling().params() == SamplingParams()

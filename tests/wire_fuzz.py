@@ -88,16 +88,22 @@ def _packable(value) -> bool:
 
 @st.composite
 def mutated(draw) -> list[bytes]:
-    """A valid message with one field replaced, dropped, or a stray field added."""
+    """A valid message with one field replaced, dropped, or a stray field added; the field may be one of
+    a nested map (an ASSIGN's spec, or the spec's sampling)."""
     message = draw(st.sampled_from(VALID))
     frames = [bytes(f) for f in encode(message)]
     body = msgpack.unpackb(frames[1])
-    name = draw(st.sampled_from([*body, "stray"]))
+    target = body
+    while True:
+        name = draw(st.sampled_from([*target, "stray"]))
+        if not isinstance(target.get(name), dict) or not draw(st.booleans()):
+            break
+        target = target[name]
     action = draw(st.sampled_from(["replace", "drop"]))
     if action == "drop":
-        body.pop(name, None)
+        target.pop(name, None)
     else:
-        body[name] = draw(values.filter(_packable))
+        target[name] = draw(values.filter(_packable))
     return [frames[0], msgpack.packb(body, use_bin_type=True), *frames[2:]]
 
 
