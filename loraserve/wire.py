@@ -233,8 +233,8 @@ class Tokens(Message):
     token_ids: TokenIds
     worker_id: Id = ""
     finished: bool = False
-    finish_reason: _str(32) | None = None  # "stop" | "length" when finished normally
-    error_status: _str(32) | None = None  # a grpc.StatusCode name when it failed
+    finish_reason: Status | None = None  # "stop" | "length" when finished normally
+    error_status: Status | None = None  # a grpc.StatusCode name when it failed
     error: Text | None = None
     # With error_status UNAVAILABLE: the request did not fail by itself, its worker was lost (killed,
     # stopped, drained past its timeout); the gateway may resubmit it with the tokens it streamed.
@@ -358,7 +358,7 @@ class FetchFailed(Message):
     TYPE: ClassVar[MsgType] = MsgType.FETCH_FAILED
     name: Id
     version: Version
-    status: _str(32)  # a grpc.StatusCode name
+    status: Status  # a grpc.StatusCode name
     error: Text
 
 
