@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import zmq
 
 from loraserve import errors
@@ -204,7 +205,7 @@ def _checked_rows(reply: AdapterRows, rows: memoryview, shared: bool, verify: bo
         )
         if bad is not None:
             raise errors.DataLossError(f"{where}: layer {bad} of the rows received does not hash to the store's sha256")
-    header = AdapterRows(**{**vars(reply), "config_json": b"", "rows": b""})
+    header = msgspec.structs.replace(reply, config_json=b"", rows=b"")
     return FetchedRows(header, bytes(reply.config_json), rows, shared)
 
 

@@ -14,7 +14,7 @@ process and a fraction of a core.
 
 For every ASSIGN it records the decision latencies: `queued_s` (the scheduler's own: the request
 queued → its ASSIGN sent, measured inside the scheduler) and end to end (the client's Submit sent →
-this ASSIGN received, from `Assign.arrival`, which the client sets to its send time). Per phase
+this ASSIGN received, from `Assign.spec.arrival`, which the client sets to its send time). Per phase
 (the request id's prefix up to its first '/'), written to `--out` as JSON when it is told to stop
 (SIGTERM or SIGINT).
 """
@@ -54,11 +54,12 @@ class FakeWorker:
     steps: int = 0
 
     def assign(self, message: Assign) -> None:
-        steps = int(message.sampling.get("max_new_tokens", 16))
-        self.running[message.request_id] = steps
-        self.pages[message.request_id] = -(-(len(message.prompt_ids) + steps) // TOKENS_PER_PAGE)
-        if message.adapter:
-            key = (message.adapter, message.adapter_version)
+        spec = message.spec
+        steps = spec.sampling.max_new_tokens
+        self.running[spec.request_id] = steps
+        self.pages[spec.request_id] = -(-(len(spec.prompt_ids) + steps) // TOKENS_PER_PAGE)
+        if spec.adapter:
+            key = (spec.adapter, spec.adapter_version)
             self.resident[key] = None
             self.resident.move_to_end(key)
             while len(self.resident) > self.resident_max:
@@ -164,9 +165,9 @@ class Driver:
                 worker.cancel(list(message.request_ids))
 
     def _record(self, message: Assign, received: float) -> None:
-        phase = self.phases.setdefault(message.request_id.split("/", 1)[0], Latencies())
+        phase = self.phases.setdefault(message.spec.request_id.split("/", 1)[0], Latencies())
         phase.queued_s.append(message.queued_s)
-        phase.end_to_end_s.append(received - message.arrival)
+        phase.end_to_end_s.append(received - message.spec.arrival)
         phase.first_s = phase.first_s or received
         phase.last_s = received
         self.assigned += 1

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams
+from loraserve.request_spec import Sampling
 from loraserve.structured import KINDS, grammar_for
 from loraserve.v1 import common_pb2
 from loraserve.wire import TokenLogprob
+
+S = TypeVar("S", SamplingParams, Sampling)
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -16,10 +22,14 @@ FINISH_REASONS = {
 
 
 def sampling_from_pb(
-    pb: common_pb2.SamplingParameters, max_new_tokens: int, stop_token_ids: list[int]
-) -> SamplingParams:
-    """Validated SamplingParams (raises InvalidRequestError naming the field). Zero values mean defaults."""
-    return SamplingParams(
+    pb: common_pb2.SamplingParameters,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    into: type[S] = SamplingParams,
+) -> S:
+    """Validated sampling parameters (raises InvalidRequestError naming the field): SamplingParams, or the
+    request spec's `Sampling` (the scheduler's edge). Zero values mean defaults."""
+    return into(
         max_new_tokens=max_new_tokens,
         temperature=pb.temperature,
         top_k=pb.top_k,

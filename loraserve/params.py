@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from loraserve.errors import InvalidRequestError
 from loraserve.structured import MAX_GRAMMAR_BYTES
@@ -38,42 +39,7 @@ class SamplingParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str):
-            raise InvalidRequestError(name, f"{why}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad("max_new_tokens", "must be a positive integer")
-        if not (
-            math.isfinite(self.temperature)
-            and (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0)
-        ):
-            bad("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be >= 0 (0 turns it off)")
-        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            bad("top_p", "must be in (0, 1]")
-        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            bad("min_p", "must be in [0, 1] (0 turns it off)")
-        if not (math.isfinite(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0):
-            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 10] (1 turns it off)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (math.isfinite(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
-                bad(name, "must be in [-2, 2]")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            bad("seed", "must be in [0, 2^63)")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be token ids >= 0")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS)
-            ):
-                bad(name, f"must be in [0, {MAX_LOGPROBS}] (alternatives reported per token)")
-        if self.grammar is not None:
-            if not isinstance(self.grammar, str) or not self.grammar or len(self.grammar) > MAX_GRAMMAR_BYTES:
-                raise InvalidRequestError("grammar", f"must be a grammar of 1 to {MAX_GRAMMAR_BYTES} characters")
-            if self.ignore_eos:
-                bad("ignore_eos", "cannot be combined with structured output (the output ends where its grammar does)")
+        check_sampling(self)
 
     @property
     def greedy(self) -> bool:
@@ -82,3 +48,42 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def check_sampling(p: Any) -> None:
+    """Raise InvalidRequestError naming the first field of `p` (SamplingParams, or the request spec's
+    `Sampling`: the same fields) that is out of range."""
+
+    def bad(name: str, why: str):
+        raise InvalidRequestError(name, f"{why}, got {getattr(p, name)!r}")
+
+    if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
+        bad("max_new_tokens", "must be a positive integer")
+    if not (math.isfinite(p.temperature) and (p.temperature == 0.0 or MIN_TEMPERATURE <= p.temperature <= 100.0)):
+        bad("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100]")
+    if not isinstance(p.top_k, int) or p.top_k < 0:
+        bad("top_k", "must be >= 0 (0 turns it off)")
+    if not (math.isfinite(p.top_p) and 0.0 < p.top_p <= 1.0):
+        bad("top_p", "must be in (0, 1]")
+    if not (math.isfinite(p.min_p) and 0.0 <= p.min_p <= 1.0):
+        bad("min_p", "must be in [0, 1] (0 turns it off)")
+    if not (math.isfinite(p.repetition_penalty) and MIN_REPETITION_PENALTY <= p.repetition_penalty <= 10.0):
+        bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 10] (1 turns it off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not (math.isfinite(getattr(p, name)) and -2.0 <= getattr(p, name) <= 2.0):
+            bad(name, "must be in [-2, 2]")
+    if p.seed is not None and not (0 <= p.seed < 2**63):
+        bad("seed", "must be in [0, 2^63)")
+    if any(t < 0 for t in p.stop_token_ids):
+        bad("stop_token_ids", "must be token ids >= 0")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(p, name)
+        if value is not None and (
+            isinstance(value, bool) or not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS)
+        ):
+            bad(name, f"must be in [0, {MAX_LOGPROBS}] (alternatives reported per token)")
+    if p.grammar is not None:
+        if not isinstance(p.grammar, str) or not p.grammar or len(p.grammar) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequestError("grammar", f"must be a grammar of 1 to {MAX_GRAMMAR_BYTES} characters")
+        if p.ignore_eos:
+            bad("ignore_eos", "cannot be combined with structured output (the output ends where its grammar does)")

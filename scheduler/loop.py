@@ -10,10 +10,10 @@ stays open, is caught by its missing reports). The monitor is drained as fast as
 probes are coalesced, at most one round per `PROBE_INTERVAL_S`: connection churn from strangers
 costs the scheduler a bounded amount of work and never stalls the workers' socket.
 
-Nothing from outside reaches the policy unchecked: a Submit is validated here (INVALID_ARGUMENT
-naming the field) against the same limits a worker's decoder will apply to the ASSIGN built
-from it, and worker messages are checked by `wire.decode`; a bad one is logged (rate-limited per
-peer and kind) and dropped. The receive task and the round task run under
+Nothing from outside reaches the policy unchecked: a Submit arrives as its `RequestSpec`, built and
+checked by the Submit servicer (`scheduler/submit.py`) against the same limits a worker's decoder
+will apply to the ASSIGN that carries it, and worker messages are checked by `wire.decode`; a bad
+one is logged (rate-limited per peer and kind) and dropped. The receive task and the round task run under
 `loraserve.supervise.run_tasks`: if either dies, `run` raises instead of leaving a zombie.
 """
 
@@ -22,25 +22,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import zmq
 import zmq.asyncio
 from opentelemetry import trace
 
 from loraserve import telemetry
-from loraserve.convert import sampling_from_pb
 from loraserve.dispatch import Dispatcher
-from loraserve.endpoints import BadEndpointError, check_endpoint
+from loraserve.endpoints import BadEndpointError
 from loraserve.errors import InvalidRequestError
 from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.names import SHA256_HEX, TENANT_NAME
 from loraserve.prefix_keys import PrefixProbe, adapter_identity, chain_root
+from loraserve.request_spec import MAX_ADAPTER_RANK, MAX_ID, RequestSpec
 from loraserve.scheduler import metrics
 from loraserve.scheduler.disconnects import DisconnectWatch
 from loraserve.scheduler.hints import AdapterHints
@@ -59,22 +58,18 @@ from loraserve.scheduler.quotas import QuotaExceededError, TokenQuotas
 from loraserve.sockets import PushSockets, make_socket, send, sent_or_raise
 from loraserve.supervise import run_tasks
 from loraserve.v1 import scheduler_pb2
-from loraserve.wire import MAX_ID, MAX_LIST, Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
+from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
 
 log = logging.getLogger(__name__)
-MAX_TTFT_SLO_S = 86400.0
 PROBE_INTERVAL_S = 0.5  # at most one probe of every worker per this, however many disconnects
-MAX_ADAPTER_RANK = 4096  # far above any rank a store admits (its --max-lora-rank)
 
 
 @dataclass
 class _Pending:
     """What the loop keeps per queued request besides the policy's view."""
 
-    submit: scheduler_pb2.SubmitRequest
+    spec: RequestSpec  # as the Submit servicer built it; the ASSIGN carries it unchanged
     span: trace.Span  # "scheduler.queue", ended at placement
-    sampling: dict  # SamplingParams fields, validated at Submit
-    prompt_ids: list[int]  # submit.prompt_ids as a list, made once (the prefix probe reads it too)
 
 
 class SchedulerLoop:
@@ -117,47 +112,46 @@ class SchedulerLoop:
         )
 
     # ---- gRPC entry points (called by service.py) ----------------------------------------------
-    def submit(self, request: scheduler_pb2.SubmitRequest, metadata) -> int:
-        _check_submit(request)
-        if request.request_id in self.pending or request.request_id in self.policy.placed:
-            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
-        sampling = asdict(sampling_from_pb(request.sampling, request.max_new_tokens, list(request.stop_token_ids)))
+    def submit(self, spec: RequestSpec, tokens_per_minute: int, metadata) -> int:
+        """Queue a request the Submit servicer turned into its spec (`scheduler/submit.py`); its position."""
+        if spec.request_id in self.pending or spec.request_id in self.policy.placed:
+            raise InvalidRequestError("request_id", f"{spec.request_id!r} is already in use")
         now = time.time()
-        cost = 0 if request.attempt else len(request.prompt_ids) + request.max_new_tokens  # attempts: charged once
+        max_new_tokens = spec.sampling.max_new_tokens
+        cost = 0 if spec.attempt else len(spec.prompt_ids) + max_new_tokens  # attempts: charged once
         try:
-            self.quotas.charge(request.tenant, request.tokens_per_minute, cost, now)
+            self.quotas.charge(spec.tenant, tokens_per_minute, cost, now)
         except QuotaExceededError:
             metrics.REFUSED.labels("RESOURCE_EXHAUSTED").inc()
             raise
-        generated = len(request.output_ids)
-        prompt_ids = request.prompt_ids[:]  # a slice: 4× faster than list() of a protobuf field
+        generated = len(spec.output_ids)
         queued = QueuedRequest(
-            request_id=request.request_id,
-            adapter=(request.adapter, request.adapter_version) if request.adapter else None,
-            prompt_len=len(request.prompt_ids) + generated,
-            max_new_tokens=request.max_new_tokens - generated,
-            reply_to=request.reply_to,
-            arrival=request.arrival_unix or now,
-            deadline=request.deadline_unix or None,
-            tenant=request.tenant,
-            ttft_slo_s=request.ttft_slo_s or None,
-            rank=request.adapter_rank if request.adapter else 0,
-            attempt=request.attempt,
-            group=request.prefill_group or None,
-            prefix=_prefix_probe(request, prompt_ids),
+            request_id=spec.request_id,
+            adapter=spec.adapter_key,
+            prompt_len=len(spec.prompt_ids) + generated,
+            max_new_tokens=max_new_tokens - generated,
+            reply_to=spec.reply_to,
+            arrival=spec.arrival,
+            deadline=spec.deadline,
+            tenant=spec.tenant,
+            ttft_slo_s=spec.ttft_slo_s,
+            rank=spec.adapter_rank,
+            attempt=spec.attempt,
+            group=spec.group,
+            prefix=_prefix_probe(spec),
         )
         span = telemetry.tracer().start_span("scheduler.queue", context=telemetry.context_from(metadata))
-        span.set_attribute("loraserve.request_id", request.request_id)
+        span.set_attribute("loraserve.request_id", spec.request_id)
         try:
-            position = self.policy.add(queued, now, resumed=request.attempt > 0)
+            position = self.policy.add(queued, now, resumed=spec.attempt > 0)
         except Exception as e:
-            self.quotas.refund(request.tenant, request.tokens_per_minute, cost, now)
+            self.quotas.refund(spec.tenant, tokens_per_minute, cost, now)
             metrics.REFUSED.labels(getattr(e, "status", "INTERNAL")).inc()
             span.record_exception(e)
             span.end()
             raise
         span.set_attribute("loraserve.queue_position", position)
-        self.pending[request.request_id] = _Pending(request, span, sampling, prompt_ids)
+        self.pending[spec.request_id] = _Pending(spec, span)
         self._wake.set()
         return position
 
@@ -272,23 +266,7 @@ class SchedulerLoop:
             "scheduler.place", context=trace.set_span_in_context(pending.span)
         ) as span:
             span.set_attribute("loraserve.worker_id", decision.worker_id)
-            submit = pending.submit
-            assign = Assign(
-                request_id=request.request_id,
-                prompt_ids=pending.prompt_ids,
-                adapter=submit.adapter or None,
-                adapter_version=submit.adapter_version,
-                sampling=pending.sampling,
-                reply_to=submit.reply_to,
-                arrival=request.arrival,
-                deadline=request.deadline,
-                queued_s=now - request.enqueued,
-                trace=telemetry.carrier(),
-                output_ids=submit.output_ids[:],
-                adapter_sha256=submit.adapter_sha256,
-                group=submit.prefill_group or None,
-                cache_salt=submit.cache_salt,
-            )
+            assign = Assign(pending.spec, queued_s=now - request.enqueued, trace=telemetry.carrier())
         if self._to_worker(decision.worker_id, assign, request.request_id):
             del self.pending[request.request_id]
             pending.span.set_attribute("loraserve.worker_id", decision.worker_id)
@@ -381,16 +359,16 @@ class SchedulerLoop:
             self._auth = None
 
 
-def _prefix_probe(request: scheduler_pb2.SubmitRequest, prompt_ids: list[int]) -> PrefixProbe | None:
+def _prefix_probe(spec: RequestSpec) -> PrefixProbe | None:
     """What placement asks about the request's cached prefixes (`loraserve/prefix_keys.py`): keyed as the
     worker keys its KV, by the salt and the adapter version's weights. None when those are not known."""
     identity = ""
-    if request.adapter:
-        if not request.adapter_sha256:
+    if spec.adapter:
+        if not spec.adapter_sha256:
             return None
-        identity = adapter_identity(request.adapter, request.adapter_version, request.adapter_sha256)
-    tokens = prompt_ids + request.output_ids[:] if request.output_ids else prompt_ids
-    return PrefixProbe(chain_root(request.cache_salt, identity), tokens)
+        identity = adapter_identity(spec.adapter, spec.adapter_version, spec.adapter_sha256)
+    tokens = spec.prompt_ids + spec.output_ids if spec.output_ids else spec.prompt_ids
+    return PrefixProbe(chain_root(spec.cache_salt, identity), tokens)
 
 
 def _check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:
@@ -403,38 +381,3 @@ def _check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:
         raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
     if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
         raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")
-
-
-def _check_submit(request: scheduler_pb2.SubmitRequest) -> None:
-    """Refuse what a worker's decoder would refuse in the ASSIGN, or what could not be delivered."""
-    if not request.request_id or len(request.request_id) > MAX_ID:
-        raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
-    if len(request.adapter) > MAX_ID:
-        raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
-    for name in ("prefill_group", "cache_salt"):
-        if len(getattr(request, name)) > MAX_ID:
-            raise InvalidRequestError(name, f"must be at most {MAX_ID} characters")
-    if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
-        raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
-    if not 1 <= len(request.prompt_ids) <= MAX_LIST:
-        raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {len(request.prompt_ids)}")
-    if len(request.prompt_ids) + len(request.output_ids) > MAX_LIST:
-        raise InvalidRequestError("output_ids", f"prompt_ids + output_ids must hold at most {MAX_LIST} tokens")
-    if request.output_ids and len(request.output_ids) >= request.max_new_tokens:
-        raise InvalidRequestError(
-            "output_ids", f"holds {len(request.output_ids)} tokens; max_new_tokens is {request.max_new_tokens}"
-        )
-    try:
-        check_endpoint(request.reply_to)
-    except BadEndpointError as e:
-        raise InvalidRequestError("reply_to", str(e)) from None
-    if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
-        raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")
-    if request.adapter_rank > MAX_ADAPTER_RANK:
-        raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
-    if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
-        raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
-    for name in ("deadline_unix", "arrival_unix"):
-        value = getattr(request, name)
-        if not math.isfinite(value) or value < 0:
-            raise InvalidRequestError(name, f"must be a finite time in unix seconds (0: unset), got {value}")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
 
 import grpc
 
 from loraserve.grpc_utils import RETRY_AFTER_KEY
 from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.quotas import QuotaExceededError
+from loraserve.scheduler.submit import spec_from_submit
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -20,7 +22,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         try:
-            position = self.loop.submit(request, context.invocation_metadata())
+            spec = spec_from_submit(request, time.time())  # the request's one record from here on
+            position = self.loop.submit(spec, request.tokens_per_minute, context.invocation_metadata())
         except QuotaExceededError as e:  # the gateway passes the hint on to its client
             if e.retry_after_s is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_KEY, str(math.ceil(e.retry_after_s * 1000))),))

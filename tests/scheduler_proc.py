@@ -149,7 +149,7 @@ class FakeWorker:
     def wait_assigned(self, request_id: str, timeout_s: float = 5.0) -> Assign:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            found = [a for a in self.assigned if a.request_id == request_id]
+            found = [a for a in self.assigned if a.spec.request_id == request_id]
             if found:
                 return found[0]
             time.sleep(0.05)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_rows_that_do_not_fit_this_worker_or_their_config_are_refused(tiny_model
     model = ModelConfig.from_dir(tiny_model)
     config, weights = _files(tiny_adapters["r4-qv"])
     good = _rows(model, config, weights)
-    header = AdapterRows(**{**vars(good.header), **changes(good.header)})
+    header = msgspec.structs.replace(good.header, **changes(good.header))
     with pytest.raises(InvalidAdapterError, match=message):
         rows_adapter(FetchedRows(header, config, good.rows, shared=False), model, MAX_RANK)
     with pytest.raises(InvalidAdapterError, match="rank"):  # the config is checked as on a file: here, the rank
@@ -162,7 +163,7 @@ def test_the_fetcher_refuses_rows_that_do_not_hash_to_the_stores_digests(tiny_mo
     model = ModelConfig.from_dir(tiny_model)
     config, weights = _files(tiny_adapters["r4-qv"])
     good = _rows(model, config, weights)
-    reply = AdapterRows(**{**vars(good.header), "config_json": config})
+    reply = msgspec.structs.replace(good.header, config_json=config)
     rows = bytearray(good.rows)
     assert _checked_rows(reply, memoryview(rows), shared=False, verify=True).rows.nbytes == len(rows)
     rows[-1] ^= 1  # one bit of the last layer

@@ -246,8 +246,8 @@ def test_fuzzed_submits_never_fail_internally_and_pass_nothing_invalid_to_a_work
     assert worker.malformed == 0, f"the scheduler sent a worker something wire.decode refuses: {worker.errors[:3]}"
     assert worker.assigned, "no fuzzed Submit was accepted: the property was not exercised"
     for assign in worker.assigned:  # what a worker would run: sampling values it accepts, a prompt
-        SamplingParams(**{**assign.sampling, "stop_token_ids": tuple(assign.sampling.get("stop_token_ids") or ())})
-        assert assign.prompt_ids
+        assert isinstance(assign.spec.sampling.params(), SamplingParams)
+        assert assign.spec.prompt_ids
 
 
 @pytest.mark.parametrize("method", ["Cancel", "GetClusterState"])
@@ -271,4 +271,4 @@ def test_a_submit_without_a_prompt_is_refused_before_any_worker_sees_it(schedule
         process.stub.Submit(scheduler_pb2.SubmitRequest(request_id="empty", reply_to="tcp://127.0.0.1:9"), timeout=5)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("prompt_ids: must hold 1-")
-    assert "empty" not in [a.request_id for a in worker.assigned]
+    assert "empty" not in [a.spec.request_id for a in worker.assigned]

@@ -17,6 +17,7 @@ import time
 
 import grpc
 import msgpack
+import msgspec
 import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,6 +25,7 @@ from scheduler_proc import FakeWorker, SchedulerProcess, report
 
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
 from loraserve.log_limit import RateLimitedLog
+from loraserve.request_spec import RequestSpec, Sampling
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
 from loraserve.supervise import RoleFailed, supervise
 from loraserve.v1 import scheduler_pb2
@@ -34,7 +36,7 @@ SINK = "tcp://127.0.0.1:9"  # a well-formed token sink nobody listens on: nothin
 
 def _raw_report(**changes) -> list[bytes]:
     """A WorkerReport's frames with fields the encoder's types would never produce."""
-    body = {**vars(report("evil")), **changes}
+    body = {**msgspec.structs.asdict(report("evil")), **changes}
     return [bytes([MsgType.WORKER_REPORT]), msgpack.packb(body)]
 
 
@@ -63,7 +65,7 @@ def test_malicious_reports_and_submits_leave_the_scheduler_placing_requests(sche
         time.sleep(1.5)  # past --worker-timeout: a dead receive task would have dropped the fake worker
         assert scheduler.process.poll() is None, scheduler.output()
         scheduler.submit("after", SINK, adapter="upper")
-        assert worker.wait_assigned("after").adapter == "upper"
+        assert worker.wait_assigned("after").spec.adapter == "upper"
         with pytest.raises(grpc.RpcError) as bad:
             scheduler.submit("bad-reply-to", "not-an-endpoint")
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "reply_to" in bad.value.details()
@@ -166,21 +168,26 @@ def test_a_bad_endpoint_never_leaves_a_socket_that_blocks_shutdown():
 
 
 def test_the_worker_decoder_refuses_what_would_crash_or_wedge_a_worker():
-    good = Assign("r", [1], "a", 1, {"max_new_tokens": 2}, "tcp://127.0.0.1:5", 1.0)
+    spec = RequestSpec("r", [1], Sampling(max_new_tokens=2), "tcp://127.0.0.1:5", 1.0, adapter="a", adapter_version=1)
+    good = Assign(spec)
     assert decode(encode(good)) == good
     bad = [
         {"reply_to": "not-an-endpoint"},
         {"sampling": {"max_new_tokens": 2, "no_such_field": 1}},
+        {"sampling": {"max_new_tokens": 0}},
+        {"sampling": {"temperature": 1e-40}},
         {"prompt_ids": [1, -1]},
         {"prompt_ids": [[1]]},
         {"deadline": float("nan")},
         {"request_id": "x" * 10_000},
-        {"trace": {"traceparent": 5}},
+        {"no_such_field": 1},
     ]
+    fields = {**msgspec.structs.asdict(spec), "sampling": msgspec.structs.asdict(spec.sampling)}
     for changes in bad:
-        body = {**vars(good), **changes}
         with pytest.raises(WireError):
-            decode([bytes([MsgType.ASSIGN]), msgpack.packb(body)])
+            decode([bytes([MsgType.ASSIGN]), msgpack.packb({"spec": {**fields, **changes}})])
+    with pytest.raises(WireError, match="trace"):
+        decode([bytes([MsgType.ASSIGN]), msgpack.packb({"spec": fields, "trace": {"traceparent": 5}})])
 
 
 def test_a_flood_of_bad_messages_logs_a_few_lines_per_peer_and_kind(caplog):

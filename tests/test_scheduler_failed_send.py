@@ -13,6 +13,7 @@ import zmq.asyncio
 from loraserve.scheduler import metrics
 from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
+from loraserve.scheduler.submit import spec_from_submit
 from loraserve.v1 import scheduler_pb2
 from loraserve.wire import Tokens, WorkerReport, decode
 from tests.scheduler_proc import report
@@ -50,7 +51,7 @@ def test_a_failed_assign_drops_the_worker_at_once_and_keeps_the_loop_alive(caplo
             request_id="r1", prompt_ids=[1, 2], max_new_tokens=2, reply_to=sink, arrival_unix=time.time()
         )
         started = time.monotonic()
-        loop.submit(submit, ())
+        loop.submit(spec_from_submit(submit, time.time()), 0, ())
         while "ghost" in policy.workers and time.monotonic() - started < WORKER_TIMEOUT_S / 2:
             await asyncio.sleep(0.01)
         dropped_after = time.monotonic() - started

@@ -5,6 +5,7 @@ parts are tested in test_scheduling_policies.py)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from loraserve.errors import ResourceExhaustedError, UnavailableError
@@ -242,7 +243,7 @@ def test_no_placement_on_a_stale_or_draining_worker(kind):
     policy.on_report(report("quiet"), 0.0)
     policy.add(request("r"), 0.0)
     assert policy.schedule(1.0) == []  # silent for 1 s: not dead yet, but nothing new goes there
-    policy.on_report(WorkerReport(**{**vars(report("busy")), "draining": True}), 1.0)
+    policy.on_report(msgspec.structs.replace(report("busy"), draining=True), 1.0)
     assert policy.schedule(1.1) == []
     policy.on_report(report("fresh"), 1.2)
     assert assigned(policy.schedule(1.3)) == [("fresh", "r")]

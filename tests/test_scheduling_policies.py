@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import replace
 
 import grpc
+import msgspec
 import pytest
 import zmq
 from scheduler_proc import SchedulerProcess
@@ -297,7 +298,7 @@ def test_the_policy_keeps_a_prefix_on_the_worker_that_caches_it_and_its_burst_to
     probe = _probe(520)
     cached = b"".join(fp for _, fp in probe.fingerprints(16))
     for worker, prefixes in (("w0", cached), ("w1", b"")):
-        policy.on_report(replace(report(worker, max_batch=8), cached_prefixes=prefixes), 0.0)
+        policy.on_report(msgspec.structs.replace(report(worker, max_batch=8), cached_prefixes=prefixes), 0.0)
     for i in range(3):
         policy.add(replace(request(f"r{i}", prompt=520, new=8), prefix=probe), 0.0)
     assert assigned(policy.schedule(0.0)) == [("w0", "r0"), ("w0", "r1"), ("w0", "r2")]

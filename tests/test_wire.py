@@ -5,21 +5,22 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from loraserve.request_spec import RequestSpec, Sampling
 from loraserve.wire import AdapterPayload, Assign, MsgType, Prefetch, Tokens, WireError, WorkerReport, decode, encode
 
 
 def test_round_trip_keeps_every_field():
-    assign = Assign(
+    spec = RequestSpec(
         "r1",
         [1, 2, 3],
-        "upper",
-        2,
-        {"max_new_tokens": 5},
+        Sampling(max_new_tokens=5, stop_token_ids=(7,)),
         "tcp://127.0.0.1:1",
         1.5,
+        adapter="upper",
+        adapter_version=2,
         deadline=9.0,
-        trace={"traceparent": "00-abc"},
     )
+    assign = Assign(spec, queued_s=0.25, trace={"traceparent": "00-abc"})
     assert decode(encode(assign)) == assign
     tokens = Tokens("r1", [7], worker_id="w", finished=True, finish_reason="stop", timings={"queue_s": 0.1})
     assert decode(encode(tokens)) == tokens
@@ -60,9 +61,9 @@ def test_prefetch_scores_travel_beside_their_adapters_and_are_checked():
     for scores, message in [
         ([0.5], "differ in length"),
         ([0.5, 0.5, 0.5], "differ in length"),
-        ([0.5, 1.5], r"outside \[0.0, 1.0\]"),
-        ([-0.1, 0.5], r"outside \[0.0, 1.0\]"),
-        ([0.5, float("nan")], "not a finite number"),
+        ([0.5, 1.5], r"scores\[1\]: Expected `float` <= 1.0"),
+        ([-0.1, 0.5], r"scores\[0\]: Expected `float` >= 0.0"),
+        ([0.5, float("nan")], r"scores\[1\]: Expected `float` >= 0.0"),
         ([0.5, "high"], "scores"),
         ([0.5] * 1025, "longer than 1024"),
     ]:

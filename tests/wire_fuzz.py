@@ -6,13 +6,13 @@ replaced or dropped, a random map under a (known or unknown) type byte, or raw f
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import msgpack
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from loraserve.request_spec import RequestSpec, Sampling
 from loraserve.wire import (
     _TYPES,
     AdapterPayload,
@@ -36,14 +36,17 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list
 VALID: list[Message] = [
     WorkerReport("w", True, 8, 100, 50, 40, 10, ["a"], ["b"], [("x", 1)], finished=["c"], waste_fraction=0.5),
     Assign(
-        "r",
-        [1, 2],
-        "x",
-        1,
-        {"max_new_tokens": 4, "stop_token_ids": [2]},
-        "tcp://127.0.0.1:7201",
-        1.0,
-        deadline=2.0,
+        RequestSpec(
+            "r",
+            [1, 2],
+            Sampling(max_new_tokens=4, stop_token_ids=(2,)),
+            "tcp://127.0.0.1:7201",
+            1.0,
+            adapter="x",
+            adapter_version=1,
+            deadline=2.0,
+        ),
+        queued_s=0.5,
         trace={"traceparent": "00-1"},
     ),
     Cancel(["r"], "client cancelled"),
@@ -85,16 +88,22 @@ def _packable(value) -> bool:
 
 @st.composite
 def mutated(draw) -> list[bytes]:
-    """A valid message with one field replaced, dropped, or a stray field added."""
+    """A valid message with one field replaced, dropped, or a stray field added; the field may be one of
+    a nested map (an ASSIGN's spec, or the spec's sampling)."""
     message = draw(st.sampled_from(VALID))
     frames = [bytes(f) for f in encode(message)]
     body = msgpack.unpackb(frames[1])
-    name = draw(st.sampled_from([*body, "stray"]))
+    target = body
+    while True:
+        name = draw(st.sampled_from([*target, "stray"]))
+        if not isinstance(target.get(name), dict) or not draw(st.booleans()):
+            break
+        target = target[name]
     action = draw(st.sampled_from(["replace", "drop"]))
     if action == "drop":
-        body.pop(name, None)
+        target.pop(name, None)
     else:
-        body[name] = draw(values.filter(_packable))
+        target[name] = draw(values.filter(_packable))
     return [frames[0], msgpack.packb(body, use_bin_type=True), *frames[2:]]
 
 
@@ -103,7 +112,7 @@ def random_map(draw) -> list[bytes]:
     """A type byte (known or not) and a map of known field names with random values."""
     kind = draw(st.sampled_from([*(bytes([t]) for t in MsgType), b"\x00", b"\xff", b"", b"\x01\x01"]))
     cls = _TYPES.get(kind[0]) if len(kind) == 1 else None
-    names = [f.name for f in dataclasses.fields(cls)] if cls else ["x"]
+    names = list(cls.__struct_fields__) if cls else ["x"]
     body = draw(st.dictionaries(st.sampled_from(names), values, max_size=len(names)).filter(_packable))
     extra = draw(st.lists(st.binary(max_size=20), max_size=3))
     return [kind, msgpack.packb(body, use_bin_type=True), *extra]

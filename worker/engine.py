@@ -41,6 +41,7 @@ from loraserve.errors import AdapterNotFoundError, InvalidConfigError, InvalidRe
 from loraserve.kernels.backend import KernelBackend, select_backend
 from loraserve.model_config import ModelConfig
 from loraserve.prefix_keys import SequenceFingerprints, adapter_identity, chain_root
+from loraserve.request_spec import RequestSpec
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
@@ -345,6 +346,7 @@ class Engine:
         output_ids: list[int] | None = None,
         group: str | None = None,
         cache_salt: str = "",
+        spec: RequestSpec | None = None,
     ) -> Request:
         """Queue a request for an adapter name (its latest version), an exact (name, version), or None.
 
@@ -368,7 +370,15 @@ class Engine:
         guide = self.grammars.matcher(sampling.grammar, output_ids) if sampling.grammar is not None else None
         seed = sampling.seed if sampling.seed is not None else next(self._seeds)
         request = Request(
-            request_id, list(prompt_ids), sampling, key, output_ids=output_ids, seed=seed, guide=guide, group=group
+            request_id,
+            list(prompt_ids),
+            sampling,
+            key,
+            output_ids=output_ids,
+            seed=seed,
+            guide=guide,
+            group=group,
+            spec=spec,
         )
         if self.config.prefix_cache:
             request.chain_root = chain_root(cache_salt, self._adapter_identity(key))
@@ -380,6 +390,20 @@ class Engine:
         self.requests[request_id] = request
         self.step_scheduler.add(request)
         return request
+
+    def add_spec(self, spec: RequestSpec) -> Request:
+        """Queue a request the scheduler placed here; its Request holds `spec` unchanged (`add_request` says
+        what it raises). The spec's sampling values become the sampler's SamplingParams here, once."""
+        return self.add_request(
+            spec.prompt_ids,
+            spec.sampling.params(),
+            spec.adapter_key,
+            spec.request_id,
+            spec.output_ids,
+            group=spec.group,
+            cache_salt=spec.cache_salt,
+            spec=spec,
+        )
 
     def _adapter_identity(self, key: AdapterKey | None) -> str:
         """What a cached KV block's adapter is: name, version and weights (`loraserve/prefix_keys.py`)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.prefix_keys import SequenceFingerprints
+from loraserve.request_spec import RequestSpec
 from loraserve.wire import AdapterKey, TokenLogprob  # (name, version): requests keep the version they started with
 from loraserve.worker.sampling import SamplingParams
 
@@ -64,6 +65,8 @@ class Request:
     fingerprints: SequenceFingerprints | None = None
     registered_pages: int = 0
     cached_tokens: int = 0
+    # The scheduler's record of it, as the ASSIGN carried it (None for an offline request): never changed here.
+    spec: RequestSpec | None = None
     guide: Any = None  # with sampling.grammar: its llguidance matcher, at the end of output_ids (`worker/grammar.py`)
 
     @property

@@ -1,20 +1,22 @@
 """The worker process: the engine's step loop, fed by the scheduler, streaming to gateways.
 
-One thread runs everything that touches the engine: between steps it drains the scheduler's
-messages (ASSIGN / CANCEL / PREFETCH), registers adapters that background fetch threads brought
+One thread runs everything that touches the engine: between steps it takes the scheduler's
+messages (ASSIGN / CANCEL / PREFETCH, already received and decoded by the I/O thread,
+`worker/io_thread.py`), registers adapters that background fetch threads brought
 from the adapter store, aborts requests whose deadline passed, runs a step, streams the new
-tokens to each request's gateway and reports its state to the scheduler. Fetching (network,
+tokens to each request's gateway and reports its state to the scheduler (the I/O thread encodes
+and sends both: the step loop never touches a socket). Fetching (network,
 validation, packing into the pool's row layout) never happens on the step loop; prefetched adapters
 are copied into the pool in the background by the engine. A PREFETCH carries the scheduler's
 predicted likelihood of each adapter (`scores`): the engine remembers them and a prefetch never
 evicts an adapter more likely to be used than the one it fetches.
 
-Scheduler messages are checked by `wire.decode` (types, lengths, ranges, the reply_to endpoint)
-before they touch anything; a bad one is logged (rate-limited) and dropped, and an ASSIGN whose
-sampling values SamplingParams refuses ends that request with INVALID_ARGUMENT. A gateway
+Scheduler messages are checked by `wire.decode` (types, lengths, ranges, the reply_to endpoint, the
+sampling values) before they touch anything; a bad one is logged (rate-limited) and dropped. An
+ASSIGN carries the request's `RequestSpec`, which the engine's `Request` holds unchanged. A gateway
 address that cannot be connected to loses that request's tokens, never the worker.
 
-A generation whose gateway is gone stops (`_GatewayWatch`): each gateway's PUSH socket is watched
+A generation whose gateway is gone stops (`GatewayWatch`, on the I/O thread): each gateway's PUSH socket is watched
 by a ZMQ socket monitor, and when its connection drops (the gateway died, was restarted, or the
 network broke: a PUSH socket never fails a send for that, it queues) every request streaming to it
 is aborted and handed back with UNAVAILABLE and `retry`. A gateway that is still alive receives that
@@ -44,15 +46,14 @@ from pathlib import Path
 
 import zmq
 from opentelemetry import trace
-from zmq.utils.monitor import recv_monitor_message
 
 from loraserve import telemetry
 from loraserve.dispatch import Dispatcher
-from loraserve.errors import InvalidRequestError, LoraserveError
+from loraserve.errors import LoraserveError
 from loraserve.internal_auth import Curve, InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
-from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
+from loraserve.request_spec import RequestSpec
 from loraserve.wire import (
     MAX_PREFIXES,
     MAX_RESIDENT,
@@ -63,13 +64,12 @@ from loraserve.wire import (
     Prefetch,
     StepTokens,
     Tokens,
-    WireError,
     WorkerReport,
-    decode,
 )
 from loraserve.worker import metrics
 from loraserve.worker.engine import Cached, Engine, GenerateRequest, StepOutput
 from loraserve.worker.fetch_threads import FetchConfig, FetchThreads, Wakeup
+from loraserve.worker.io_thread import GatewayGone, Unsendable, WorkerIO
 from loraserve.worker.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -108,9 +108,10 @@ class WorkerConfig:
 
 @dataclass
 class _Tracked:
-    """What the service keeps per request besides the engine's Request."""
+    """What the service keeps per request besides the engine's Request: delivery, timings, trace."""
 
-    assign: Assign
+    spec: RequestSpec  # as the ASSIGN carried it (the engine's Request holds the same one)
+    queued_s: float  # time it spent in the scheduler's queue
     received: float  # time.time() at the worker
     context: object  # trace context from the scheduler
     request: Request | None = None  # None while its adapter is being fetched
@@ -130,22 +131,20 @@ class WorkerService:
     def __init__(self, engine: Engine, config: WorkerConfig):
         self.engine, self.config = engine, config
         self.ctx = zmq.Context()
-        self.scheduler_socket = make_socket(
-            self.ctx,
-            zmq.DEALER,
-            connect=config.scheduler_address,
-            identity=config.worker_id,
-            curve=config.curve_to("scheduler"),
-        )
-        self.gateways = PushSockets(self.ctx, curve=config.curve_to("gateway"))
-        self._gateway_watch = _GatewayWatch()
         self._dropped = RateLimitedLog(log)
         self.tracked: dict[str, _Tracked] = {}
         self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
-        self._wakeup = Wakeup()  # fetch threads wake the loop when an adapter arrives
+        self._wakeup = Wakeup()  # the I/O and fetch threads wake the loop when a message or an adapter arrives
+        self.io = WorkerIO(
+            self.ctx,
+            config.scheduler_address,
+            config.worker_id,
+            self._wakeup,
+            config.curve_to("scheduler"),
+            config.curve_to("gateway"),
+        )
         self._fetches = FetchThreads(config.fetching(), engine, self._wakeup)
         self._poller = zmq.Poller()
-        self._poller.register(self.scheduler_socket, zmq.POLLIN)
         self._poller.register(self._wakeup.fd, zmq.POLLIN)
         self.finished_since_report: list[str] = []
         self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since the last report
@@ -157,6 +156,9 @@ class WorkerService:
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
         self.instance = uuid.uuid4().hex  # tells the scheduler a restarted worker from the process it replaced
         self._inbox = Dispatcher({Assign: self._on_assign, Cancel: self._on_cancel, Prefetch: self._on_prefetch})
+        self._io_events = Dispatcher(
+            {Unsendable: self._on_unsendable, GatewayGone: lambda event: self._gateway_gone(event.address)}
+        )
 
     # ---- main loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -172,9 +174,7 @@ class WorkerService:
                     drain_deadline = time.monotonic() + self.config.drain_timeout_s
                     self._start_draining()
                 busy = self.engine.has_unfinished()
-                self._drain_scheduler(block_s=0.0 if busy else min(0.05, self.config.report_interval_s))
-                for address in self._gateway_watch.disconnected():
-                    self._gateway_gone(address)
+                self._take_messages(block_s=0.0 if busy else min(0.05, self.config.report_interval_s))
                 self._register_fetched()
                 self._expire_deadlines()
                 if self.engine.has_unfinished():
@@ -213,36 +213,42 @@ class WorkerService:
         self.engine.generate([warmup])
 
     # ---- scheduler messages --------------------------------------------------------------------
-    def _drain_scheduler(self, block_s: float) -> None:
-        """Handle the scheduler's messages; when idle (`block_s`), wait that long for one or for a fetch."""
+    def _take_messages(self, block_s: float) -> None:
+        """Handle what the I/O thread received and what it met sending; when idle (`block_s`), first wait
+        that long for either, or for a fetch."""
+        if not self.io.alive:
+            raise RuntimeError("the worker's I/O thread died")
         if block_s:
             self._poller.poll(int(block_s * 1000))
         self._wakeup.clear()
-        while True:
-            try:
-                frames = self.scheduler_socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                message = decode(frames)
-            except WireError as e:
-                self._dropped.warning("scheduler", "malformed message", "dropped: %s", e)
-                continue
-            if not self._inbox(message):
-                self._dropped.warning("scheduler", type(message).__name__, "dropped: not a scheduler message")
+        for source, dispatch in ((self.io.events, self._io_events), (self.io.inbox, self._inbox)):
+            while True:
+                try:
+                    message = source.get_nowait()
+                except queue.Empty:
+                    break
+                if not dispatch(message):
+                    self._dropped.warning("scheduler", type(message).__name__, "dropped: not a scheduler message")
+
+    def _on_unsendable(self, event: Unsendable) -> None:
+        """A gateway could not take a step's tokens: stop spending compute on its requests."""
+        for request_id in event.request_ids:
+            if request_id in self.tracked:
+                self.engine.abort(request_id)
 
     def _on_assign(self, assign: Assign) -> None:
-        if assign.request_id in self.tracked:
-            self._dropped.warning("scheduler", "Assign", "dropped: %s is already assigned here", assign.request_id)
+        spec = assign.spec
+        if spec.request_id in self.tracked:
+            self._dropped.warning("scheduler", "Assign", "dropped: %s is already assigned here", spec.request_id)
             return
-        tracked = _Tracked(assign, time.time(), telemetry.context_from(assign.trace))
-        self.tracked[assign.request_id] = tracked
+        tracked = _Tracked(spec, assign.queued_s, time.time(), telemetry.context_from(assign.trace))
+        self.tracked[spec.request_id] = tracked
         if self.draining:  # sent before the scheduler saw the draining report
-            self._end(assign.request_id, error_status="UNAVAILABLE", error="the worker is draining", retry=True)
+            self._end(spec.request_id, error_status="UNAVAILABLE", error="the worker is draining", retry=True)
             return
-        self._send(assign.reply_to, Tokens(assign.request_id, [], self.config.worker_id))  # "it reached a worker"
-        key = (assign.adapter, assign.adapter_version) if assign.adapter else None
-        cached = Cached.YES if key is None else self.engine.cached(key, assign.adapter_sha256 or None)
+        self._send(spec.reply_to, Tokens(spec.request_id, [], self.config.worker_id))  # "it reached a worker"
+        key = spec.adapter_key
+        cached = Cached.YES if key is None else self.engine.cached(key, spec.adapter_sha256 or None)
         if key is not None:
             metrics.ADAPTER_REQUESTS.labels(self.config.worker_id, self._found(key)).inc()
         if cached is Cached.YES:
@@ -252,7 +258,7 @@ class WorkerService:
             return
         if cached is Cached.STALE_IN_USE:
             message = f"adapter {key[0]} v{key[1]} changed in the store while requests still use the old weights"
-            self._end(assign.request_id, error_status="UNAVAILABLE", error=f"{message}; retry shortly")
+            self._end(spec.request_id, error_status="UNAVAILABLE", error=f"{message}; retry shortly")
             return
         tracked.adapter_source = "cold"
         if key not in self.awaiting:
@@ -260,7 +266,7 @@ class WorkerService:
             self._fetch(key, for_prefetch=False, trace_context=assign.trace)
         elif not self.awaiting[key]:  # only a prefetch of it is queued or under way: it waits for it now
             self._fetches.promote(key)
-        self.awaiting[key].append(assign.request_id)
+        self.awaiting[key].append(spec.request_id)
 
     def _found(self, key: AdapterKey) -> str:
         """How a request's adapter stood when the request arrived (`metrics.ADAPTER_REQUESTS`): resident
@@ -277,15 +283,10 @@ class WorkerService:
         return "loading" if key in self.awaiting else "cold"
 
     def _start(self, tracked: _Tracked) -> None:
-        a = tracked.assign
         try:
-            sampling = _sampling(a.sampling)
-            key = (a.adapter, a.adapter_version) if a.adapter else None
-            tracked.request = self.engine.add_request(
-                a.prompt_ids, sampling, key, a.request_id, a.output_ids, group=a.group, cache_salt=a.cache_salt
-            )
+            tracked.request = self.engine.add_spec(tracked.spec)
         except LoraserveError as e:
-            self._end(a.request_id, error_status=e.status, error=str(e))
+            self._end(tracked.spec.request_id, error_status=e.status, error=str(e))
 
     def _cancel(self, request_id: str, reason: str) -> None:
         tracked = self.tracked.get(request_id)
@@ -301,7 +302,7 @@ class WorkerService:
 
     def _gateway_gone(self, address: str) -> None:
         """The connection to the gateway at `address` dropped: stop its generations, hand them back."""
-        orphans = [rid for rid, tracked in self.tracked.items() if tracked.assign.reply_to == address]
+        orphans = [rid for rid, tracked in self.tracked.items() if tracked.spec.reply_to == address]
         for request_id in orphans:
             if self.tracked[request_id].request is not None:
                 self.engine.abort(request_id)  # pages are freed at the next step; its output is not sent
@@ -357,7 +358,7 @@ class WorkerService:
     def _expire_deadlines(self) -> None:
         now = time.time()
         for request_id, tracked in list(self.tracked.items()):
-            deadline = tracked.assign.deadline
+            deadline = tracked.spec.deadline
             if deadline is not None and now >= deadline and not tracked.expired:
                 tracked.expired = True
                 if tracked.request is not None:
@@ -373,7 +374,7 @@ class WorkerService:
             if tracked is None:
                 continue
             if not out.finished:
-                going_on[tracked.assign.reply_to].append(out)
+                going_on[tracked.spec.reply_to].append(out)
             elif out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                 self._end(out.request_id, output=out)
             elif tracked.expired:
@@ -420,24 +421,18 @@ class WorkerService:
             prompt_logprobs=output.prompt_logprobs if output else [],
             cached_tokens=tracked.request.cached_tokens if tracked.request is not None else 0,
         )
-        self._send(tracked.assign.reply_to, message)
+        self._send(tracked.spec.reply_to, message)
         self._record_spans(tracked, timings, error_status)
 
     def _send(self, address: str, message: Tokens | StepTokens, going_on: Sequence[str] = ()) -> None:
-        """Push to a gateway without waiting; if it cannot take it, abort the requests `going_on`."""
-        try:
-            sock = self.gateways.get(address)
-            self._gateway_watch.watch(address, sock)
-            send(sock, message, flags=zmq.NOBLOCK)
-        except (zmq.ZMQError, BadEndpointError) as e:  # gone, stuck or unreachable: stop spending compute on it
-            self._dropped.warning(address, "tokens", "not taken (%s); aborting %d requests", e, len(going_on))
-            for request_id in going_on:
-                self.engine.abort(request_id)
+        """Push to a gateway (on the I/O thread); if it cannot take it, the requests `going_on` are aborted
+        when the I/O thread says so (`_on_unsendable`)."""
+        self.io.to_gateway(address, message, going_on)
 
     def _timings(self, tracked: _Tracked) -> dict[str, float]:
         r = tracked.request
         to_wall = time.time() - time.monotonic()
-        timings = {"queue_s": tracked.assign.queued_s, "adapter_load_s": tracked.fetch_s}
+        timings = {"queue_s": tracked.queued_s, "adapter_load_s": tracked.fetch_s}
         if r is not None and r.first_scheduled is not None:
             timings["queue_s"] += r.first_scheduled + to_wall - tracked.received
             timings["adapter_load_s"] += r.adapter_wait_s
@@ -452,14 +447,14 @@ class WorkerService:
         tracer = telemetry.tracer()
         received_ns = int(tracked.received * 1e9)
         root = tracer.start_span("worker.request", context=tracked.context, start_time=received_ns)
-        root.set_attribute("loraserve.request_id", tracked.assign.request_id)
+        root.set_attribute("loraserve.request_id", tracked.spec.request_id)
         root.set_attribute("loraserve.worker_id", self.config.worker_id)
         if error_status:
             root.set_attribute("loraserve.error_status", error_status)
         ctx = trace.set_span_in_context(root)
-        if tracked.assign.adapter:
+        if tracked.spec.adapter:
             span = tracer.start_span("worker.adapter_fetch", context=ctx, start_time=received_ns)
-            span.set_attribute("loraserve.adapter", f"{tracked.assign.adapter}@{tracked.assign.adapter_version}")
+            span.set_attribute("loraserve.adapter", f"{tracked.spec.adapter}@{tracked.spec.adapter_version}")
             span.set_attribute("loraserve.adapter.source", tracked.adapter_source)
             if tracked.adapter_transport:
                 span.set_attribute("loraserve.adapter.transport", tracked.adapter_transport)
@@ -516,7 +511,7 @@ class WorkerService:
             step_samples=self.step_samples,
             cached_prefixes=self._cached_prefixes(),
         )
-        send(self.scheduler_socket, report)
+        self.io.to_scheduler(report)
         self.last_report = report  # one reference swap: safe for the scrape thread
         self.finished_since_report = []
         self.step_samples = []
@@ -539,56 +534,7 @@ class WorkerService:
 
     def close(self) -> None:
         self._fetches.close()
+        self.io.close(linger_ms=200)
         self._wakeup.close()
-        self._gateway_watch.close()
-        self.scheduler_socket.close(linger=200)
-        self.gateways.close(linger_ms=200)
         self.ctx.term()
         self.engine.close()
-
-
-class _GatewayWatch:
-    """Which gateways' connections dropped: a ZMQ monitor on each gateway PUSH socket.
-
-    `PushSockets` may close a socket (least recently used) and make a new one for the same address;
-    `watch` then moves the monitor to the new socket.
-    """
-
-    def __init__(self) -> None:
-        self._monitors: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # address -> (socket, its monitor)
-
-    def watch(self, address: str, sock: zmq.Socket) -> None:
-        known = self._monitors.get(address)
-        if known is not None and known[0] is sock:
-            return
-        if known is not None:
-            known[1].close(linger=0)
-        for other in [a for a, (watched, _) in self._monitors.items() if watched.closed]:
-            self._monitors.pop(other)[1].close(linger=0)
-        self._monitors[address] = (sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
-
-    def disconnected(self) -> list[str]:
-        """Addresses whose connection dropped since the last call (never waits)."""
-        gone = []
-        for address, (sock, monitor) in self._monitors.items():
-            while not sock.closed:  # a socket PushSockets closed itself says nothing about its gateway
-                try:
-                    event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if event["event"] == zmq.EVENT_DISCONNECTED and address not in gone:
-                    gone.append(address)
-        return gone
-
-    def close(self) -> None:
-        for _, monitor in self._monitors.values():
-            monitor.close(linger=0)
-        self._monitors.clear()
-
-
-def _sampling(fields: dict) -> SamplingParams:
-    """SamplingParams from an ASSIGN's map (keys checked by the decoder; values by SamplingParams)."""
-    try:
-        return SamplingParams(**{**fields, "stop_token_ids": tuple(fields.get("stop_token_ids") or ())})
-    except (TypeError, ValueError) as e:  # a None or list where a number belongs
-        raise InvalidRequestError("sampling", f"malformed sampling parameters: {e}") from None

@@ -1,0 +1,108 @@
+"""One request record: the scheduler's edge builds the spec once, the ASSIGN carries it, the worker's
+engine holds it unchanged; the worker's sockets run on an I/O thread that decodes and sends for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import zmq
+from emulated import emulated_engine, fixed_profile
+
+from loraserve.convert import sampling_from_pb
+from loraserve.errors import InvalidRequestError
+from loraserve.params import SamplingParams
+from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.scheduler.submit import spec_from_submit
+from loraserve.sockets import make_socket, send
+from loraserve.v1 import common_pb2, scheduler_pb2
+from loraserve.wire import Assign, Tokens, WorkerReport, decode, encode
+from loraserve.worker.fetch_threads import Wakeup
+from loraserve.worker.io_thread import GatewayGone, Unsendable, WorkerIO
+
+SINK = "tcp://127.0.0.1:9"
+
+
+def _submit(**changes) -> scheduler_pb2.SubmitRequest:
+    sampling = common_pb2.SamplingParameters(temperature=0.5, top_p=0.9, seed=3, logprobs=2)
+    fields = dict(
+        request_id="r1",
+        prompt_ids=[1, 5, 9],
+        max_new_tokens=6,
+        stop_token_ids=[2],
+        sampling=sampling,
+        reply_to=SINK,
+        adapter="upper",
+        adapter_version=1,
+        adapter_rank=8,
+        tenant="acme",
+        ttft_slo_s=2.0,
+        deadline_unix=time.time() + 60,
+        arrival_unix=time.time(),
+        output_ids=[4],
+    )
+    return scheduler_pb2.SubmitRequest(**{**fields, **changes})
+
+
+def test_the_spec_travels_unchanged_from_the_scheduler_edge_to_the_engine_request(tmp_path):
+    submit = _submit()
+    spec = spec_from_submit(submit, time.time())
+    assert (spec.adapter_key, spec.adapter_rank, spec.tenant, spec.ttft_slo_s) == (("upper", 1), 8, "acme", 2.0)
+    assert (spec.prompt_ids, spec.output_ids, spec.sampling.stop_token_ids) == ([1, 5, 9], [4], (2,))
+    received = decode([bytes(f) for f in encode(Assign(spec, queued_s=0.1))])
+    assert received.spec == spec
+    # the sampler's parameters are what the gateway-side conversion of the same proto gives
+    params = received.spec.sampling.params()
+    assert params == sampling_from_pb(submit.sampling, submit.max_new_tokens, submit.stop_token_ids)
+    engine = emulated_engine(fixed_profile(tmp_path / "profile.json"))
+    request = engine.add_spec(received.spec)
+    assert request.spec is received.spec and request.sampling == params and request.adapter == ("upper", 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert received.spec == spec, "running it changed nothing in the spec"
+    with pytest.raises(AttributeError, match="immutable"):
+        spec.prompt_ids = []
+
+
+def test_the_scheduler_edge_refuses_bad_sampling_naming_the_field():
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        spec_from_submit(_submit(sampling=common_pb2.SamplingParameters(temperature=1e-9)), time.time())
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        Sampling(max_new_tokens=0)
+
+
+def test_the_io_thread_decodes_sends_and_reports_what_failed():
+    ctx = zmq.Context()
+    scheduler = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    gateway = make_socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:*")
+    wakeup = Wakeup()
+    io = WorkerIO(ctx, scheduler.getsockopt_string(zmq.LAST_ENDPOINT), "w1", wakeup)
+    try:
+        report = WorkerReport("w1", True, 8, 10, 10, 0, 0, [], [], [])
+        io.to_scheduler(report)
+        assert scheduler.poll(5000)
+        identity, *frames = scheduler.recv_multipart()
+        assert identity == b"w1" and decode(frames) == report
+        spec = RequestSpec("r", [1] * 4096, Sampling(), gateway.getsockopt_string(zmq.LAST_ENDPOINT), 1.0)
+        send(scheduler, Assign(spec), to=b"w1")
+        assert io.inbox.get(timeout=5) == Assign(spec)  # decoded on the I/O thread
+        io.to_gateway(spec.reply_to, Tokens("r", [7]))
+        assert gateway.poll(5000) and decode(gateway.recv_multipart()) == Tokens("r", [7])
+        io.to_gateway("not-an-endpoint", Tokens("r", [8]), ["r"])
+        event = io.events.get(timeout=5)
+        assert isinstance(event, Unsendable) and (event.address, event.request_ids) == ("not-an-endpoint", ["r"])
+        gateway.close(linger=0)
+        assert io.events.get(timeout=5) == GatewayGone(spec.reply_to)
+    finally:
+        io.close(linger_ms=0)
+        wakeup.close()
+        scheduler.close(linger=0)
+        if not gateway.closed:
+            gateway.close(linger=0)
+        ctx.term()
+
+
+def test_the_spec_sampling_has_the_sampler_fields_and_defaults():
+    assert Sampling.__struct_fields__ == tuple(f.name for f in dataclasses.fields(SamplingParams))
+    assert Sampling().params() == SamplingParams()

@@ -1,0 +1,218 @@
+"""The worker's socket I/O, on a thread of its own: the step loop never receives, decodes, encodes or sends.
+
+`WorkerIO` owns every ZMQ socket the step loop used to touch: the DEALER to the scheduler, the PUSH
+sockets to gateways (`PushSockets`) and the monitors that tell when a gateway's connection drops
+(`GatewayWatch`). Its thread
+
+- receives and decodes the scheduler's messages (`wire.decode`: a 4k-token ASSIGN costs this thread,
+  not a running batch) into `inbox`, and wakes the step loop (`Wakeup`);
+- encodes and sends what the step loop queued with `to_scheduler` / `to_gateway`, in order;
+- turns what went wrong on the way out into `events` for the step loop: `Unsendable` (a gateway
+  that cannot take its tokens: those requests stop) and `GatewayGone` (a dropped connection).
+
+The step loop hands over Python objects through thread-safe queues and a one-byte inproc nudge; no
+socket is used by two threads. Malformed scheduler messages are logged (rate-limited) and dropped here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from loraserve.internal_auth import Curve
+from loraserve.log_limit import RateLimitedLog
+from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
+from loraserve.wire import Message, WireError, decode
+from loraserve.worker.fetch_threads import Wakeup
+
+log = logging.getLogger(__name__)
+WATCH_INTERVAL_S = 0.02  # how often the gateways' connection monitors are read when nothing else happens
+MAX_RECEIVED_PER_TURN = 64  # scheduler messages decoded before the outbox is looked at again
+
+
+@dataclass(frozen=True)
+class Unsendable:
+    """Tokens for these requests could not be handed to their gateway (gone, stuck or unreachable)."""
+
+    address: str
+    request_ids: Sequence[str]
+    error: str
+
+
+@dataclass(frozen=True)
+class GatewayGone:
+    """The connection to the gateway at `address` dropped."""
+
+    address: str
+
+
+class WorkerIO:
+    """The worker's sockets and the thread that drives them (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        scheduler_address: str,
+        worker_id: str,
+        wakeup: Wakeup,
+        scheduler_curve: Curve | None = None,
+        gateway_curve: Curve | None = None,
+    ):
+        self.ctx, self._wakeup = ctx, wakeup
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()  # decoded scheduler messages
+        self.events: queue.SimpleQueue[Unsendable | GatewayGone] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[str | None, Message, Sequence[str]]] = queue.SimpleQueue()
+        self._dropped = RateLimitedLog(log)
+        self._scheduler = make_socket(
+            ctx, zmq.DEALER, connect=scheduler_address, identity=worker_id, curve=scheduler_curve
+        )
+        self._gateways = PushSockets(ctx, curve=gateway_curve)
+        self._watch = GatewayWatch()
+        nudge = f"inproc://worker-io-{id(self)}"
+        self._nudge_in = make_socket(ctx, zmq.PULL, bind=nudge)
+        self._nudge = make_socket(ctx, zmq.PUSH, connect=nudge)  # the step loop's end: only it sends on it
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
+        self._thread.start()
+
+    # ---- the step loop's side --------------------------------------------------------------------
+    def to_scheduler(self, message: Message) -> None:
+        self._queue(None, message, ())
+
+    def to_gateway(self, address: str, message: Message, going_on: Sequence[str] = ()) -> None:
+        """Push to a gateway without waiting; if it cannot take it, `going_on` comes back as Unsendable."""
+        self._queue(address, message, going_on)
+
+    def _queue(self, address: str | None, message: Message, going_on: Sequence[str]) -> None:
+        self._outbox.put((address, message, going_on))
+        with contextlib.suppress(zmq.Again):  # a full pipe holds nudges enough: the thread will look anyway
+            self._nudge.send(b"", zmq.NOBLOCK)
+
+    def close(self, linger_ms: int = 200) -> None:
+        """Send what is queued, then close every socket (the thread first, so no socket is shared)."""
+        self._stopping = True
+        with contextlib.suppress(zmq.Again):
+            self._nudge.send(b"", zmq.NOBLOCK)
+        self._thread.join(10)
+        self._nudge.close(linger=0)
+        if self._thread.is_alive():  # stuck in a send: leave its sockets to it, lingering nothing
+            log.warning("worker I/O thread did not stop in time")
+            return
+        self._watch.close()
+        self._nudge_in.close(linger=0)
+        self._scheduler.close(linger=linger_ms)
+        self._gateways.close(linger_ms=linger_ms)
+
+    # ---- the I/O thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._scheduler, zmq.POLLIN)
+        poller.register(self._nudge_in, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(int(WATCH_INTERVAL_S * 1000)))
+                if self._nudge_in in ready:
+                    self._drain_nudges()
+                self._send_queued()
+                if self._stopping:
+                    return
+                if self._scheduler in ready:
+                    self._receive()
+                for address in self._watch.disconnected():
+                    self._tell(GatewayGone(address))
+        except Exception:  # a bug here must not leave the worker running deaf: the step loop sees it die
+            log.exception("worker I/O thread failed")
+            raise
+
+    def _drain_nudges(self) -> None:
+        while True:
+            try:
+                self._nudge_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _receive(self) -> None:
+        for _ in range(MAX_RECEIVED_PER_TURN):
+            try:
+                frames = self._scheduler.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frames)
+            except WireError as e:
+                self._dropped.warning("scheduler", "malformed message", "dropped: %s", e)
+                continue
+            self.inbox.put(message)
+            self._wakeup.wake()
+
+    def _send_queued(self) -> None:
+        while True:
+            try:
+                address, message, going_on = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if address is None:
+                send(self._scheduler, message)
+                continue
+            try:
+                sock = self._gateways.get(address)
+                self._watch.watch(address, sock)
+                send(sock, message, flags=zmq.NOBLOCK)
+            except (zmq.ZMQError, BadEndpointError) as e:  # gone, stuck or unreachable: stop spending compute on it
+                self._dropped.warning(address, "tokens", "not taken (%s); aborting %d requests", e, len(going_on))
+                if going_on:
+                    self._tell(Unsendable(address, going_on, str(e)))
+
+    def _tell(self, event: Unsendable | GatewayGone) -> None:
+        self.events.put(event)
+        self._wakeup.wake()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class GatewayWatch:
+    """Which gateways' connections dropped: a ZMQ monitor on each gateway PUSH socket.
+
+    `PushSockets` may close a socket (least recently used) and make a new one for the same address;
+    `watch` then moves the monitor to the new socket.
+    """
+
+    def __init__(self) -> None:
+        self._monitors: dict[str, tuple[zmq.Socket, zmq.Socket]] = {}  # address -> (socket, its monitor)
+
+    def watch(self, address: str, sock: zmq.Socket) -> None:
+        known = self._monitors.get(address)
+        if known is not None and known[0] is sock:
+            return
+        if known is not None:
+            known[1].close(linger=0)
+        for other in [a for a, (watched, _) in self._monitors.items() if watched.closed]:
+            self._monitors.pop(other)[1].close(linger=0)
+        self._monitors[address] = (sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+
+    def disconnected(self) -> list[str]:
+        """Addresses whose connection dropped since the last call (never waits)."""
+        gone = []
+        for address, (sock, monitor) in self._monitors.items():
+            while not sock.closed:  # a socket PushSockets closed itself says nothing about its gateway
+                try:
+                    event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED and address not in gone:
+                    gone.append(address)
+        return gone
+
+    def close(self) -> None:
+        for _, monitor in self._monitors.values():
+            monitor.close(linger=0)
+        self._monitors.clear()
