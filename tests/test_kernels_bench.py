@@ -3,6 +3,7 @@ guard, and the whole suite as a dry run (tiny shapes, Triton's interpreter, wall
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -14,16 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraserve.bench import attention_bench
-from loraserve.bench import kernels as bench
-from loraserve.kernels.attention_torch import attention_torch
-from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
-from loraserve.kernels.synthetic import (
+from loraserve.bench.common.kernel_cases import (
     LoraGeometry,
     make_bench_lora_pool,
     make_lora_plan,
     make_uniform_attention_case,
 )
+from loraserve.bench.suites.kernels import attention as attention_bench
+from loraserve.bench.suites.kernels import lora as bench
+from loraserve.kernels.attention_torch import attention_torch
+from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
 
 def test_defaults_are_the_suite_sweep():
@@ -176,9 +177,9 @@ def _dry_run_report(tmp_path: Path) -> dict:
     out = tmp_path / "suite.json"
     argv = ["--dry-run", "--json", str(out)]
     if os.environ.get("TRITON_INTERPRET") == "1":
-        assert bench.main(argv) == 0
+        assert bench.main(bench.parse_args(argv)) == 0
     else:  # CUDA machine: triton is already imported here, compiled
-        cmd = [sys.executable, "-m", "loraserve.bench.kernels", *argv]
+        cmd = [sys.executable, "-m", "loraserve.cli", "bench", "--suite", "kernels", *argv]
         subprocess.run(cmd, check=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
     return json.loads(out.read_text())
 
@@ -214,10 +215,10 @@ def test_suite_dry_run(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the guard on machines without CUDA")
 def test_refuses_without_cuda(capsys, tmp_path):
-    assert bench.main(["--json", str(tmp_path / "out.json")]) == 2
+    assert bench.main(bench.parse_args(["--json", str(tmp_path / "out.json")])) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
-    assert attention_bench.main([]) == 2
+    assert attention_bench.main(argparse.Namespace(dry_run=False, json=None)) == 2
 
 
 @pytest.mark.gpu
@@ -225,7 +226,7 @@ def test_refuses_without_cuda(capsys, tmp_path):
 def test_small_run_on_gpu(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--ranks", "16", "mixed", "--batch-sizes", "1", "8", "--rep", "5", "--json", str(out)]
-    assert bench.main(argv) == 0
+    assert bench.main(bench.parse_args(argv)) == 0
     saved = json.loads(out.read_text())
     assert len(saved["results"]) == 2 * 2 * 2 * 4
     assert all(r["error"] is None and r["ok"] and r["triton_us"] > 0 for r in saved["results"])
