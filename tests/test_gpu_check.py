@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraserve.bench import gpu_check, gpu_report
 from loraserve.bench.common.random_model import LlamaShape, write_llama_checkpoint
+from loraserve.bench.suites.gpu_check import report as gpu_report
+from loraserve.bench.suites.gpu_check import suite as gpu_check
 from loraserve.bench.suites.gpu_check.preset import DRY_RUN
 
 ROOT = Path(__file__).resolve().parents[1]

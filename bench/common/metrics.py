@@ -12,20 +12,8 @@ slo_attainment  share of ALL requests whose first token came within `slo_s`: a r
 
 from __future__ import annotations
 
-import numpy as np
-
+from loraserve.bench.common.stats import distribution
 from loraserve.bench.systems.base import RequestRecord
-
-
-def _dist(name: str, values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {f"{name}_mean_s": None, f"{name}_p50_s": None, f"{name}_p99_s": None}
-    v = np.asarray(values, dtype=np.float64)
-    return {
-        f"{name}_mean_s": round(float(v.mean()), 6),
-        f"{name}_p50_s": round(float(np.percentile(v, 50)), 6),
-        f"{name}_p99_s": round(float(np.percentile(v, 99)), 6),
-    }
 
 
 def summarize(records: list[RequestRecord], slo_s: float) -> dict:
@@ -43,9 +31,9 @@ def summarize(records: list[RequestRecord], slo_s: float) -> dict:
         "req_per_s": round(len(finished) / makespan, 4) if makespan > 0 else 0.0,
         "tokens_per_s": round(finished_tokens / makespan, 2) if makespan > 0 else 0.0,
     }
-    out |= _dist("ttft", ttft)
-    out |= _dist("tpot", [r.tpot_s for r in finished if r.tpot_s is not None])
-    out |= _dist("latency", [r.latency_s for r in finished])
+    out |= distribution("ttft", ttft, 6)
+    out |= distribution("tpot", [r.tpot_s for r in finished if r.tpot_s is not None], 6)
+    out |= distribution("latency", [r.latency_s for r in finished], 6)
     out["slo_s"] = slo_s
     out["slo_attainment"] = round(sum(t <= slo_s for t in ttft) / len(records), 4) if records else 0.0
     return out

@@ -38,6 +38,17 @@ def machine(threads: int | None = None) -> dict:
     }
 
 
+def cpu_fields() -> dict:
+    """The CPUs as the calibration, chaos, abuse, scheduling and control-plane figures name them."""
+    about = machine()
+    return {
+        "cpus": about["cores"],
+        "cpu_model": about["cpu"],
+        "platform": about["platform"],
+        "loadavg": about["loadavg"],
+    }
+
+
 def commit() -> str | None:
     """This checkout's commit (`-dirty` with uncommitted changes), or None outside a git checkout."""
     try:

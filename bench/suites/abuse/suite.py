@@ -35,9 +35,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.suites.abuse.probes import Roles, Traffic, big_body, connection_churn, idle_connections
-from loraserve.bench.suites.runner_profile.costs import machine
 from loraserve.client import Client
 from loraserve.demo.assets import demo_adapters
 from loraserve.gateway.keys import new_key
@@ -216,6 +215,8 @@ def main(args: argparse.Namespace) -> int:
                 shutil.copy(Path(tmp) / "up.log", Path(args.out) / "up.log")
     print_report(phases)
     if args.out:
-        path = write_results(Path(args.out), "abuse", phases, machine_extra=machine(), plan=asdict(plan), phases=phases)
+        path = write_results(
+            Path(args.out), "abuse", phases, machine_extra=cpu_fields(), plan=asdict(plan), phases=phases
+        )
         print(f"results: {path}")
     return 0

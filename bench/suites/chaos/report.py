@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from loraserve.bench.common.stats import distribution
+
 OK = "OK"
 
 
@@ -83,13 +85,7 @@ def attribute(record: StreamRecord, disruptions: list[AppliedDisruption], slack_
 
 def percentiles(values: list[float], name: str) -> dict[str, float | None]:
     """{name_p50_s, name_p99_s} of `values` (None when empty), rounded to ms/10."""
-    if not values:
-        return {f"{name}_p50_s": None, f"{name}_p99_s": None}
-    v = np.asarray(values, dtype=np.float64)
-    return {
-        f"{name}_p50_s": round(float(np.percentile(v, 50)), 4),
-        f"{name}_p99_s": round(float(np.percentile(v, 99)), 4),
-    }
+    return distribution(name, values, 4, mean=False)
 
 
 def _latency(records: list[StreamRecord]) -> dict:

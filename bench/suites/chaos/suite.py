@@ -25,8 +25,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import platform
 import signal
 import tempfile
 from collections.abc import Callable
@@ -35,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.chaos.plan import (
     SAMPLED,
@@ -322,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
             args.out,
             "chaos",
             result["disruptions"],
-            machine_extra=_machine(),
+            machine_extra=cpu_fields(),
             config=asdict(config),
             summary=result["summary"],
             disruptions=result["disruptions"],
@@ -331,13 +329,3 @@ def main(args: argparse.Namespace) -> int:
             f.writelines(json.dumps(s) + "\n" for s in result["streams"])
         print(f"results: {path}")
     return 0 if result["summary"]["mismatches"] == 0 else 1
-
-
-def _machine() -> dict:
-    """The CPUs this ran on (the model name from /proc/cpuinfo where there is one)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    model = next(
-        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
-    )
-    return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": model, "platform": platform.platform()}

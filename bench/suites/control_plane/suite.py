@@ -45,8 +45,8 @@ import numpy as np
 import psutil
 import zmq
 
-from loraserve.bench.common.results import write_results
-from loraserve.bench.suites.runner_profile.costs import machine
+from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.stats import quantile
 from loraserve.launcher import free_port_block
 from loraserve.scheduler.policy import POLICIES
 from loraserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -172,7 +172,7 @@ class Clients:
 
 
 def _q(values: list[float], q: float) -> float | None:
-    return round(float(np.quantile(values, q)), 6) if values else None
+    return quantile(values, q, 6)
 
 
 def start_scheduler(policy: str, grpc_address: str, worker_address: str, profile: Path | None) -> subprocess.Popen:
@@ -316,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
         "adapters": args.cp_adapters,
         "step_s": args.cp_step_s,
         "phase_s": preset["phase_s"],
-        "machine": machine() | {"pid_cpus": len(os.sched_getaffinity(0))},
+        "machine": cpu_fields() | {"pid_cpus": len(os.sched_getaffinity(0))},
         "runs": runs,
         "targets": verdict(runs),
         "wall_s": round(time.perf_counter() - started, 1),

@@ -6,6 +6,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.tables import markdown_table
 
 # (name, target text, how to read the value from the results, predicate on the value)
 TARGETS = [
@@ -87,9 +88,7 @@ def _table(header: list[str], rows: list[list]) -> str:
             return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
         return str(v)
 
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return markdown_table(header, [[cell(v) for v in row] for row in rows])
 
 
 def _engine_md(data: dict) -> str:

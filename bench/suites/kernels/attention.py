@@ -6,7 +6,7 @@ Cases (GQA, 32 query heads over 8 KV heads, head_dim 128, fp16, 16 tokens per pa
 1, 16, 64, 256 sequences at context 512 and 4096 (one new token each, attending to the whole
 context), and prefill of 4 x 512 and 1 x 2048 new tokens (causal, no earlier context). Every
 sequence of a case has the same length, its K/V in random pages of one pool
-(`kernels.synthetic.make_uniform_attention_case`). Measured:
+(`bench/common/kernel_cases.py`, `make_uniform_attention_case`). Measured:
 
     triton    attention_triton on the paged pool (its index tensors built once before timing, as
               the engine builds them once per step for every layer); decode splits long contexts
@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.bench.common.kernel_cases import make_uniform_attention_case
-from loraserve.bench.suites.kernels.lora import Timers, fmt, markdown_table, ratio, timed
+from loraserve.bench.common.tables import markdown_table
+from loraserve.bench.suites.kernels.lora import Timers, fmt, ratio, timed
 
 # dense fp16/bf16 tensor-core peak by device-name substring, first match wins (datasheets, no sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0}

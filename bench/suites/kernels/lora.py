@@ -66,6 +66,7 @@ from loraserve.bench.common.kernel_cases import (
     make_bench_lora_pool,
     make_lora_plan,
 )
+from loraserve.bench.common.tables import markdown_table
 from loraserve.kernels.lora_bmm import lora_apply_bmm, prepare_lora_bmm
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
@@ -638,11 +639,6 @@ def lora_summary(results: list[Result]) -> dict[str, Any]:
         "lora_errors": [f"{r.label}: {r.error}" for r in results if r.error not in (None, "skipped")],
         "lora_skipped": [r.label for r in results if r.error == "skipped"],
     }
-
-
-def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def lora_markdown(results: list[Result]) -> str:

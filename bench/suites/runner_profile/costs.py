@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loraserve.bench.common.results import cpu_fields
+from loraserve.bench.common.stats import quantile
 from loraserve.worker.step_costs import CostModel, StepFeatures
 
 log = logging.getLogger(__name__)
@@ -84,15 +84,6 @@ TINY_GRID = Grid(
 def fixed_costs() -> CostModel:
     """A plausible cost model without measuring (unit tests): ~2 ms a step plus per-token costs."""
     return CostModel((2e-3, 5e-5, 2e-5, 1e-4, 1e-8, 1e-6, 1e-9), (3e-4, 1e-6), (2e-3, 2e-5), {"source": "fixed"})
-
-
-def machine() -> dict:
-    """The CPUs, and how busy the machine was (load averages: other processes inflate the costs)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
-    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    return {"cpus": len(os.sched_getaffinity(0)), "cpu_model": model, "platform": platform.platform(), "loadavg": load}
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -190,7 +181,7 @@ def _measure(model_dir: Path, grid: Grid, seed: int) -> Calibration:
     finally:
         engine.close()
     measured_on = {
-        **machine(),
+        **cpu_fields(),
         "model": str(model_dir),
         "torch_threads": 1,
         "clock": "thread CPU time",
@@ -360,7 +351,7 @@ def fit_step_model(shapes: list[StepFeatures], seconds: list[float]) -> tuple[li
     rel = np.abs(predicted - y) / y
     quality = {
         "fit_median_rel_error": round(float(np.median(rel)), 3),
-        "fit_p90_rel_error": round(float(np.quantile(rel, 0.9)), 3),
+        "fit_p90_rel_error": quantile(rel, 0.9, 3),
         "step_s_min": round(float(y.min()), 5),
         "step_s_max": round(float(y.max()), 5),
     }

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.runner_profile.costs import (
     CALIBRATION_ENGINE,
     QUICK_GRID,
@@ -121,8 +122,8 @@ def fidelity(model_dir: Path, profile_path: Path, calibration: Calibration, grid
         "emulated_total_s": round(float(emulated.sum()), 4),
         "total_ratio": round(total, 4),
         "median_step_ratio": round(median, 4),
-        "p10_step_ratio": round(float(np.quantile(ratios, 0.1)), 4),
-        "p90_step_ratio": round(float(np.quantile(ratios, 0.9)), 4),
+        "p10_step_ratio": quantile(ratios, 0.1, 4),
+        "p90_step_ratio": quantile(ratios, 0.9, 4),
         "tolerance": FIDELITY_TOLERANCE,
         "within_tolerance": abs(total - 1) <= FIDELITY_TOLERANCE and abs(median - 1) <= FIDELITY_TOLERANCE,
     }

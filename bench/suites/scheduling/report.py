@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loraserve.bench.common import tables
+
 COLUMNS = (
     ("scenario", "scenario"),
     ("policy", "policy"),
@@ -39,15 +41,12 @@ def rows(records: list[dict]) -> list[list[str]]:
 
 
 def markdown_table(records: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows(records)]
-    return "\n".join(lines)
+    return tables.markdown_table([title for title, _ in COLUMNS], rows(records))
 
 
 def markdown_targets(targets: list[dict]) -> str:
-    lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
-    lines += [f"| {t['name']} | {t['goal']} | {_fmt(t['value'])} | {_fmt(t['met'])} |" for t in targets]
-    return "\n".join(lines)
+    cells = [[t["name"], str(t["goal"]), _fmt(t["value"]), _fmt(t["met"])] for t in targets]
+    return tables.markdown_table(["target", "goal", "measured", "met"], cells)
 
 
 def print_report(records: list[dict], run: dict) -> None:

@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loraserve.bench.common.results import write_results
-from loraserve.bench.suites.runner_profile.costs import machine
+from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.scheduling import report as scheduling_report
 from loraserve.bench.suites.scheduling.stack import (
     FOUND,
@@ -143,7 +143,8 @@ def probe_trace(trace: SchedTrace, n: int) -> SchedTrace:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    return round(float(np.quantile(values, q)), 5) if values else None
+    """The q-quantile of `values` as the scheduling records give it (5 digits), None when empty."""
+    return quantile(values, q, 5)
 
 
 def _kind(reason: str) -> str:
@@ -474,7 +475,7 @@ def main(args: argparse.Namespace) -> int:
         "available_policies": list(POLICIES),
         "profile": {"source": str(args.runner_profile or out / PROFILE_FILE), "time_scale": settings.time_scale}
         | {"fidelity": measured.fidelity, "costs": measured.costs.as_dict()},
-        "machine": machine(),
+        "machine": cpu_fields(),
         "settings": {**dataclasses.asdict(settings), "model_dir": str(settings.model_dir), "quick": bool(args.quick)},
         "scenarios": scenarios,
         "adapters_uploaded": len(adapters),
@@ -483,7 +484,7 @@ def main(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     scheduling_report.print_report(records, run)
-    write_results(out, "scheduling", records, machine_extra=machine())
+    write_results(out, "scheduling", records, machine_extra=cpu_fields())
     (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     (out / "requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     for path in scheduling_report.plot(records, out):
