@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         "weights per step)"
     )
     result = {
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)},
         "rows": rows,
         "ratio": ratio,
         "bytes_ratio": bound,
