@@ -31,13 +31,8 @@ import numpy as np
 import torch
 
 from loraserve.adapter_store.client import AdapterFetcher, FetchedRows
-from loraserve.bench.suites.adapter_fetch.suite import (
-    ADAPTER_NAME,
-    start_store,
-    wait_serving,
-    write_adapter,
-    write_model,
-)
+from loraserve.bench.common.llama7b_files import write_adapter, write_model
+from loraserve.bench.suites.adapter_fetch.suite import ADAPTER_NAME, start_store, wait_serving
 from loraserve.shared_rows import user_dir
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapter_rows import rows_adapter
