@@ -23,6 +23,7 @@ from loraserve.bench.common.kernel_cases import (
 )
 from loraserve.bench.suites.kernels import attention as attention_bench
 from loraserve.bench.suites.kernels import lora as bench
+from loraserve.bench.suites.kernels import timing
 from loraserve.kernels.attention_torch import attention_torch
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
@@ -33,19 +34,19 @@ def test_defaults_are_the_suite_sweep():
     assert args.popularity == ["distinct", "uniform", "zipf", "identical"] and args.hidden == 4096
     assert len(bench.cases(bench.LoraConfig.from_args(args))) == 2 * 4 * 4 * 4
     assert bench.cases(bench.LoraConfig()) == bench.cases(bench.LoraConfig.from_args(args))
-    assert bench.default_bandwidth("NVIDIA H100 80GB HBM3") == 3.35
-    assert bench.default_bandwidth("NVIDIA H100 PCIe") == 2.0
-    assert bench.default_bandwidth("NVIDIA H200") == 4.8
-    assert bench.default_bandwidth("Tesla T4") is None
+    assert timing.default_bandwidth("NVIDIA H100 80GB HBM3") == 3.35
+    assert timing.default_bandwidth("NVIDIA H100 PCIe") == 2.0
+    assert timing.default_bandwidth("NVIDIA H200") == 4.8
+    assert timing.default_bandwidth("Tesla T4") is None
     assert bench.case_ranks("mixed", 7, bench.MIXED_RANKS) == [8, 16, 32, 64, 128, 8, 16]
     for bad in (["--ranks", "0"], ["--ranks", "big"], ["--batch-sizes", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
 
-def _fake_timers() -> bench.Timers:
+def _fake_timers() -> timing.Timers:
     timings = iter(range(1, 10_000))
-    return bench.Timers(eager=lambda fn: float(next(timings)) / 1e3, graph=lambda fn: None)
+    return timing.Timers(eager=lambda fn: float(next(timings)) / 1e3, graph=lambda fn: None)
 
 
 def test_table_from_a_fake_timer():
@@ -112,7 +113,7 @@ def test_out_of_memory_is_a_note_not_a_failure():
     def graph(fn):
         raise torch.cuda.OutOfMemoryError("no room")
 
-    timers = bench.Timers(eager=lambda fn: 1e-3, graph=graph)
+    timers = timing.Timers(eager=lambda fn: 1e-3, graph=graph)
     config = bench.LoraConfig(ranks=[4], batch_sizes=[1], popularity=["distinct"], hidden=64, row_width=32)
     config.check = False
     results = bench.benchmark(config, torch.device("cpu"), timers, progress=False)

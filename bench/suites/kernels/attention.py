@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from loraserve.bench.common.kernel_cases import make_uniform_attention_case
 from loraserve.bench.common.tables import markdown_table
-from loraserve.bench.suites.kernels.lora import Timers, fmt, ratio, timed
+from loraserve.bench.suites.kernels.lora import fmt, ratio
+from loraserve.bench.suites.kernels.timing import Timers, cuda_timers, timed, wall_timers
 
 # dense fp16/bf16 tensor-core peak by device-name substring, first match wins (datasheets, no sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0}
@@ -312,7 +313,7 @@ def run(dry_run: bool = False) -> dict[str, Any]:
     device = torch.device("cpu" if dry_run else "cuda")
     meta = kernels.suite_meta(dry_run, device)
     config = replace(suite_config(dry_run), bandwidth_tbs=meta["roofline_bandwidth_tbs"])
-    timers = kernels.wall_timers() if dry_run else kernels.cuda_timers(device)
+    timers = wall_timers() if dry_run else cuda_timers(device)
     results = benchmark(config, device, timers)
     return {
         "meta": meta,
