@@ -42,7 +42,7 @@ run: $(STAMP)
 # The GPU suite (tests, kernel benchmark, 7B-shaped engine, stack) on a CUDA machine, into out/gpu-check.
 # Set TORCH to a CUDA build of torch there. On a bare GPU machine without a venv: deploy/gpu-check.sh.
 gpu-check: $(STAMP)
-	$(PY) -m loraserve.bench.gpu_check --out out/gpu-check $(GPU_CHECK_ARGS)
+	$(VENV)/bin/loraserve bench --suite gpu-check --out out/gpu-check $(GPU_CHECK_ARGS)
 
 # Regenerate the embedded demo model and adapters (minutes of CPU; refuses to overwrite without FORCE=1).
 demo-assets: $(STAMP)

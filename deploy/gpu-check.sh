@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite on a bare GPU machine whose python3 already has torch and triton (no venv, no
 # network): install the wheels from .whl/ (deploy/gpu-wheels.sh) and the project into a private
-# folder, then run `python -m loraserve.bench.gpu_check` with this script's arguments.
+# folder, then run `loraserve bench --suite gpu-check` with this script's arguments.
 #     bash deploy/gpu-check.sh --out out/gpu-check
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,4 +14,4 @@ if [ ! -f "$SITE/.installed" ]; then
     touch "$SITE/.installed"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$PY" -m loraserve.bench.gpu_check "$@"
+exec "$PY" -m loraserve.cli bench --suite gpu-check "$@"

@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "worker": ("loraserve.worker.main", "add_arguments", "main", "run a GPU (or CPU) worker"),
     "keys": ("loraserve.gateway.keys", "add_arguments", "main", "make API keys for the gateway's auth file"),
-    "bench": ("loraserve.bench.main", "add_arguments", "main", "benchmark loraserve against baselines"),
+    "bench": ("loraserve.bench.cli", "add_arguments", "main", "run a benchmark suite (--suite NAME)"),
     "generate": (
         "loraserve.worker.cli",
         "add_generate_arguments",

@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from loraserve.bench import main as bench_main
-from loraserve.bench.engine_system import LORASERVE_VARIANTS, AdapterBank, engine_variant, warm_up_adapters
-from loraserve.bench.merge_system import MergedModel, MergeSwapSystem
-from loraserve.bench.metrics import summarize
-from loraserve.bench.peft_system import PeftSystem
-from loraserve.bench.plots import plot_results
-from loraserve.bench.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems import ReplayLimits, RequestRecord
-from loraserve.bench.workload import (
+from loraserve.bench import cli as bench_cli
+from loraserve.bench.common.metrics import summarize
+from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.suites.serving import suite as bench_main
+from loraserve.bench.suites.serving.plots import plot_results
+from loraserve.bench.systems.base import ReplayLimits, RequestRecord
+from loraserve.bench.systems.engine import LORASERVE_VARIANTS, AdapterBank, engine_variant, warm_up_adapters
+from loraserve.bench.systems.merge import MergedModel, MergeSwapSystem
+from loraserve.bench.systems.peft import PeftSystem
+from loraserve.bench.workloads.slora import (
     Trace,
     TraceRequest,
     WorkloadSpec,
@@ -262,7 +263,7 @@ def test_plots_are_pngs(tmp_path):
 
 def test_bench_command_writes_results(tmp_path, capsys):
     parser = EnvArgumentParser()
-    bench_main.add_arguments(parser)
+    bench_cli.add_arguments(parser, [])
     out, saved = tmp_path / "out", tmp_path / "trace.jsonl"
     argv = [
         "--n-adapters",
@@ -291,8 +292,10 @@ def test_bench_command_writes_results(tmp_path, capsys):
         "--save-trace",
         str(saved),
     ]
-    assert bench_main.main(parser.parse_args(argv)) == 0
-    rows = json.loads((out / "results.json").read_text())
+    assert bench_cli.main(parser.parse_args(argv)) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["suite"] == "serving" and results["machine"]["cores"] >= 1 and "commit" in results
+    rows = results["records"]
     assert {(r["system"], r["n_adapters"]) for r in rows} == {
         (s, n) for s in ("loraserve", "merge-and-swap") for n in (1, 3)
     }

@@ -8,9 +8,9 @@ import socket
 import threading
 import time
 
-from loraserve.bench import abuse
-from loraserve.bench import main as bench_main
-from loraserve.bench.abuse_probes import Outcome, Traffic, big_body, connection_churn, idle_connections
+from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.abuse import suite as abuse
+from loraserve.bench.suites.abuse.probes import Outcome, Traffic, big_body, connection_churn, idle_connections
 from loraserve.flags import EnvArgumentParser
 
 

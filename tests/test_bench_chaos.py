@@ -8,9 +8,9 @@ import argparse
 import numpy as np
 import pytest
 
-from loraserve.bench import chaos
-from loraserve.bench import main as bench_main
-from loraserve.bench.chaos_plan import (
+from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.chaos import suite as chaos
+from loraserve.bench.suites.chaos.plan import (
     SEED_BASE,
     SIGNALS,
     ChaosConfig,
@@ -18,7 +18,7 @@ from loraserve.bench.chaos_plan import (
     choose_victim,
     disruption_schedule,
 )
-from loraserve.bench.chaos_report import (
+from loraserve.bench.suites.chaos.report import (
     OK,
     AppliedDisruption,
     StreamRecord,

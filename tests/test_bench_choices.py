@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loraserve.bench import choices
-from loraserve.bench import main as bench_main
+from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.choices import suite as choices
 from loraserve.flags import EnvArgumentParser
 
 

@@ -3,8 +3,8 @@ the records' fields (the stack part is what tests/test_cold_start.py checks, wit
 
 from __future__ import annotations
 
-from loraserve.bench.cold_load import PATHS, measure_load
-from loraserve.bench.cold_stack import _record
+from loraserve.bench.suites.cold.load import PATHS, measure_load
+from loraserve.bench.suites.cold.stack import _record
 
 
 def test_every_load_path_is_measured_against_memcpy():

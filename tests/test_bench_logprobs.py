@@ -1,4 +1,4 @@
-"""`python -m loraserve.bench.logprobs` at a tiny size: every variant measured, and the arithmetic."""
+"""`loraserve bench --suite logprobs` at a tiny size: every variant measured, and the arithmetic."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import json
 
 import pytest
 
-from loraserve.bench import logprobs
+from loraserve.bench import cli
+from loraserve.bench.suites.logprobs import suite as logprobs
 
 
 def test_tiny_run_writes_every_variant(tmp_path, monkeypatch):
     monkeypatch.setattr(logprobs, "QUICK", logprobs.Preset(batches=(1, 4), new_tokens=5, prompt_tokens=20, repeats=1))
     monkeypatch.setattr(logprobs, "VOCABULARIES", (2048,))
-    assert logprobs.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert cli.run(["--suite", "logprobs", "--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["suite"] == "logprobs" and {"cpu", "cores", "torch"} <= set(results["machine"])
     for kind in ("records", "prefill"):  # decode, then prefill

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loraserve.bench import main as bench_main
-from loraserve.bench import overhead
+from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.overhead import suite as overhead
 from loraserve.flags import EnvArgumentParser
 
 OVERHEAD_FIELDS = (

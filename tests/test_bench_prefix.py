@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loraserve.bench import main as bench_main
-from loraserve.bench import prefix
+from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.prefix import suite as prefix
 from loraserve.flags import EnvArgumentParser
 
 TINY = prefix.Preset(

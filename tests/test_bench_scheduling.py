@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from emulated import fixed_profile
 
-from loraserve.bench import control_plane, scheduling
-from loraserve.bench import main as bench_main
-from loraserve.bench import scheduling_traces as traces
-from loraserve.bench.scheduling_costs import fit_step_model
-from loraserve.bench.scheduling_stack import Outcome, StackRun, workload_ids
+from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.control_plane import suite as control_plane
+from loraserve.bench.suites.runner_profile.costs import fit_step_model
+from loraserve.bench.suites.scheduling import suite as scheduling
+from loraserve.bench.suites.scheduling.stack import Outcome, StackRun, workload_ids
+from loraserve.bench.workloads import scheduling as traces
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.flags import EnvArgumentParser
 from loraserve.model_config import ModelConfig
@@ -195,7 +196,9 @@ def test_tiny_stack_suite_through_the_cli(tmp_path, monkeypatch):
         *("--sched-workers", "2", "--runner-profile", str(profile), "--out", str(out)),
     )
     assert bench_main.main(args) == 0
-    records = json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    assert results["suite"] == "scheduling" and results["machine"]["cpus"] >= 1
+    records = results["records"]
     default, baseline = scheduling.policies()
     assert [(r["policy"], r["prefetch"]) for r in records] == [(default, True), (baseline, True), (default, False)]
     rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
@@ -237,7 +240,8 @@ def test_tiny_control_plane_suite_through_the_cli(tmp_path, monkeypatch):
     out = tmp_path / "cp"
     args = _args("--suite", "control-plane", "--quick", "--cp-workers", "4", "--cp-adapters", "100", "--out", str(out))
     assert bench_main.main(args) == 0
-    result = json.loads((out / "control_plane.json").read_text())
+    result = json.loads((out / "results.json").read_text())
+    assert result["suite"] == "control-plane" and result["records"] == result["runs"]
     assert (result["workers"], result["adapters"]) == (4, 100)
     ((phase,),) = [run["phases"] for run in result["runs"]]
     assert phase["sent"] == 300 and phase["codes"] == {"OK": 300} and phase["assigned"] == 300

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loraserve.bench import main as bench_main
-from loraserve.bench import structured
+from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.structured import suite as structured
 from loraserve.flags import EnvArgumentParser
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from emulated import ADAPTERS, MODEL, emulated_engine, fixed_profile
 
-from loraserve.bench.runner_profile import write_profile
-from loraserve.bench.scheduling_costs import TINY_GRID
+from loraserve.bench.suites.runner_profile.costs import TINY_GRID
+from loraserve.bench.suites.runner_profile.suite import write_profile
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.launcher import check_runner

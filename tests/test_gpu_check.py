@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraserve.bench import gpu_check, gpu_report
-from loraserve.bench.gpu_preset import DRY_RUN
-from loraserve.bench.random_model import LlamaShape, write_llama_checkpoint
+from loraserve.bench.common.random_model import LlamaShape, write_llama_checkpoint
+from loraserve.bench.suites.gpu_check import report as gpu_report
+from loraserve.bench.suites.gpu_check import suite as gpu_check
+from loraserve.bench.suites.gpu_check.preset import DRY_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +25,10 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     command = [
         sys.executable,
         "-m",
-        "loraserve.bench.gpu_check",
+        "loraserve.cli",
+        "bench",
+        "--suite",
+        "gpu-check",
         "--dry-run",
         "--out",
         str(out),
@@ -39,6 +43,7 @@ def test_dry_run_runs_every_part(dry_run):
     done, out = dry_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
+    assert results["suite"] == "gpu-check" and [r["part"] for r in results["records"]] == list(gpu_check.PARTS)
     assert results["preset"] == "dry-run" and results["environment"]["torch"] == torch.__version__
     parts = results["parts"]
     assert list(parts) == list(gpu_check.PARTS)
@@ -154,7 +159,7 @@ def test_random_checkpoint_loads_in_transformers(tmp_path):
 
 
 def test_graph_speedup_pairs_the_profiles_at_the_most_adapters():
-    from loraserve.bench.gpu_engine import graph_speedup
+    from loraserve.bench.suites.gpu_check.engine import graph_speedup
 
     profiles = [
         {"n_adapters": 0, "cuda_graphs": True, "wall_ms_per_step": 1.0},

@@ -21,9 +21,9 @@ import torch
 import triton
 from helpers import needs_cuda
 
+from loraserve.bench.common.kernel_cases import AttentionCase, make_attention_case
 from loraserve.kernels.attention_torch import attention_torch, write_kv_torch
 from loraserve.kernels.attention_triton import MIN_SPLIT_KEYS, attention_triton, decode_splits, write_kv_triton
-from loraserve.kernels.synthetic import AttentionCase, make_attention_case
 
 TOL = {  # dtype -> (atol, rtol)
     torch.float32: (1e-5, 1e-5),

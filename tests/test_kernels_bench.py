@@ -3,6 +3,7 @@ guard, and the whole suite as a dry run (tiny shapes, Triton's interpreter, wall
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -14,16 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraserve.bench import attention_bench
-from loraserve.bench import kernels as bench
-from loraserve.kernels.attention_torch import attention_torch
-from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
-from loraserve.kernels.synthetic import (
+from loraserve.bench.common.kernel_cases import (
     LoraGeometry,
     make_bench_lora_pool,
     make_lora_plan,
     make_uniform_attention_case,
 )
+from loraserve.bench.suites.kernels import attention as attention_bench
+from loraserve.bench.suites.kernels import lora as bench
+from loraserve.bench.suites.kernels import timing
+from loraserve.kernels.attention_torch import attention_torch
+from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
 
 def test_defaults_are_the_suite_sweep():
@@ -32,19 +34,19 @@ def test_defaults_are_the_suite_sweep():
     assert args.popularity == ["distinct", "uniform", "zipf", "identical"] and args.hidden == 4096
     assert len(bench.cases(bench.LoraConfig.from_args(args))) == 2 * 4 * 4 * 4
     assert bench.cases(bench.LoraConfig()) == bench.cases(bench.LoraConfig.from_args(args))
-    assert bench.default_bandwidth("NVIDIA H100 80GB HBM3") == 3.35
-    assert bench.default_bandwidth("NVIDIA H100 PCIe") == 2.0
-    assert bench.default_bandwidth("NVIDIA H200") == 4.8
-    assert bench.default_bandwidth("Tesla T4") is None
+    assert timing.default_bandwidth("NVIDIA H100 80GB HBM3") == 3.35
+    assert timing.default_bandwidth("NVIDIA H100 PCIe") == 2.0
+    assert timing.default_bandwidth("NVIDIA H200") == 4.8
+    assert timing.default_bandwidth("Tesla T4") is None
     assert bench.case_ranks("mixed", 7, bench.MIXED_RANKS) == [8, 16, 32, 64, 128, 8, 16]
     for bad in (["--ranks", "0"], ["--ranks", "big"], ["--batch-sizes", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
 
-def _fake_timers() -> bench.Timers:
+def _fake_timers() -> timing.Timers:
     timings = iter(range(1, 10_000))
-    return bench.Timers(eager=lambda fn: float(next(timings)) / 1e3, graph=lambda fn: None)
+    return timing.Timers(eager=lambda fn: float(next(timings)) / 1e3, graph=lambda fn: None)
 
 
 def test_table_from_a_fake_timer():
@@ -111,7 +113,7 @@ def test_out_of_memory_is_a_note_not_a_failure():
     def graph(fn):
         raise torch.cuda.OutOfMemoryError("no room")
 
-    timers = bench.Timers(eager=lambda fn: 1e-3, graph=graph)
+    timers = timing.Timers(eager=lambda fn: 1e-3, graph=graph)
     config = bench.LoraConfig(ranks=[4], batch_sizes=[1], popularity=["distinct"], hidden=64, row_width=32)
     config.check = False
     results = bench.benchmark(config, torch.device("cpu"), timers, progress=False)
@@ -176,9 +178,9 @@ def _dry_run_report(tmp_path: Path) -> dict:
     out = tmp_path / "suite.json"
     argv = ["--dry-run", "--json", str(out)]
     if os.environ.get("TRITON_INTERPRET") == "1":
-        assert bench.main(argv) == 0
+        assert bench.main(bench.parse_args(argv)) == 0
     else:  # CUDA machine: triton is already imported here, compiled
-        cmd = [sys.executable, "-m", "loraserve.bench.kernels", *argv]
+        cmd = [sys.executable, "-m", "loraserve.cli", "bench", "--suite", "kernels", *argv]
         subprocess.run(cmd, check=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
     return json.loads(out.read_text())
 
@@ -214,10 +216,10 @@ def test_suite_dry_run(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the guard on machines without CUDA")
 def test_refuses_without_cuda(capsys, tmp_path):
-    assert bench.main(["--json", str(tmp_path / "out.json")]) == 2
+    assert bench.main(bench.parse_args(["--json", str(tmp_path / "out.json")])) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
-    assert attention_bench.main([]) == 2
+    assert attention_bench.main(argparse.Namespace(dry_run=False, json=None)) == 2
 
 
 @pytest.mark.gpu
@@ -225,7 +227,7 @@ def test_refuses_without_cuda(capsys, tmp_path):
 def test_small_run_on_gpu(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--ranks", "16", "mixed", "--batch-sizes", "1", "8", "--rep", "5", "--json", str(out)]
-    assert bench.main(argv) == 0
+    assert bench.main(bench.parse_args(argv)) == 0
     saved = json.loads(out.read_text())
     assert len(saved["results"]) == 2 * 2 * 2 * 4
     assert all(r["error"] is None and r["ok"] and r["triton_us"] > 0 for r in saved["results"])

@@ -23,13 +23,7 @@ import pytest
 import torch
 from helpers import needs_cuda
 
-from loraserve.kernels.batch import ONE_MODULE_GROUPS, build_lora_plan
-from loraserve.kernels.graph_tables import graph_lora_plan
-from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
-from loraserve.kernels.lora_triton import lora_apply_triton, prepare_lora_triton, prepare_lora_triton_graph
-from loraserve.kernels.metadata import LoraPlan
-from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
-from loraserve.kernels.synthetic import (
+from loraserve.bench.common.kernel_cases import (
     POPULARITIES,
     LoraGeometry,
     SyntheticAdapter,
@@ -38,6 +32,12 @@ from loraserve.kernels.synthetic import (
     make_lora_plan,
     make_lora_pool,
 )
+from loraserve.kernels.batch import ONE_MODULE_GROUPS, build_lora_plan
+from loraserve.kernels.graph_tables import graph_lora_plan
+from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
+from loraserve.kernels.lora_triton import lora_apply_triton, prepare_lora_triton, prepare_lora_triton_graph
+from loraserve.kernels.metadata import LoraPlan
+from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.model_config import LORA_MODULES
 
 TOL = {  # dtype -> (atol, rtol)

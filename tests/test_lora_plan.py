@@ -15,10 +15,16 @@ import math
 import pytest
 import torch
 
+from loraserve.bench.common.kernel_cases import (
+    LoraGeometry,
+    adapters_used,
+    assign_adapters,
+    make_lora_plan,
+    make_lora_pool,
+)
 from loraserve.kernels.batch import FUSED_SHRINK_MAX_RANK, ReusePrepared, lora_order
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 from loraserve.kernels.lora_triton import lora_apply_triton_group, prepare_lora_triton
-from loraserve.kernels.synthetic import LoraGeometry, adapters_used, assign_adapters, make_lora_plan, make_lora_pool
 from loraserve.model_config import LORA_GROUPS
 
 # q/k/v, o, gate/up, down of a small GQA model, 32-wide rows: chunks that are partly padding.
@@ -164,7 +170,7 @@ def test_a_non_finite_adapter_poisons_only_its_own_tokens():
 
 def test_engine_tokens_identical_in_any_step_order(monkeypatch):
     """The runner's order (spans, in place) and the scheduler's own (index tables) give the same tokens."""
-    from loraserve.bench.synthetic_adapters import SyntheticAdapters
+    from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
     from loraserve.demo.assets import DEMO_MODEL_DIR
     from loraserve.worker import runner
     from loraserve.worker.config import EngineConfig

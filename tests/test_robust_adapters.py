@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save
 
 from loraserve.adapter_config import CONFIG_FILE
 from loraserve.adapter_format import MAX_ABS_WEIGHT, MAX_UPDATE_NORM, SAFETENSORS_FILE
-from loraserve.bench.adapter_fetch import write_adapter, write_model
+from loraserve.bench.common.llama7b_files import write_adapter, write_model
 from loraserve.errors import InvalidAdapterError
 from loraserve.model_config import ModelConfig
 from loraserve.worker.adapters import load_adapter_bytes, load_adapter_dir

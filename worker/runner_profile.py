@@ -1,7 +1,7 @@
 """The emulated runner's profile: what a step costs on the real engine, for one model, on one machine.
 
 `loraserve bench --suite runner-profile --out DIR` writes it (DIR/runner_profile.json, see
-`bench/runner_profile.py`); `loraserve worker --runner emulated --runner-profile FILE` reads it.
+`bench/suites/runner_profile/suite.py`); `loraserve worker --runner emulated --runner-profile FILE` reads it.
 Torch-free JSON:
 
     {"format": "loraserve-runner-profile", "version": 1,

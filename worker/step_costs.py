@@ -5,7 +5,7 @@
     costs.copy_s(rank)                                                   # one adapter into the pool
     costs.fetch_s(rank)                                                  # parse, check and pack its bytes
 
-The model (fitted by `bench/scheduling_costs.py` on the real engine) is
+The model (fitted by `bench/suites/runner_profile/costs.py` on the real engine) is
 
     step_s = c0 + c_seq·seqs + c_tok·tokens + c_ad·adapters + c_lora·Σ tokens_i·rank_i
              + c_key·Σ_groups G·S + c_score·Σ_groups G·Q·S

@@ -1,0 +1,96 @@
+"""`loraserve bench --suite NAME`: every benchmark suite behind one command.
+
+    loraserve bench --quick --out /tmp/bench-quick                  # serving, the default suite
+    loraserve bench --suite prefix --quick --out /tmp/prefix
+    loraserve bench --suite logprobs --quick --out /tmp/logprobs
+    loraserve bench --suite kernels --dry-run                        # own flags: see --help with it
+
+Each suite lives in `bench/suites/<name>/`; its `suite.py` (or the module named below) has
+`main(args) -> int` and, unless it reads only the shared flags, `add_arguments(parser)`. Most
+suites share one set of flags (--quick, --out, --threads, --model, ...: every such suite's flags are
+accepted together, as they always were); a suite whose flags clash with that set (`OWN_FLAGS`) is
+given its own flags alone, chosen by the `--suite` value on the command line (or LORASERVE_SUITE).
+Every suite that writes `--out/results.json` writes it through `bench/common/results.py`:
+{"suite", "machine", "commit", "records", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from loraserve.flags import EnvArgumentParser, env_name
+
+# name -> (module with add_arguments and main, one line on what it measures)
+SUITES: dict[str, tuple[str, str]] = {
+    "serving": ("suites.serving.suite", "the systems on S-LoRA's synthetic trace (the default)"),
+    "chaos": ("suites.chaos.suite", "failover under killed, stopped and drained workers"),
+    "scheduling": ("suites.scheduling.suite", "the default scheduling policy against fcfs, on the real stack"),
+    "abuse": ("suites.abuse.suite", "the stack under connection floods, huge bodies, idle connections and a soak"),
+    "overhead": ("suites.overhead.suite", "LoRA's cost over the base model in the offline engine"),
+    "structured": ("suites.structured.suite", "what a constrained (structured output) request costs per token"),
+    "choices": ("suites.choices.suite", "n choices of one prompt, with shared prefill and without"),
+    "prefix": ("suites.prefix.suite", "prefix caching on multi-turn chat, cache on and off"),
+    "runner-profile": ("suites.runner_profile.suite", "calibrate the emulated runner on the real engine"),
+    "cold": ("suites.cold.suite", "what a request whose adapter is resident nowhere pays, and loading's cost"),
+    "control-plane": ("suites.control_plane.suite", "one scheduler at 64 emulated workers and 10,000 adapters"),
+    "logprobs": ("suites.logprobs.suite", "what asking for log-probabilities costs a step"),
+    "engine-scaling": ("suites.engine_scaling.suite", "the offline engine's throughput against the adapter count"),
+    "adapter-fetch": ("suites.adapter_fetch.suite", "adapter fetch latency, store to worker, at 7B shapes"),
+    "kernels": ("suites.kernels.lora", "the batched LoRA kernels against torch baselines and the roofline (GPU)"),
+    "attention": ("suites.kernels.attention", "the paged-attention kernel against dense SDPA (GPU)"),
+    "gpu-check": ("suites.gpu_check.suite", "the GPU suite: tests, kernels, a 7B-shaped engine, the stack"),
+}
+# Suites whose flags clash with the shared set: they get theirs alone.
+OWN_FLAGS = frozenset({"logprobs", "engine-scaling", "adapter-fetch", "kernels", "attention", "gpu-check"})
+DEFAULT = "serving"
+
+
+def suite_module(name: str) -> ModuleType:
+    """The module that runs suite `name`."""
+    return importlib.import_module(f"loraserve.bench.{SUITES[name][0]}")
+
+
+def requested_suite(argv: Sequence[str]) -> str:
+    """The suite `argv` asks for (`--suite NAME` or `--suite=NAME`), else LORASERVE_SUITE's, else serving.
+    An unknown name gives the default here; the parser then refuses it with the list of suites."""
+    chosen = os.environ.get(env_name("--suite"), DEFAULT)
+    for i, arg in enumerate(argv):
+        if arg == "--suite" and i + 1 < len(argv):
+            chosen = argv[i + 1]
+        elif arg.startswith("--suite="):
+            chosen = arg.split("=", 1)[1]
+    return chosen if chosen in SUITES else DEFAULT
+
+
+def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> None:
+    """--suite, then the flags of the suite `argv` (default: this process's command line) asks for."""
+    suite = requested_suite(sys.argv[1:] if argv is None else argv)
+    lines = "; ".join(f"{name}: {summary}" for name, (_, summary) in SUITES.items())
+    parser.add_argument("--suite", choices=tuple(SUITES), default=DEFAULT, help=lines)
+    names = [suite] if suite in OWN_FLAGS else [n for n in SUITES if n not in OWN_FLAGS]
+    for name in names:  # serving first: it defines the flags the other shared-flag suites read
+        add = getattr(suite_module(name), "add_arguments", None)
+        if add is not None:  # a suite may read only the shared flags (runner-profile)
+            add(parser)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`loraserve bench ARGV`'s flags, parsed (for tests and scripts that run a suite in-process)."""
+    parser = EnvArgumentParser(prog="loraserve bench", description=__doc__.splitlines()[0])
+    add_arguments(parser, argv)
+    return parser.parse_args(list(argv))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the suite `args.suite` names."""
+    return int(suite_module(args.suite).main(args) or 0)
+
+
+def run(argv: Sequence[str]) -> int:
+    """`loraserve bench ARGV` in this process."""
+    return main(parse_args(argv))

@@ -1,0 +1,195 @@
+"""Write a randomly initialised Llama checkpoint of a chosen size, for benchmarks only.
+
+The embedded demo model (hidden 128, 4 layers) is so small that per-call overhead, not bytes,
+bounds every step. Benchmarks that need a step dominated by weight traffic use a larger
+model built here: Hugging Face format (config.json + model.safetensors) with the demo
+tokenizer, so every system in `loraserve bench` loads it as-is. The weights are random
+(seeded), so its text is noise; only its shapes and speed matter.
+
+    python -m loraserve.bench.common.random_model /tmp/medium-llama          # ~92M parameters
+    loraserve bench --model /tmp/medium-llama --n-adapters 100 --rates 30 --duration 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from loraserve.demo.assets import DEMO_MODEL_DIR
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_random_llama(
+    out: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, seed: int
+) -> int:
+    """Save the model to `out` (which must not exist yet); returns its parameter count."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    demo = LlamaConfig.from_pretrained(DEMO_MODEL_DIR)
+    config = LlamaConfig(
+        vocab_size=demo.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=1024,
+        bos_token_id=demo.bos_token_id,
+        eos_token_id=demo.eos_token_id,
+        pad_token_id=demo.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    out.mkdir(parents=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEMO_MODEL_DIR / name, out / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shapes of a Llama checkpoint (LLAMA_7B: Llama-2-7B's)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def parameters(self) -> int:
+        head_dim = self.hidden // self.heads
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+        per_layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
+
+
+LLAMA_7B = LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
+
+
+def write_llama_checkpoint(
+    out: Path, shape: LlamaShape, *, dtype: torch.dtype, device: str = "cpu", seed: int = 0, std: float = 0.02
+) -> int:
+    """A random Llama checkpoint of `shape` written tensor by tensor (no transformers model is built,
+    so a 7B checkpoint takes seconds, drawn on `device`): one safetensors shard per layer plus one
+    for embeddings and head, an index, config.json and the demo tokenizer. Returns the bytes written.
+
+    Weights ~ N(0, std²), norms 1. Token ids past the tokenizer's 1024 exist in the model (vocab
+    `shape.vocab`) and decode to nothing; only shapes and speed matter here.
+    """
+    out.mkdir(parents=True)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    head_dim = shape.hidden // shape.heads
+    kv = shape.kv_heads * head_dim
+
+    def normal(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=generator, device=device) * std).to(dtype).cpu()
+
+    def ones() -> torch.Tensor:
+        return torch.ones(shape.hidden, dtype=dtype)
+
+    weight_map: dict[str, str] = {}
+    written = 0
+
+    def shard(name: str, tensors: dict[str, torch.Tensor]) -> None:
+        nonlocal written
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        written += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    shard(
+        "model-embed.safetensors",
+        {
+            "model.embed_tokens.weight": normal(shape.vocab, shape.hidden),
+            "lm_head.weight": normal(shape.vocab, shape.hidden),
+            "model.norm.weight": ones(),
+        },
+    )
+    for layer in range(shape.layers):
+        prefix = f"model.layers.{layer}"
+        shard(
+            f"model-layer-{layer:03d}.safetensors",
+            {
+                f"{prefix}.self_attn.q_proj.weight": normal(shape.hidden, shape.hidden),
+                f"{prefix}.self_attn.k_proj.weight": normal(kv, shape.hidden),
+                f"{prefix}.self_attn.v_proj.weight": normal(kv, shape.hidden),
+                f"{prefix}.self_attn.o_proj.weight": normal(shape.hidden, shape.hidden),
+                f"{prefix}.mlp.gate_proj.weight": normal(shape.intermediate, shape.hidden),
+                f"{prefix}.mlp.up_proj.weight": normal(shape.intermediate, shape.hidden),
+                f"{prefix}.mlp.down_proj.weight": normal(shape.hidden, shape.intermediate),
+                f"{prefix}.input_layernorm.weight": ones(),
+                f"{prefix}.post_attention_layernorm.weight": ones(),
+            },
+        )
+    index = {"metadata": {"total_size": written}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    demo = json.loads((DEMO_MODEL_DIR / "config.json").read_text())
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": demo.get("bos_token_id"),
+        "eos_token_id": demo.get("eos_token_id"),
+        "pad_token_id": demo.get("pad_token_id"),
+        "loraserve_random_shape": asdict(shape),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEMO_MODEL_DIR / name, out / name)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loraserve.bench.common.random_model", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("out", type=Path, help="directory to create (refused if it exists)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.out.exists():
+        p.error(f"{args.out} exists; choose a new directory")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    n = write_random_llama(
+        args.out,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        seed=args.seed,
+    )
+    print(f"wrote {args.out}: {n / 1e6:.1f}M parameters")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""`loraserve bench --suite abuse`: the whole stack against hostile and careless clients.
+
+    loraserve bench --suite abuse --out results/abuse            # about 13 minutes (a 10-minute soak)
+    loraserve bench --suite abuse --quick --out /tmp/abuse       # about 3 minutes
+
+Starts `loraserve up` (the real supervisor, one worker, the demo model, an auth file with one
+tenant, the HTTP API on) and keeps calls flowing through gRPC and HTTP from a few threads
+(`abuse_probes.Traffic`). Then, one after another, each phase while that traffic flows:
+
+1. `calm`: nothing else, the baseline;
+2. `churn`: plain TCP connect+close cycles to the scheduler's worker port (base port + 1), no
+   handshake, no key, then as long again to recover;
+3. `big_body`: a 2 GiB HTTP body without a key, then with the tenant's key (the gateway must
+   answer 401 and 413 without reading it);
+4. `idle`: thousands of idle or trickling HTTP connections with no key, held open;
+5. `soak`: more callers, for the soak's duration.
+
+For each phase `results.json` records the calls (OK and failed, by status), the longest stretch
+without a successful call (an outage shows there), the restarts of every role (the supervisor
+restarts a role that dies or fails its health check), and each role's peak resident memory and
+open file descriptors. The attacks' own figures (seconds, answers) are recorded beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.suites.abuse.probes import Roles, Traffic, big_body, connection_churn, idle_connections
+from loraserve.client import Client
+from loraserve.demo.assets import demo_adapters
+from loraserve.gateway.keys import new_key
+from loraserve.launcher import free_port_block
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AbusePlan:
+    calm_s: float
+    churn_cycles: int
+    body_bytes: int
+    idle_connections: int
+    idle_hold_s: float
+    soak_s: float
+    soak_threads: int
+
+
+GIB = 1 << 30
+#                 calm_s  churn   body     idle    hold_s  soak_s  threads
+FULL = AbusePlan(20.0, 10_000, 2 * GIB, 20_000, 45.0, 600.0, 4)
+QUICK = AbusePlan(10.0, 3_000, 2 * GIB, 4_000, 20.0, 60.0, 3)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of this suite (the bench's --quick and --out apply)."""
+    parser.add_argument("--abuse-soak-s", type=float, default=None, help="abuse suite: the soak's seconds")
+    parser.add_argument(
+        "--abuse-idle-connections", type=int, default=None, help="abuse suite: idle HTTP connections held at once"
+    )
+
+
+class _Stack:
+    """`loraserve up` as a child process, its log in `workdir`."""
+
+    def __init__(self, workdir: Path):
+        key, digest = new_key()
+        self.key = key
+        auth = workdir / "auth.toml"
+        auth.write_text(f'[[tenants]]\nname = "abuser"\napi_key_sha256 = ["{digest}"]\nscopes = ["generate"]\n')
+        self.base = free_port_block(7)
+        self.grpc = f"127.0.0.1:{self.base + 5}"
+        self.http = f"127.0.0.1:{self.base + 6}"
+        command = [
+            sys.executable,
+            "-m",
+            "loraserve.cli",
+            "up",
+            "--base-port",
+            str(self.base),
+            "--bind",
+            self.grpc,
+            "--http-bind",
+            self.http,
+            "--auth-file",
+            str(auth),
+            "--data-dir",
+            str(workdir / "data"),
+        ]
+        self.log_path = workdir / "up.log"
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.time() + timeout_s
+        with Client(self.grpc, api_key=self.key) as client:
+            while time.time() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"loraserve up exited ({self.process.returncode}); see {self.log_path}")
+                try:
+                    client.generate("ready", max_new_tokens=1, timeout=10)
+                    return
+                except Exception:  # not up yet
+                    time.sleep(1.0)
+        raise RuntimeError(f"the stack was not ready in {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+def _phase(name: str, traffic: Traffic, roles: Roles, action) -> dict:
+    """Run `action()` (returns the attack's own figures) while traffic flows; the phase's record."""
+    restarts_before = roles.restarts()
+    roles.reset_peaks()
+    started = time.time()
+    log.info("abuse: phase %s", name)
+    attack = action()
+    ended = time.time()
+    roles.sample()
+    restarts = {r: n - restarts_before.get(r, 0) for r, n in roles.restarts().items()}
+    return {
+        "phase": name,
+        "seconds": round(ended - started, 1),
+        "attack": attack,
+        "traffic": traffic.window(started, ended),
+        "restarts": restarts,
+        "peak_rss_mb": {r: round(v, 1) for r, v in roles.peak_rss_mb.items()},
+        "peak_fds": dict(roles.peak_fds),
+    }
+
+
+def _then_wait(figures: dict, seconds: float) -> dict:
+    time.sleep(seconds)
+    return figures
+
+
+def run(plan: AbusePlan, workdir: Path) -> list[dict]:
+    stack = _Stack(workdir)
+    try:
+        stack.wait_ready()
+        roles = Roles(stack.process.pid)
+        roles.start()
+        adapters = ["", *sorted(demo_adapters())]
+        traffic = Traffic(stack.grpc, stack.http, stack.key, adapters, threads=2)
+        traffic.start()
+        phases = [_phase("calm", traffic, roles, lambda: _then_wait({}, plan.calm_s))]
+
+        def churn() -> dict:
+            seconds = connection_churn("127.0.0.1", stack.base + 1, plan.churn_cycles)
+            return _then_wait({"cycles": plan.churn_cycles, "seconds": round(seconds, 2)}, max(seconds, 20.0))
+
+        phases.append(_phase("churn", traffic, roles, churn))
+
+        def bodies() -> dict:
+            return {
+                "without_key": big_body(stack.http, plan.body_bytes, None),
+                "with_key": big_body(stack.http, plan.body_bytes, stack.key),
+            }
+
+        phases.append(_phase("big_body", traffic, roles, bodies))
+        hold = plan.idle_connections, plan.idle_hold_s
+        phases.append(_phase("idle", traffic, roles, lambda: idle_connections(stack.http, *hold)))
+        traffic.stop()
+        soak = Traffic(stack.grpc, stack.http, stack.key, adapters, threads=plan.soak_threads)
+        soak.start()
+        phases.append(_phase("soak", soak, roles, lambda: _then_wait({"threads": plan.soak_threads}, plan.soak_s)))
+        soak.stop()
+        roles.stop()
+        return phases
+    finally:
+        stack.stop()
+
+
+def print_report(phases: list[dict]) -> None:
+    header = f"{'phase':<9} {'calls':>6} {'ok':>6} {'failed':>7} {'longest gap s':>13}"
+    print(f"{header}  restarts  peak RSS MB (gateway)  attack")
+    for p in phases:
+        t = p["traffic"]
+        failed = sum(t["failed"].values())
+        restarts = sum(p["restarts"].values())
+        gateway_rss = p["peak_rss_mb"].get("gateway", 0.0)
+        print(
+            f"{p['phase']:<9} {t['calls']:>6} {t['ok']:>6} {failed:>7} {t['longest_without_success_s']:>13}  "
+            f"{restarts:>8}  {gateway_rss:>21}  {json.dumps(p['attack'])}"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    plan = QUICK if args.quick else FULL
+    if args.abuse_soak_s is not None:
+        plan = replace(plan, soak_s=args.abuse_soak_s)
+    if args.abuse_idle_connections is not None:
+        plan = replace(plan, idle_connections=args.abuse_idle_connections)
+    with tempfile.TemporaryDirectory(prefix="loraserve-abuse-") as tmp:
+        try:
+            phases = run(plan, Path(tmp))
+        finally:
+            if args.out:  # the stack's own log, for whatever the figures show
+                os.makedirs(args.out, exist_ok=True)
+                shutil.copy(Path(tmp) / "up.log", Path(args.out) / "up.log")
+    print_report(phases)
+    if args.out:
+        path = write_results(
+            Path(args.out), "abuse", phases, machine_extra=cpu_fields(), plan=asdict(plan), phases=phases
+        )
+        print(f"results: {path}")
+    return 0

@@ -1,0 +1,87 @@
+"""`loraserve bench --suite cold`: what a request whose adapter is resident nowhere pays, and what loading costs.
+
+    loraserve bench --suite cold --quick --out /tmp/cold     # a few minutes on 2 CPU cores
+    loraserve bench --suite cold --out results/cold          # demo and the ~92M random model, ranks 8-128
+
+Two parts (`--cold-parts`):
+
+- stack (`bench/suites/cold/stack.py`): on a real stack (store, scheduler, one worker with the real runner,
+  gateway, as processes), TTFT of a cold request against the same request warm, p50 / p99 per rank,
+  on the demo model and the random Llama `random-100m` of the overhead suite (hidden 1024, 8 layers,
+  92M parameters);
+- load (`bench/suites/cold/load.py`): fetch + load of a 7B-shaped rank-16 q/k/v/o adapter (33.6 MB), store
+  process → pool rows, by each transfer path, against this machine's memcpy bandwidth.
+
+DIR/results.json is {"suite", "machine", "commit", "records", "targets"}; a stack record has `part:
+"stack", model, rank, trials`, cold / warm / penalty p50 and p99 in ms and `cold_over_warm_p50`; a
+load record `part: "load", path`, median and p90 ms, GB/s and `fraction_of_memcpy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from loraserve.bench.common.results import write_results
+
+log = logging.getLogger(__name__)
+FULL_RANKS = (8, 16, 32, 64, 128)
+TARGET_COLD_OVER_WARM = 1.25  # cold p50 TTFT ≤ 1.25 × warm
+TARGET_FRACTION_OF_MEMCPY = 0.5  # same-host fetch + load ≥ 50 % of memcpy bandwidth
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cold-parts", nargs="+", default=["stack", "load"], choices=["stack", "load"])
+    p.add_argument("--cold-models", nargs="+", default=None, help="cold suite: models (default: demo random-100m)")
+    p.add_argument("--cold-trials", type=int, default=None, help="cold suite: cold adapters per rank (full 12)")
+    p.add_argument(
+        "--cold-stack-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="cold suite: a `loraserve up` option for the stack (an ablation, e.g. adapter_rows=False)",
+    )
+
+
+def _option(spec: str) -> tuple[str, object]:
+    name, _, value = spec.partition("=")
+    parsed = {"True": True, "False": False, "None": None}.get(value, value)
+    return name.replace("-", "_"), parsed
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from loraserve.bench.suites.cold.load import PATHS, measure_load
+    from loraserve.bench.suites.cold.stack import StackSettings, measure_stack
+    from loraserve.bench.suites.overhead.suite import model_dir
+
+    torch.set_num_threads(args.threads)
+    cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
+    records: list[dict] = []
+    if "load" in args.cold_parts:
+        for record in measure_load(10 if args.quick else 30, PATHS):
+            records.append({"part": "load", **record})
+            print(record)
+    if "stack" in args.cold_parts:
+        trials = args.cold_trials or (4 if args.quick else 12)
+        settings = StackSettings(
+            ranks=(8, 64) if args.quick else FULL_RANKS,
+            trials=trials,
+            prompt_words=32,
+            new_tokens=4,
+            torch_threads=args.threads,
+            stack_options=tuple(_option(s) for s in args.cold_stack_option),
+        )
+        for model in args.cold_models or ["demo", "random-100m"]:
+            for record in measure_stack(model_dir(model, cache), settings):
+                records.append({"part": "stack", "model": model, **record})
+                print(records[-1])
+    if args.out:
+        targets = {"cold_over_warm_p50": TARGET_COLD_OVER_WARM, "fraction_of_memcpy": TARGET_FRACTION_OF_MEMCPY}
+        path = write_results(
+            args.out, "cold", records, threads=args.threads, targets=targets, options=args.cold_stack_option
+        )
+        print(f"results: {path}")
+    return 0

@@ -1,0 +1,337 @@
+"""`loraserve bench --suite control-plane`: how many requests per second one scheduler admits and places,
+and how long each decision takes, at 64 workers and 10,000 adapters.
+
+    loraserve bench --suite control-plane --quick --out /tmp/cp      # about a minute
+    loraserve bench --suite control-plane --out results/cp
+
+What is real: the scheduler process (`loraserve scheduler`, the policy under test, its gRPC server
+and its ZMQ loop, unchanged) and every message it exchanges. What stands in for the rest:
+
+- **the workers**: `--cp-workers` emulated workers in one process (`bench/suites/control_plane/workers.py`),
+  each its own DEALER socket speaking the worker protocol: a `WorkerReport` after every step (every
+  `--cp-step-s`, 20 ms, while it holds requests) with its running requests, those finished, its resident
+  adapters (128 each, least recently used first, out of `--cp-adapters`) and a step sample. A
+  request runs `max_new_tokens` steps. No engine runs: a real worker's step loop costs its own
+  process, not the scheduler;
+- **the gateways**: this process, calling `Submit` over gRPC as a gateway does (prompt ids, the
+  adapter with its rank and weights' hash, a tenant of 8, sampling), open loop at each offered rate
+  for `PHASE_S` seconds, on `--cp-clients` channels.
+
+Per offered rate: admitted req/s (Submits answered OK per second), refusals, the Submit call's
+latency as the client sees it, and the decision latency twice: inside the scheduler (the request
+queued → its ASSIGN sent: `Assign.queued_s`, which the scheduler measures) and end to end (the client
+sent Submit → the worker received the ASSIGN, both clocks this machine's). The scheduler's CPU
+use per phase (psutil) says whether it was the bottleneck: at one full core it is saturated.
+Writes `--out/control_plane.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import psutil
+import zmq
+
+from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.stats import quantile
+from loraserve.launcher import free_port_block
+from loraserve.scheduler.policy import POLICIES
+from loraserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+WORKERS = 64
+ADAPTERS = 10_000
+RANKS = (8, 16, 32, 64)
+TENANTS = 8
+PROMPT = 32  # tokens per request
+NEW_TOKENS = 16  # steps a request runs on its emulated worker
+STEP_S = 0.02  # an emulated worker's step: 50 reports a second from each busy worker
+QUICK = {"rates": (250, 1000, 2500, 5000), "phase_s": 4.0, "policies": ("adaptive",)}
+FULL = {"rates": (250, 500, 1000, 1500, 2000, 3000, 5000), "phase_s": 8.0, "policies": POLICIES}
+TARGET_RATE = 5000.0  # req/s admitted
+TARGET_P99_S = 0.001  # decision latency
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser.add_argument_group("control-plane suite (--suite control-plane)")
+    p.add_argument("--cp-workers", type=int, default=WORKERS, help="emulated workers reporting to the scheduler")
+    p.add_argument("--cp-adapters", type=int, default=ADAPTERS, help="adapters the requests ask for (Zipf α = 1)")
+    p.add_argument("--cp-rates", type=float, nargs="+", help="offered Submit rates, req/s (default: the preset's)")
+    p.add_argument("--cp-policies", nargs="+", choices=POLICIES, help="policies to measure (default: the preset's)")
+    p.add_argument("--cp-clients", type=int, default=4, help="gRPC channels the Submits go out on")
+    p.add_argument(
+        "--cp-step-s",
+        type=float,
+        default=STEP_S,
+        help="an emulated worker's step while it holds requests: it reports after each (the report cadence)",
+    )
+    p.add_argument(
+        "--cp-profile",
+        action="store_true",
+        help="run the scheduler under cProfile: --out/scheduler-POLICY.prof, and its top functions printed",
+    )
+
+
+def _sha(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+class Catalogue:
+    """The adapters requests ask for: Zipf α = 1 over `n` names, ranks round robin, a weights hash each."""
+
+    def __init__(self, n: int, seed: int):
+        self.names = [f"cp-{i:05d}" for i in range(n)]
+        weights = np.arange(1, n + 1, dtype=np.float64) ** -1.0
+        self.rng = np.random.default_rng(seed)
+        self.p = weights / weights.sum()
+        self.hashes = [_sha(name) for name in self.names]
+
+    def draw(self, count: int) -> np.ndarray:
+        return self.rng.choice(len(self.names), size=count, p=self.p)
+
+
+class Clients:
+    """Submits over `channels` gRPC channels, as gateways send them."""
+
+    def __init__(self, address: str, channels: int, reply_to: str, catalogue: Catalogue, seed: int):
+        self.channels = [grpc.aio.insecure_channel(address) for _ in range(channels)]
+        self.stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self.channels]
+        self.reply_to, self.catalogue = reply_to, catalogue
+        rng = np.random.default_rng(seed + 1)
+        self.prompts = [[int(t) for t in rng.integers(3, 1000, PROMPT)] for _ in range(64)]
+        self.sampling = common_pb2.SamplingParameters(ignore_eos=True)
+
+    async def phase(self, name: str, rate: float, seconds: float) -> dict:
+        """Submit at `rate` for `seconds` (open loop); the calls' outcomes and latencies."""
+        n = int(rate * seconds)
+        picks = self.catalogue.draw(n)
+        latencies: list[float] = []
+        codes: dict[str, int] = {}
+        start = time.monotonic()
+        tasks = set()
+
+        async def one(i: int) -> None:
+            a = int(picks[i])
+            request = scheduler_pb2.SubmitRequest(
+                request_id=f"{name}/{i}",
+                prompt_ids=self.prompts[i % len(self.prompts)],
+                adapter=self.catalogue.names[a],
+                adapter_version=1,
+                sampling=self.sampling,
+                max_new_tokens=NEW_TOKENS,
+                reply_to=self.reply_to,
+                arrival_unix=time.time(),
+                adapter_sha256=self.catalogue.hashes[a],
+                tenant=f"tenant-{i % TENANTS}",
+                adapter_rank=RANKS[a % len(RANKS)],
+            )
+            sent = time.perf_counter()
+            try:
+                await self.stubs[i % len(self.stubs)].Submit(request, timeout=30)
+                latencies.append(time.perf_counter() - sent)
+                codes["OK"] = codes.get("OK", 0) + 1
+            except grpc.aio.AioRpcError as e:
+                codes[e.code().name] = codes.get(e.code().name, 0) + 1
+
+        for i in range(n):
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(i))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        sent_s = time.monotonic() - start
+        await asyncio.gather(*tasks)
+        return {
+            "offered_req_per_s": rate,
+            "sent": n,
+            "send_s": round(sent_s, 3),  # > seconds: the client could not send at the rate
+            "codes": codes,
+            "admitted_req_per_s": round(codes.get("OK", 0) / max(sent_s, seconds), 1),
+            "submit_p50_s": _q(latencies, 0.5),
+            "submit_p99_s": _q(latencies, 0.99),
+        }
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+def _q(values: list[float], q: float) -> float | None:
+    return quantile(values, q, 6)
+
+
+def start_scheduler(policy: str, grpc_address: str, worker_address: str, profile: Path | None) -> subprocess.Popen:
+    python = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else [])]
+    args = [*python, "-m", "loraserve.cli", "--log-level", "ERROR", "scheduler"]
+    args += ["--bind", grpc_address, "--worker-address", worker_address, "--policy", policy]
+    args += ["--max-queue-length", "4096"]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def start_workers(worker_address: str, workers: int, adapters: int, step_s: float, out: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "loraserve.bench.suites.control_plane.workers", "--scheduler", worker_address]
+    args += ["--workers", str(workers), "--adapters", str(adapters), "--step-s", str(step_s), "--out", str(out)]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+async def wait_ready(address: str, workers: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        while True:
+            try:
+                state = await stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=2)
+                if sum(w.ready for w in state.workers) >= workers:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{workers} emulated workers not registered after {timeout_s} s")
+            await asyncio.sleep(0.2)
+
+
+async def measure(
+    policy: str, rates: list[float], phase_s: float, args: argparse.Namespace, scratch: Path, profile: Path | None
+) -> dict:
+    base = free_port_block(3)
+    grpc_address, worker_address = f"127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
+    reply_to = f"tcp://127.0.0.1:{base + 2}"
+    ctx = zmq.Context()
+    sink = ctx.socket(zmq.PULL)  # failures the scheduler sends "gateways" (there should be none)
+    sink.bind(reply_to)
+    latencies_file = scratch / f"workers-{policy}.json"
+    scheduler = start_scheduler(policy, grpc_address, worker_address, profile)
+    workers = start_workers(worker_address, args.cp_workers, args.cp_adapters, args.cp_step_s, latencies_file)
+    phases = []
+    try:
+        await wait_ready(grpc_address, args.cp_workers)
+        cpu = psutil.Process(scheduler.pid)
+        clients = Clients(grpc_address, args.cp_clients, reply_to, Catalogue(args.cp_adapters, args.seed), args.seed)
+        await clients.phase("warm", 200.0, 1.0)
+        await asyncio.sleep(1.0)
+        for rate in rates:
+            name = f"r{int(rate)}"
+            before, wall = cpu.cpu_times(), time.monotonic()
+            result = await clients.phase(name, rate, phase_s)
+            used = cpu.cpu_times()
+            result["scheduler_cpu"] = round(
+                (used.user + used.system - before.user - before.system) / (time.monotonic() - wall), 3
+            )
+            result["phase"] = name
+            phases.append(result)
+            log.info("%s %s: %s", policy, name, {k: v for k, v in result.items() if k != "codes"})
+            await asyncio.sleep(1.0)  # the emulated workers finish what they hold
+        await clients.close()
+    finally:
+        workers.send_signal(signal.SIGTERM)
+        workers.wait(timeout=30)
+        scheduler.send_signal(signal.SIGTERM)
+        try:
+            scheduler.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            scheduler.kill()
+        sink.close(linger=0)
+        ctx.term()
+    recorded = json.loads(latencies_file.read_text())["phases"]
+    for result in phases:
+        got = recorded.get(result["phase"], {})
+        queued, e2e = got.get("queued_s", []), got.get("end_to_end_s", [])
+        result["assigned"] = len(queued)
+        span = (got.get("last_unix") or 0) - (got.get("first_unix") or 0)
+        result["assigned_req_per_s"] = round(len(queued) / span, 1) if span > 0 else None
+        result |= {"decision_p50_s": _q(queued, 0.5), "decision_p99_s": _q(queued, 0.99)}
+        result |= {"decision_max_s": round(max(queued), 6) if queued else None}
+        result |= {"end_to_end_p50_s": _q(e2e, 0.5), "end_to_end_p99_s": _q(e2e, 0.99)}
+        result["kept_up"] = kept_up(result)
+    return {"policy": policy, "phases": phases}
+
+
+def kept_up(phase: dict) -> bool:
+    """The scheduler kept up with the offered rate: (nearly) every Submit answered OK and placed, and no
+    request waited a second between its Submit and its ASSIGN."""
+    placed = phase.get("assigned", 0) >= 0.99 * phase["sent"]
+    prompt = (phase.get("end_to_end_p99_s") or 0.0) <= 1.0
+    return phase["codes"].get("OK", 0) >= 0.99 * phase["sent"] and placed and prompt
+
+
+def verdict(runs: list[dict]) -> list[dict]:
+    """The targets on the default policy: the highest offered rate it kept up with (`kept_up`), and the
+    decision p99 at the target rate."""
+    out = []
+    for run in runs:
+        if run["policy"] != POLICIES[0]:
+            continue
+        kept = [p for p in run["phases"] if kept_up(p)]
+        best = max((p["admitted_req_per_s"] for p in kept), default=0.0)
+        at_target = next((p for p in run["phases"] if p["offered_req_per_s"] >= TARGET_RATE), None)
+        p99 = at_target["decision_p99_s"] if at_target else None
+        out.append({"name": "admitted req/s", "goal": f">= {TARGET_RATE:g}", "value": best, "met": best >= TARGET_RATE})
+        out.append(
+            {
+                "name": f"decision p99 at {TARGET_RATE:g} req/s offered (s)",
+                "goal": f"<= {TARGET_P99_S}",
+                "value": p99,
+                "met": p99 is not None and p99 <= TARGET_P99_S,
+            }
+        )
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    preset = QUICK if args.quick else FULL
+    rates = list(args.cp_rates or preset["rates"])
+    chosen = list(args.cp_policies or preset["policies"])
+    out = args.out or Path(tempfile.mkdtemp(prefix="loraserve-cp-"))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="loraserve-cp-") as scratch:
+        for policy in chosen:
+            profile = out / f"scheduler-{policy}.prof" if args.cp_profile else None
+            runs.append(asyncio.run(measure(policy, rates, preset["phase_s"], args, Path(scratch), profile)))
+            if profile is not None and profile.exists():
+                import pstats
+
+                print(f"--- the scheduler under {policy}: where its time went ({profile})")
+                pstats.Stats(str(profile)).sort_stats("tottime").print_stats(25)
+    result = {
+        "what": "a real scheduler process; emulated workers in one process speaking the worker protocol; "
+        "this process calling Submit as gateways do",
+        "workers": args.cp_workers,
+        "adapters": args.cp_adapters,
+        "step_s": args.cp_step_s,
+        "phase_s": preset["phase_s"],
+        "machine": cpu_fields() | {"pid_cpus": len(os.sched_getaffinity(0))},
+        "runs": runs,
+        "targets": verdict(runs),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    fields = {k: v for k, v in result.items() if k not in ("suite", "machine", "runs")}
+    path = write_results(out, "control-plane", runs, machine_extra=result["machine"], runs=runs, **fields)
+    for run in runs:
+        for p in run["phases"]:
+            print(
+                f"{run['policy']:>8} offered {p['offered_req_per_s']:>6g}/s: admitted {p['admitted_req_per_s']:>7}/s "
+                f"(refused {p['sent'] - p['codes'].get('OK', 0)}), decision p50/p99 {p['decision_p50_s']}/"
+                f"{p['decision_p99_s']} s, end to end p99 {p['end_to_end_p99_s']} s, scheduler CPU {p['scheduler_cpu']}"
+                f"{'' if p['kept_up'] else ' (fell behind)'}"
+            )
+    for t in result["targets"]:
+        print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (goal {t['goal']})")
+    print(f"results: {path}")
+    return 0

@@ -1,0 +1,182 @@
+"""What asking for log-probabilities costs: `loraserve bench --suite logprobs`.
+
+    loraserve bench --suite logprobs --quick --out /tmp/logprobs    # about half a minute on 2 CPU cores
+    loraserve bench --suite logprobs --out results/logprobs
+
+Two measurements, run alternately so that each variant sees the same conditions, each keeping its
+fastest of `repeats` runs:
+
+- decode: in the offline engine on the demo model with its adapters (mixed, greedy, one prompt), a
+  batch of 1 or 32 requests decodes `new_tokens` tokens side by side with log-probabilities off,
+  with each token's own (`logprobs: 0`) and with its 20 likeliest alternatives (`logprobs: 20`,
+  OpenAI's maximum); the step time is the mean over the decode steps of the whole batch. Prompt
+  scoring (completions' `echo`, `prompt_logprobs`) is measured the same way on the prefill of a
+  batch of prompts: the step that computes them, with and without scoring every prompt row.
+- logits: `worker/logprobs.py`'s `logprobs_from_logits` alone, on random float32 logits of a
+  real vocabulary (32,000: Llama 2, Mistral; 128,256: Llama 3) for 1 and 32 rows, top 0 and 20,
+  beside the log-softmax that any sampler computes anyway: the demo model's vocabulary (1,024) is
+  too small to show what a real one costs.
+
+DIR/results.json (`bench/common/results.py`) is {"suite", "machine", "commit", "records": the decode
+records, "prefill": [...], "logits": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.bench.common.results import write_results
+from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+
+PROMPT = "the quiet king"
+VARIANTS = {"off": None, "logprobs 0": 0, "logprobs 20": 20}  # SamplingParams.logprobs
+VOCABULARIES = (32_000, 128_256)
+
+
+@dataclass(frozen=True)
+class Preset:
+    batches: tuple[int, ...]
+    new_tokens: int
+    prompt_tokens: int  # of each prompt scored in the prefill measurement
+    repeats: int
+
+
+FULL = Preset(batches=(1, 32), new_tokens=64, prompt_tokens=256, repeats=5)
+QUICK = Preset(batches=(1, 32), new_tokens=24, prompt_tokens=128, repeats=2)
+
+
+def _decode(engine, batch: int, logprobs: int | None, new_tokens: int) -> float:
+    """Mean seconds of a whole-batch decode step, with `logprobs` asked for by every request."""
+    from loraserve.worker.sampling import SamplingParams
+
+    names = [None, *engine.adapter_names()]
+    ids = engine.tokenizer.encode(PROMPT)
+    for i in range(batch):
+        sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, logprobs=logprobs)
+        engine.add_request(ids, sampling, names[i % len(names)])
+    steps: list[float] = []
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - started
+        if len(outputs) == batch and not any(o.finished for o in outputs) and engine.last_step.tokens == batch:
+            steps.append(seconds)
+    return sum(steps) / max(1, len(steps))
+
+
+def _prefill(engine, batch: int, scored: int | None, prompt_tokens: int) -> float:
+    """Seconds of the step that computes `batch` prompts of `prompt_tokens` tokens (every row scored
+    with `scored` alternatives, or none), and samples their first tokens."""
+    from loraserve.worker.sampling import SamplingParams
+
+    names = [None, *engine.adapter_names()]
+    for i in range(batch):
+        ids = [1] + [3 + (7 * i + 13 * j) % 1000 for j in range(prompt_tokens - 1)]  # no two alike: no cache hit
+        sampling = SamplingParams(max_new_tokens=1, prompt_logprobs=scored, logprobs=scored)
+        engine.add_request(ids, sampling, names[i % len(names)])
+    started = time.perf_counter()
+    engine.step()
+    seconds = time.perf_counter() - started
+    while engine.has_unfinished():
+        engine.step()
+    return seconds
+
+
+def _logits(vocab: int, rows: int, top: int | None, repeats: int) -> float:
+    """Fastest seconds of `logprobs_from_logits` (or, for top None, of the log-softmax alone)."""
+    import torch
+
+    from loraserve.worker.logprobs import logprobs_from_logits
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab + rows))
+    tokens = torch.randint(0, vocab, (rows,)).tolist()
+    best = float("inf")
+    for _ in range(repeats * 5):
+        started = time.perf_counter()
+        if top is None:
+            torch.log_softmax(logits, -1)
+        else:
+            logprobs_from_logits(logits, tokens, [top] * rows)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure(engine, preset: Preset) -> dict[str, list[dict]]:
+    decode: dict[tuple[int, str], float] = {}
+    prefill: dict[tuple[int, str], float] = {}
+    for _ in range(preset.repeats):
+        for batch in preset.batches:
+            for name, k in VARIANTS.items():  # alternately: each variant sees the same conditions
+                step = _decode(engine, batch, k, preset.new_tokens)
+                decode[batch, name] = min(decode.get((batch, name), float("inf")), step)
+                step = _prefill(engine, min(batch, 8), k, preset.prompt_tokens)
+                prefill[batch, name] = min(prefill.get((batch, name), float("inf")), step)
+    records: dict[str, list[dict]] = {"decode": [], "prefill": [], "logits": []}
+    for batch in preset.batches:
+        for kind, table in (("decode", decode), ("prefill", prefill)):
+            off = table[batch, "off"]
+            records[kind] += [
+                {
+                    "batch": batch if kind == "decode" else min(batch, 8),
+                    "variant": name,
+                    "step_ms": 1e3 * table[batch, name],
+                    "off_step_ms": 1e3 * off,
+                    "overhead": table[batch, name] / off - 1,
+                }
+                for name in VARIANTS
+            ]
+    for vocab in VOCABULARIES:
+        for rows in preset.batches:
+            softmax = _logits(vocab, rows, None, preset.repeats)
+            for top in (0, 20):
+                seconds = _logits(vocab, rows, top, preset.repeats)
+                records["logits"].append(
+                    {"vocab": vocab, "rows": rows, "top": top, "ms": 1e3 * seconds, "log_softmax_ms": 1e3 * softmax}
+                )
+    return records
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--out", type=Path, help="write DIR/results.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+
+    preset = QUICK if args.quick else FULL
+    torch.set_num_threads(args.threads)
+    for noisy in ("loraserve.worker", "loraserve.kernels"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    config = EngineConfig(device="cpu", max_batch_size=max(preset.batches), prefix_cache=False)
+    engine = Engine(DEMO_MODEL_DIR, config)
+    for name, path in demo_adapters().items():
+        engine.register_adapter(name, path)
+    _decode(engine, max(preset.batches), 20, 4)  # warm-up, unmeasured
+    records = measure(engine, preset)
+    engine.close()
+    for r in records["decode"] + records["prefill"]:
+        kind = "decode" if r in records["decode"] else "prefill"
+        print(
+            f"{kind:>7} batch {r['batch']:>2} {r['variant']:>11}: step {r['step_ms']:.3f} ms "
+            f"(off {r['off_step_ms']:.3f} ms, {100 * r['overhead']:+.1f} %)"
+        )
+    for r in records["logits"]:
+        print(
+            f" logits vocab {r['vocab']:>6} rows {r['rows']:>2} top {r['top']:>2}: {r['ms']:.3f} ms "
+            f"(log-softmax alone {r['log_softmax_ms']:.3f} ms)"
+        )
+    if args.out:
+        path = write_results(
+            args.out, "logprobs", records["decode"], args.threads, prefill=records["prefill"], logits=records["logits"]
+        )
+        print(f"results: {path}")
+    return 0

@@ -1,0 +1,340 @@
+"""`loraserve bench --suite overhead`: what LoRA costs over the base model, in the offline engine.
+
+    loraserve bench --suite overhead --quick --out /tmp/overhead     # a few minutes on 2 CPU cores
+    loraserve bench --suite overhead --out results/                   # three models, n = 1000
+
+Per model, the same requests run with adapters and with none, alternately, in one process: `batch`
+requests queued at once (prompts of 8–32 random tokens, 16–128 output tokens, greedy, EOS ignored),
+request i using adapter i mod n (32 distinct adapters of ranks 8/16/32 on q/k/v/o by default). Each
+side runs `repeats` times and keeps its fastest run, so both are measured under the same conditions.
+The pool is sized from the model to hold a full batch's KV and every adapter at once, and every
+adapter is copied in before the clock starts: no run loads or evicts one.
+Models: the demo model and random Llamas of ~25M and ~100M parameters (`bench/common/random_model.py`,
+written once under the adapter cache).
+
+Then, on the ~25M model (else the first model measured), the scaling ratio: LoRA tokens/s with n
+distinct adapters (1000; 200 in --quick) over one adapter, saturated (every request queued at
+once, batch 64).
+
+On CUDA (`--overhead-device cuda`), each model is measured twice: with decode steps replayed from
+CUDA graphs and with every step eager (`--enforce-eager`).
+
+DIR/results.json is {"machine": ..., "records": [...]}; an overhead record has
+`kind, model, parameters, device, backend, cuda_graphs, threads, n_adapters, ranks, batch, tokens, tokens_per_s_base,
+tokens_per_s_lora, overhead` (lora time / base time - 1), `steps_base, steps_lora, step_ms_base,
+step_ms_lora, host_ms_per_step` (the runner's host-side planning per step, in the LoRA run),
+`adapter_mb_per_step`, `adapter_loads` (in the kept LoRA run: 0) and `pool_pages`; a scaling record
+has `kind, model`, the same engine fields, `n_adapters, ranks, batch, tokens_per_s_n1, tokens_per_s_n, ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.bench.common.results import write_results
+from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.systems.engine import AdapterBank, adapter_counters, warm_up
+from loraserve.bench.workloads.slora import round_robin_ranks
+from loraserve.demo.assets import DEMO_MODEL_DIR
+
+log = logging.getLogger(__name__)
+
+OVERHEAD_RANKS = (8, 16, 32)
+PROMPT_LEN = (8, 32)
+
+
+@dataclass(frozen=True)
+class RandomShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+RANDOM_MODELS = {
+    "random-25m": RandomShape(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536),
+    "random-100m": RandomShape(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    models: tuple[str, ...]
+    repeats: int
+    output_len: tuple[int, int]
+    scaling_n: int
+    scaling_requests: int
+    scaling_output: int
+
+
+FULL = Preset(("demo", "random-25m", "random-100m"), 3, (16, 128), 1000, 256, 32)
+QUICK = Preset(("demo", "random-25m"), 2, (16, 64), 200, 128, 16)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overhead-batch", type=int, default=64, help="overhead suite: requests queued at once")
+    p.add_argument("--overhead-adapters", type=int, default=32, help="overhead suite: distinct adapters")
+    p.add_argument(
+        "--overhead-models", nargs="+", help="overhead suite: demo, random-25m, random-100m (default: the preset's)"
+    )
+    p.add_argument("--overhead-scaling-n", type=int, help="overhead suite: distinct adapters of the scaling ratio")
+    p.add_argument("--overhead-output-len", type=int, nargs=2, help="overhead suite: output tokens, low high")
+    p.add_argument("--overhead-repeats", type=int, help="overhead suite: runs per side, the fastest kept")
+    p.add_argument("--overhead-device", default="cpu", help="overhead suite: the engine's device (cpu, cuda)")
+    p.add_argument(
+        "--overhead-backend",
+        default="auto",
+        choices=["auto", "torch", "triton", "torch-bmm"],
+        help="overhead suite: the engine's kernel backend",
+    )
+
+
+def model_dir(name: str, cache: Path) -> Path:
+    """The model's directory; a random model is written under `cache` the first time."""
+    if name == "demo":
+        return DEMO_MODEL_DIR
+    from loraserve.bench.common.random_model import write_random_llama
+
+    shape = RANDOM_MODELS[name]
+    path = cache / f"{name}-h{shape.hidden}-l{shape.layers}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        write_random_llama(tmp, seed=0, **vars(shape))
+        tmp.rename(path)
+    return path
+
+
+def _requests(batch: int, output_len: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
+    """(prompt of random token ids, output tokens) per request, seeded."""
+    rng = random.Random(seed)
+    low, high = PROMPT_LEN
+    return [
+        ([rng.randrange(3, 1000) for _ in range(rng.randrange(low, high + 1))], rng.randint(*output_len))
+        for _ in range(batch)
+    ]
+
+
+def pool_pages(path: Path, batch: int, longest: int, adapters: dict[str, int], modules: tuple[str, ...]) -> int:
+    """Pages for a full batch of KV at `longest` tokens each plus every adapter resident at once,
+    with a quarter to spare (prefetch leaves a share free for KV; the padded steps keep a page)."""
+    from loraserve.model_config import ModelConfig
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.pool_layout import PoolLayout
+
+    config = ModelConfig.from_dir(path)
+    layout = PoolLayout.for_model(config, EngineConfig().rows_per_page, 1)
+    per_rank = {r: layout.adapter_layout(config, r, modules).num_pages for r in set(adapters.values())}
+    need = batch * layout.kv_pages_for(longest) + sum(per_rank[r] for r in adapters.values())
+    return need + need // 4 + 8
+
+
+def _run(engine, requests, adapters: list[str | None]) -> dict:
+    """Every request queued at once, run to the end: seconds, steps, host seconds, adapter bytes."""
+    from loraserve.worker.sampling import SamplingParams
+
+    steps0, host0, read0 = engine.steps, engine.runner.host_seconds, engine.adapter_bytes_read
+    loads0 = adapter_counters(engine)["loads"]
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(requests):
+        sampling = SamplingParams(max_new_tokens=n, ignore_eos=True, seed=0)
+        engine.add_request(prompt, sampling, adapters[i % len(adapters)], f"r{time.monotonic_ns()}-{i}")
+    tokens = 0
+    while engine.has_unfinished():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    seconds = time.perf_counter() - start
+    steps = engine.steps - steps0
+    return {
+        "seconds": seconds,
+        "steps": steps,
+        "tokens": tokens,
+        "host_s": engine.runner.host_seconds - host0,
+        "adapter_bytes": engine.adapter_bytes_read - read0,
+        "adapter_loads": adapter_counters(engine)["loads"] - loads0,
+    }
+
+
+def _alternated(
+    path: Path,
+    args: argparse.Namespace,
+    adapters: dict[str, int],
+    requests: list[tuple[list[int], int]],
+    sides: list[list[str | None]],
+    repeats: int,
+    cuda_graphs: str = "auto",
+):
+    """(engine, runs per side): one engine whose pool holds every adapter and a full batch's KV,
+    warmed up with every adapter resident, then the same requests once per side, `repeats` times
+    round, so that every side is measured under the same conditions."""
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+
+    bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
+    longest = PROMPT_LEN[1] + max(n for _, n in requests)
+    pages = pool_pages(path, args.overhead_batch, longest, adapters, bank.adapters.target_modules)
+    config = EngineConfig(
+        device=args.overhead_device,
+        backend=args.overhead_backend,
+        cuda_graphs=cuda_graphs,
+        max_batch_size=args.overhead_batch,
+        pool_pages=pages,
+    )
+    engine = Engine(path, config)
+    try:
+        for name, rank in adapters.items():
+            engine.add_adapter(name, bank.get(name, rank))
+        warm_up(engine, adapters)
+        _load_all(engine, list(adapters))
+        runs: list[list[dict]] = [[] for _ in sides]
+        for _ in range(repeats):
+            for side, measured in zip(sides, runs, strict=True):
+                measured.append(_run(engine, requests, side))
+    finally:
+        engine.close()
+    return engine, runs
+
+
+def _load_all(engine, names: list[str]) -> None:
+    """One one-token request per adapter, all queued at once: every adapter is copied into the pool."""
+    from loraserve.worker.sampling import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    for i, name in enumerate(names):
+        engine.add_request([5, 6, 7, 8], sampling, name, f"load-{i}")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _engine_fields(engine, args: argparse.Namespace) -> dict:
+    """What a record says of the engine that ran it."""
+    return {
+        "device": str(engine.device),
+        "backend": engine.runner.backend.name,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "threads": args.threads,
+    }
+
+
+def measure_overhead(
+    name: str, path: Path, args: argparse.Namespace, preset: Preset, cuda_graphs: str = "auto"
+) -> dict:
+    """One model: the same requests with adapters and without, alternately; the fastest of each."""
+    adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
+    requests = _requests(args.overhead_batch, preset.output_len, args.seed)
+    names = list(adapters)
+    engine, (base, lora) = _alternated(path, args, adapters, requests, [[None], names], preset.repeats, cuda_graphs)
+    b, lo = min(base, key=lambda r: r["seconds"]), min(lora, key=lambda r: r["seconds"])
+    if b["tokens"] != lo["tokens"]:
+        raise RuntimeError(f"{name}: base run generated {b['tokens']} tokens, LoRA run {lo['tokens']}")
+    parameters = sum(p.numel() for p in engine.model.parameters())
+    if lo["adapter_loads"]:
+        log.warning("%s: the kept LoRA run loaded %d adapters", name, lo["adapter_loads"])
+    return {
+        "kind": "overhead",
+        "model": name,
+        "parameters": parameters,
+        **_engine_fields(engine, args),
+        "n_adapters": len(names),
+        "ranks": list(OVERHEAD_RANKS),
+        "batch": args.overhead_batch,
+        "tokens": b["tokens"],
+        "tokens_per_s_base": round(b["tokens"] / b["seconds"], 1),
+        "tokens_per_s_lora": round(lo["tokens"] / lo["seconds"], 1),
+        "overhead": round(lo["seconds"] / b["seconds"] - 1, 4),
+        "steps_base": b["steps"],
+        "steps_lora": lo["steps"],
+        "step_ms_base": round(1000 * b["seconds"] / b["steps"], 3),
+        "step_ms_lora": round(1000 * lo["seconds"] / lo["steps"], 3),
+        "host_ms_per_step": round(1000 * lo["host_s"] / lo["steps"], 3),
+        "adapter_mb_per_step": round(lo["adapter_bytes"] / lo["steps"] / 2**20, 2),
+        "base_mb_per_step": round(engine.base_bytes / 2**20, 2),
+        "adapter_loads": lo["adapter_loads"],
+        "pool_pages": engine.layout.num_pages,
+    }
+
+
+def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: Preset) -> dict:
+    """LoRA tokens/s with n distinct adapters over one adapter, the same saturated requests."""
+    n = args.overhead_scaling_n or preset.scaling_n
+    adapters = round_robin_ranks(n, OVERHEAD_RANKS)
+    requests = _requests(preset.scaling_requests, (preset.scaling_output, preset.scaling_output), args.seed)
+    sides = [[next(iter(adapters))], list(adapters)]
+    engine, (one, many) = _alternated(path, args, adapters, requests, sides, preset.repeats)
+    t1 = max(r["tokens"] / r["seconds"] for r in one)
+    tn = max(r["tokens"] / r["seconds"] for r in many)
+    return {
+        "kind": "scaling",
+        "model": name,
+        **_engine_fields(engine, args),
+        "n_adapters": n,
+        "ranks": list(OVERHEAD_RANKS),
+        "batch": args.overhead_batch,
+        "requests": len(requests),
+        "tokens_per_s_n1": round(t1, 1),
+        "tokens_per_s_n": round(tn, 1),
+        "ratio": round(tn / t1, 3),
+    }
+
+
+def print_report(records: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="LoRA overhead (offline engine)")
+    columns = ("model", "cuda_graphs", "n_adapters", "batch", "tokens_per_s_base", "tokens_per_s_lora", "overhead")
+    columns += ("step_ms_base", "step_ms_lora", "host_ms_per_step", "adapter_mb_per_step")
+    for c in columns:
+        table.add_column(c, justify="left" if c == "model" else "right")
+    for r in records:
+        if r["kind"] == "overhead":
+            table.add_row(*[str(r[c]) for c in columns])
+    console = Console(width=160)
+    console.print(table)
+    for r in records:
+        if r["kind"] == "scaling":
+            console.print(
+                f"{r['model']}: n={r['n_adapters']} / n=1, saturated: {r['tokens_per_s_n']} / {r['tokens_per_s_n1']}"
+                f" tokens/s = {r['ratio']}"
+            )
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    preset = QUICK if args.quick else FULL
+    preset = Preset(
+        tuple(args.overhead_models or preset.models),
+        args.overhead_repeats or preset.repeats,
+        tuple(args.overhead_output_len or preset.output_len),
+        preset.scaling_n,
+        preset.scaling_requests,
+        preset.scaling_output,
+    )
+    torch.set_num_threads(args.threads)
+    for noisy in ("loraserve.worker", "loraserve.kernels"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
+    records = []
+    # on CUDA, each model with decode graphs and without (--enforce-eager); a CPU has none
+    graph_modes = ("auto", "off") if args.overhead_device.startswith("cuda") else ("auto",)
+    for name in preset.models:
+        for graphs in graph_modes:
+            records.append(measure_overhead(name, model_dir(name, cache), args, preset, graphs))
+            log.info("overhead %s: %s", name, records[-1])
+    scaling = "random-25m" if "random-25m" in preset.models else preset.models[0]
+    records.append(measure_scaling(scaling, model_dir(scaling, cache), args, preset))
+    print_report(records)
+    if args.out:
+        cpu = platform.processor() or platform.machine()
+        machine = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+        if args.overhead_device.startswith("cuda"):
+            machine["gpu"] = torch.cuda.get_device_name(torch.device(args.overhead_device))
+        print(f"results: {write_results(args.out, 'overhead', records, args.threads, machine_extra=machine)}")
+    return 0

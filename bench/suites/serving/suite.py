@@ -1,0 +1,286 @@
+"""`loraserve bench --suite serving` (the default suite): loraserve against its ablations and two
+baselines, on S-LoRA's synthetic workload.
+
+    loraserve bench --quick --out /tmp/bench-quick
+    loraserve bench --n-adapters 1 10 100 1000 --rates 20 10 30 40 --duration 60 --out results/
+    loraserve bench --trace trace.jsonl --systems loraserve peft --out results/
+
+Settings: every --n-adapters value at the first of --rates (throughput against the number of
+adapters, S-LoRA fig. 5), then every other rate at --rate-sweep-n adapters (against the request
+rate, fig. 6). For each setting one trace is generated (or --trace is replayed) and every system
+replays it in real time, in this process, on the same base model and the same adapters. The
+baselines (peft, merge-and-swap) are skipped above --baseline-max-adapters adapters.
+
+Writes --out/results.json ({"suite", "machine", "commit", "records": one row per system and
+setting}), records.jsonl (one per request), vs_adapters.png / vs_rate.png, and prints a table and
+the ratios that matter.
+
+The other suites: `loraserve bench --suite NAME` (bench/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraserve.bench.common.metrics import summarize
+from loraserve.bench.common.results import write_results
+from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.suites.serving.report import BASELINES, STACK, print_report
+from loraserve.bench.systems.base import ReplayLimits, System
+from loraserve.bench.systems.engine import LORASERVE_VARIANTS, AdapterBank, engine_variant
+from loraserve.bench.workloads.slora import DEFAULT_RANKS, Trace, WorkloadSpec, load_trace, save_trace, synthetic_trace
+from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.worker.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
+
+# Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
+FULL = {
+    "n_adapters": [1, 10, 100, 1000],
+    "rates": [40.0, 20.0, 60.0, 80.0],
+    "rate_sweep_n": 100,
+    "duration": 60.0,
+    "input_len": [8, 64],
+    "output_len": [8, 64],
+    "drain": 60.0,
+    "pool_pages": 768,
+}
+QUICK = {
+    "n_adapters": [1, 100, 1000],
+    "rates": [60.0, 30.0, 120.0],
+    "rate_sweep_n": 100,
+    "duration": 5.0,
+    "input_len": [8, 32],
+    "output_len": [8, 24],
+    "drain": 3.0,
+    "pool_pages": 384,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+
+    def preset(key: str) -> str:
+        return f"(full: {FULL[key]}; quick: {QUICK[key]})"
+
+    p.add_argument("--quick", action="store_true", help="a small preset that runs in a few minutes on 2 CPU cores")
+    p.add_argument("--n-adapters", type=int, nargs="+", help=f"adapter counts {preset('n_adapters')}")
+    p.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        help=f"request rates R, req/s; the first is the adapter sweep's {preset('rates')}",
+    )
+    p.add_argument("--rate-sweep-n", type=int, help=f"adapters for the other rates {preset('rate_sweep_n')}")
+    p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of adapter popularity")
+    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times")
+    p.add_argument("--duration", type=float, help=f"trace duration, seconds {preset('duration')}")
+    p.add_argument(
+        "--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"), help=f"prompt length range {preset('input_len')}"
+    )
+    p.add_argument(
+        "--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"), help=f"output length range {preset('output_len')}"
+    )
+    p.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS), help="adapter ranks, round-robin")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM", help=f"systems to compare: {' '.join(SYSTEMS)}"
+    )
+    p.add_argument(
+        "--baseline-max-adapters", type=int, default=100, help="skip peft and merge-and-swap above this many adapters"
+    )
+    p.add_argument("--trace", type=Path, help="replay this JSON-lines trace instead of generating")
+    p.add_argument("--save-trace", type=Path, help="write each generated trace here (-n<N>-r<R> added if several)")
+    p.add_argument("--out", type=Path, help="directory for results.json, records.jsonl and the plots")
+    p.add_argument(
+        "--slo",
+        type=float,
+        default=1.0,
+        help="SLO on the first-token latency, seconds (S-LoRA: 6 s for a 7B model on an A100)",
+    )
+    p.add_argument(
+        "--drain", type=float, help=f"seconds after the last arrival; then stragglers are cut {preset('drain')}"
+    )
+    p.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="base model directory")
+    p.add_argument("--adapter-cache", type=Path, help="where synthetic adapter directories are written once")
+    p.add_argument("--max-batch-size", type=int, default=32, help="running requests per step / per static batch")
+    p.add_argument(
+        "--pool-pages",
+        type=int,
+        help=f"engine pool pages (16 KV tokens or 32 adapter rows each) {preset('pool_pages')}",
+    )
+    p.add_argument(
+        "--split-adapter-fraction",
+        type=float,
+        help="adapters' share of the pool in loraserve-no-unified-pool (default: what is left "
+        "after KV room for a full batch of the longest requests)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+@dataclass(frozen=True)
+class Setting:
+    n_adapters: int
+    rate: float
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:  # checked here, not with choices=, so the LORASERVE_SYSTEMS=a,b twin works too
+        raise SystemExit(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def settings(args: argparse.Namespace) -> list[Setting]:
+    out = [Setting(n, args.rates[0]) for n in args.n_adapters]
+    out += [Setting(args.rate_sweep_n, rate) for rate in args.rates[1:]]
+    return list(dict.fromkeys(out))
+
+
+def build_system(name: str, args: argparse.Namespace, bank: AdapterBank, limits: ReplayLimits) -> System:
+    from loraserve.worker.config import EngineConfig
+
+    if name in LORASERVE_VARIANTS:
+        config = EngineConfig(
+            device="cpu", max_batch_size=args.max_batch_size, pool_pages=args.pool_pages, seed=args.seed
+        )
+        return engine_variant(name, args.model, config, bank, limits, split_fraction(args))
+    if name == STACK:
+        from loraserve.bench.systems.stack import StackSystem
+
+        return StackSystem(bank.adapters, args.pool_pages, args.max_batch_size, limits, torch_threads=args.threads)
+    if name == "peft":
+        from loraserve.bench.systems.peft import PeftSystem
+
+        return PeftSystem(bank.adapters, args.adapter_cache, args.max_batch_size, limits)
+    from loraserve.bench.systems.merge import MergeSwapSystem
+
+    return MergeSwapSystem(bank.adapters, args.max_batch_size, limits)
+
+
+def split_fraction(args: argparse.Namespace) -> float:
+    """The static split S-LoRA's no-unified-memory variant stands for, sized generously: KV keeps
+    exactly enough pages for a full batch of the longest requests, adapters get the rest."""
+    if args.split_adapter_fraction is not None:
+        return args.split_adapter_fraction
+    tokens_per_page = EngineConfig().rows_per_page // 2  # a KV page holds K and V rows per token
+    longest = args.input_len[1] + args.output_len[1]
+    kv_pages = args.max_batch_size * -(-longest // tokens_per_page)
+    return min(0.9, max(0.1, 1 - kv_pages / args.pool_pages))
+
+
+def _trace_for(setting: Setting, args: argparse.Namespace, many: bool) -> Trace:
+    spec = WorkloadSpec(
+        n_adapters=setting.n_adapters,
+        alpha=args.alpha,
+        rate=setting.rate,
+        cv=args.cv,
+        duration_s=args.duration,
+        input_len=tuple(args.input_len),
+        output_len=tuple(args.output_len),
+        ranks=tuple(args.ranks),
+        seed=args.seed,
+    )
+    trace = synthetic_trace(spec)
+    if args.save_trace:
+        path = args.save_trace
+        if many:
+            path = path.with_name(f"{path.stem}-n{setting.n_adapters}-r{setting.rate:g}{path.suffix}")
+        save_trace(trace, path)
+    return trace
+
+
+def run_benchmark(args: argparse.Namespace) -> list[dict]:
+    """Every system on every setting; one result row each."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    limits = ReplayLimits(drain_s=args.drain, progress=not args.no_progress)
+    bank = AdapterBank(SyntheticAdapters(args.model, seed=args.seed))
+    if args.trace:
+        trace = load_trace(args.trace, seed=args.seed)
+        jobs = [(Setting(len(trace.adapters), float(trace.params.get("rate", 0.0))), trace)]
+    else:
+        todo = settings(args)
+        jobs = [(s, None) for s in todo]
+    rows, records, systems = [], [], {}
+    for setting, given in jobs:
+        trace = given or _trace_for(setting, args, len(jobs) > 1)
+        for name in args.systems:
+            if name in BASELINES and setting.n_adapters > args.baseline_max_adapters:
+                continue
+            if name not in systems:  # one instance per system: the PEFT one keeps its loaded adapters
+                systems[name] = build_system(name, args, bank, limits)
+            system = systems[name]
+            start = time.perf_counter()
+            result = system.run(trace)
+            row = {
+                "system": name,
+                "n_adapters": setting.n_adapters,
+                "alpha": trace.params.get("alpha", args.alpha),
+                "cv": trace.params.get("cv", args.cv),
+                "rate": setting.rate,
+                "duration_s": trace.duration_s,
+                "offered_req_per_s": round(len(trace.requests) / trace.duration_s, 3) if trace.duration_s else None,
+                "seed": args.seed,
+                "adapters_used": len(trace.used_adapters()),
+                "pool_pages": args.pool_pages,
+                "adapter_pool_fraction": split_fraction(args) if name == "loraserve-no-unified-pool" else None,
+                **summarize(result, args.slo),
+                **system.stats(),
+                "wall_s": round(time.perf_counter() - start, 2),
+            }
+            rows.append(row)
+            records += [
+                {"system": name, "n_adapters": setting.n_adapters, "rate": setting.rate, **r.as_dict()} for r in result
+            ]
+            log.info(
+                "%s n=%d rate=%g: %.2f req/s, %.0f tok/s, ttft p50 %s s, SLO %.0f%%, %d/%d finished",
+                name,
+                setting.n_adapters,
+                setting.rate,
+                row["req_per_s"],
+                row["tokens_per_s"],
+                row["ttft_p50_s"],
+                100 * row["slo_attainment"],
+                row["finished"],
+                row["requests"],
+            )
+    if args.out:
+        _write(args.out, rows, records, args.threads)
+    return rows
+
+
+def _write(out: Path, rows: list[dict], records: list[dict], threads: int) -> None:
+    """results.json (the rows), records.jsonl (one line per request) and the plots."""
+    from loraserve.bench.suites.serving.plots import plot_results
+
+    write_results(out, "serving", rows, threads)
+    with (out / "records.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    for path in plot_results(rows, out):
+        log.info("wrote %s", path)
+
+
+def main(args: argparse.Namespace) -> int:
+    args = _resolved(args)
+    quiet = max(logging.WARNING, logging.getLogger().level)
+    for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):
+        logging.getLogger(noisy).setLevel(quiet)  # one line per adapter registered is too many
+    rows = run_benchmark(args)
+    print_report(rows, rows[0]["rate"] if rows else 0.0)
+    if args.out:
+        print(f"results: {args.out / 'results.json'}")
+    return 0
