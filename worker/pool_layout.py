@@ -132,6 +132,14 @@ class PoolLayout:
         """Elements of one page over all layers."""
         return self.num_layers * self.rows_per_page * self.row_width
 
+    def describe(self, element_size: int) -> str:
+        """The geometry in one line, for the log."""
+        mib = self.num_layers * self.rows_per_layer * self.row_width * element_size / 2**20
+        return (
+            f"{self.num_pages} pages x {self.rows_per_page} rows x {self.row_width} wide x {self.num_layers} layers "
+            f"({mib:.1f} MiB, {self.tokens_per_page} tokens per KV page)"
+        )
+
     def kv_pages_for(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self.tokens_per_page)
 
