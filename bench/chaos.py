@@ -56,7 +56,7 @@ from loraserve.bench.chaos_report import (
 from loraserve.bench.stack_system import _upload
 from loraserve.bench.synthetic_adapters import SyntheticAdapters
 from loraserve.grpc_utils import internal_channel
-from loraserve.launcher import LocalStack
+from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ import psutil
 import zmq
 
 from loraserve.bench.scheduling_costs import machine
-from loraserve.launcher import free_port_block
+from loraserve.launcher.ports import free_port_block
 from loraserve.scheduler.policy import POLICIES
 from loraserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
