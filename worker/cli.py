@@ -10,19 +10,14 @@ from pathlib import Path
 from loraserve.config_cli import add_config_arguments, config_from_args, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
+from loraserve.model_config import ModelSettings
 from loraserve.params import SamplingParams
 from loraserve.tokenizer import IncrementalDetokenizer
 from loraserve.worker.config import EngineConfig
 
 WORKER_ADAPTER_CACHE_GB = 4.0  # a worker's default: thousands of typical adapters, bounded all the same
 WORKER_ENGINE_DEFAULTS = {"adapter_cache_bytes": int(WORKER_ADAPTER_CACHE_GB * 2**30)}
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """The model an engine serves."""
-
-    model: Path = setting(DEMO_MODEL_DIR, "Hugging Face model directory (default: the embedded demo model)")
+_SAMPLING = SamplingParams()  # generate's sampling defaults are the engine's (but for max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -37,10 +32,10 @@ class GenerateSettings:
         metavar="NAME=PATH",
     )
     max_new_tokens: int = setting(48, "")
-    temperature: float = setting(SamplingParams.temperature, "")
-    top_k: int = setting(SamplingParams.top_k, "")
-    top_p: float = setting(SamplingParams.top_p, "")
-    seed: int | None = setting(SamplingParams.seed, "")
+    temperature: float = setting(_SAMPLING.temperature, "")
+    top_k: int = setting(_SAMPLING.top_k, "")
+    top_p: float = setting(_SAMPLING.top_p, "")
+    seed: int | None = setting(_SAMPLING.seed, "")
 
 
 def add_engine_arguments(
@@ -53,6 +48,8 @@ def add_engine_arguments(
     add_config_arguments(g, ModelSettings)
     if adapter_cache_gb is None:
         add_config_arguments(g, EngineConfig, skip={"adapter_cache_bytes"})
+    elif adapter_cache_gb == WORKER_ADAPTER_CACHE_GB:
+        add_config_arguments(g, EngineConfig, defaults=WORKER_ENGINE_DEFAULTS)
     else:
         add_config_arguments(g, EngineConfig, defaults={"adapter_cache_bytes": int(adapter_cache_gb * 2**30)})
 
