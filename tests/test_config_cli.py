@@ -252,3 +252,58 @@ def test_no_role_writes_a_flag_by_hand():
     assert "launcher/up.py" in files and "worker/main.py" in files
     by_hand = [p for p in files if re.search(r"\.add_argument\(", (ROOT / p).read_text())]
     assert by_hand == [], "flags belong in a configuration dataclass's fields (loraserve/config_cli.py)"
+
+
+# ---- `loraserve up` hands each role its configuration ----------------------------------------------------
+def _role_parsers() -> dict[str, argparse.ArgumentParser]:
+    from loraserve.cli import build_parser
+
+    roles = {"adapter-store": "adapter-store", "scheduler": "scheduler", "gateway": "gateway", "worker-0": "worker"}
+    return {name: build_parser(command) for name, command in roles.items()}
+
+
+def test_up_forwards_each_roles_settings_and_the_stacks_addresses(tmp_path, monkeypatch):
+    from loraserve.launcher.commands import add_arguments, role_commands
+
+    for var in ("LORASERVE_BIND", "LORASERVE_MAX_LORA_RANK", "LORASERVE_METRICS_PORT", "LORASERVE_DATA_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    up = argparse.ArgumentParser()
+    add_arguments(up)
+    argv = ["--base-port", "7400", "--max-lora-rank", "32", "--memory-budget-gb", "2", "--max-queue-length", "5"]
+    argv += [
+        "--http-max-connections",
+        "7",
+        "--fetch-threads",
+        "3",
+        "--max-batch-size",
+        "8",
+        "--data-dir",
+        str(tmp_path),
+    ]
+    argv += ["--no-adapter-rows", "--shared-memory-root", "", "--policy", "fcfs", "--engine-seed", "9"]
+    commands = role_commands(up.parse_args(argv))
+    monkeypatch.setenv("LORASERVE_BIND", "0.0.0.0:1")  # what the stack chose is on the command line: no twin reaches it
+    parsed = {}
+    for name, parser in _role_parsers().items():
+        line = commands[name]
+        parsed[name] = parser.parse_args(line[line.index("--log-level") :])
+    store = parsed["adapter-store"]
+    assert (store.bind, store.max_lora_rank, store.budget_bytes, store.adapter_rows) == (
+        "127.0.0.1:7402",
+        32,
+        2.0,
+        False,
+    )
+    assert config_from_args(StoreConfig, store, model_dir=tmp_path).shm_root is None
+    scheduler = config_from_args(SchedulerSettings, parsed["scheduler"])
+    assert (scheduler.bind, scheduler.worker_address) == ("127.0.0.1:7400", "tcp://127.0.0.1:7401")
+    assert (scheduler.max_queue_length, scheduler.policy) == (5, "fcfs")
+    gateway = config_from_args(GatewaySettings, parsed["gateway"])
+    assert (gateway.scheduler, gateway.store, gateway.bind) == ("127.0.0.1:7400", "127.0.0.1:7402", "127.0.0.1:50051")
+    assert (gateway.max_lora_rank, gateway.http_max_connections) == (32, 7)
+    engine = config_from_args(EngineConfig, parsed["worker-0"])
+    worker = config_from_args(WorkerSettings, parsed["worker-0"])
+    assert (engine.max_lora_rank, engine.max_batch_size, engine.seed, engine.device) == (32, 8, 9, "cpu")
+    assert engine.adapter_cache_bytes == WORKER_ENGINE_DEFAULTS["adapter_cache_bytes"]
+    assert (worker.worker_id, worker.store_address, worker.fetch_threads) == ("worker-0", "tcp://127.0.0.1:7403", 3)
+    assert (worker.adapter_rows, worker.shm_root) == (False, None)
