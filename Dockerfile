@@ -14,6 +14,7 @@ COPY gateway gateway
 COPY scheduler scheduler
 COPY adapter_store adapter_store
 COPY worker worker
+COPY launcher launcher
 COPY kernels kernels
 COPY bench bench
 COPY demo demo

@@ -12,8 +12,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError
 from loraserve.internal_auth import InternalKeys
+from loraserve.model_config import DEFAULT_MAX_LORA_RANK
 
 MIB = 2**20
 GIB = 2**30
@@ -24,10 +26,26 @@ MAX_CONFIG_BYTES = 1 * MIB  # adapter_config.json larger than this is refused (i
 class StoreLimits:
     """What the store accepts and how long it keeps versions nobody can name any more."""
 
-    max_lora_rank: int = 128
-    max_adapter_bytes: int = 512 * MIB  # the largest weights file accepted
-    budget_bytes: int = 8 * GIB  # host RAM for every held version's files and rows, retained ones included
-    retention_s: float = 600.0  # superseded / deleted versions stay fetchable this long
+    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "largest LoRA rank accepted")
+    max_adapter_bytes: int = setting(
+        512 * MIB,
+        "largest weights file accepted, MiB",
+        flag="--max-adapter-mb",
+        flag_type=float,
+        parse=lambda mib: int(mib * MIB),
+        show=lambda n: n / MIB,
+    )
+    budget_bytes: int = setting(
+        8 * GIB,
+        "host RAM for adapters (their files and pool rows), GiB",
+        flag="--memory-budget-gb",
+        flag_type=float,
+        parse=lambda gib: int(gib * GIB),
+        show=lambda n: n / GIB,
+    )  # every held version's, retained ones included
+    retention_s: float = setting(
+        600.0, "seconds a superseded or deleted version stays fetchable for requests in flight"
+    )
 
     def __post_init__(self) -> None:
         if self.max_lora_rank < 1:
@@ -61,9 +79,25 @@ def stack_data_dir(base_port: int, model_dir: Path) -> Path:
 class PersistenceConfig:
     """Where registered adapters are kept across restarts: a data dir, an S3 prefix, or nowhere (RAM only)."""
 
-    data_dir: Path | None = None  # ignored when object_store is set
-    object_store: str | None = None  # s3://bucket/prefix
-    object_store_endpoint: str | None = None  # e.g. http://127.0.0.1:9000; None: AWS's own
+    data_dir: Path | None = setting(
+        None,
+        "directory every registered adapter is written to before the registration is acknowledged, and "
+        "reloaded from at start (re-verified; corrupt entries moved to DIR/quarantine/, never deleted; "
+        "created private, mode 0700)",
+        metavar="DIR",
+        flag_type=str,
+        parse=lambda text: Path(text) if text else None,
+        show=lambda path: None if path is None else str(path),
+    )  # ignored when object_store is set
+    object_store: str | None = setting(
+        None,
+        "keep adapters in S3-compatible object storage instead of --data-dir (credentials: the standard AWS "
+        "variables or boto3's other sources; needs boto3: pip install 'loraserve[s3]')",
+        metavar="s3://BUCKET/PREFIX",
+    )
+    object_store_endpoint: str | None = setting(
+        None, "the object store's endpoint (default: AWS S3)", metavar="URL"
+    )  # e.g. http://127.0.0.1:9000
 
     def __post_init__(self) -> None:
         if self.object_store is not None and not self.object_store.startswith("s3://"):
@@ -82,15 +116,37 @@ class StoreConfig:
 
     model_dir: Path  # only its config.json is read
     limits: StoreLimits = field(default_factory=StoreLimits)
-    bind: str = "127.0.0.1:7300"  # gRPC control plane
-    data_address: str = "tcp://127.0.0.1:7301"  # ZMQ ROUTER workers fetch bytes from
-    adapter_root: Path | None = None  # RegisterFromPath reads only below it; None refuses it
-    preload: tuple[tuple[str, Path], ...] = ()  # (name, directory) registered before SERVING
-    purge_interval_s: float = 10.0  # how often expired versions are dropped when nothing else does it
+    bind: str = setting("127.0.0.1:7300", "gRPC control-plane address")
+    data_address: str = setting("tcp://127.0.0.1:7301", "ZMQ address workers fetch from")  # a ROUTER
+    adapter_root: Path | None = setting(
+        None, "directory RegisterFromPath may read below (unset: RegisterFromPath is refused)"
+    )
+    preload: tuple[tuple[str, Path], ...] = setting(
+        (),
+        "register the PEFT directory PATH as NAME before serving (repeatable; in the env twin, comma-separated)",
+        metavar="NAME=PATH",
+        flag_type=str,
+        parse=lambda specs: tuple(parse_preload(spec) for spec in specs),
+        show=lambda pairs: [f"{name}={path}" for name, path in pairs],
+    )  # (name, directory) registered before SERVING
+    purge_interval_s: float = setting(10.0, "seconds between drops of expired versions when nothing else drops them")
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)  # RAM only unless set (main sets it)
     keys: InternalKeys | None = None  # data port admits workers only; gRPC needs the internal token
-    adapter_rows: bool = True  # keep every version packed in the pool's row layout, for workers that ask
-    shm_root: Path | None = Path("/dev/shm")  # where rows go in shared memory for same-host workers; None: sockets only
+    adapter_rows: bool = setting(
+        True,
+        "keep each version packed in the workers' pool row layout too (about its size again in RAM), so a "
+        "worker copies it into its pool without parsing or packing (--no-adapter-rows: the files only)",
+    )
+    shm_root: Path | None = setting(
+        Path("/dev/shm"),
+        "a tmpfs where the packed rows live, mapped by workers on this host and user instead of sent over "
+        "the socket (a private loraserve-UID directory is made there); empty: sockets only",
+        flag="--shared-memory-root",
+        metavar="DIR",
+        flag_type=str,
+        parse=lambda text: Path(text) if text else None,
+        show=lambda path: "" if path is None else str(path),
+    )
 
     def __post_init__(self) -> None:
         if not self.bind:

@@ -16,32 +16,25 @@ import argparse
 import asyncio
 import logging
 import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loraserve import telemetry
 from loraserve.adapter_store.catalog import Catalog, model_identity
-from loraserve.adapter_store.config import (
-    GIB,
-    MIB,
-    PersistenceConfig,
-    StoreConfig,
-    StoreLimits,
-    default_data_dir,
-    parse_preload,
-)
+from loraserve.adapter_store.config import MIB, PersistenceConfig, StoreConfig, default_data_dir
 from loraserve.adapter_store.data_plane import DataPlane
 from loraserve.adapter_store.persistence import Backend, DirectoryBackend
 from loraserve.adapter_store.rows import RowsMaker
 from loraserve.adapter_store.service import AdapterStoreService
 from loraserve.adapter_store.store import AdapterStore
+from loraserve.config_cli import add_config_arguments, flags_of, setting
+from loraserve.config_cli import config_from_args as parse_config
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import LoraserveError
 from loraserve.grpc_token import server_interceptors
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
-from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
-from loraserve.metrics import add_metrics_arguments
-from loraserve.model_config import ModelConfig
-from loraserve.process import run_service
+from loraserve.internal_auth import check_open_planes, load_optional
+from loraserve.model_config import ModelConfig, ModelSettings
+from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import health_off, supervise
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc
 
@@ -50,123 +43,49 @@ SERVICE = adapter_store_pb2.DESCRIPTOR.services_by_name["AdapterStore"].full_nam
 GRACE_S = 2.0
 
 
+@dataclass(frozen=True)
+class StoreCommand:
+    """`loraserve adapter-store`'s settings beyond StoreConfig's (and the model's)."""
+
+    preload_demo: bool | None = setting(
+        None, "register every demo adapter (default: on when --model is the demo model)"
+    )
+
+
+MODEL_HELP = "base model directory (only config.json is read)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", type=Path, default=DEMO_MODEL_DIR, help="base model directory (only config.json is read)"
-    )
-    parser.add_argument("--bind", default="127.0.0.1:7300", help="gRPC control-plane address")
-    parser.add_argument("--data-address", default="tcp://127.0.0.1:7301", help="ZMQ address workers fetch from")
-    parser.add_argument(
-        "--adapter-root",
-        type=Path,
-        default=None,
-        help="directory RegisterFromPath may read below (unset: RegisterFromPath is refused)",
-    )
-    parser.add_argument(
-        "--preload",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="register the PEFT directory PATH as NAME before serving (repeatable; in the env twin, comma-separated)",
-    )
-    parser.add_argument(
-        "--preload-demo",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="register every demo adapter (default: on when --model is the demo model)",
-    )
-    parser.add_argument(
-        "--data-dir",
-        default=None,
-        metavar="DIR",
-        help="directory every registered adapter is written to before the registration is acknowledged, and "
-        "reloaded from at start (re-verified; corrupt entries moved to DIR/quarantine/, never deleted; "
-        "created private, mode 0700) "
-        f"(default: {default_data_dir()})",
-    )
-    parser.add_argument(
-        "--object-store",
-        default=None,
-        metavar="s3://BUCKET/PREFIX",
-        help="keep adapters in S3-compatible object storage instead of --data-dir (credentials: the standard AWS "
-        "variables or boto3's other sources; needs boto3: pip install 'loraserve[s3]')",
-    )
-    parser.add_argument(
-        "--object-store-endpoint", default=None, metavar="URL", help="the object store's endpoint (default: AWS S3)"
-    )
-    parser.add_argument(
-        "--memory-budget-gb", type=float, default=8.0, help="host RAM for adapters (their files and pool rows), GiB"
-    )
-    parser.add_argument("--max-adapter-mb", type=float, default=512.0, help="largest weights file accepted, MiB")
-    parser.add_argument("--max-lora-rank", type=int, default=128, help="largest LoRA rank accepted")
-    parser.add_argument(
-        "--retention-s",
-        type=float,
-        default=600.0,
-        help="seconds a superseded or deleted version stays fetchable for requests in flight",
-    )
-    parser.add_argument(
-        "--adapter-rows",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep each version packed in the workers' pool row layout too (about its size again in RAM), so a "
-        "worker copies it into its pool without parsing or packing (--no-adapter-rows: the files only)",
-    )
-    parser.add_argument(
-        "--shared-memory-root",
-        default="/dev/shm",
-        metavar="DIR",
-        help="a tmpfs where the packed rows live, mapped by workers on this host and user instead of sent over "
-        "the socket (a private loraserve-UID directory is made there); empty: sockets only",
-    )
-    add_internal_keys_argument(parser)
-    telemetry.add_tracing_arguments(parser)
-    add_metrics_arguments(parser)
+    add_config_arguments(parser, ModelSettings, helps={"model": MODEL_HELP})
+    add_config_arguments(parser, StoreCommand)
+    data_dir_help = next(f.field.metadata["help"] for f in flags_of(PersistenceConfig) if f.dest == "data_dir")
+    add_config_arguments(parser, StoreConfig, helps={"data_dir": f"{data_dir_help} (default: {default_data_dir()})"})
+    add_service_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> StoreConfig:
-    specs = args.preload
-    if isinstance(specs, str):  # from LORASERVE_PRELOAD: flags.py hands an append flag's env value over as one string
-        specs = [spec for spec in specs.split(",") if spec]
-    preload = [parse_preload(spec) for spec in specs]
+    """The store's configuration from its flags: the demo adapters preloaded with the demo model (unless
+    --no-preload-demo), the internal keys loaded, and persistence always durable (`persistence_from_cli`)."""
+    parsed = parse_config(StoreConfig, args, model_dir=Path(args.model))
+    preload = list(parsed.preload)
     preload_demo = args.preload_demo
     if preload_demo is None:
         preload_demo = Path(args.model).resolve() == DEMO_MODEL_DIR.resolve()
     if preload_demo:
         explicit = {name for name, _ in preload}
         preload = [(name, path) for name, path in demo_adapters().items() if name not in explicit] + preload
-    limits = StoreLimits(
-        max_lora_rank=args.max_lora_rank,
-        max_adapter_bytes=int(args.max_adapter_mb * MIB),
-        budget_bytes=int(args.memory_budget_gb * GIB),
-        retention_s=args.retention_s,
-    )
     keys = load_optional(args.internal_keys, "store")
-    check_open_planes("store", keys, [args.bind, args.data_address], args.insecure_no_internal_auth)
-    return StoreConfig(
-        model_dir=Path(args.model),
-        limits=limits,
-        bind=args.bind,
-        data_address=args.data_address,
-        adapter_root=args.adapter_root,
-        preload=tuple(preload),
-        persistence=persistence_from_args(args),
-        keys=keys,
-        adapter_rows=args.adapter_rows,
-        shm_root=Path(args.shared_memory_root) if args.shared_memory_root else None,
-    )
+    check_open_planes("store", keys, [parsed.bind, parsed.data_address], args.insecure_no_internal_auth)
+    return replace(parsed, preload=tuple(preload), persistence=persistence_from_cli(parsed.persistence), keys=keys)
 
 
-def persistence_from_args(args: argparse.Namespace) -> PersistenceConfig:
+def persistence_from_cli(parsed: PersistenceConfig) -> PersistenceConfig:
     """The CLI is always durable: --object-store if given, else --data-dir or its default."""
-    if args.object_store:
-        if args.data_dir:
-            log.warning("--data-dir %s is ignored: adapters are kept in %s", args.data_dir, args.object_store)
-        endpoint = args.object_store_endpoint or None
-        return PersistenceConfig(object_store=args.object_store, object_store_endpoint=endpoint)
-    if args.object_store_endpoint:
-        raise LoraserveError("--object-store-endpoint is set but --object-store is not")
-    return PersistenceConfig(data_dir=Path(args.data_dir) if args.data_dir else default_data_dir())
+    if parsed.object_store:
+        if parsed.data_dir is not None:
+            log.warning("--data-dir %s is ignored: adapters are kept in %s", parsed.data_dir, parsed.object_store)
+        return replace(parsed, data_dir=None)
+    return replace(parsed, data_dir=parsed.data_dir or default_data_dir())
 
 
 def open_catalog(config: PersistenceConfig, model: ModelConfig) -> Catalog | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from loraserve.config_cli import add_config_arguments, setting
 from loraserve.demo.corpus import HELD_OUT_PROMPTS, document
 from loraserve.demo.styles import STYLES, restyle_after, shows_style
 
@@ -289,11 +290,18 @@ def _tidy_adapter_configs(adapters_dir: Path) -> None:
         readme.unlink()
 
 
+@dataclass(frozen=True)
+class BuildSettings:
+    """The demo builder's settings."""
+
+    out: Path = setting(DEMO_DIR, "where to write model/ and adapters/")
+    force: bool = setting(False, "overwrite existing assets")
+    scale: float = setting(1.0, "multiply training steps (0.05 for a smoke run)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEMO_DIR, help="where to write model/ and adapters/")
-    parser.add_argument("--force", action="store_true", help="overwrite existing assets")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply training steps (0.05 for a smoke run)")
+    add_config_arguments(parser, BuildSettings)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if (args.out / "model" / "model.safetensors").exists() and not args.force:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
+from loraserve.config_cli import add_config_arguments, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.demo.corpus import HELD_OUT_PROMPTS
 from loraserve.demo.styles import STYLES, shows_style
@@ -16,10 +18,17 @@ from loraserve.worker.engine import Engine, GenerateRequest
 from loraserve.worker.sampling import SamplingParams
 
 
+@dataclass(frozen=True)
+class ShowSettings:
+    """`loraserve demo`'s settings."""
+
+    prompt: str = setting(HELD_OUT_PROMPTS[0], "prompt every adapter continues")
+    max_new_tokens: int = setting(32, "")
+    device: str = setting(EngineConfig.device, "")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", default=HELD_OUT_PROMPTS[0], help="prompt every adapter continues")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--device", default="auto")
+    add_config_arguments(parser, ShowSettings)
 
 
 def main(args: argparse.Namespace) -> int:

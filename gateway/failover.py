@@ -37,6 +37,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError, UnavailableError, error_for_status
 from loraserve.gateway import metrics
 from loraserve.gateway.token_sink import TokenSink
@@ -51,10 +52,22 @@ Cancel = Callable[[str, str], None]  # cancel(attempt_id, reason), fire and forg
 
 @dataclass(frozen=True)
 class FailoverConfig:
-    max_failovers: int = 3  # lost attempts a request survives; one more ends it UNAVAILABLE
-    inactivity_timeout_s: float = 60.0  # no message for this long: the request failed somewhere
-    scheduler_grace_s: float = 10.0  # requests no worker took fail when no scheduler answers this long
-    failover_wait_s: float = 15.0  # a lost attempt's successor waits this long for a worker to take it
+    max_failovers: int = setting(
+        3, "times a request may lose its worker and continue on another before it fails UNAVAILABLE"
+    )
+    inactivity_timeout_s: float = setting(
+        60.0, "fail a request that makes no progress this long", flag="--inactivity-timeout"
+    )  # no message for this long: the request failed somewhere
+    scheduler_grace_s: float = setting(
+        10.0,
+        "seconds without a scheduler before requests no worker has taken fail UNAVAILABLE",
+        flag="--scheduler-grace",
+    )
+    failover_wait_s: float = setting(
+        15.0,
+        "seconds a request that lost its worker waits for another one (e.g. a restarted worker) before it fails",
+        flag="--failover-wait",
+    )
 
     def __post_init__(self) -> None:
         if self.max_failovers < 0 or self.inactivity_timeout_s <= 0 or self.scheduler_grace_s <= 0:

@@ -13,26 +13,33 @@ import argparse
 import hashlib
 import secrets
 import sys
+from dataclasses import dataclass
 
 from loraserve import internal_auth
+from loraserve.config_cli import add_config_arguments, setting
 from loraserve.gateway.tenants import TENANT_NAME, Scope
 
 KEY_BYTES = 32  # 256 bits of randomness
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "action",
-        choices=["new", "internal"],
+@dataclass(frozen=True)
+class KeysSettings:
+    """`loraserve keys`'s settings."""
+
+    action: str = setting(
         help="new: print a fresh random API key and the lines to add; internal: make a stack's internal keys in --out",
+        flag="action",
+        choices=("new", "internal"),
     )
-    parser.add_argument("--tenant", default=None, help="new: the tenant the key is for")
-    parser.add_argument("--out", default=None, help="internal: the directory to make (keys already there are kept)")
-    parser.add_argument(
-        "--scopes",
-        default="generate",
-        help=f"comma-separated scopes for a new tenant's table, among {', '.join(s.value for s in Scope)}",
+    tenant: str | None = setting(None, "new: the tenant the key is for")
+    out: str | None = setting(None, "internal: the directory to make (keys already there are kept)")
+    scopes: str = setting(
+        "generate", f"comma-separated scopes for a new tenant's table, among {', '.join(s.value for s in Scope)}"
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, KeysSettings)
 
 
 def new_key() -> tuple[str, str]:

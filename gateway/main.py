@@ -25,8 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from loraserve import telemetry
-from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.config_cli import add_config_arguments, config_from_args
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.adapter_versions import AdapterVersions, watch_store
 from loraserve.gateway.admin_service import AdapterAdminService
@@ -42,18 +41,18 @@ from loraserve.gateway.http.connections import ConnectionLimits
 from loraserve.gateway.model_service import ModelService
 from loraserve.gateway.scheduler_client import SchedulerClient
 from loraserve.gateway.service import GenerationService
+from loraserve.gateway.settings import MODEL_HELP, GatewaySettings
 from loraserve.gateway.store_client import StoreClient
 from loraserve.gateway.tenant_adapters import TenantAdapters
 from loraserve.gateway.tenants import load_auth_file
-from loraserve.gateway.tls import add_tls_arguments, load_server_tls
+from loraserve.gateway.tls import load_server_tls
 from loraserve.gateway.token_sink import TokenSink
-from loraserve.gateway.tool_parsers import add_tool_parser_argument, parser_named
+from loraserve.gateway.tool_parsers import parser_named
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
-from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
-from loraserve.metrics import add_metrics_arguments
-from loraserve.model_config import ModelConfig
-from loraserve.process import add_drain_argument, run_service
+from loraserve.internal_auth import check_open_planes, load_optional
+from loraserve.model_config import ModelConfig, ModelSettings
+from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import health_off, supervise
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import adapter_store_pb2_grpc, gateway_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -63,94 +62,9 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"].full_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bind", default="127.0.0.1:50051", help="public gRPC address")
-    parser.add_argument(
-        "--http-bind",
-        default=None,
-        help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000); unset: off",
-    )
-    http = ConnectionLimits()
-    parser.add_argument(
-        "--http-max-connections",
-        type=int,
-        default=http.max_connections,
-        help="open HTTP connections at most; one more is answered 503 and closed",
-    )
-    parser.add_argument(
-        "--http-header-timeout",
-        type=float,
-        default=http.header_timeout_s,
-        help="seconds an HTTP client has to send a whole request head (else 408, closed)",
-    )
-    parser.add_argument(
-        "--http-body-timeout",
-        type=float,
-        default=http.body_timeout_s,
-        help="seconds an HTTP client has to send a whole request body after its head (else 408, closed)",
-    )
-    parser.add_argument(
-        "--http-keep-alive",
-        type=float,
-        default=http.keep_alive_s,
-        help="seconds an idle HTTP keep-alive connection is kept open",
-    )
-    add_tool_parser_argument(parser)
-    add_auth_arguments(parser)
-    add_tls_arguments(parser)
-    parser.add_argument(
-        "--model", type=Path, default=DEMO_MODEL_DIR, help="model directory (tokenizer.json, config.json)"
-    )
-    parser.add_argument("--scheduler", default="127.0.0.1:7100", help="the scheduler's gRPC address")
-    parser.add_argument("--store", default="127.0.0.1:7300", help="the adapter store's gRPC address")
-    parser.add_argument("--token-address", default="tcp://127.0.0.1:7201", help="ZMQ address the token sink binds")
-    add_internal_keys_argument(parser)
-    parser.add_argument(
-        "--token-advertise", default=None, help="address workers push tokens to (default: --token-address)"
-    )
-    parser.add_argument("--max-context", type=int, default=None, help="default: the model's max positions")
-    parser.add_argument("--default-max-new-tokens", type=int, default=64)
-    parser.add_argument("--max-lora-rank", type=int, default=128)
-    parser.add_argument(
-        "--inactivity-timeout",
-        type=float,
-        default=60.0,
-        help="fail a request that makes no progress this long",
-    )
-    parser.add_argument(
-        "--max-failovers",
-        type=int,
-        default=3,
-        help="times a request may lose its worker and continue on another before it fails UNAVAILABLE",
-    )
-    parser.add_argument(
-        "--scheduler-grace",
-        type=float,
-        default=10.0,
-        help="seconds without a scheduler before requests no worker has taken fail UNAVAILABLE",
-    )
-    parser.add_argument(
-        "--failover-wait",
-        type=float,
-        default=15.0,
-        help="seconds a request that lost its worker waits for another one (e.g. a restarted worker) before it fails",
-    )
-    add_drain_argument(parser, "to let streams in flight finish before stopping")
-    telemetry.add_tracing_arguments(parser)
-    add_metrics_arguments(parser)
-
-
-def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--auth-file",
-        type=Path,
-        default=None,
-        help="TOML file of tenants, API key digests, scopes, quotas (reloaded on SIGHUP); unset: open, loopback only",
-    )
-    parser.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="serve a non-loopback --bind without --auth-file (only where something else guards the port)",
-    )
+    add_config_arguments(parser, ModelSettings, helps={"model": MODEL_HELP})
+    add_config_arguments(parser, GatewaySettings)
+    add_service_arguments(parser)
 
 
 def _reload_keys(auth: Authenticator, path: Path | None) -> None:
@@ -235,7 +149,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         Path(args.model).name,
         model.model_type,
         args.max_lora_rank,
-        failover=FailoverConfig(args.max_failovers, args.inactivity_timeout, args.scheduler_grace, args.failover_wait),
+        failover=config_from_args(FailoverConfig, args),
     )
     admission = Admission(auth)
     store = StoreClient(store_stub, config.internal_timeout_s)

@@ -16,27 +16,24 @@ the name `--tls-server-name` in it, and presents `--tls-client-cert` where the g
 
 from __future__ import annotations
 
-import argparse
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """The gateway's TLS flags (`loraserve gateway` and `loraserve up` alike)."""
-    parser.add_argument(
-        "--tls-cert", type=Path, default=None, help="PEM certificate (chain) of the public port; with --tls-key"
-    )
-    parser.add_argument("--tls-key", type=Path, default=None, help="PEM private key (unencrypted) of --tls-cert")
-    parser.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        default=None,
-        help="PEM CA certificate(s): clients must present a certificate it signed (mutual TLS)",
+@dataclass(frozen=True)
+class TlsSettings:
+    """The gateway's TLS files (flags of `loraserve gateway` and `loraserve up` alike)."""
+
+    tls_cert: Path | None = setting(None, "PEM certificate (chain) of the public port; with --tls-key")
+    tls_key: Path | None = setting(None, "PEM private key (unencrypted) of --tls-cert")
+    tls_client_ca: Path | None = setting(
+        None, "PEM CA certificate(s): clients must present a certificate it signed (mutual TLS)"
     )
 
 

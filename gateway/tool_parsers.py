@@ -13,7 +13,6 @@ let text run freely until a call's opening tag).
 
 from __future__ import annotations
 
-import argparse
 import json
 import uuid
 from dataclasses import dataclass
@@ -186,11 +185,7 @@ def parser_named(name: str) -> ToolCallParser:
     return PARSERS[name]()
 
 
-def add_tool_parser_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=sorted(PARSERS),
-        default=None,
-        help="how the model writes tool calls, for chat tool_choice 'auto' (hermes: Hermes/Qwen <tool_call> "
-        "tags; llama3_json: Llama 3.1+ JSON); unset: 'auto' is refused ('required' and named functions work)",
-    )
+TOOL_CALL_PARSER_HELP = (
+    "how the model writes tool calls, for chat tool_choice 'auto' (hermes: Hermes/Qwen <tool_call> "
+    "tags; llama3_json: Llama 3.1+ JSON); unset: 'auto' is refused ('required' and named functions work)"
+)

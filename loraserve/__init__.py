@@ -1,7 +1,7 @@
 """loraserve: serve many LoRA adapters of one base LLM.
 
 The role folders at the top of the repository (gateway/, scheduler/, adapter_store/, worker/,
-kernels/, bench/, demo/) are subpackages of `loraserve`: `worker/` is `loraserve.worker`. They
+launcher/, kernels/, bench/, demo/) are subpackages of `loraserve`: `worker/` is `loraserve.worker`. They
 have no `__init__.py` — they are namespace portions — so a folder of this repo can never shadow an
 installed package of the same name (Hugging Face's `kernels`, say) when Python runs from the
 repository root. An installed wheel carries them inside `loraserve/`; in a source checkout the

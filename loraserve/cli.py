@@ -8,13 +8,23 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from dataclasses import dataclass
 
+from loraserve.config_cli import add_config_arguments, setting
 from loraserve.flags import EnvArgumentParser
+
+
+@dataclass(frozen=True)
+class CliSettings:
+    """The settings of `loraserve` itself, before the command."""
+
+    log_level: str = setting("INFO", "", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
 
 # name -> (module, function adding its flags, function running it, one-line help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "up": (
-        "loraserve.launcher",
+        "loraserve.launcher.up",
         "add_arguments",
         "main",
         "start the whole stack as local processes (demo model and adapters by default)",
@@ -47,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 
 def build_parser(chosen: str | None) -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="loraserve", description="Serve many LoRA adapters of one base model.")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_config_arguments(parser, CliSettings)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=EnvArgumentParser)
     for name, (module_name, add, run, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)

@@ -44,18 +44,21 @@ def _with_env(names: tuple[str, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs["required"] = False
     help_text = kwargs.get("help", "")
     if help_text != argparse.SUPPRESS:
-        shown = kwargs.get("default")
-        default = f"; default {shown}" if shown not in (None, False, "") and "%(default)" not in help_text else ""
+        shown = kwargs.get("default")  # a switch (store_const, default SUPPRESS) shows none: its setting's flag does
+        hidden = shown in (None, False, "", argparse.SUPPRESS) or "%(default)" in help_text
+        default = "" if hidden else f"; default {shown}"
         kwargs["help"] = f"{help_text} [env {var}{default}]".strip()
     return kwargs
 
 
 def _from_env(var: str, raw: str, kwargs: dict) -> Any:
     action = kwargs.get("action")
-    if action in ("store_true", "store_false", argparse.BooleanOptionalAction):
+    if action in ("store_true", "store_false", "store_const", argparse.BooleanOptionalAction):
         value = raw.strip().lower()
         if value not in _TRUE | _FALSE:
             raise SystemExit(f"{var}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+        if action == "store_const":  # a switch: on sets its value, off leaves the setting's own default
+            return kwargs["const"] if value in _TRUE else argparse.SUPPRESS
         return value in _TRUE
     kind = kwargs.get("type", str)
     many = kwargs.get("nargs") is not None or action in ("append", "extend")

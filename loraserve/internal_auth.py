@@ -35,6 +35,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from loraserve.config_cli import setting
 from loraserve.endpoints import is_loopback
 from loraserve.errors import InvalidConfigError
 
@@ -156,19 +157,20 @@ def load_optional(directory: str | os.PathLike | None, role: str) -> InternalKey
     return None if directory is None else load(directory, role)
 
 
-def add_internal_keys_argument(parser) -> None:
-    parser.add_argument(
-        "--internal-keys",
-        default=None,
-        metavar="DIR",
-        help="directory of the stack's internal keys (CURVE key pairs, internal gRPC token): only the stack's "
+@dataclass(frozen=True)
+class InternalAuthSettings:
+    """Every role's internal keys (`--internal-keys`) and the flag to run without them beyond loopback."""
+
+    internal_keys: str | None = setting(
+        None,
+        "directory of the stack's internal keys (CURVE key pairs, internal gRPC token): only the stack's "
         "own roles may then use the internal ports. Without it the internal planes are unauthenticated "
         "(keep them on loopback). 'loraserve up' makes one; 'loraserve keys internal' makes one to copy",
+        metavar="DIR",
     )
-    parser.add_argument(
-        "--insecure-no-internal-auth",
-        action="store_true",
-        help="serve internal ports beyond loopback without --internal-keys (anyone who reaches them could act "
+    insecure_no_internal_auth: bool = setting(
+        False,
+        "serve internal ports beyond loopback without --internal-keys (anyone who reaches them could act "
         "as any role): only where something else guards the network",
     )
 

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
+
+from loraserve.config_cli import setting
 
 log = logging.getLogger(__name__)
 
 
-def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics (0: off)"
-    )
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+@dataclass(frozen=True)
+class MetricsSettings:
+    """Where a role serves its Prometheus metrics."""
+
+    metrics_port: int = setting(0, "serve Prometheus metrics on this port at /metrics (0: off)")
+    metrics_host: str = setting("127.0.0.1", "address the metrics endpoint binds")
 
 
 def serve_metrics(args: argparse.Namespace, role: str) -> None:

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraserve.config_cli import setting
+from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -166,3 +168,13 @@ def _rope_from_hf(raw: dict, source: str) -> RopeConfig:
             params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
         ),
     )
+
+
+DEFAULT_MAX_LORA_RANK = 128  # the largest LoRA rank a stack serves unless told: engine, store and gateway alike
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """`--model`: the model directory a role reads (each role's help says which of its files)."""
+
+    model: Path = setting(DEMO_MODEL_DIR, "Hugging Face model directory (default: the embedded demo model)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import logging
 import os
@@ -11,14 +12,39 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from loraserve.config_cli import add_config_arguments, config_from_args, config_to_argv, flags_of
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
 
-def add_drain_argument(parser, what: str) -> None:
-    """`--drain-timeout`, the same flag in the gateway, the worker and `loraserve up`."""
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help=f"on SIGTERM, seconds {what}")
+DRAIN_TIMEOUT_S = 30.0  # `--drain-timeout` of the gateway, the worker and `loraserve up`
+
+
+def add_service_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every role has: internal keys, tracing (a group of its own), metrics."""
+    from loraserve.internal_auth import InternalAuthSettings
+    from loraserve.metrics import MetricsSettings
+    from loraserve.telemetry import TracingSettings
+
+    add_config_arguments(parser, InternalAuthSettings)
+    add_config_arguments(parser.add_argument_group("tracing"), TracingSettings)
+    add_config_arguments(parser, MetricsSettings)
+
+
+def service_argv(args: argparse.Namespace, **chosen: object) -> list[str]:
+    """Those flags again, for a role `loraserve up` starts: the `chosen` values, and every other one of
+    `args` not at its default."""
+    from loraserve.internal_auth import InternalAuthSettings
+    from loraserve.metrics import MetricsSettings
+    from loraserve.telemetry import TracingSettings
+
+    argv: list[str] = []
+    for cls in (InternalAuthSettings, TracingSettings, MetricsSettings):
+        own = {name: value for name, value in chosen.items() if name in {f.dest for f in flags_of(cls)}}
+        argv += config_to_argv(config_from_args(cls, args, **own), changed_only=True, always=set(own))
+    return argv
 
 
 def become_service(name: str) -> threading.Event:

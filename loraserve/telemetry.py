@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from opentelemetry import context as otel_context
@@ -19,6 +20,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
+from loraserve.config_cli import setting
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -26,14 +29,12 @@ EXPORTERS = ("none", "console", "otlp")
 _provider: TracerProvider | None = None
 
 
-def add_tracing_arguments(parser) -> None:
-    g = parser.add_argument_group("tracing")
-    g.add_argument("--trace-exporter", default="none", choices=EXPORTERS, help="where spans go")
-    g.add_argument(
-        "--otlp-endpoint",
-        default="http://127.0.0.1:4317",
-        help="OTLP/gRPC collector (with --trace-exporter otlp)",
-    )
+@dataclass(frozen=True)
+class TracingSettings:
+    """Where a role's spans go (the "tracing" flags of every role)."""
+
+    trace_exporter: str = setting("none", "where spans go", choices=EXPORTERS)
+    otlp_endpoint: str = setting("http://127.0.0.1:4317", "OTLP/gRPC collector (with --trace-exporter otlp)")
 
 
 def setup_tracing(service: str, exporter: str, otlp_endpoint: str | None = None) -> None:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from loraserve import telemetry
+from loraserve.config_cli import add_config_arguments
 from loraserve.grpc_token import server_interceptors
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
-from loraserve.internal_auth import add_internal_keys_argument, check_open_planes, load_optional
-from loraserve.metrics import add_metrics_arguments
-from loraserve.process import run_service
+from loraserve.internal_auth import check_open_planes, load_optional
+from loraserve.process import add_service_arguments, run_service
 from loraserve.scheduler.loop import SchedulerLoop
-from loraserve.scheduler.policy import POLICIES, PolicyConfig, SchedulerPolicy
+from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
 from loraserve.scheduler.service import SchedulerService
+from loraserve.scheduler.settings import SchedulerSettings
 from loraserve.supervise import health_off, supervise
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -22,32 +22,8 @@ SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bind", default="127.0.0.1:7100", help="gRPC address gateways call")
-    parser.add_argument("--worker-address", default="tcp://127.0.0.1:7101", help="ZMQ address workers connect to")
-    parser.add_argument("--max-queue-length", type=int, default=1024)
-    parser.add_argument(
-        "--worker-timeout",
-        type=float,
-        default=1.5,
-        help="seconds without a report before a worker is dropped (its requests fail over)",
-    )
-    parser.add_argument(
-        "--stale-after",
-        type=float,
-        default=0.75,
-        help="seconds without a report after which nothing new is placed on a worker",
-    )
-    parser.add_argument("--prefetch-depth", type=int, default=16, help="queued requests used to predict adapters")
-    parser.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default=POLICIES[0],
-        help="scheduling policy: adaptive (cost model, multi-queue, VTC fairness, early refusal, migration, "
-        "scored prefetch) or fcfs (first come first served, busiest worker); see docs/architecture.md",
-    )
-    add_internal_keys_argument(parser)
-    telemetry.add_tracing_arguments(parser)
-    add_metrics_arguments(parser)
+    add_config_arguments(parser, SchedulerSettings)
+    add_service_arguments(parser)
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:

@@ -16,7 +16,7 @@ import grpc
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraserve.launcher import free_port_block
+from loraserve.launcher.ports import free_port_block
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from loraserve.wire import Assign, WireError, WorkerReport, decode

@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from loraserve.launcher import LocalStack as _LocalStack
-from loraserve.launcher import free_port_block
+from loraserve.launcher.local_stack import LocalStack as _LocalStack
+from loraserve.launcher.ports import free_port_block
 from loraserve.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["Collector", "LocalStack", "LoneGateway", "free_port_block", "lone_gateway"]

@@ -39,7 +39,7 @@ from loraserve.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from loraserve.launcher import add_arguments, role_commands
+from loraserve.launcher.commands import add_arguments, role_commands
 from loraserve.model_config import ModelConfig
 from loraserve.sockets import make_socket, send
 from loraserve.wire import AdapterPayload, decode

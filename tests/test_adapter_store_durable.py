@@ -23,7 +23,8 @@ from store_proc import StoreProcess, files, upload, upload_requests
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import NotFoundError
-from loraserve.launcher import free_port_block, wait_healthy
+from loraserve.launcher.ports import free_port_block
+from loraserve.launcher.up import wait_healthy
 from loraserve.request_spec import RequestSpec, Sampling
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import gateway_pb2

@@ -131,7 +131,7 @@ def test_enforce_eager_reaches_every_worker():
     """`up --enforce-eager` puts the flag on each worker's command line, where it turns graphs off."""
     import argparse
 
-    from loraserve import launcher
+    from loraserve.launcher import commands as launcher
     from loraserve.worker import main as worker_main
     from loraserve.worker.cli import engine_config_from_args
 

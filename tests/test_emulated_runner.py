@@ -18,7 +18,7 @@ from loraserve.bench.suites.runner_profile.costs import TINY_GRID
 from loraserve.bench.suites.runner_profile.suite import write_profile
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
-from loraserve.launcher import check_runner
+from loraserve.launcher.up import check_runner
 from loraserve.structured import grammar_for
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.emulated_runner import EmulatedRunner, batch_features

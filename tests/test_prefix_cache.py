@@ -261,7 +261,7 @@ def test_up_forwards_no_prefix_cache_to_every_worker():
     """On by default; `loraserve up --no-prefix-cache` turns it off on each worker's command line."""
     import argparse
 
-    from loraserve import launcher
+    from loraserve.launcher import commands as launcher
     from loraserve.worker import main as worker_main
     from loraserve.worker.cli import engine_config_from_args
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLE_FOLDERS = ["gateway", "scheduler", "adapter_store", "worker", "kernels", "bench", "demo", "proto"]
+ROLE_FOLDERS = ["gateway", "scheduler", "adapter_store", "worker", "launcher", "kernels", "bench", "demo", "proto"]
 
 
 def test_generated_stubs_match_the_protos(tmp_path):

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import free_port_block
 
 from loraserve import internal_auth
-from loraserve.supervisor import CrashLoop, RestartPolicy, Role, SupervisionConfig, Supervisor
+from loraserve.launcher.supervisor import CrashLoop, RestartPolicy, Role, SupervisionConfig, Supervisor
 from loraserve.v1 import gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 CONFIG = SupervisionConfig(backoff_s=1.0, max_backoff_s=4.0, stable_after_s=30.0, max_restarts=3, window_s=60.0)

@@ -26,7 +26,8 @@ from stack import LocalStack, free_port_block
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.tls import load_server_tls, load_up_client_tls
-from loraserve.launcher import add_arguments, gateway_tls
+from loraserve.launcher.commands import add_arguments
+from loraserve.launcher.up import gateway_tls
 from loraserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 REFUSED = (grpc.StatusCode.UNAVAILABLE,)  # a failed handshake never reaches the server's handlers

@@ -1,68 +1,119 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Engine configuration: one frozen dataclass, validated on construction (torch is imported only when
+a method needs it, so `loraserve up` reads the engine's settings without loading it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError
+from loraserve.model_config import DEFAULT_MAX_LORA_RANK
 from loraserve.wire import MAX_BATCH
+
+if TYPE_CHECKING:
+    import torch
 
 CUDA_GRAPHS = ("auto", "off", "uncaptured")
 RUNNERS = ("real", "emulated")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BACKENDS = ("auto", "torch", "triton", "torch-bmm")
+WARM_UP = ("auto", "on", "off")
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+GIB = 2**30
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    device: str = "auto"  # "auto" (CUDA if present, else CPU), "cpu", "cuda", "cuda:1", ...
-    dtype: str = "auto"  # "auto": float32 on CPU; on CUDA the checkpoint's half type, else bfloat16
-    backend: str = "auto"  # kernels: "auto" (triton on CUDA, torch on CPU), "torch", "triton", "torch-bmm"
-    max_batch_size: int = 64  # running requests per step
-    max_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
-    max_model_len: int | None = None  # prompt + output tokens; default: the model's max positions
-    max_lora_rank: int = 128
-    rows_per_page: int = 32  # a KV page then holds 16 tokens
-    pool_pages: int | None = None  # size the pool exactly...
-    pool_memory_gb: float | None = None  # ...or by memory
-    gpu_memory_utilization: float = 0.90  # on CUDA with neither given: this share of the device
-    cpu_pool_memory_gb: float = 0.5  # on CPU with neither given
-    adapter_pool_fraction: float | None = None  # None: unified pool; else adapters get this share, KV the rest
-    prefetch: bool = True  # copy predicted adapters into the pool in the background
-    prefix_cache: bool = True  # keep full KV pages for reuse by later requests with the same prefix
-    prefetch_depth: int = 16  # waiting requests looked at when predicting adapters
-    prefetch_reserve: float = 0.10  # share of pages prefetch leaves free for KV growth
-    seed: int = 0  # seeds requests that carry no seed of their own, in arrival order
-    adapter_cache_bytes: int | None = None  # host RAM for adapter weights (LRU); None: keep every adapter
+    """Every engine setting; each is a flag of `loraserve worker`, `generate` and `up` (`config_cli.py`)."""
+
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N")  # auto: CUDA if present, else CPU
+    # "auto": float32 on CPU; on CUDA the checkpoint's half type, else bfloat16
+    dtype: str = setting("auto", "", choices=("auto", *DTYPE_NAMES))
+    backend: str = setting("auto", "kernel backend", choices=BACKENDS)  # auto: triton on CUDA, torch on CPU
+    max_batch_size: int = setting(64, "running requests per step")
+    max_batched_tokens: int = setting(2048, "tokens per step (prefill chunks and decodes)")
+    max_model_len: int | None = setting(None, "prompt + output tokens at most (default: the model's max positions)")
+    max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "largest LoRA rank the pool holds")
+    rows_per_page: int = setting(32, "pool rows per page (a KV page then holds half as many tokens)")
+    pool_pages: int | None = setting(None, "size of the unified pool in pages")
+    pool_memory_gb: float | None = setting(None, "size of the unified pool in GiB")
+    gpu_memory_utilization: float = setting(
+        0.90, "with neither --pool-pages nor --pool-memory-gb, on CUDA: this share of the device for the pool"
+    )
+    cpu_pool_memory_gb: float = setting(0.5, "with neither --pool-pages nor --pool-memory-gb, on CPU: the pool's GiB")
+    adapter_pool_fraction: float | None = setting(
+        None, "give adapters this share of the pool and KV pages the rest (unset: one unified pool)"
+    )
+    prefetch: bool = setting(True, "prefetch predicted adapters")
+    prefix_cache: bool = setting(
+        True,
+        "keep full KV pages for later requests with the same prefix, adapter and tenant "
+        "(--no-prefix-cache: compute every prompt from its first token)",
+    )
+    prefetch_depth: int = setting(16, "waiting requests looked at when predicting adapters")
+    prefetch_reserve: float = setting(0.10, "share of pages prefetch leaves free for KV growth")
+    seed: int = setting(0, "seeds requests that carry no seed of their own, in arrival order", flag="--engine-seed")
+    adapter_cache_bytes: int | None = setting(
+        None,
+        "host RAM for fetched adapters, GiB; least recently used ones no request holds are evicted past it "
+        "and fetched from the adapter store again when needed",
+        flag="--adapter-cache-gb",
+        flag_type=float,
+        parse=lambda gib: int(gib * GIB),
+        show=lambda n: None if n is None else n / GIB,
+    )  # None: keep every adapter (an engine without an adapter store to fetch them back from)
     # Pad decode-only steps to a batch-size bucket (`decode_buckets`), the fixed shapes a CUDA graph
     # is captured at; the pads are sequences of one token on a KV page kept aside for them.
-    pad_decode_steps: bool = False
+    pad_decode_steps: bool = setting(False, "pad decode-only steps to a batch-size bucket (graphs always do)")
     # Decode steps from CUDA graphs, one per bucket (`worker.decode_graphs`): "auto" captures them on
     # CUDA with the triton backend; "off" runs every step eagerly (`--enforce-eager`); "uncaptured"
     # runs the captured path's code each step without capturing it, on any device with the triton
     # backend (how a machine without a GPU checks that path). Graphs pad decode steps.
-    cuda_graphs: str = "auto"
+    cuda_graphs: str = setting(
+        "auto",
+        "decode steps from CUDA graphs: auto (on CUDA with the triton backend), off, or uncaptured (the graph "
+        "path's code run without capturing, on any device with the triton backend)",
+        choices=CUDA_GRAPHS,
+        switch=(
+            "--enforce-eager",
+            "off",
+            "no CUDA graphs: run every decode step eagerly (by default, on CUDA with the triton backend, "
+            "decode steps replay a graph captured per batch-size bucket at start-up)",
+        ),
+    )
     # Compile every kernel variant, and capture the graphs, before serving: "auto" does on CUDA.
-    warm_up: str = "auto"  # "auto", "on", "off"
+    warm_up: str = setting(
+        "auto", "compile every kernel variant (and capture the graphs) before serving; auto: on CUDA", choices=WARM_UP
+    )
     # "real" runs the model; "emulated" (a benchmark and test tool, `worker/emulated_runner.py`) loads
     # no weights and waits each step's time as `runner_profile` predicts, on the CPU, with
     # deterministic tokens; kernels, graphs and warm-up do not apply to it.
-    runner: str = "real"
-    runner_profile: Path | None = None  # `bench --suite runner-profile`'s runner_profile.json
+    runner: str = setting(
+        "real",
+        "real: run the model; emulated: a benchmark and test tool, never for serving: no weights loaded, "
+        "each step waits the time --runner-profile predicts (on the CPU, taking almost none of it) and emits "
+        "deterministic tokens",
+        choices=RUNNERS,
+    )
+    runner_profile: Path | None = setting(
+        None,
+        "with --runner emulated: the step-cost profile measured on the real engine "
+        "(`loraserve bench --suite runner-profile --out DIR` writes DIR/runner_profile.json)",
+        metavar="FILE",
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
             raise InvalidConfigError(f"engine config {name}={getattr(self, name)!r}: {why}")
 
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            bad("dtype", f"choose auto, {', '.join(DTYPES)}")
-        if self.backend not in ("auto", "torch", "triton", "torch-bmm"):
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            bad("dtype", f"choose auto, {', '.join(DTYPE_NAMES)}")
+        if self.backend not in BACKENDS:
             bad("backend", "choose auto, torch, triton or torch-bmm")
         if self.cuda_graphs not in CUDA_GRAPHS:
             bad("cuda_graphs", f"choose {', '.join(CUDA_GRAPHS)}")
-        if self.warm_up not in ("auto", "on", "off"):
+        if self.warm_up not in WARM_UP:
             bad("warm_up", "choose auto, on or off")
         if self.adapter_pool_fraction is not None and not 0.0 < self.adapter_pool_fraction < 1.0:
             bad("adapter_pool_fraction", "must be in (0, 1), or unset for the unified pool")
@@ -102,6 +153,8 @@ class EngineConfig:
         return [*sizes, self.max_batch_size]
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -110,8 +163,11 @@ class EngineConfig:
         return device
 
     def torch_dtype(self, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+        import torch
+
+        dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return dtypes[self.dtype]
         if device.type != "cuda":
             return torch.float32
-        return DTYPES.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+        return dtypes.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16

@@ -20,7 +20,7 @@ from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.base import Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workloads.slora import Trace, TraceRequest
 from loraserve.grpc_utils import internal_channel
-from loraserve.launcher import LocalStack
+from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 UPLOAD_CHUNK = 1 << 20

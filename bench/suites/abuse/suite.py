@@ -40,7 +40,7 @@ from loraserve.bench.suites.abuse.probes import Roles, Traffic, big_body, connec
 from loraserve.client import Client
 from loraserve.demo.assets import demo_adapters
 from loraserve.gateway.keys import new_key
-from loraserve.launcher import free_port_block
+from loraserve.launcher.ports import free_port_block
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ from loraserve.bench.suites.chaos.report import (
 )
 from loraserve.bench.systems.stack import _upload
 from loraserve.grpc_utils import internal_channel
-from loraserve.launcher import LocalStack
+from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)

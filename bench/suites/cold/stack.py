@@ -28,7 +28,7 @@ import numpy as np
 
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.stack import _upload
-from loraserve.launcher import LocalStack
+from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 PROMPT = "the quick brown fox jumps over the lazy dog and keeps running through the field "

@@ -47,7 +47,7 @@ import zmq
 
 from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.common.stats import quantile
-from loraserve.launcher import free_port_block
+from loraserve.launcher.ports import free_port_block
 from loraserve.scheduler.policy import POLICIES
 from loraserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 

@@ -45,7 +45,8 @@ from loraserve.bench.workloads.scheduling import SchedRequest, SchedTrace
 from loraserve.bench.workloads.slora import FIRST_TOKEN_ID
 from loraserve.gateway.validation import CLIENT_METADATA
 from loraserve.grpc_utils import internal_channel
-from loraserve.launcher import LocalStack, free_port_block
+from loraserve.launcher.local_stack import LocalStack
+from loraserve.launcher.ports import free_port_block
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)

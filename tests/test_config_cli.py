@@ -1,0 +1,309 @@
+"""Flags derived from configuration dataclasses: names, help, types, defaults, environment twins, and
+configurations written back as flags (what `loraserve up` hands each role)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from loraserve.adapter_store.config import PersistenceConfig, StoreConfig, StoreLimits
+from loraserve.adapter_store.main import StoreCommand
+from loraserve.cli import CliSettings
+from loraserve.config_cli import add_config_arguments, config_from_args, config_to_argv, setting
+from loraserve.demo.build import BuildSettings
+from loraserve.demo.show import ShowSettings
+from loraserve.flags import EnvArgumentParser
+from loraserve.gateway.failover import FailoverConfig
+from loraserve.gateway.keys import KeysSettings
+from loraserve.gateway.settings import GatewaySettings
+from loraserve.gateway.tls import TlsSettings
+from loraserve.internal_auth import InternalAuthSettings
+from loraserve.launcher.commands import UpSettings
+from loraserve.metrics import MetricsSettings
+from loraserve.model_config import ModelSettings
+from loraserve.scheduler.settings import SchedulerSettings
+from loraserve.telemetry import TracingSettings
+from loraserve.worker.cli import WORKER_ENGINE_DEFAULTS, GenerateSettings
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.settings import WorkerSettings
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Inner:
+    depth: int = setting(3, "how deep")
+
+
+@dataclass(frozen=True)
+class Example:
+    name: str = setting(help="a positional", flag="name")
+    max_batch_size: int = setting(64, "requests per step")
+    cache_bytes: int | None = setting(
+        None,
+        "cache, GiB",
+        flag="--cache-gb",
+        flag_type=float,
+        parse=lambda g: int(g * GIB),
+        show=lambda n: None if n is None else n / GIB,
+    )
+    mode: str = setting("auto", "a choice", choices=("auto", "off", "on"), switch=("--force-off", "off", "sets off"))
+    prefetch: bool = setting(True, "a default-on switch")
+    eager: bool = setting(False, "a default-off switch")
+    maybe: bool | None = setting(None, "three states")
+    tags: tuple[str, ...] = setting((), "repeatable", metavar="TAG")
+    where: Path | None = setting(None, "a path")
+    inner: Inner = field(default_factory=Inner)
+    internal: int = 7  # no help: not a setting
+
+
+def _parser(env: bool = False, **kwargs) -> argparse.ArgumentParser:
+    parser = EnvArgumentParser() if env else argparse.ArgumentParser()
+    add_config_arguments(parser, Example, **kwargs)
+    return parser
+
+
+def _parse(argv: list[str], env: bool = False, **kwargs) -> Example:
+    return config_from_args(Example, _parser(env, **kwargs).parse_args(argv))
+
+
+def test_flags_come_from_field_names_metadata_and_annotations():
+    parser = _parser()
+    options = {o: a for a in parser._actions for o in a.option_strings}
+    assert {"--max-batch-size", "--cache-gb", "--mode", "--force-off", "--prefetch", "--no-prefetch"} <= set(options)
+    assert {"--eager", "--maybe", "--no-maybe", "--tags", "--where", "--depth"} <= set(options)
+    assert "--no-eager" not in options, "a default-off bool is a plain switch, as `--enforce-eager` always was"
+    assert "--internal" not in options, "a field without help is no setting"
+    assert options["--max-batch-size"].help == "requests per step" and options["--max-batch-size"].default == 64
+    assert options["--mode"].choices == ("auto", "off", "on")
+    assert options["--tags"].metavar == "TAG" and options["--cache-gb"].metavar == "CACHE_GB"
+    config = _parse(["hello"])
+    assert config == Example(name="hello"), "every default is the dataclass's"
+    config = _parse(["hi", "--max-batch-size", "8", "--cache-gb", "0.5", "--no-prefetch", "--eager", "--no-maybe"])
+    assert (config.max_batch_size, config.cache_bytes, config.prefetch, config.eager, config.maybe) == (
+        8,
+        GIB // 2,
+        False,
+        True,
+        False,
+    )
+    config = _parse(["hi", "--tags", "a", "--tags", "b", "--where", "/x", "--depth", "5", "--force-off"])
+    assert (config.tags, config.where, config.inner, config.mode) == (("a", "b"), Path("/x"), Inner(5), "off")
+    with pytest.raises(SystemExit):
+        _parse(["hi", "--mode", "sideways"])
+
+
+def test_a_role_default_and_help_replace_the_fields_and_skip_leaves_a_setting_out():
+    parser = _parser(defaults={"cache_bytes": 2 * GIB}, helps={"mode": "the role's words"}, skip={"tags"})
+    options = {o: a for a in parser._actions for o in a.option_strings}
+    assert options["--cache-gb"].default == 2.0 and options["--mode"].help == "the role's words"
+    assert "--tags" not in options
+    assert config_from_args(Example, parser.parse_args(["x"])).cache_bytes == 2 * GIB
+
+
+def test_environment_twins_set_defaults_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv("LORASERVE_MAX_BATCH_SIZE", "12")
+    monkeypatch.setenv("LORASERVE_CACHE_GB", "1")
+    monkeypatch.setenv("LORASERVE_PREFETCH", "off")
+    monkeypatch.setenv("LORASERVE_TAGS", "a,b")
+    monkeypatch.setenv("LORASERVE_DEPTH", "9")
+    config = _parse(["x"], env=True)
+    assert (config.max_batch_size, config.cache_bytes, config.prefetch, config.tags, config.inner.depth) == (
+        12,
+        GIB,
+        False,
+        ("a", "b"),
+        9,
+    )
+    assert _parse(["x", "--max-batch-size", "3"], env=True).max_batch_size == 3
+    assert "LORASERVE_CACHE_GB" in _parser(env=True).format_help()
+
+
+def test_a_switch_reads_its_own_twin_and_otherwise_leaves_the_setting_to_its_flag(monkeypatch):
+    assert _parse(["x"], env=True).mode == "auto"
+    monkeypatch.setenv("LORASERVE_MODE", "on")
+    assert _parse(["x"], env=True).mode == "on"
+    monkeypatch.setenv("LORASERVE_FORCE_OFF", "0")
+    assert _parse(["x"], env=True).mode == "on", "a switch turned off by its twin changes nothing"
+    monkeypatch.setenv("LORASERVE_FORCE_OFF", "1")
+    assert _parse(["x"], env=True).mode == "off"
+    monkeypatch.setenv("LORASERVE_FORCE_OFF", "perhaps")
+    with pytest.raises(SystemExit, match="expected one of"):
+        _parser(env=True)
+
+
+def test_enforce_eager_and_its_twin_still_turn_graphs_off(monkeypatch):
+    parser = EnvArgumentParser()
+    add_config_arguments(parser, EngineConfig)
+    assert config_from_args(EngineConfig, parser.parse_args(["--enforce-eager"])).cuda_graphs == "off"
+    monkeypatch.setenv("LORASERVE_ENFORCE_EAGER", "1")
+    parser = EnvArgumentParser()
+    add_config_arguments(parser, EngineConfig)
+    assert config_from_args(EngineConfig, parser.parse_args([])).cuda_graphs == "off"
+    assert "LORASERVE_ENFORCE_EAGER" in parser.format_help()
+
+
+def _round_trip(config, cls: type, defaults: dict | None = None, **values):
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, cls, defaults=defaults)
+    for changed_only in (False, True):
+        argv = config_to_argv(config, changed_only=changed_only, defaults=defaults)
+        assert config_from_args(cls, parser.parse_args(argv), **values) == config, (changed_only, argv)
+
+
+ALL_SETTINGS = [
+    CliSettings,
+    ModelSettings,
+    EngineConfig,
+    WorkerSettings,
+    GenerateSettings,
+    StoreLimits,
+    PersistenceConfig,
+    StoreCommand,
+    SchedulerSettings,
+    GatewaySettings,
+    FailoverConfig,
+    TlsSettings,
+    InternalAuthSettings,
+    TracingSettings,
+    MetricsSettings,
+    UpSettings,
+    KeysSettings,
+    ShowSettings,
+    BuildSettings,
+]
+
+
+@pytest.mark.parametrize("cls", ALL_SETTINGS, ids=lambda c: c.__name__)
+def test_every_role_configuration_at_its_defaults_round_trips(cls):
+    positional = {"prompt": "hello", "action": "new"}
+    values = {name: value for name, value in positional.items() if name in cls.__dataclass_fields__}
+    _round_trip(cls(**values), cls)
+
+
+def test_every_setting_changed_round_trips(tmp_path):
+    profile = tmp_path / "profile.json"
+    engine = EngineConfig(
+        device="cpu", dtype="float16", backend="torch", max_batch_size=8, max_batched_tokens=512, max_model_len=256,
+        max_lora_rank=16, rows_per_page=8, pool_pages=100, pool_memory_gb=1.5, gpu_memory_utilization=0.5,
+        cpu_pool_memory_gb=0.25, adapter_pool_fraction=0.3, prefetch=False, prefix_cache=False, prefetch_depth=4,
+        prefetch_reserve=0.2, seed=7, adapter_cache_bytes=GIB // 4, pad_decode_steps=True, cuda_graphs="uncaptured",
+        warm_up="off", runner="emulated", runner_profile=profile,
+    )  # fmt: skip
+    _round_trip(engine, EngineConfig)
+    _round_trip(engine, EngineConfig, WORKER_ENGINE_DEFAULTS)
+    _round_trip(WorkerSettings("w-1", "tcp://a:1", "tcp://b:2", 0.5, 3.0, 2.0, 4, False, None, True, 3), WorkerSettings)
+    _round_trip(WorkerSettings(shm_root=tmp_path), WorkerSettings)
+    store = StoreConfig(
+        model_dir=tmp_path,
+        limits=StoreLimits(max_lora_rank=8, max_adapter_bytes=2**20, budget_bytes=GIB, retention_s=5.0),
+        bind="127.0.0.1:1",
+        data_address="tcp://127.0.0.1:2",
+        adapter_root=tmp_path,
+        preload=(("a", tmp_path / "a"), ("b", tmp_path / "b")),
+        purge_interval_s=3.0,
+        persistence=PersistenceConfig(object_store="s3://b/p", object_store_endpoint="http://h:9"),
+        adapter_rows=False,
+        shm_root=None,
+    )
+    _round_trip(store, StoreConfig, model_dir=tmp_path)
+    _round_trip(SchedulerSettings("h:1", "tcp://h:2", 5, 2.0, 1.0, 3, "fcfs"), SchedulerSettings)
+    gateway = GatewaySettings(
+        bind="0.0.0.0:1", http_bind="127.0.0.1:2", http_max_connections=5, http_header_timeout=1.0,
+        http_body_timeout=2.0, http_keep_alive=3.0, tool_call_parser="hermes", auth_file=tmp_path / "auth.toml",
+        insecure_no_auth=True, tls=TlsSettings(tmp_path / "c", tmp_path / "k", tmp_path / "ca"), scheduler="s:1",
+        store="s:2", token_address="tcp://t:3", token_advertise="tcp://t:4", max_context=99,
+        default_max_new_tokens=9, max_lora_rank=32, failover=FailoverConfig(1, 2.0, 3.0, 4.0), drain_timeout=5.0,
+    )  # fmt: skip
+    _round_trip(gateway, GatewaySettings)
+    _round_trip(GenerateSettings("a prompt", "upper", ("x=/y", "z=/w"), 3, 0.5, 4, 0.9, 11), GenerateSettings)
+    up = UpSettings(
+        workers=3, device="cuda:0,cuda:1", base_port=8000, adapter=("a=/b",), internal_keys="/k", torch_threads=2,
+        child_log_level="INFO", ready_timeout=9.0, restart=False, show_demo=True, exit_after_demo=True,
+        metrics_port=9100, tls_server_name="h", tls_client_cert=tmp_path / "c", tls_client_key=tmp_path / "k",
+    )  # fmt: skip
+    _round_trip(up, UpSettings)
+
+
+# ---- no flag outside the configuration dataclasses ------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+MECHANISM = {
+    "loraserve/config_cli.py": "the one place that turns dataclass fields into flags",
+    "loraserve/flags.py": "the parser's environment twins, which config_cli.py's flags go through",
+}
+ELSEWHERE = {
+    "tests/": "tests build throw-away parsers to check the mechanism",
+    "bench/": "the benchmark suites' own command line, outside the roles and their configurations",
+}
+
+
+def test_no_role_writes_a_flag_by_hand():
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    files = [
+        p
+        for p in tracked.stdout.split()
+        if p not in MECHANISM and not p.startswith(tuple(ELSEWHERE)) and "/v1/" not in p
+    ]
+    assert "launcher/up.py" in files and "worker/main.py" in files
+    by_hand = [p for p in files if re.search(r"\.add_argument\(", (ROOT / p).read_text())]
+    assert by_hand == [], "flags belong in a configuration dataclass's fields (loraserve/config_cli.py)"
+
+
+# ---- `loraserve up` hands each role its configuration ----------------------------------------------------
+def _role_parsers() -> dict[str, argparse.ArgumentParser]:
+    from loraserve.cli import build_parser
+
+    roles = {"adapter-store": "adapter-store", "scheduler": "scheduler", "gateway": "gateway", "worker-0": "worker"}
+    return {name: build_parser(command) for name, command in roles.items()}
+
+
+def test_up_forwards_each_roles_settings_and_the_stacks_addresses(tmp_path, monkeypatch):
+    from loraserve.launcher.commands import add_arguments, role_commands
+
+    for var in ("LORASERVE_BIND", "LORASERVE_MAX_LORA_RANK", "LORASERVE_METRICS_PORT", "LORASERVE_DATA_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    up = argparse.ArgumentParser()
+    add_arguments(up)
+    argv = ["--base-port", "7400", "--max-lora-rank", "32", "--memory-budget-gb", "2", "--max-queue-length", "5"]
+    argv += [
+        "--http-max-connections",
+        "7",
+        "--fetch-threads",
+        "3",
+        "--max-batch-size",
+        "8",
+        "--data-dir",
+        str(tmp_path),
+    ]
+    argv += ["--no-adapter-rows", "--shared-memory-root", "", "--policy", "fcfs", "--engine-seed", "9"]
+    commands = role_commands(up.parse_args(argv))
+    monkeypatch.setenv("LORASERVE_BIND", "0.0.0.0:1")  # what the stack chose is on the command line: no twin reaches it
+    parsed = {}
+    for name, parser in _role_parsers().items():
+        line = commands[name]
+        parsed[name] = parser.parse_args(line[line.index("--log-level") :])
+    store = parsed["adapter-store"]
+    assert (store.bind, store.max_lora_rank, store.budget_bytes, store.adapter_rows) == (
+        "127.0.0.1:7402",
+        32,
+        2.0,
+        False,
+    )
+    assert config_from_args(StoreConfig, store, model_dir=tmp_path).shm_root is None
+    scheduler = config_from_args(SchedulerSettings, parsed["scheduler"])
+    assert (scheduler.bind, scheduler.worker_address) == ("127.0.0.1:7400", "tcp://127.0.0.1:7401")
+    assert (scheduler.max_queue_length, scheduler.policy) == (5, "fcfs")
+    gateway = config_from_args(GatewaySettings, parsed["gateway"])
+    assert (gateway.scheduler, gateway.store, gateway.bind) == ("127.0.0.1:7400", "127.0.0.1:7402", "127.0.0.1:50051")
+    assert (gateway.max_lora_rank, gateway.http_max_connections) == (32, 7)
+    engine = config_from_args(EngineConfig, parsed["worker-0"])
+    worker = config_from_args(WorkerSettings, parsed["worker-0"])
+    assert (engine.max_lora_rank, engine.max_batch_size, engine.seed, engine.device) == (32, 8, 9, "cpu")
+    assert engine.adapter_cache_bytes == WORKER_ENGINE_DEFAULTS["adapter_cache_bytes"]
+    assert (worker.worker_id, worker.store_address, worker.fetch_threads) == ("worker-0", "tcp://127.0.0.1:7403", 3)
+    assert (worker.adapter_rows, worker.shm_root) == (False, None)
