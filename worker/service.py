@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-from opentelemetry import trace
 
 from loraserve import telemetry
 from loraserve.dispatch import Dispatcher
@@ -53,12 +52,7 @@ from loraserve.errors import LoraserveError
 from loraserve.internal_auth import Curve, InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
-from loraserve.request_spec import RequestSpec
 from loraserve.wire import (
-    MAX_PREFIXES,
-    MAX_RESIDENT,
-    MAX_STEP_SAMPLES,
-    AdapterKey,
     Assign,
     Cancel,
     Prefetch,
@@ -68,13 +62,14 @@ from loraserve.wire import (
 )
 from loraserve.worker import metrics
 from loraserve.worker.engine import Cached, Engine, GenerateRequest, StepOutput
-from loraserve.worker.fetch_threads import FetchConfig, FetchThreads, Wakeup
+from loraserve.worker.fetch_threads import FetchConfig, Fetched, FetchThreads, Wakeup
 from loraserve.worker.io_thread import GatewayGone, Unsendable, WorkerIO
-from loraserve.worker.request import FinishReason, Request
+from loraserve.worker.parked import ParkedRequests
+from loraserve.worker.replies import end_tokens, ending, step_tokens
+from loraserve.worker.reporter import Reporter
+from loraserve.worker.tracked import Tracked
 
 log = logging.getLogger(__name__)
-PREFIXES_MIN_S = 0.05  # cached-prefix fingerprints go out at most this often when they change ...
-PREFIXES_RESEND_S = 2.0  # ... and this often when they do not
 
 
 @dataclass(frozen=True)
@@ -106,19 +101,11 @@ class WorkerConfig:
         )
 
 
-@dataclass
-class _Tracked:
-    """What the service keeps per request besides the engine's Request: delivery, timings, trace."""
-
-    spec: RequestSpec  # as the ASSIGN carried it (the engine's Request holds the same one)
-    queued_s: float  # time it spent in the scheduler's queue
-    received: float  # time.time() at the worker
-    context: object  # trace context from the scheduler
-    request: Request | None = None  # None while its adapter is being fetched
-    adapter_source: str = "none"  # none | hit | prefetched | cold
-    adapter_transport: str = ""  # a cold one's: shared-memory | rows | files (`worker/fetch_threads.py`)
-    fetch_s: float = 0.0
-    expired: bool = False
+def warm_up(engine: Engine) -> None:
+    """One short generation, so the first real request does not pay for lazy initialization."""
+    token = engine.tokenizer.bos_token_id or 0
+    warmup = GenerateRequest(prompt_ids=[token], sampling=SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine.generate([warmup])
 
 
 class WorkerService:
@@ -132,8 +119,7 @@ class WorkerService:
         self.engine, self.config = engine, config
         self.ctx = zmq.Context()
         self._dropped = RateLimitedLog(log)
-        self.tracked: dict[str, _Tracked] = {}
-        self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
+        self.tracked: dict[str, Tracked] = {}
         self._wakeup = Wakeup()  # the I/O and fetch threads wake the loop when a message or an adapter arrives
         self.io = WorkerIO(
             self.ctx,
@@ -144,17 +130,15 @@ class WorkerService:
             config.curve_to("gateway"),
         )
         self._fetches = FetchThreads(config.fetching(), engine, self._wakeup)
+        self.parked = ParkedRequests(engine, self._fetches)  # requests waiting for their adapter's fetch
         self._poller = zmq.Poller()
         self._poller.register(self._wakeup.fd, zmq.POLLIN)
-        self.finished_since_report: list[str] = []
-        self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since the last report
         self.ready = False
         self.draining = False
         self._step_seconds = metrics.STEP_SECONDS.labels(config.worker_id)
-        self._last_report = 0.0
-        self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
         self.instance = uuid.uuid4().hex  # tells the scheduler a restarted worker from the process it replaced
+        self.reporter = Reporter(engine, config.worker_id, self.instance)
         self._inbox = Dispatcher({Assign: self._on_assign, Cancel: self._on_cancel, Prefetch: self._on_prefetch})
         self._io_events = Dispatcher(
             {Unsendable: self._on_unsendable, GatewayGone: lambda event: self._gateway_gone(event.address)}
@@ -163,7 +147,7 @@ class WorkerService:
     # ---- main loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         self._report()  # register (not ready yet)
-        self._warm_up()
+        warm_up(self.engine)
         self.ready = True
         self._report()
         log.info("worker %s ready: %d pool pages", self.config.worker_id, self.engine.layout.num_pages)
@@ -182,10 +166,10 @@ class WorkerService:
                     outputs = self.engine.step()
                     seconds = time.perf_counter() - started
                     self._step_seconds.observe(seconds)
-                    self._sample_step(seconds)
+                    self.reporter.sample_step(seconds)
                     self._deliver(outputs)
                     self._report()
-                elif time.monotonic() - self._last_report >= self.config.report_interval_s:
+                elif time.monotonic() - self.reporter.last_sent >= self.config.report_interval_s:
                     self._report()
             if self.tracked:
                 log.warning(
@@ -205,12 +189,6 @@ class WorkerService:
         self.draining = True
         log.info("worker %s draining: %d requests in flight", self.config.worker_id, len(self.tracked))
         self._report()
-
-    def _warm_up(self) -> None:
-        """One short generation, so the first real request does not pay for lazy initialization."""
-        token = self.engine.tokenizer.bos_token_id or 0
-        warmup = GenerateRequest(prompt_ids=[token], sampling=SamplingParams(max_new_tokens=2, ignore_eos=True))
-        self.engine.generate([warmup])
 
     # ---- scheduler messages --------------------------------------------------------------------
     def _take_messages(self, block_s: float) -> None:
@@ -241,7 +219,7 @@ class WorkerService:
         if spec.request_id in self.tracked:
             self._dropped.warning("scheduler", "Assign", "dropped: %s is already assigned here", spec.request_id)
             return
-        tracked = _Tracked(spec, assign.queued_s, time.time(), telemetry.context_from(assign.trace))
+        tracked = Tracked(spec, assign.queued_s, time.time(), telemetry.context_from(assign.trace))
         self.tracked[spec.request_id] = tracked
         if self.draining:  # sent before the scheduler saw the draining report
             self._end(spec.request_id, error_status="UNAVAILABLE", error="the worker is draining", retry=True)
@@ -250,7 +228,7 @@ class WorkerService:
         key = spec.adapter_key
         cached = Cached.YES if key is None else self.engine.cached(key, spec.adapter_sha256 or None)
         if key is not None:
-            metrics.ADAPTER_REQUESTS.labels(self.config.worker_id, self._found(key)).inc()
+            metrics.ADAPTER_REQUESTS.labels(self.config.worker_id, self.parked.found(key)).inc()
         if cached is Cached.YES:
             if key is not None:
                 tracked.adapter_source = "hit" if self.engine.pool.is_resident(key) else "prefetched"
@@ -261,28 +239,9 @@ class WorkerService:
             self._end(spec.request_id, error_status="UNAVAILABLE", error=f"{message}; retry shortly")
             return
         tracked.adapter_source = "cold"
-        if key not in self.awaiting:
-            self.awaiting[key] = []
-            self._fetch(key, for_prefetch=False, trace_context=assign.trace)
-        elif not self.awaiting[key]:  # only a prefetch of it is queued or under way: it waits for it now
-            self._fetches.promote(key)
-        self.awaiting[key].append(spec.request_id)
+        self.parked.park(spec.request_id, key, assign.trace)
 
-    def _found(self, key: AdapterKey) -> str:
-        """How a request's adapter stood when the request arrived (`metrics.ADAPTER_REQUESTS`): resident
-        (in the pool, no load for it), ready (a prefetch had loaded it: the load finished before the
-        request was scheduled), loading (a fetch or copy was under way), cold (its load starts now)."""
-        pool = self.engine.pool
-        if pool.is_resident(key):
-            ready = pool.slot(key).ready  # a background copy no step has waited for yet
-            if ready is None:
-                return "resident"
-            if not (ready.query() if hasattr(ready, "query") else ready.done()):
-                return "loading"
-            return "resident" if pool.slot(key).demand else "ready"
-        return "loading" if key in self.awaiting else "cold"
-
-    def _start(self, tracked: _Tracked) -> None:
+    def _start(self, tracked: Tracked) -> None:
         try:
             tracked.request = self.engine.add_spec(tracked.spec)
         except LoraserveError as e:
@@ -295,9 +254,7 @@ class WorkerService:
         if tracked.request is not None:
             self.engine.abort(request_id)  # pages are freed at the next step
         else:
-            for waiting in self.awaiting.values():
-                if request_id in waiting:
-                    waiting.remove(request_id)
+            self.parked.unpark(request_id)
             self._end(request_id, error_status="CANCELLED", error=reason or "cancelled")
 
     def _gateway_gone(self, address: str) -> None:
@@ -306,9 +263,7 @@ class WorkerService:
         for request_id in orphans:
             if self.tracked[request_id].request is not None:
                 self.engine.abort(request_id)  # pages are freed at the next step; its output is not sent
-            for waiting in self.awaiting.values():
-                if request_id in waiting:
-                    waiting.remove(request_id)
+            self.parked.unpark(request_id)
             error = f"the connection from worker {self.config.worker_id} to the gateway was lost"
             self._end(request_id, error_status="UNAVAILABLE", error=error, retry=True)
         if orphans:
@@ -319,40 +274,23 @@ class WorkerService:
             self._cancel(request_id, cancel.reason)
 
     def _on_prefetch(self, prefetch: Prefetch) -> None:
-        if not self.engine.config.prefetch:
-            return
-        keys: list[AdapterKey] = list(prefetch.adapters)
-        self.engine.prefetch(keys, prefetch.scores or None)  # remembers the scores, copies what is here
-        for key in keys:
-            if not self.engine.registry.has(key) and key not in self.awaiting:
-                self.awaiting[key] = []
-                self._fetch(key, for_prefetch=True, trace_context=prefetch.trace or None)  # a hint's request trace
-
-    # ---- adapter fetching (background threads) -------------------------------------------------
-    def _fetch(self, key: AdapterKey, for_prefetch: bool, trace_context: dict | None) -> None:
-        self._fetches.submit(key, for_prefetch, trace_context)
+        if self.engine.config.prefetch:
+            self.parked.prefetch(prefetch)
 
     def _register_fetched(self) -> None:
-        while True:
-            try:
-                result = self._fetches.results.get_nowait()
-            except queue.Empty:
-                return
-            waiting = self.awaiting.pop(result.key, [])
-            if result.error is not None:
-                for request_id in waiting:
-                    self._end(request_id, error_status=result.error.status, error=str(result.error))
-                continue
-            if not self.engine.registry.has(result.key, result.adapter.sha256 or None):
-                self.engine.add_adapter(result.key[0], result.adapter, version=result.key[1])
-            for request_id in waiting:
-                tracked = self.tracked.get(request_id)
-                if tracked is not None:
-                    tracked.fetch_s = min(result.seconds, time.time() - tracked.received)  # it may have joined late
-                    tracked.adapter_transport = result.source
-                    self._start(tracked)
-            if result.for_prefetch or waiting:  # queued requests make it NEEDED: it may evict any idle one
-                self.engine.prefetch([result.key], demand=bool(waiting))
+        """Start the requests whose adapter arrived; end those whose fetch failed."""
+
+        def start(request_id: str, fetched: Fetched) -> None:
+            tracked = self.tracked.get(request_id)
+            if tracked is not None:
+                tracked.fetch_s = min(fetched.seconds, time.time() - tracked.received)  # it may have joined late
+                tracked.adapter_transport = fetched.source
+                self._start(tracked)
+
+        def fail(request_id: str, error: LoraserveError) -> None:
+            self._end(request_id, error_status=error.status, error=str(error))
+
+        self.parked.land(start, fail)
 
     # ---- deadlines, outputs --------------------------------------------------------------------
     def _expire_deadlines(self) -> None:
@@ -375,157 +313,35 @@ class WorkerService:
                 continue
             if not out.finished:
                 going_on[tracked.spec.reply_to].append(out)
-            elif out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                self._end(out.request_id, output=out)
-            elif tracked.expired:
-                self._end(
-                    out.request_id,
-                    error_status="DEADLINE_EXCEEDED",
-                    error="the deadline passed on the worker",
-                )
-            elif out.finish_reason is FinishReason.CANCELLED:
-                self._end(out.request_id, error_status="CANCELLED", error="cancelled")
-            else:
-                self._end(out.request_id, error_status=out.error_status, error=out.error or "failed")
+                continue
+            status, error = ending(out, tracked.expired)
+            self._end(out.request_id, error_status=status, error=error, output=None if status else out)
         for address, outs in going_on.items():
-            ids = [o.request_id for o in outs]
-            message = StepTokens(self.config.worker_id, ids, [o.new_token_ids for o in outs])
-            if any(o.logprobs or o.prompt_logprobs for o in outs):
-                message.logprobs = [o.logprobs for o in outs]
-                message.prompt_logprobs = [o.prompt_logprobs for o in outs]
-            if any(o.cached_tokens for o in outs):
-                message.cached_tokens = [o.cached_tokens for o in outs]
-            self._send(address, message, ids)
+            self._send(address, step_tokens(self.config.worker_id, outs), [o.request_id for o in outs])
 
     def _end(
         self, request_id: str, error_status=None, error=None, retry=False, output: StepOutput | None = None
     ) -> None:
-        """Tell the request's gateway it ended: normally with `output`, the step's output that ended it
-        (its last token, finish reason and log-probabilities), else with `error_status`."""
+        """Tell the request's gateway it ended (`replies.end_tokens`), and record its spans."""
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
             return
-        self.finished_since_report.append(request_id)
-        timings = self._timings(tracked)
-        message = Tokens(
-            request_id,
-            list(output.new_token_ids) if output else [],
-            self.config.worker_id,
-            finished=True,
-            finish_reason=str(output.finish_reason) if output else None,
-            error_status=error_status,
-            error=error,
-            retry=retry,
-            timings=timings,
-            logprobs=output.logprobs if output else [],
-            prompt_logprobs=output.prompt_logprobs if output else [],
-            cached_tokens=tracked.request.cached_tokens if tracked.request is not None else 0,
-        )
+        self.reporter.finished.append(request_id)
+        timings = tracked.timings()
+        message = end_tokens(self.config.worker_id, tracked, timings, output, error_status, error, retry)
         self._send(tracked.spec.reply_to, message)
-        self._record_spans(tracked, timings, error_status)
+        tracked.record_spans(self.config.worker_id, timings, error_status)
 
     def _send(self, address: str, message: Tokens | StepTokens, going_on: Sequence[str] = ()) -> None:
         """Push to a gateway (on the I/O thread); if it cannot take it, the requests `going_on` are aborted
         when the I/O thread says so (`_on_unsendable`)."""
         self.io.to_gateway(address, message, going_on)
 
-    def _timings(self, tracked: _Tracked) -> dict[str, float]:
-        r = tracked.request
-        to_wall = time.time() - time.monotonic()
-        timings = {"queue_s": tracked.queued_s, "adapter_load_s": tracked.fetch_s}
-        if r is not None and r.first_scheduled is not None:
-            timings["queue_s"] += r.first_scheduled + to_wall - tracked.received
-            timings["adapter_load_s"] += r.adapter_wait_s
-            if r.first_token is not None:
-                timings["prefill_s"] = r.first_token - r.first_scheduled
-                timings["decode_s"] = (r.finished_at or time.monotonic()) - r.first_token
-                timings["first_token_unix"] = r.first_token + to_wall
-                timings["first_scheduled_unix"] = r.first_scheduled + to_wall
-        return timings
-
-    def _record_spans(self, tracked: _Tracked, timings: dict[str, float], error_status: str | None) -> None:
-        tracer = telemetry.tracer()
-        received_ns = int(tracked.received * 1e9)
-        root = tracer.start_span("worker.request", context=tracked.context, start_time=received_ns)
-        root.set_attribute("loraserve.request_id", tracked.spec.request_id)
-        root.set_attribute("loraserve.worker_id", self.config.worker_id)
-        if error_status:
-            root.set_attribute("loraserve.error_status", error_status)
-        ctx = trace.set_span_in_context(root)
-        if tracked.spec.adapter:
-            span = tracer.start_span("worker.adapter_fetch", context=ctx, start_time=received_ns)
-            span.set_attribute("loraserve.adapter", f"{tracked.spec.adapter}@{tracked.spec.adapter_version}")
-            span.set_attribute("loraserve.adapter.source", tracked.adapter_source)
-            if tracked.adapter_transport:
-                span.set_attribute("loraserve.adapter.transport", tracked.adapter_transport)
-            span.end(end_time=received_ns + int(timings.get("adapter_load_s", 0.0) * 1e9))
-        if "first_token_unix" in timings:
-            start = int(timings["first_scheduled_unix"] * 1e9)
-            first = int(timings["first_token_unix"] * 1e9)
-            prefill = tracer.start_span("worker.prefill", context=ctx, start_time=start)
-            request = tracked.request
-            if request is not None:  # what the prefill did not compute: found cached, or copied from its group
-                prefill.set_attribute("loraserve.prompt_tokens", len(request.prompt_ids))
-                prefill.set_attribute("loraserve.cached_tokens", request.cached_tokens)
-                prefill.set_attribute("loraserve.shared_prefill_tokens", request.shared_prefill_tokens)
-            prefill.end(end_time=first)
-            tracer.start_span("worker.decode", context=ctx, start_time=first).end(end_time=time.time_ns())
-        root.end()
-
     # ---- reports -------------------------------------------------------------------------------
-    def _sample_step(self, seconds: float) -> None:
-        """Keep the step's composition and time for the next report (the scheduler fits its cost model
-        to them); past MAX_STEP_SAMPLES between reports, the oldest go."""
-        shape = self.engine.last_step
-        if shape is not None:
-            self.step_samples.append((*shape, min(seconds, 3600.0)))
-            del self.step_samples[:-MAX_STEP_SAMPLES]
-
     def _report(self, fatal: str | None = None) -> None:
-        e = self.engine
-        pool = e.pool.page_stats()
-        stats = e.pool.stats
-        parked = [rid for waiting in self.awaiting.values() for rid in waiting]
-        report = WorkerReport(
-            worker_id=self.config.worker_id,
-            ready=self.ready and fatal is None,
-            max_batch_size=e.config.max_batch_size,
-            total_pages=pool.total_pages,
-            free_pages=pool.free_pages,
-            kv_pages=pool.kv_pages,
-            adapter_pages=pool.adapter_pages,
-            running=[r.request_id for r in e.step_scheduler.running],
-            waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
-            resident=[list(k) for k in e.pool.resident_adapters()[-MAX_RESIDENT:]],  # the most recently used
-            finished=self.finished_since_report,
-            evictable_pages=e.pool.evictable_pages() + pool.cached_pages,
-            cached_pages=pool.cached_pages,
-            tokens_per_page=e.layout.tokens_per_page,
-            steps=e.steps,
-            prefetch_hits=stats.prefetch_hits,
-            prefetch_misses=stats.misses + stats.prefetch_late,
-            waste_fraction=pool.waste_fraction,
-            fatal=fatal,
-            instance=self.instance,
-            draining=self.draining,
-            step_samples=self.step_samples,
-            cached_prefixes=self._cached_prefixes(),
-        )
+        report = self.reporter.report(self.ready, self.draining, self.parked.parked(), fatal)
         self.io.to_scheduler(report)
         self.last_report = report  # one reference swap: safe for the scrape thread
-        self.finished_since_report = []
-        self.step_samples = []
-        self._last_report = time.monotonic()
-
-    def _cached_prefixes(self) -> bytes | None:
-        """The pool's cached-prefix fingerprints when they changed (at most every PREFIXES_MIN_S), and
-        every PREFIXES_RESEND_S in any case (a scheduler that restarted learns them); else None."""
-        epoch, now = self.engine.pool.prefix_epoch, time.monotonic()
-        sent_epoch, sent_at = self._prefixes_sent
-        if now - sent_at < (PREFIXES_MIN_S if epoch != sent_epoch else PREFIXES_RESEND_S):
-            return None
-        self._prefixes_sent = epoch, now
-        return b"".join(self.engine.pool.cached_prefixes(MAX_PREFIXES))
 
     def _hand_back_everything(self, message: str) -> None:
         """End every request here as lost with this worker: each gateway fails its own over elsewhere."""

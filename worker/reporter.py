@@ -1,0 +1,79 @@
+"""The worker's reports to the scheduler: its pool, queues, resident adapters, finished requests,
+step samples (for the scheduler's step-cost fit) and cached-prefix fingerprints, in one `WorkerReport`.
+
+Pure bookkeeping between reports — the service sends what `report` builds (through its I/O thread).
+"""
+
+from __future__ import annotations
+
+import time
+
+from loraserve.wire import MAX_PREFIXES, MAX_RESIDENT, MAX_STEP_SAMPLES, WorkerReport
+from loraserve.worker.engine import Engine
+
+PREFIXES_MIN_S = 0.05  # cached-prefix fingerprints go out at most this often when they change ...
+PREFIXES_RESEND_S = 2.0  # ... and this often when they do not
+
+
+class Reporter:
+    """What the next report carries besides the engine's state: requests ended and steps taken since the
+    last one, and when the prefix fingerprints last went out."""
+
+    def __init__(self, engine: Engine, worker_id: str, instance: str) -> None:
+        self.engine, self.worker_id, self.instance = engine, worker_id, instance
+        self.finished: list[str] = []  # requests ended since the last report
+        self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since then
+        self.last_sent = 0.0  # monotonic time of the last report
+        self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
+
+    def sample_step(self, seconds: float) -> None:
+        """Keep the step's composition and time for the next report (the scheduler fits its cost model
+        to them); past MAX_STEP_SAMPLES between reports, the oldest go."""
+        shape = self.engine.last_step
+        if shape is not None:
+            self.step_samples.append((*shape, min(seconds, 3600.0)))
+            del self.step_samples[:-MAX_STEP_SAMPLES]
+
+    def report(self, ready: bool, draining: bool, parked: list[str], fatal: str | None = None) -> WorkerReport:
+        """The report to send now (`parked`: requests waiting for their adapter's fetch); starts the next."""
+        e = self.engine
+        pool = e.pool.page_stats()
+        stats = e.pool.stats
+        report = WorkerReport(
+            worker_id=self.worker_id,
+            ready=ready and fatal is None,
+            max_batch_size=e.config.max_batch_size,
+            total_pages=pool.total_pages,
+            free_pages=pool.free_pages,
+            kv_pages=pool.kv_pages,
+            adapter_pages=pool.adapter_pages,
+            running=[r.request_id for r in e.step_scheduler.running],
+            waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
+            resident=[list(k) for k in e.pool.resident_adapters()[-MAX_RESIDENT:]],  # the most recently used
+            finished=self.finished,
+            evictable_pages=e.pool.evictable_pages() + pool.cached_pages,
+            cached_pages=pool.cached_pages,
+            tokens_per_page=e.layout.tokens_per_page,
+            steps=e.steps,
+            prefetch_hits=stats.prefetch_hits,
+            prefetch_misses=stats.misses + stats.prefetch_late,
+            waste_fraction=pool.waste_fraction,
+            fatal=fatal,
+            instance=self.instance,
+            draining=draining,
+            step_samples=self.step_samples,
+            cached_prefixes=self._cached_prefixes(),
+        )
+        self.finished, self.step_samples = [], []
+        self.last_sent = time.monotonic()
+        return report
+
+    def _cached_prefixes(self) -> bytes | None:
+        """The pool's cached-prefix fingerprints when they changed (at most every PREFIXES_MIN_S), and
+        every PREFIXES_RESEND_S in any case (a scheduler that restarted learns them); else None."""
+        epoch, now = self.engine.pool.prefix_epoch, time.monotonic()
+        sent_epoch, sent_at = self._prefixes_sent
+        if now - sent_at < (PREFIXES_MIN_S if epoch != sent_epoch else PREFIXES_RESEND_S):
+            return None
+        self._prefixes_sent = epoch, now
+        return b"".join(self.engine.pool.cached_prefixes(MAX_PREFIXES))
