@@ -52,6 +52,7 @@ class StepCost:
             raise InvalidConfigError(f"step cost coefficients must be in [0, 1000), got {self}")
 
 
+REFIT_EVERY = 16  # new samples before `coef` fits again
 # Typical magnitudes of the features: the prior's weight is spread evenly across them.
 _SCALE = np.array([1.0, 256.0, 256.0 * 16, 4.0, 256.0])
 
@@ -72,6 +73,7 @@ class StepCostModel:
         self._coef = tuple(float(c) for c in self._theta)  # the same, as floats: placement asks thousands of times
         self._dirty = False
         self.samples = 0
+        self._fitted_at = 0  # `samples` at the last fit
 
     @property
     def coefficients(self) -> StepCost:
@@ -79,8 +81,11 @@ class StepCostModel:
         return StepCost(*self._coef)
 
     def coef(self) -> tuple[float, float, float, float, float]:
-        """(base, per token, per rank-token, per adapter, per KV page), seconds: what `step_s` multiplies."""
-        self._refit()
+        """(base, per token, per rank-token, per adapter, per KV page), seconds: what `step_s` multiplies.
+        Placement asks for every decision: the fit is made again only after `REFIT_EVERY` new samples
+        (workers send one a step; the forgetting spans hundreds), `coefficients` always."""
+        if self.samples - self._fitted_at >= REFIT_EVERY or self.samples < REFIT_EVERY:
+            self._refit()
         return self._coef
 
     def step_s(self, shape: BatchShape) -> float:
@@ -111,3 +116,4 @@ class StepCostModel:
             self._theta = np.clip(np.linalg.solve(a, b), 0.0, None)
             self._coef = tuple(float(c) for c in self._theta)
         self._dirty = False
+        self._fitted_at = self.samples
