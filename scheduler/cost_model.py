@@ -52,7 +52,8 @@ class StepCost:
             raise InvalidConfigError(f"step cost coefficients must be in [0, 1000), got {self}")
 
 
-REFIT_EVERY = 16  # new samples before `coef` fits again
+REFIT_EVERY = 16  # new samples before `coef` fits again, once settled
+SETTLED = 1024  # samples after which the fit moves slowly (forgetting 0.995 keeps about 200)
 # Typical magnitudes of the features: the prior's weight is spread evenly across them.
 _SCALE = np.array([1.0, 256.0, 256.0 * 16, 4.0, 256.0])
 
@@ -82,9 +83,10 @@ class StepCostModel:
 
     def coef(self) -> tuple[float, float, float, float, float]:
         """(base, per token, per rank-token, per adapter, per KV page), seconds: what `step_s` multiplies.
-        Placement asks for every decision: the fit is made again only after `REFIT_EVERY` new samples
-        (workers send one a step; the forgetting spans hundreds), `coefficients` always."""
-        if self.samples - self._fitted_at >= REFIT_EVERY or self.samples < REFIT_EVERY:
+        Placement asks for every decision: once the fit has `SETTLED` samples (several times what the
+        forgetting keeps) it is made again only after `REFIT_EVERY` new ones (workers send one a step);
+        before, after each. `coefficients` always fits."""
+        if self.samples - self._fitted_at >= REFIT_EVERY or self.samples < SETTLED:
             self._refit()
         return self._coef
 

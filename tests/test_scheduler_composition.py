@@ -94,7 +94,8 @@ def test_the_fresh_list_follows_reports_and_time_without_a_pass_per_question():
     cluster.on_report(report("b"), 0.7)
     assert [w.worker_id for w in cluster.fresh(0.7)] == ["a", "b"] and cluster.slots(0.7) == 8
     assert [d.worker_id for d in cluster.silent(1.5)] == ["a"] and list(cluster.workers) == ["b"]
-    assert cluster.fits_ever(request("r", prompt=1000, new=600)) and not cluster.fits_ever(request("r", prompt=1001, new=600))
+    assert cluster.fits_ever(request("r", prompt=1000, new=600))  # 100 pages of 16 tokens
+    assert not cluster.fits_ever(request("r", prompt=1001, new=600))
 
 
 # ---- the load index ---------------------------------------------------------------------------
