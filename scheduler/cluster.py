@@ -113,12 +113,16 @@ class ClusterView:
         return request.prompt_len + request.max_new_tokens <= self._max_tokens
 
     def fresh(self, now: float) -> list[WorkerView]:
-        """Ready workers whose last report is recent enough to place on. The list is made again only when
-        the ready list changes or its oldest member may have gone stale."""
+        """Ready workers whose last report is recent enough to place on. The list is looked at again only
+        when the ready list changes or its oldest member may have gone stale, and is a new list only when
+        its members changed."""
         ready = self.ready()
         if now > self._fresh_until or now < self._fresh_at:
             fresh_s = self.config.fresh_s
-            self._fresh, self._fresh_at = [w for w in ready if now - w.last_report <= fresh_s], now
+            fresh = [w for w in ready if now - w.last_report <= fresh_s]
+            if fresh != self._fresh:  # the same workers: the same list, so views made for it stay
+                self._fresh = fresh
+            self._fresh_at = now
             self._fresh_until = min((w.last_report for w in self._fresh), default=now) + fresh_s
             self._slots = sum(w.report.max_batch_size for w in self._fresh)
         return self._fresh
