@@ -6,11 +6,12 @@ nearly full queue; placement is by the step-cost model with adapter affinity (`p
 `cost_model.py`); requests move off overloaded workers (`migration.py`); prefetch hints are scored,
 from the queue, adapter popularity and adapters likely to come back (`popularity.py`).
 
-Each fresh worker's placement view (`placement.WorkerLoad`) is kept in a list made once per change of
-the fresh workers: a worker's entry is made again when the cluster view says it changed (a report,
-a request that ended) or after LOAD_REFRESH_S, and kept true in place as requests are assigned to it.
-Prediction and migration run at most every `predict_interval_s` / `migrate_interval_s`, and placement
-in a large cluster costs only its likely winners (`Placement.choose`).
+Each fresh worker's placement view (`placement.WorkerLoad`) is kept in a `LoadIndex` made once per
+change of the fresh workers: a worker's entry is made again when the cluster view says it changed (a
+report, a request that ended) or after LOAD_REFRESH_S, and kept true in place as requests are assigned
+to it (the view that follows an assignment is the one the cluster view's change asked for). Prediction
+and migration run at most every `predict_interval_s` / `migrate_interval_s`, and placement in a large
+cluster costs only its likely winners, found from the index without a pass over the workers.
 """
 
 from __future__ import annotations

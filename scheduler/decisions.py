@@ -15,6 +15,8 @@ from loraserve.wire import AdapterKey
 
 @dataclass
 class QueuedRequest:
+    """One request as the policy sees it, from Submit until it ends: what placement and fairness need."""
+
     request_id: str
     adapter: AdapterKey | None
     prompt_len: int
