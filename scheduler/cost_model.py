@@ -70,6 +70,7 @@ class StepCostModel:
         self._ridge = np.diag(prior_samples * _SCALE**2)
         self._xtx = np.zeros((5, 5))
         self._xty = np.zeros(5)
+        self._pending: list[tuple[float, ...]] = []  # samples not yet in the sums: (1, the four counts, seconds)
         self._theta = self._theta0.copy()
         self._coef = tuple(float(c) for c in self._theta)  # the same, as floats: placement asks thousands of times
         self._dirty = False
@@ -103,15 +104,27 @@ class StepCostModel:
     def observe(self, shape: BatchShape, seconds: float) -> None:
         if not 0 <= seconds < 3600:
             return
-        x = shape.features()
-        self._xtx = self.forget * self._xtx + np.outer(x, x)
-        self._xty = self.forget * self._xty + seconds * x
+        self._pending.append((1.0, shape.tokens, shape.rank_tokens, shape.adapters, shape.kv_pages, seconds))
         self.samples += 1
         self._dirty = True
+
+    def _fold(self) -> None:
+        """Add the samples observed since the last fit to the sums, each forgotten as if added one by one
+        (a sample k places back weighs forget**k): workers send one a step, fits come less often."""
+        if not self._pending:
+            return
+        data = np.array(self._pending)
+        self._pending.clear()
+        x, y = data[:, :5], data[:, 5]
+        weighted = x * (self.forget ** np.arange(len(x) - 1, -1, -1))[:, None]
+        decay = self.forget ** len(x)
+        self._xtx = decay * self._xtx + weighted.T @ x
+        self._xty = decay * self._xty + weighted.T @ y
 
     def _refit(self) -> None:
         if not self._dirty:
             return
+        self._fold()
         a = self._xtx + self._ridge
         b = self._xty + self._ridge @ self._theta0
         with contextlib.suppress(np.linalg.LinAlgError):  # cannot happen with a positive ridge; keep the last fit
