@@ -160,3 +160,24 @@ def test_adaptive_placement_views_stay_true_as_requests_are_assigned():
         assert replace(kept, adapters=frozenset(kept.adapters), prefixes=frozenset()) == replace(
             made, adapters=frozenset(made.adapters), prefixes=frozenset()
         )
+
+
+def test_the_step_cost_fit_folds_samples_as_if_added_one_by_one():
+    """Steps are kept until a fit and folded in then: the sums equal those of adding each step at once."""
+    import numpy as np
+
+    from loraserve.scheduler.cost_model import BatchShape
+
+    rng = random.Random(1)
+    model = StepCostModel()
+    xtx, xty = np.zeros((5, 5)), np.zeros(5)
+    for i in range(2000):
+        shape = BatchShape(rng.randint(1, 64), rng.randint(1, 4000), rng.randint(1, 8), rng.randint(1, 400))
+        seconds = 0.01 + 0.05 * rng.random()
+        model.observe(shape, seconds)
+        x = shape.features()
+        xtx, xty = model.forget * xtx + np.outer(x, x), model.forget * xty + seconds * x
+        if i % 37 == 0:
+            model.coef()  # a fit now and then, as placement asks
+    model.coefficients  # noqa: B018 - fits
+    assert np.allclose(model._xtx, xtx, rtol=1e-9) and np.allclose(model._xty, xty, rtol=1e-9)
