@@ -1,6 +1,7 @@
-"""The `adaptive` policy's planning state, apart from the queue: the step-cost model, placement,
-adapter popularity and what each worker is loading. `SchedulerPolicy` asks it; it holds no
-request state of its own (the policy owns the queue, the workers and the placed requests).
+"""The `adaptive` strategy's planning state, apart from the queue: the step-cost model, placement,
+adapter popularity and what each worker is loading. `AdaptiveStrategy` asks it; it holds no
+request state of its own (the strategy owns the queue, the cluster view the workers and the placed
+requests).
 
     observe(report)                 measured steps refit the cost model
     load_of(view, ...)              a worker as placement sees it (`placement.WorkerLoad`)
@@ -26,7 +27,9 @@ from loraserve.scheduler.popularity import AdapterPopularity, PrefetchPlan, Retu
 from loraserve.wire import AdapterKey, WorkerReport
 
 if TYPE_CHECKING:
-    from loraserve.scheduler.policy import PolicyConfig, QueuedRequest, WorkerView
+    from loraserve.scheduler.cluster import WorkerView
+    from loraserve.scheduler.config import AdaptiveConfig
+    from loraserve.scheduler.decisions import QueuedRequest
 
 T = TypeVar("T")
 LOADING_S = 2.0  # an adapter hinted to or needed on a worker counts as "being loaded" there this long,
@@ -36,10 +39,13 @@ TYPICAL_PROMPT = 128  # tokens of the request a popular adapter is prefetched fo
 RETURNING = 8  # returning adapters (the most recently ended) looked at in a prediction
 
 Lookup = Callable[[str], "QueuedRequest | None"]  # request id -> the placed request, if this scheduler placed it
+Choose = Callable[[Demand, bool], "WorkerLoad | None"]  # (demand, need room) -> where placement puts it
 
 
 class AdaptivePlanner:
-    def __init__(self, config: PolicyConfig):
+    """The cost model, placement, popularity and what each worker is loading or caching (module docstring)."""
+
+    def __init__(self, config: AdaptiveConfig):
         self.config = config
         self.cost = StepCostModel(config.step_cost)
         self.placement = Placement(self.cost, config.adapter_load_s)
@@ -103,7 +109,7 @@ class AdaptivePlanner:
             if now - since > LOADING_S or adapter in resident:
                 del loading[adapter]
         batch_adapters = frozenset(r.adapter for r in known if r.adapter is not None)
-        coming = _unexpired(self._caching.get(view.worker_id, {}), view.prefixes, now)
+        coming = _unexpired(self._caching.setdefault(view.worker_id, {}), view.prefixes, now)
         held = len(view.reported) + len(unreported)
         return WorkerLoad(
             worker_id=view.worker_id,
@@ -118,14 +124,15 @@ class AdaptivePlanner:
                 adapters=len(batch_adapters),
                 kv_pages=report.kv_pages + reserved_pages,
             ),
-            adapters=_Union(resident, loading.keys()) if loading else resident,  # no copy of a big set per call
+            adapters=resident.union(loading) if loading else resident,  # a set: placement asks it of many workers
             batch_adapters=batch_adapters,
-            prefixes=_Union(view.prefixes, coming.keys()) if coming else view.prefixes,
+            prefixes=_Union(view.prefixes, coming.keys()),  # live: what `caching` adds later counts at once
         )
 
     def with_request(self, load: WorkerLoad, request: QueuedRequest) -> WorkerLoad:
         """`load` once `request` is assigned there and not yet reported: what `load_of` would
-        return after the assignment, without going through the worker's requests again."""
+        return after the assignment (and `loading` / `caching` of its adapter and prefix, which
+        follow it), without going through the worker's requests again."""
         pages = -(-(request.prompt_len + request.max_new_tokens) // max(1, load.tokens_per_page))
         adapter = request.adapter
         new_segment = adapter is not None and adapter not in load.batch_adapters
@@ -142,9 +149,8 @@ class AdaptivePlanner:
                 adapters=batch.adapters + int(new_segment),
                 kv_pages=batch.kv_pages + pages,
             ),
-            adapters=load.adapters if adapter is None else _Union(load.adapters, {adapter}),
+            adapters=load.adapters if adapter is None or adapter in load.adapters else load.adapters | {adapter},
             batch_adapters=load.batch_adapters | {adapter} if new_segment else load.batch_adapters,
-            prefixes=load.prefixes if request.prefix is None else _Union(load.prefixes, _fingerprints(request, load)),
         )
 
     # ---- decisions -----------------------------------------------------------------------------
@@ -182,13 +188,18 @@ class AdaptivePlanner:
         steps = (now - request.placed_at) / max(step_s or 0.0, 1e-3)
         return int(min(request.max_new_tokens, steps))
 
-    def prefetch(self, loads: list[WorkerLoad], upcoming: list[QueuedRequest], now: float) -> PrefetchPlan:
+    def prefetch(
+        self, loads: list[WorkerLoad], upcoming: list[QueuedRequest], now: float, choose: Choose | None = None
+    ) -> PrefetchPlan:
+        """Scored hints per worker; `choose(demand, need_room)` is placement over `loads` (by default
+        `placement.choose`; the strategy passes its index's)."""
+        choose = choose or (lambda d, need_room: self.placement.choose(loads, d, need_room))
         by_id = {w.worker_id: w for w in loads}
         queued = []
         for request in upcoming:
             if request.adapter is not None:  # where placement would put it now, or once room frees up
                 demand = self.demand(request)
-                target = self.placement.choose(loads, demand) or self.placement.choose(loads, demand, need_room=False)
+                target = choose(demand, True) or choose(demand, False)
                 queued.append((request.adapter, target.worker_id if target is not None else None))
         popular = []
         horizon = self.config.prefetch_horizon_s
@@ -201,13 +212,11 @@ class AdaptivePlanner:
                 typical = Demand(
                     adapter, self.config.size_classes.default_rank, TYPICAL_PROMPT, TYPICAL_PROMPT, TYPICAL_PROMPT / 2
                 )
-                target = self.placement.choose(loads, typical)
+                target = choose(typical, True)
                 popular.append((adapter, likelihood, [target.worker_id] if target is not None else []))
         returning = self.returns.candidates(now, self.config.min_prefetch_score, RETURNING)
         for adapter, score, rank in returning:  # where its next request would go (affinity: where it is)
-            target = self.placement.choose(
-                loads, Demand(adapter, rank, TYPICAL_PROMPT, TYPICAL_PROMPT, TYPICAL_PROMPT / 2)
-            )
+            target = choose(Demand(adapter, rank, TYPICAL_PROMPT, TYPICAL_PROMPT, TYPICAL_PROMPT / 2), True)
             popular.append((adapter, score, [target.worker_id] if target is not None else []))
         return plan_prefetch(
             queued, popular, holds=lambda w, a: a in by_id[w].adapters, min_score=self.config.min_prefetch_score
@@ -241,11 +250,6 @@ def _unexpired(coming: dict[bytes, float], reported: AbstractSet[bytes], now: fl
         if now - since > LOADING_S or fingerprint in reported:
             del coming[fingerprint]
     return coming
-
-
-def _fingerprints(request: QueuedRequest, load: WorkerLoad) -> frozenset[bytes]:
-    assert request.prefix is not None
-    return frozenset(fp for _, fp in request.prefix.fingerprints(load.tokens_per_page))
 
 
 def _full(w: WorkerLoad) -> BatchShape:

@@ -52,6 +52,8 @@ class StepCost:
             raise InvalidConfigError(f"step cost coefficients must be in [0, 1000), got {self}")
 
 
+REFIT_EVERY = 16  # new samples before `coef` fits again, once settled
+SETTLED = 1024  # samples after which the fit moves slowly (forgetting 0.995 keeps about 200)
 # Typical magnitudes of the features: the prior's weight is spread evenly across them.
 _SCALE = np.array([1.0, 256.0, 256.0 * 16, 4.0, 256.0])
 
@@ -68,10 +70,12 @@ class StepCostModel:
         self._ridge = np.diag(prior_samples * _SCALE**2)
         self._xtx = np.zeros((5, 5))
         self._xty = np.zeros(5)
+        self._pending: list[tuple[float, ...]] = []  # samples not yet in the sums: (1, the four counts, seconds)
         self._theta = self._theta0.copy()
         self._coef = tuple(float(c) for c in self._theta)  # the same, as floats: placement asks thousands of times
         self._dirty = False
         self.samples = 0
+        self._fitted_at = 0  # `samples` at the last fit
 
     @property
     def coefficients(self) -> StepCost:
@@ -79,8 +83,12 @@ class StepCostModel:
         return StepCost(*self._coef)
 
     def coef(self) -> tuple[float, float, float, float, float]:
-        """(base, per token, per rank-token, per adapter, per KV page), seconds: what `step_s` multiplies."""
-        self._refit()
+        """(base, per token, per rank-token, per adapter, per KV page), seconds: what `step_s` multiplies.
+        Placement asks for every decision: once the fit has `SETTLED` samples (several times what the
+        forgetting keeps) it is made again only after `REFIT_EVERY` new ones (workers send one a step);
+        before, after each. `coefficients` always fits."""
+        if self.samples - self._fitted_at >= REFIT_EVERY or self.samples < SETTLED:
+            self._refit()
         return self._coef
 
     def step_s(self, shape: BatchShape) -> float:
@@ -96,18 +104,31 @@ class StepCostModel:
     def observe(self, shape: BatchShape, seconds: float) -> None:
         if not 0 <= seconds < 3600:
             return
-        x = shape.features()
-        self._xtx = self.forget * self._xtx + np.outer(x, x)
-        self._xty = self.forget * self._xty + seconds * x
+        self._pending.append((1.0, shape.tokens, shape.rank_tokens, shape.adapters, shape.kv_pages, seconds))
         self.samples += 1
         self._dirty = True
+
+    def _fold(self) -> None:
+        """Add the samples observed since the last fit to the sums, each forgotten as if added one by one
+        (a sample k places back weighs forget**k): workers send one a step, fits come less often."""
+        if not self._pending:
+            return
+        data = np.array(self._pending)
+        self._pending.clear()
+        x, y = data[:, :5], data[:, 5]
+        weighted = x * (self.forget ** np.arange(len(x) - 1, -1, -1))[:, None]
+        decay = self.forget ** len(x)
+        self._xtx = decay * self._xtx + weighted.T @ x
+        self._xty = decay * self._xty + weighted.T @ y
 
     def _refit(self) -> None:
         if not self._dirty:
             return
+        self._fold()
         a = self._xtx + self._ridge
         b = self._xty + self._ridge @ self._theta0
         with contextlib.suppress(np.linalg.LinAlgError):  # cannot happen with a positive ridge; keep the last fit
             self._theta = np.clip(np.linalg.solve(a, b), 0.0, None)
             self._coef = tuple(float(c) for c in self._theta)
         self._dirty = False
+        self._fitted_at = self.samples

@@ -342,7 +342,7 @@ class SchedulerLoop:
         return scheduler_pb2.ClusterState(
             workers=workers,
             queue_length=len(self.policy.queue),
-            max_queue_length=self.policy.config.max_queue_length,
+            max_queue_length=self.policy.max_queue_length,
             instance=self.instance,
         )
 

@@ -28,8 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
     """Serve until `stop_event`; if the loop dies, health goes NOT_SERVING and RoleFailed (exit 1) follows."""
-    config = PolicyConfig(
-        args.max_queue_length, args.worker_timeout, args.prefetch_depth, args.stale_after, policy=args.policy
+    config = PolicyConfig.of(
+        args.policy,
+        max_queue_length=args.max_queue_length,
+        prefetch_depth=args.prefetch_depth,
+        worker_timeout_s=args.worker_timeout,
+        stale_after_s=args.stale_after,
     )
     policy = SchedulerPolicy(config)
     keys = load_optional(args.internal_keys, "scheduler")

@@ -23,6 +23,7 @@ Nothing is placed beyond a worker's batch or pool room, so consolidation never s
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -81,8 +82,8 @@ class Placement:
         is cheaper than all of them only when its batch is unusually cheap for its size; what placement
         gains is a cost linear in the candidates, not in the cluster (docs/benchmarks.md, "Control plane")."""
         adapter = d.adapter
-        chosen = {w.worker_id: w for w in workers if adapter is not None and adapter in w.adapters}
-        by_load = sorted(workers, key=lambda w: (w.requests, w.worker_id))
+        chosen = {w.worker_id: w for w in workers if adapter in w.adapters} if adapter is not None else {}
+        by_load = sorted(workers, key=BY_LOAD)
         for w in (*by_load[: self.prune_keep], *by_load[-self.prune_keep :]):
             chosen.setdefault(w.worker_id, w)
         return list(chosen.values())
@@ -119,11 +120,27 @@ class Placement:
         request would go once room frees up, for prediction). Beyond `prune_above` workers the cost is
         computed only for the likely winners (`_candidates`)."""
         coef = self.cost.coef()
-        fitting = [w for w in workers if not need_room or self.fits(w, d)]
+        if need_room:  # `fits`, inline: this runs for every worker of every placement
+            tokens = d.prompt_len + d.max_new_tokens
+            fitting = [w for w in workers if w.requests < w.max_batch and _pages(tokens, w) <= w.room_pages]
+        else:
+            fitting = workers
         if len(fitting) > self.prune_above:
             fitting = self._candidates(fitting, d)
         costs = [(self._cost(w, d, coef), w) for w in fitting]
         if not costs:
             return None
         near = min(c for c, _ in costs) * (1 + self.tie) + 1e-9
-        return max((w for c, w in costs if c <= near), key=lambda w: (w.requests, -self._cost(w, d, coef), w.worker_id))
+        return max((cw for cw in costs if cw[0] <= near), key=_busiest_cheapest)[1]
+
+
+def _pages(tokens: int, w: WorkerLoad) -> int:
+    return -(-tokens // max(1, w.tokens_per_page))
+
+
+def _busiest_cheapest(cost_and_worker: tuple[float, WorkerLoad]) -> tuple[int, float, str]:
+    cost, w = cost_and_worker
+    return w.requests, -cost, w.worker_id
+
+
+BY_LOAD = operator.attrgetter("requests", "worker_id")  # least loaded first, then by id

@@ -40,7 +40,7 @@ from loraserve.errors import InvalidConfigError
 from loraserve.scheduler.fairness import VirtualTokenCounter
 
 if TYPE_CHECKING:
-    from loraserve.scheduler.policy import QueuedRequest
+    from loraserve.scheduler.decisions import QueuedRequest
 
 
 class _Entries:

@@ -22,7 +22,7 @@ def kind(request):
 
 
 def test_a_hint_asks_the_chosen_worker_to_fetch_once(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w1"), 0.0)
     hints = AdapterHints(repeat_after_s=1.0)
     first = hints.hint(policy, A, 16, "t", 0.0)
@@ -34,10 +34,10 @@ def test_a_hint_asks_the_chosen_worker_to_fetch_once(kind):
 
 
 def test_no_hint_where_the_adapter_is_resident(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w1", resident=[A]), 0.0)
     assert AdapterHints().hint(policy, A, 16, "t", 0.0) is None
-    assert AdapterHints().hint(SchedulerPolicy(PolicyConfig(policy=kind)), A, 16, "t", 0.0) is None  # no worker
+    assert AdapterHints().hint(SchedulerPolicy(PolicyConfig.of(kind)), A, 16, "t", 0.0) is None  # no worker
 
 
 def test_the_request_after_a_hint_goes_where_the_hint_went():

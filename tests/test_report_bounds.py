@@ -95,7 +95,7 @@ def test_a_report_at_the_bounds_costs_the_scheduler_a_bounded_time(kind: str):
     """Decode + on_report + a scheduling round with 64 queued requests, per report at the bounds, at
     a worker's reporting rate: a few milliseconds (before, rebuilding the resident set for every
     candidate placement made each one cost tens of milliseconds, and decoding alone cost 20 ms)."""
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=3600.0, stale_after_s=3600.0))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, worker_timeout_s=3600.0, stale_after_s=3600.0))
     policy.on_report(report("idle", max_batch_size=MAX_BATCH), 0.0)  # room for every round to place in
     reports = [encode(_at_bounds("busy", step)) for step in range(10)]
     policy.on_report(decode(reports[0]), 0.0)

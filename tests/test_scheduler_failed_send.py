@@ -40,7 +40,7 @@ def test_a_failed_assign_drops_the_worker_at_once_and_keeps_the_loop_alive(caplo
     its gateway with UNAVAILABLE; the loop lives on."""
 
     async def scenario() -> tuple[Tokens, float]:
-        policy = SchedulerPolicy(PolicyConfig(worker_timeout_s=WORKER_TIMEOUT_S, stale_after_s=WORKER_TIMEOUT_S))
+        policy = SchedulerPolicy(PolicyConfig.of(worker_timeout_s=WORKER_TIMEOUT_S, stale_after_s=WORKER_TIMEOUT_S))
         loop = SchedulerLoop(policy, f"tcp://127.0.0.1:{_free_port()}", tick_s=0.02)
         gateway = loop.ctx.socket(zmq.PULL)
         gateway.bind(sink := f"tcp://127.0.0.1:{_free_port()}")

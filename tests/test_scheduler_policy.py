@@ -58,7 +58,7 @@ def assigned(decisions):
 
 
 def test_no_ready_worker_means_unavailable(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     with pytest.raises(UnavailableError):
         policy.add(request("r"), 0.0)
     policy.on_report(report("w", ready=False), 0.0)
@@ -67,7 +67,7 @@ def test_no_ready_worker_means_unavailable(kind):
 
 
 def test_bounded_queue(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, max_queue_length=2))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, max_queue_length=2))
     policy.on_report(report("w", max_batch=0), 0.0)  # no batch room: everything stays queued
     policy.add(request("a"), 0.0)
     policy.add(request("b"), 0.0)
@@ -76,7 +76,7 @@ def test_bounded_queue(kind):
 
 
 def test_request_larger_than_any_pool_is_refused(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w"), 0.0)
     with pytest.raises(ResourceExhaustedError, match="can ever hold"):
         policy.add(request("huge", prompt=100 * 16, new=16), 0.0)
@@ -95,7 +95,7 @@ def test_busiest_worker_with_room_wins():
 
 
 def test_pool_room_is_respected_including_unreported_assignments(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w", free_pages=3, max_batch=10), 0.0)  # 3 pages: one request of 2 pages
     policy.on_report(report("v", free_pages=50, max_batch=10), 0.0)
     for rid in ("a", "b"):
@@ -115,7 +115,7 @@ def test_head_of_line_is_not_overtaken():
 
 
 def test_silent_worker_is_dropped_and_its_requests_fail(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, worker_timeout_s=1.0))
     policy.on_report(report("dead"), 0.0)
     policy.on_report(report("alive"), 0.0)
     policy.add(request("a"), 0.0)
@@ -135,7 +135,7 @@ def test_silent_worker_is_dropped_and_its_requests_fail(kind):
 
 
 def test_fatal_report_drops_the_worker_at_once(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w"), 0.0)
     policy.add(request("a"), 0.0)
     policy.schedule(0.0)
@@ -145,7 +145,7 @@ def test_fatal_report_drops_the_worker_at_once(kind):
 
 
 def test_queued_deadline_expires(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=100.0))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, worker_timeout_s=100.0))
     policy.on_report(report("w", max_batch=0), 0.0)
     policy.add(request("a", deadline=5.0), 0.0)
     assert policy.schedule(4.9) == []
@@ -154,7 +154,7 @@ def test_queued_deadline_expires(kind):
 
 
 def test_cancel_in_queue_and_on_worker(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w", max_batch=1), 0.0)
     policy.add(request("running"), 0.0)
     policy.schedule(0.0)
@@ -166,7 +166,7 @@ def test_cancel_in_queue_and_on_worker(kind):
 
 
 def test_finished_requests_free_their_worker(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w", max_batch=1), 0.0)
     policy.add(request("a"), 0.0)
     policy.add(request("b"), 0.0)
@@ -191,7 +191,7 @@ def test_prefetch_predictions_from_the_queue():
 def test_a_request_whose_assign_failed_is_forgotten_by_its_worker_too(kind):
     """The loop could not send an ASSIGN and failed the request itself; when that worker is dropped
     later, the policy must neither fail the request a second time nor crash on its missing entry."""
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, worker_timeout_s=1.0))
     policy.on_report(report("w"), 0.0)
     policy.add(request("a"), 0.0)
     assert assigned(policy.schedule(0.0)) == [("w", "a")]
@@ -203,7 +203,7 @@ def test_a_request_whose_assign_failed_is_forgotten_by_its_worker_too(kind):
 
 
 def test_an_unreachable_worker_is_dropped_at_once_and_the_bounced_request_queued_again(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("dead"), 0.0)
     policy.add(request("held"), 0.0)
     policy.add(request("bounced"), 0.0)
@@ -217,7 +217,7 @@ def test_an_unreachable_worker_is_dropped_at_once_and_the_bounced_request_queued
 
 
 def test_a_report_from_a_new_process_drops_what_the_old_one_held(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("w", instance="first"), 0.0)
     policy.add(request("r"), 0.0)
     assert assigned(policy.schedule(0.1)) == [("w", "r")]
@@ -229,7 +229,7 @@ def test_a_report_from_a_new_process_drops_what_the_old_one_held(kind):
 
 
 def test_failed_over_requests_are_marked_retry(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, worker_timeout_s=1.0))
     policy.on_report(report("w"), 0.0)
     policy.add(request("r"), 0.0)
     policy.schedule(0.1)
@@ -239,7 +239,7 @@ def test_failed_over_requests_are_marked_retry(kind):
 
 
 def test_no_placement_on_a_stale_or_draining_worker(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=10.0, stale_after_s=0.5))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, worker_timeout_s=10.0, stale_after_s=0.5))
     policy.on_report(report("quiet"), 0.0)
     policy.add(request("r"), 0.0)
     assert policy.schedule(1.0) == []  # silent for 1 s: not dead yet, but nothing new goes there
@@ -250,7 +250,7 @@ def test_no_placement_on_a_stale_or_draining_worker(kind):
 
 
 def test_a_dropped_worker_that_comes_back_is_told_to_drop_everything_before_it_rejoins(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, worker_timeout_s=1.0))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, worker_timeout_s=1.0))
     policy.on_report(report("w", instance="one"), 0.0)
     policy.add(request("r"), 0.0)
     policy.schedule(0.1)
@@ -263,7 +263,7 @@ def test_a_dropped_worker_that_comes_back_is_told_to_drop_everything_before_it_r
 
 
 def test_a_new_scheduler_adopts_the_requests_workers_report_so_cancels_still_reach_them(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))  # a restarted scheduler: it never placed "r"
+    policy = SchedulerPolicy(PolicyConfig.of(kind))  # a restarted scheduler: it never placed "r"
     assert policy.on_report(report("w", running=["r"]), 0.0) == []
     found, decisions = policy.cancel("r", "client cancelled")
     assert found and decisions == [CancelOn("w", ("r",), "client cancelled")]
@@ -272,7 +272,7 @@ def test_a_new_scheduler_adopts_the_requests_workers_report_so_cancels_still_rea
 
 
 def test_a_failed_over_request_goes_to_the_head_of_the_queue_even_when_it_is_full(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind, max_queue_length=2))
+    policy = SchedulerPolicy(PolicyConfig.of(kind, max_queue_length=2))
     policy.on_report(report("w", max_batch=0), 0.0)  # no room: everything queues
     policy.add(request("a"), 0.0)
     policy.add(request("b"), 0.0)
@@ -283,7 +283,7 @@ def test_a_failed_over_request_goes_to_the_head_of_the_queue_even_when_it_is_ful
 
 
 def test_a_prefill_group_goes_where_its_first_request_went_while_there_is_room(kind):
-    policy = SchedulerPolicy(PolicyConfig(policy=kind))
+    policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("light", running=["x"]), 0.0)
     first = request("g0")
     first.group = "tenant/g"

@@ -161,7 +161,7 @@ def test_vtc_lifts_the_counter_of_a_tenant_that_was_idle():
 
 
 def test_a_flooding_tenant_is_refused_when_the_queue_is_nearly_full_and_others_are_not():
-    policy = SchedulerPolicy(PolicyConfig(max_queue_length=8))
+    policy = SchedulerPolicy(PolicyConfig.of(max_queue_length=8))
     policy.on_report(report("w", max_batch=0), 0.0)  # nothing is placed: the queue fills
     policy.add(request("calm0", tenant="calm"), 0.0)
     for i in range(5):
@@ -174,7 +174,8 @@ def test_a_flooding_tenant_is_refused_when_the_queue_is_nearly_full_and_others_a
 def test_the_tenant_with_the_largest_backlog_is_held_to_a_share_of_the_slots():
     assert flooder_cap(Counter({"a": 3}), {"a": 10}, slots=8, share=0.5) is None  # alone: every slot
     assert flooder_cap(Counter({"a": 3, "b": 1}), {"a": 10}, slots=8, share=0.5) == ("a", 2)
-    assert flooder_cap(Counter({"a": 3, "b": 1}), {"a": 10}, slots=8, share=PolicyConfig().flooder_slot_share) == (
+    share = PolicyConfig().adaptive.flooder_slot_share
+    assert flooder_cap(Counter({"a": 3, "b": 1}), {"a": 10}, slots=8, share=share) == (
         "a",
         1,
     )
@@ -191,7 +192,7 @@ def test_the_tenant_with_the_largest_backlog_is_held_to_a_share_of_the_slots():
         rates.arrived("t0", 1.0 + t * 0.005)  # t0 now sends 3 times as much
     assert flooder_cap(balanced, {"t0": 30, "t1": 3}, 512, 0.1, lambda t: rates.rate(t, 2.0)) == ("t0", 17)
     assert rates.rate("t1", 6.0) == pytest.approx(rates.rate("t1", 1.0) / 2, rel=1e-6)  # one half-life later
-    policy = SchedulerPolicy(PolicyConfig(flooder_slot_share=0.5))
+    policy = SchedulerPolicy(PolicyConfig.of(flooder_slot_share=0.5))
     policy.on_report(report("w", max_batch=8), 0.0)
     policy.add(request("calm0", tenant="calm", new=200), 0.0)
     for i in range(10):
@@ -294,7 +295,7 @@ def test_a_probe_counts_the_longest_checkpoint_cached_and_never_the_last_token()
 
 
 def test_the_policy_keeps_a_prefix_on_the_worker_that_caches_it_and_its_burst_together():
-    policy = SchedulerPolicy(PolicyConfig(max_queue_length=64))
+    policy = SchedulerPolicy(PolicyConfig.of(max_queue_length=64))
     probe = _probe(520)
     cached = b"".join(fp for _, fp in probe.fingerprints(16))
     for worker, prefixes in (("w0", cached), ("w1", b"")):
@@ -343,7 +344,7 @@ def test_a_young_running_request_moves_by_recompute_only_when_a_stuck_waiter_can
 
 
 def test_the_policy_migrates_a_request_stuck_on_its_worker():
-    policy = SchedulerPolicy(PolicyConfig(migrate_after_s=1.0, worker_timeout_s=100.0, stale_after_s=100.0))
+    policy = SchedulerPolicy(PolicyConfig.of(migrate_after_s=1.0, worker_timeout_s=100.0, stale_after_s=100.0))
     policy.on_report(report("a", max_batch=4), 0.0)
     for rid in ("r0", "r1", "r2"):
         policy.add(request(rid), 0.0)
@@ -459,7 +460,7 @@ def test_the_policy_prefetches_to_the_worker_that_will_serve_and_not_to_others()
 
 
 def test_a_request_whose_adapter_is_cold_waits_briefly_for_its_prefetch():
-    policy = SchedulerPolicy(PolicyConfig(prefetch_hold_s=0.1))
+    policy = SchedulerPolicy(PolicyConfig.of(prefetch_hold_s=0.1))
     policy.on_report(report("w"), 0.0)
     policy.add(request("first", adapter=("idle", 1)), 0.0)
     assert assigned(policy.schedule(0.0)) == [("w", "first")]  # an idle worker: nobody waits for its copy
@@ -487,7 +488,7 @@ def test_an_unknown_policy_is_a_config_error():
 def simulate(policy_name: str, flood: bool, seconds: float = 30.0, service_s: float = 1.0) -> list[float]:
     """One worker with 4 slots; each request holds a slot `service_s`. A calm tenant sends one
     request per second; with `flood`, another sends 10 per second. Returns the calm tenant's waits."""
-    policy = SchedulerPolicy(PolicyConfig(policy=policy_name, max_queue_length=10_000, worker_timeout_s=1e9))
+    policy = SchedulerPolicy(PolicyConfig.of(policy_name, max_queue_length=10_000, worker_timeout_s=1e9))
     running: dict[str, float] = {}  # request id -> finishes at
     waits, arrivals = [], {}
     dt, now, n = 0.05, 0.0, 0
@@ -573,7 +574,7 @@ def test_the_gateway_names_the_tenant_for_fairness_and_checks_the_ttft_target():
 def test_the_policy_moves_a_young_running_request_when_its_worker_is_stuck():
     """Through the policy: worker a runs `young` and holds `big`, which waits for pool room and fits
     no pool of worker b; b is idle. `young` moves (its gateway resubmits it, b recomputes it)."""
-    policy = SchedulerPolicy(PolicyConfig(migrate_after_s=1.0, worker_timeout_s=100.0, stale_after_s=100.0))
+    policy = SchedulerPolicy(PolicyConfig.of(migrate_after_s=1.0, worker_timeout_s=100.0, stale_after_s=100.0))
     policy.on_report(report("a", max_batch=4), 0.0)
     policy.add(request("young", prompt=30, new=30), 0.0)
     policy.add(request("big", prompt=900, new=100), 0.0)
