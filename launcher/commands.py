@@ -22,7 +22,7 @@ from loraserve.gateway.settings import GatewaySettings
 from loraserve.launcher.ports import Ports
 from loraserve.model_config import ModelSettings
 from loraserve.process import service_argv
-from loraserve.scheduler.settings import SchedulerSettings
+from loraserve.scheduler.settings import POLICY_SKIP, SchedulerSettings, add_policy_arguments, policy_config
 from loraserve.telemetry import TracingSettings
 from loraserve.worker.cli import WORKER_ENGINE_DEFAULTS
 from loraserve.worker.config import EngineConfig
@@ -98,7 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(workers, WorkerSettings, skip=_WORKER_SKIP, helps=_HELPS)
     store = parser.add_argument_group("adapter store")
     add_config_arguments(store, StoreConfig, skip=_STORE_SKIP, helps=_HELPS)
-    add_config_arguments(parser.add_argument_group("scheduler"), SchedulerSettings, skip=_SCHEDULER_SKIP, helps=_HELPS)
+    scheduler = parser.add_argument_group("scheduler")
+    add_config_arguments(scheduler, SchedulerSettings, skip=_SCHEDULER_SKIP, helps=_HELPS)
+    add_policy_arguments(scheduler)
     add_config_arguments(parser.add_argument_group("tracing"), TracingSettings)
 
 
@@ -150,7 +152,7 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "adapter-store": command(
             "adapter-store", "adapter-store", model, _argv(StoreConfig, args, model_dir=Path(args.model), **store)
         ),
-        "scheduler": command("scheduler", "scheduler", _argv(SchedulerSettings, args, **scheduler)),
+        "scheduler": command("scheduler", "scheduler", _argv(SchedulerSettings, args, **scheduler), _policy_argv(args)),
     }
     devices = args.device.split(",")
     profile = Path(args.runner_profile).resolve() if args.runner_profile is not None else None
@@ -174,6 +176,13 @@ def _argv(cls: type, args: argparse.Namespace, defaults: dict | None = None, **c
     those, and every setting not at its default."""
     config = config_from_args(cls, args, **chosen)
     return config_to_argv(config, changed_only=True, always=set(chosen), defaults=defaults)
+
+
+def _policy_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of the scheduler policy's settings that `up` was given away from their defaults."""
+    config = policy_config(args)
+    argv = config_to_argv(config.cluster, skip=POLICY_SKIP, changed_only=True)
+    return argv + config_to_argv(config.adaptive, skip=POLICY_SKIP, changed_only=True)
 
 
 def _default_cpu_threads(workers: int) -> int:

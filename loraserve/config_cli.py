@@ -83,6 +83,8 @@ class Flag:
 
     def parse(self, value: Any) -> Any:
         """The flag's value as the field's."""
+        if self.repeated and value is None and self.default not in (_UNSET, None):
+            return self.default  # not given: the field's default (its flag's argparse default is None)
         if self.repeated and value is not None:
             value = tuple(value)
         convert = self.field.metadata.get("parse")
@@ -163,6 +165,9 @@ def _argument(flag: Flag, default: Any, help_text: str | None) -> dict[str, Any]
     if flag.repeated:
         kwargs["action"] = "append"
         default = list(default or [])
+        if default:  # argparse would append to it: given flags replace it instead (`Flag.parse` puts it back)
+            kwargs["help"] += f" (default: {', '.join(map(str, default))})"
+            default = None
     if flag.kind is not str:
         kwargs["type"] = flag.kind
     kwargs["default"] = default

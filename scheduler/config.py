@@ -67,9 +67,7 @@ class AdaptiveConfig(FcfsConfig):
     """The `adaptive` strategy's settings (`adaptive_strategy.py` and the parts it composes)."""
 
     starvation_s: float = _setting(5.0, "a request queued this long goes first and is overtaken no more")
-    size_classes: SizeClasses = field(
-        default_factory=SizeClasses, metadata={"help": "Chameleon's weighted request sizes and class bounds"}
-    )
+    size_classes: SizeClasses = field(default_factory=SizeClasses)  # Chameleon's weighted sizes and class bounds
     vtc_input_weight: float = _setting(1.0, "VTC fairness charge per prompt token")
     vtc_output_weight: float = _setting(2.0, "VTC fairness charge per output token (budgeted)")
     flood_share: float = _setting(
@@ -81,9 +79,7 @@ class AdaptiveConfig(FcfsConfig):
         0.1, "of an equal split of batch slots, what the largest-backlog tenant may hold while others are active"
     )
     output_fraction: float = _setting(0.5, "expected output as a share of max_new_tokens (cost and admission)")
-    step_cost: StepCost = field(
-        default_factory=StepCost, metadata={"help": "the step-time model's starting coefficients (refit online)"}
-    )
+    step_cost: StepCost = field(default_factory=StepCost)  # the step-time model's starting coefficients
     adapter_load_s: float = _setting(0.05, "seconds a placement costs where the request's adapter is not resident")
     migrate_after_s: float = _setting(2.0, "a request waiting on its worker this long may move (0: never)")
     max_recompute_tokens: int = _setting(

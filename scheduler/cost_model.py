@@ -21,6 +21,7 @@ from dataclasses import astuple, dataclass
 
 import numpy as np
 
+from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError
 
 
@@ -41,11 +42,13 @@ class BatchShape:
 class StepCost:
     """Coefficients of the step-time model, in seconds per unit."""
 
-    base_s: float = 0.02
-    per_token_s: float = 2e-4
-    per_rank_token_s: float = 2e-6
-    per_adapter_s: float = 2e-3
-    per_kv_page_s: float = 2e-5
+    base_s: float = setting(
+        0.02, "step-time model's starting seconds per step (refit online)", flag="--step-cost-base-s"
+    )
+    per_token_s: float = setting(2e-4, "... seconds per token computed", flag="--step-cost-per-token-s")
+    per_rank_token_s: float = setting(2e-6, "... seconds per token x adapter rank", flag="--step-cost-per-rank-token-s")
+    per_adapter_s: float = setting(2e-3, "... seconds per distinct adapter", flag="--step-cost-per-adapter-s")
+    per_kv_page_s: float = setting(2e-5, "... seconds per KV page read", flag="--step-cost-per-kv-page-s")
 
     def __post_init__(self) -> None:
         if any(not 0 <= c < 1e3 for c in astuple(self)):

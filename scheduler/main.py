@@ -11,9 +11,9 @@ from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serv
 from loraserve.internal_auth import check_open_planes, load_optional
 from loraserve.process import add_service_arguments, run_service
 from loraserve.scheduler.loop import SchedulerLoop
-from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
+from loraserve.scheduler.policy import SchedulerPolicy
 from loraserve.scheduler.service import SchedulerService
-from loraserve.scheduler.settings import SchedulerSettings
+from loraserve.scheduler.settings import SchedulerSettings, add_policy_arguments, policy_config
 from loraserve.supervise import health_off, supervise
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -23,18 +23,13 @@ SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, SchedulerSettings)
+    add_policy_arguments(parser)
     add_service_arguments(parser)
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
     """Serve until `stop_event`; if the loop dies, health goes NOT_SERVING and RoleFailed (exit 1) follows."""
-    config = PolicyConfig.of(
-        args.policy,
-        max_queue_length=args.max_queue_length,
-        prefetch_depth=args.prefetch_depth,
-        worker_timeout_s=args.worker_timeout,
-        stale_after_s=args.stale_after,
-    )
+    config = policy_config(args)
     policy = SchedulerPolicy(config)
     keys = load_optional(args.internal_keys, "scheduler")
     check_open_planes("scheduler", keys, [args.bind, args.worker_address], args.insecure_no_internal_auth)

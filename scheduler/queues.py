@@ -36,6 +36,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError
 from loraserve.scheduler.fairness import VirtualTokenCounter
 
@@ -97,10 +98,17 @@ class FifoQueue(_Entries):
 class SizeClasses:
     """Weighted request size (Chameleon): prompt + output_weight·expected output + rank_weight·rank."""
 
-    bounds: tuple[float, ...] = (256.0, 1024.0, 4096.0)  # class i holds sizes <= bounds[i]; one more above
-    output_weight: float = 1.0  # an output token costs a step each: weigh it at least as a prompt token
-    rank_weight: float = 8.0  # size units per unit of adapter rank
-    default_rank: int = 16  # assumed when a request's rank is unknown (0)
+    bounds: tuple[float, ...] = setting(
+        (256.0, 1024.0, 4096.0),
+        "weighted request sizes bounding the queues' size classes, increasing (class i holds sizes <= bound i; "
+        "one more class above); repeat the flag for each",
+        flag="--size-class-bound",
+    )
+    output_weight: float = setting(
+        1.0, "size units per expected output token (an output token costs a step each)", flag="--size-output-weight"
+    )
+    rank_weight: float = setting(8.0, "size units per unit of adapter rank", flag="--size-rank-weight")
+    default_rank: int = setting(16, "adapter rank assumed when a request's is unknown", flag="--size-default-rank")
 
     def __post_init__(self) -> None:
         if list(self.bounds) != sorted(self.bounds) or any(b <= 0 for b in self.bounds):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
-from loraserve.config_cli import setting
-from loraserve.scheduler.policy import POLICIES, PolicyConfig
+from loraserve.config_cli import add_config_arguments, config_from_args, setting
+from loraserve.scheduler.config import POLICIES, AdaptiveConfig, ClusterConfig, FcfsConfig, PolicyConfig
 
 
 @dataclass(frozen=True)
@@ -15,17 +16,39 @@ class SchedulerSettings:
 
     bind: str = setting("127.0.0.1:7100", "gRPC address gateways call")
     worker_address: str = setting("tcp://127.0.0.1:7101", "ZMQ address workers connect to")
-    max_queue_length: int = setting(PolicyConfig.max_queue_length, "requests queued at most; more are refused")
+    max_queue_length: int = setting(FcfsConfig.max_queue_length, "requests queued at most; more are refused")
     worker_timeout: float = setting(
-        PolicyConfig.worker_timeout_s, "seconds without a report before a worker is dropped (its requests fail over)"
+        ClusterConfig.worker_timeout_s, "seconds without a report before a worker is dropped (its requests fail over)"
     )
     stale_after: float = setting(
-        PolicyConfig.stale_after_s, "seconds without a report after which nothing new is placed on a worker"
+        ClusterConfig.stale_after_s, "seconds without a report after which nothing new is placed on a worker"
     )
-    prefetch_depth: int = setting(PolicyConfig.prefetch_depth, "queued requests used to predict adapters")
+    prefetch_depth: int = setting(FcfsConfig.prefetch_depth, "queued requests used to predict adapters")
     policy: str = setting(
-        PolicyConfig.policy,
+        POLICIES[0],
         "scheduling policy: adaptive (cost model, multi-queue, VTC fairness, early refusal, migration, "
         "scored prefetch) or fcfs (first come first served, busiest worker); see docs/architecture.md",
         choices=POLICIES,
+    )
+
+
+# Settings SchedulerSettings carries under its own flag names (or that are not flags here).
+POLICY_SKIP = frozenset({"max_queue_length", "prefetch_depth", "worker_timeout_s", "stale_after_s"})
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Flags for every setting of the cluster view and the adaptive strategy (fcfs has only the common ones)."""
+    add_config_arguments(parser, ClusterConfig, skip=POLICY_SKIP)
+    add_config_arguments(parser, AdaptiveConfig, skip=POLICY_SKIP)
+
+
+def policy_config(args: argparse.Namespace) -> PolicyConfig:
+    """The policy's configuration from `loraserve scheduler`'s parsed flags."""
+    common = {"max_queue_length": args.max_queue_length, "prefetch_depth": args.prefetch_depth}
+    cluster = {"worker_timeout_s": args.worker_timeout, "stale_after_s": args.stale_after}
+    return PolicyConfig(
+        args.policy,
+        cluster=config_from_args(ClusterConfig, args, **cluster),
+        fcfs=FcfsConfig(**common),
+        adaptive=config_from_args(AdaptiveConfig, args, **common),
     )

@@ -307,3 +307,39 @@ def test_up_forwards_each_roles_settings_and_the_stacks_addresses(tmp_path, monk
     assert engine.adapter_cache_bytes == WORKER_ENGINE_DEFAULTS["adapter_cache_bytes"]
     assert (worker.worker_id, worker.store_address, worker.fetch_threads) == ("worker-0", "tcp://127.0.0.1:7403", 3)
     assert (worker.adapter_rows, worker.shm_root) == (False, None)
+
+
+def test_every_scheduler_policy_setting_is_a_flag_and_up_forwards_it(tmp_path):
+    """Each policy part's settings (the cluster view's, both strategies', with nested size classes and step
+    costs) reach `loraserve scheduler` as flags, at their one default when not given, and `up` forwards them."""
+    from dataclasses import fields, is_dataclass
+    from typing import get_type_hints
+
+    from loraserve.cli import build_parser
+    from loraserve.launcher.commands import role_commands
+    from loraserve.scheduler.config import AdaptiveConfig, ClusterConfig, PolicyConfig
+    from loraserve.scheduler.settings import policy_config
+
+    scheduler = build_parser("scheduler")
+    parsed = scheduler.parse_args(["scheduler"])
+    assert policy_config(parsed) == PolicyConfig()
+
+    def leaves(cls: type) -> set[str]:
+        hints = get_type_hints(cls)
+        return {n for f in fields(cls) for n in (leaves(hints[f.name]) if is_dataclass(hints[f.name]) else {f.name})}
+
+    reachable = set(vars(parsed))
+    mapped = {"worker_timeout_s": "worker_timeout", "stale_after_s": "stale_after"}
+    for cls in (ClusterConfig, AdaptiveConfig):
+        names = {mapped.get(n, n) for n in leaves(cls)}
+        assert names <= reachable, names - reachable
+
+    given = ["--policy", "fcfs", "--max-queue-length", "99", "--starvation-s", "7", "--max-zombies", "5"]
+    given += ["--size-class-bound", "100", "--size-class-bound", "900", "--step-cost-per-token-s", "0.001"]
+    args = build_parser("up").parse_args(["up", "--model", str(tmp_path), *given])
+    argv = role_commands(args)["scheduler"]
+    config = policy_config(scheduler.parse_args(argv[argv.index("scheduler") :]))
+    assert config.policy == "fcfs" and config.fcfs.max_queue_length == config.adaptive.max_queue_length == 99
+    assert config.adaptive.starvation_s == 7.0 and config.cluster.max_zombies == 5
+    assert config.adaptive.size_classes.bounds == (100.0, 900.0)  # given values replace the default, not extend it
+    assert config.adaptive.step_cost.per_token_s == 0.001

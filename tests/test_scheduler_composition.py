@@ -5,7 +5,8 @@ test_scheduling_policies.py, under both strategies."""
 from __future__ import annotations
 
 import random
-from dataclasses import fields, replace
+from dataclasses import fields, is_dataclass, replace
+from typing import get_type_hints
 
 import pytest
 from test_scheduler_policy import report, request
@@ -24,9 +25,16 @@ from loraserve.scheduler.policy import PrefetchOn, SchedulerPolicy
 
 # ---- configuration ----------------------------------------------------------------------------
 def test_every_setting_has_help_and_one_default():
-    for config in (ClusterConfig, FcfsConfig, AdaptiveConfig, PolicyConfig):
+    def check(config: type) -> None:  # a nested settings dataclass (size classes, step costs): each of its fields
+        hints = get_type_hints(config)
         for f in fields(config):
-            assert f.metadata.get("help"), f"{config.__name__}.{f.name} has no help"
+            if is_dataclass(hints[f.name]) and config is not PolicyConfig:
+                check(hints[f.name])
+            else:
+                assert f.metadata.get("help"), f"{config.__name__}.{f.name} has no help"
+
+    for config in (ClusterConfig, FcfsConfig, AdaptiveConfig, PolicyConfig):
+        check(config)
     # adaptive shares fcfs's settings (the same fields, so the same defaults), and adds its own
     shared = {f.name: f for f in fields(FcfsConfig)}
     assert all(f is shared[f.name] for f in fields(AdaptiveConfig) if f.name in shared)
