@@ -166,8 +166,10 @@ def test_a_repeated_prefix_goes_to_the_worker_that_caches_it(stack, adapter):
     story = "the quiet king finds my little boat and the green queen waits across this gentle tree "
     prompts = [f"{word} {adapter} {story * 3}" for word in ("one", "two", "three", "four", "five", "six")]
     first: dict[int, tuple] = {}
+    together = threading.Barrier(len(prompts))  # sent at once, so that they overlap even on a loaded machine
 
     def run(i):
+        together.wait()
         first[i] = _stream(stack, text=prompts[i], adapter=adapter, max_new_tokens=NEW_TOKENS)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
@@ -178,7 +180,7 @@ def test_a_repeated_prefix_goes_to_the_worker_that_caches_it(stack, adapter):
     workers = {i: summary.worker_id for i, (_, _, summary) in first.items()}
     assert len(set(workers.values())) == 2, workers
     assert _idle(stack)
-    time.sleep(0.6)  # the workers' next reports carry their cached prefixes
+    time.sleep(1.5)  # the workers' next reports carry their cached prefixes (every 0.25 s when idle)
     for i, prompt in enumerate(prompts):
         tokens, _, summary = _stream(stack, text=prompt, adapter=adapter, max_new_tokens=NEW_TOKENS)
         assert summary.worker_id == workers[i], (i, summary.worker_id, workers)
