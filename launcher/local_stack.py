@@ -59,5 +59,17 @@ def _as_parsed(parser: argparse.ArgumentParser, options: dict[str, object]) -> d
             if value:
                 parsed[action.dest] = action.const  # a switch such as --enforce-eager
             continue
-        parsed[action.dest] = value
+        parsed[action.dest] = _typed(action, value)
     return parsed
+
+
+def _typed(action: argparse.Action, value: object) -> object:
+    """`value` as parsing the flag would give it: text (alone, or in a list for a repeatable flag) goes
+    through the flag's type, so a path given as a string is a Path like the flag's."""
+    if action.type is None or not callable(action.type):
+        return value
+    if isinstance(value, str):
+        return action.type(value)
+    if isinstance(value, list | tuple):
+        return [action.type(v) if isinstance(v, str) else v for v in value]
+    return value
