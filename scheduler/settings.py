@@ -44,11 +44,22 @@ def add_policy_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
 
 def policy_config(args: argparse.Namespace) -> PolicyConfig:
     """The policy's configuration from `loraserve scheduler`'s parsed flags."""
-    common = {"max_queue_length": args.max_queue_length, "prefetch_depth": args.prefetch_depth}
-    cluster = {"worker_timeout_s": args.worker_timeout, "stale_after_s": args.stale_after}
+    common = {
+        "max_queue_length": _or(args.max_queue_length, FcfsConfig.max_queue_length),
+        "prefetch_depth": _or(args.prefetch_depth, FcfsConfig.prefetch_depth),
+    }
+    cluster = {
+        "worker_timeout_s": _or(args.worker_timeout, ClusterConfig.worker_timeout_s),
+        "stale_after_s": _or(args.stale_after, ClusterConfig.stale_after_s),
+    }
     return PolicyConfig(
-        args.policy,
+        args.policy or POLICIES[0],
         cluster=config_from_args(ClusterConfig, args, **cluster),
         fcfs=FcfsConfig(**common),
         adaptive=config_from_args(AdaptiveConfig, args, **common),
     )
+
+
+def _or(value: object, default: object) -> object:
+    """A setting the caller set, else its default (a test stack passes None for what it does not choose)."""
+    return default if value is None else value

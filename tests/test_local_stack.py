@@ -27,3 +27,13 @@ def test_options_given_as_text_take_their_flags_types():
 def test_an_option_that_is_no_flag_of_up_is_refused():
     with pytest.raises(TypeError, match="no_such_option"):
         _as_parsed(_parser(), {"no_such_option": 1})
+
+
+def test_settings_a_stack_leaves_unset_take_their_defaults(tmp_path):
+    from loraserve.launcher.commands import role_commands
+
+    parser = _parser()
+    args = parser.parse_args(["--model", str(tmp_path)])
+    vars(args).update(_as_parsed(parser, {"policy": None, "max_queue_length": None, "worker_timeout": None}))
+    scheduler = role_commands(args)["scheduler"]
+    assert "--policy" not in scheduler and "--max-queue-length" not in scheduler  # the scheduler's defaults apply
