@@ -37,9 +37,7 @@ from loraserve.endpoints import BadEndpointError
 from loraserve.errors import InvalidRequestError
 from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
-from loraserve.names import SHA256_HEX, TENANT_NAME
-from loraserve.prefix_keys import PrefixProbe, adapter_identity, chain_root
-from loraserve.request_spec import MAX_ADAPTER_RANK, MAX_ID, RequestSpec
+from loraserve.request_spec import RequestSpec
 from loraserve.scheduler import metrics
 from loraserve.scheduler.disconnects import DisconnectWatch
 from loraserve.scheduler.hints import AdapterHints
@@ -55,6 +53,7 @@ from loraserve.scheduler.policy import (
     WorkerGone,
 )
 from loraserve.scheduler.quotas import QuotaExceededError, TokenQuotas
+from loraserve.scheduler.submit import check_hint, queued_from_spec
 from loraserve.sockets import PushSockets, make_socket, send, sent_or_raise
 from loraserve.supervise import run_tasks
 from loraserve.v1 import scheduler_pb2
@@ -124,22 +123,7 @@ class SchedulerLoop:
         except QuotaExceededError:
             metrics.REFUSED.labels("RESOURCE_EXHAUSTED").inc()
             raise
-        generated = len(spec.output_ids)
-        queued = QueuedRequest(
-            request_id=spec.request_id,
-            adapter=spec.adapter_key,
-            prompt_len=len(spec.prompt_ids) + generated,
-            max_new_tokens=max_new_tokens - generated,
-            reply_to=spec.reply_to,
-            arrival=spec.arrival,
-            deadline=spec.deadline,
-            tenant=spec.tenant,
-            ttft_slo_s=spec.ttft_slo_s,
-            rank=spec.adapter_rank,
-            attempt=spec.attempt,
-            group=spec.group,
-            prefix=_prefix_probe(spec),
-        )
+        queued = queued_from_spec(spec)
         span = telemetry.tracer().start_span("scheduler.queue", context=telemetry.context_from(metadata))
         span.set_attribute("loraserve.request_id", spec.request_id)
         try:
@@ -159,7 +143,7 @@ class SchedulerLoop:
         """A gateway's hint that a request for this adapter follows: the worker placement would choose starts
         fetching it now (`scheduler/hints.py`), in the request's trace. Returns that worker's id, or "" when
         none was told."""
-        _check_hint(request)
+        check_hint(request)
         adapter = (request.adapter, request.adapter_version)
         decision = self.hints.hint(self.policy, adapter, request.adapter_rank, request.tenant, time.time())
         if decision is None:
@@ -314,38 +298,6 @@ class SchedulerLoop:
                 request.reply_to, "failure", "could not tell the gateway that %s failed: %s", request.request_id, e
             )
 
-    def cluster_state(self) -> scheduler_pb2.ClusterState:
-        now = time.time()
-        workers = []
-        for view in self.policy.workers.values():
-            r = view.report
-            workers.append(
-                scheduler_pb2.WorkerState(
-                    worker_id=r.worker_id,
-                    ready=r.ready,
-                    running=len(r.running),
-                    waiting=len(r.waiting),
-                    max_batch_size=r.max_batch_size,
-                    free_pages=r.free_pages,
-                    total_pages=r.total_pages,
-                    kv_pages=r.kv_pages,
-                    adapter_pages=r.adapter_pages,
-                    resident_adapters=[f"{n}@{v}" for n, v in r.resident],
-                    last_report_age_s=now - view.last_report,
-                    prefetch_hits=r.prefetch_hits,
-                    prefetch_misses=r.prefetch_misses,
-                    steps=r.steps,
-                    pool_waste_fraction=r.waste_fraction,
-                    draining=r.draining,
-                )
-            )
-        return scheduler_pb2.ClusterState(
-            workers=workers,
-            queue_length=len(self.policy.queue),
-            max_queue_length=self.policy.max_queue_length,
-            instance=self.instance,
-        )
-
     def close(self) -> None:
         self._disconnects.close()
         self.workers.close(linger=0)
@@ -357,27 +309,3 @@ class SchedulerLoop:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-
-
-def _prefix_probe(spec: RequestSpec) -> PrefixProbe | None:
-    """What placement asks about the request's cached prefixes (`loraserve/prefix_keys.py`): keyed as the
-    worker keys its KV, by the salt and the adapter version's weights. None when those are not known."""
-    identity = ""
-    if spec.adapter:
-        if not spec.adapter_sha256:
-            return None
-        identity = adapter_identity(spec.adapter, spec.adapter_version, spec.adapter_sha256)
-    tokens = spec.prompt_ids + spec.output_ids if spec.output_ids else spec.prompt_ids
-    return PrefixProbe(chain_root(spec.cache_salt, identity), tokens)
-
-
-def _check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:
-    """Refuse a hint naming what no ASSIGN could carry (the worker's decoder would drop the PREFETCH)."""
-    if not request.adapter or len(request.adapter) > MAX_ID:
-        raise InvalidRequestError("adapter", f"must be 1-{MAX_ID} characters")
-    if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
-        raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
-    if request.adapter_rank > MAX_ADAPTER_RANK:
-        raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
-    if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
-        raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")

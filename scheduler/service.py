@@ -8,6 +8,7 @@ import time
 import grpc
 
 from loraserve.grpc_utils import RETRY_AFTER_KEY
+from loraserve.scheduler.cluster_state import cluster_state
 from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.quotas import QuotaExceededError
 from loraserve.scheduler.submit import spec_from_submit
@@ -34,7 +35,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.CancelResponse(found=self.loop.cancel(request.request_id, request.reason))
 
     async def GetClusterState(self, request, context: grpc.aio.ServicerContext):
-        return self.loop.cluster_state()
+        return cluster_state(self.loop.policy, self.loop.instance)
 
     async def PrepareAdapter(self, request: scheduler_pb2.PrepareAdapterRequest, context: grpc.aio.ServicerContext):
         worker_id = self.loop.prepare_adapter(request, context.invocation_metadata())

@@ -14,7 +14,9 @@ from loraserve.convert import sampling_from_pb
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
 from loraserve.names import SHA256_HEX, TENANT_NAME
+from loraserve.prefix_keys import PrefixProbe, adapter_identity, chain_root
 from loraserve.request_spec import MAX_ADAPTER_RANK, MAX_ID, MAX_LIST, RequestSpec, Sampling
+from loraserve.scheduler.decisions import QueuedRequest
 from loraserve.v1 import scheduler_pb2
 
 MAX_TTFT_SLO_S = 86400.0
@@ -77,3 +79,48 @@ def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         value = getattr(request, name)
         if not math.isfinite(value) or value < 0:
             raise InvalidRequestError(name, f"must be a finite time in unix seconds (0: unset), got {value}")
+
+
+def queued_from_spec(spec: RequestSpec) -> QueuedRequest:
+    """The policy's view of an accepted request: what placement and fairness read (a continued one's
+    tokens already generated count as prompt, and against its max_new_tokens)."""
+    generated = len(spec.output_ids)
+    return QueuedRequest(
+        request_id=spec.request_id,
+        adapter=spec.adapter_key,
+        prompt_len=len(spec.prompt_ids) + generated,
+        max_new_tokens=spec.sampling.max_new_tokens - generated,
+        reply_to=spec.reply_to,
+        arrival=spec.arrival,
+        deadline=spec.deadline,
+        tenant=spec.tenant,
+        ttft_slo_s=spec.ttft_slo_s,
+        rank=spec.adapter_rank,
+        attempt=spec.attempt,
+        group=spec.group,
+        prefix=_prefix_probe(spec),
+    )
+
+
+def _prefix_probe(spec: RequestSpec) -> PrefixProbe | None:
+    """What placement asks about the request's cached prefixes (`loraserve/prefix_keys.py`): keyed as the
+    worker keys its KV, by the salt and the adapter version's weights. None when those are not known."""
+    identity = ""
+    if spec.adapter:
+        if not spec.adapter_sha256:
+            return None
+        identity = adapter_identity(spec.adapter, spec.adapter_version, spec.adapter_sha256)
+    tokens = spec.prompt_ids + spec.output_ids if spec.output_ids else spec.prompt_ids
+    return PrefixProbe(chain_root(spec.cache_salt, identity), tokens)
+
+
+def check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:
+    """Refuse a hint naming what no ASSIGN could carry (the worker's decoder would drop the PREFETCH)."""
+    if not request.adapter or len(request.adapter) > MAX_ID:
+        raise InvalidRequestError("adapter", f"must be 1-{MAX_ID} characters")
+    if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
+        raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
+    if request.adapter_rank > MAX_ADAPTER_RANK:
+        raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
+    if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
+        raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")
