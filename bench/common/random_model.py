@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loraserve.config_cli import add_config_arguments, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -162,17 +163,24 @@ def write_llama_checkpoint(
     return written
 
 
+@dataclass(frozen=True)
+class RandomModelSettings:
+    """`python -m loraserve.bench.common.random_model`'s flags: where, and the model's shape."""
+
+    out: Path = setting(help="directory to create (refused if it exists)", flag="out")
+    hidden: int = setting(1024, "hidden size")
+    layers: int = setting(8, "decoder layers")
+    heads: int = setting(16, "attention heads")
+    kv_heads: int = setting(4, "key/value heads")
+    intermediate: int = setting(2816, "MLP intermediate size")
+    seed: int = setting(0, "the weights' seed")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m loraserve.bench.common.random_model", description=__doc__.splitlines()[0]
     )
-    p.add_argument("out", type=Path, help="directory to create (refused if it exists)")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--seed", type=int, default=0)
+    add_config_arguments(p, RandomModelSettings)
     args = p.parse_args(argv)
     if args.out.exists():
         p.error(f"{args.out} exists; choose a new directory")
