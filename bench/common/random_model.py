@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from loraserve.config_cli import add_config_arguments, setting
+from loraserve.config_cli import add_config_arguments, config_from_args, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -167,7 +167,7 @@ def write_llama_checkpoint(
 class RandomModelSettings:
     """`python -m loraserve.bench.common.random_model`'s flags: where, and the model's shape."""
 
-    out: Path = setting(help="directory to create (refused if it exists)", flag="out")
+    out: Path = setting(help="directory to create (refused if it exists)", flag="out", parse=Path)
     hidden: int = setting(1024, "hidden size")
     layers: int = setting(8, "decoder layers")
     heads: int = setting(16, "attention heads")
@@ -181,20 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m loraserve.bench.common.random_model", description=__doc__.splitlines()[0]
     )
     add_config_arguments(p, RandomModelSettings)
-    args = p.parse_args(argv)
+    args = config_from_args(RandomModelSettings, p.parse_args(argv))
     if args.out.exists():
         p.error(f"{args.out} exists; choose a new directory")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
-    n = write_random_llama(
-        args.out,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        seed=args.seed,
-    )
+    shape = {k: v for k, v in asdict(args).items() if k != "out"}
+    n = write_random_llama(args.out, **shape)
     print(f"wrote {args.out}: {n / 1e6:.1f}M parameters")
     return 0
 
