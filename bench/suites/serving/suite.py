@@ -241,8 +241,8 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
             log.info(
                 "%s n=%d rate=%g: %.2f req/s, %.0f tok/s, ttft p50 %s s, SLO %.0f%%, %d/%d finished",
                 name,
-                setting.n_adapters,
-                setting.rate,
+                point.n_adapters,
+                point.rate,
                 row["req_per_s"],
                 row["tokens_per_s"],
                 row["ttft_p50_s"],
