@@ -6,10 +6,12 @@
     loraserve bench --suite kernels --dry-run                        # own flags: see --help with it
 
 Each suite lives in `bench/suites/<name>/`; its `suite.py` (or the module named below) has
-`main(args) -> int` and, unless it reads only the shared flags, `add_arguments(parser)`. Most
-suites share one set of flags (--quick, --out, --threads, --model, ...: every such suite's flags are
-accepted together, as they always were); a suite whose flags clash with that set (`OWN_FLAGS`) is
-given its own flags alone, chosen by the `--suite` value on the command line (or LORASERVE_SUITE).
+`main(args) -> int` and, unless it reads only the shared flags, `add_arguments(parser)`, which adds
+the flags of its settings dataclass (`bench/common/settings.py`). Most suites share one set of flags
+(--quick, --out, --threads, --model, ...: every such suite's flags are accepted together, as they
+always were); a suite whose flags clash with that set (`OWN_FLAGS`) is given its own flags alone.
+Which set a command line gets is read from the command line itself: `--suite` is parsed first (or
+LORASERVE_SUITE), then that suite's flags are added and the whole line parsed.
 Every suite that writes `--out/results.json` writes it through `bench/common/results.py`:
 {"suite", "machine", "commit", "records", ...}.
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
-from loraserve.flags import EnvArgumentParser, env_name
+from loraserve.bench.common.settings import add_settings, config_from_args
+from loraserve.config_cli import setting
+from loraserve.flags import EnvArgumentParser
 
 # name -> (module with add_arguments and main, one line on what it measures)
 SUITES: dict[str, tuple[str, str]] = {
@@ -55,23 +59,28 @@ def suite_module(name: str) -> ModuleType:
     return importlib.import_module(f"loraserve.bench.{SUITES[name][0]}")
 
 
+@dataclass(frozen=True)
+class BenchSettings:
+    """`loraserve bench`'s own setting: the suite it runs."""
+
+    suite: str = setting(
+        DEFAULT, "; ".join(f"{name}: {line}" for name, (_, line) in SUITES.items()), choices=tuple(SUITES)
+    )
+
+
 def requested_suite(argv: Sequence[str]) -> str:
-    """The suite `argv` asks for (`--suite NAME` or `--suite=NAME`), else LORASERVE_SUITE's, else serving.
-    An unknown name gives the default here; the parser then refuses it with the list of suites."""
-    chosen = os.environ.get(env_name("--suite"), DEFAULT)
-    for i, arg in enumerate(argv):
-        if arg == "--suite" and i + 1 < len(argv):
-            chosen = argv[i + 1]
-        elif arg.startswith("--suite="):
-            chosen = arg.split("=", 1)[1]
-    return chosen if chosen in SUITES else DEFAULT
+    """The suite `argv` asks for (`--suite NAME`, else LORASERVE_SUITE's, else serving), read by a parser of
+    `--suite` alone. An unknown name gives the default here; the whole parser then refuses it with the list."""
+    pre = EnvArgumentParser(add_help=False, exit_on_error=False)
+    add_settings(pre, BenchSettings)
+    try:
+        return config_from_args(BenchSettings, pre.parse_known_args(list(argv))[0]).suite
+    except argparse.ArgumentError:
+        return DEFAULT
 
 
-def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> None:
-    """--suite, then the flags of the suite `argv` (default: this process's command line) asks for."""
-    suite = requested_suite(sys.argv[1:] if argv is None else argv)
-    lines = "; ".join(f"{name}: {summary}" for name, (_, summary) in SUITES.items())
-    parser.add_argument("--suite", choices=tuple(SUITES), default=DEFAULT, help=lines)
+def add_suite_arguments(parser: argparse.ArgumentParser, suite: str) -> None:
+    """The flags suite `suite` reads: its own alone (`OWN_FLAGS`), else every shared-flag suite's."""
     names = [suite] if suite in OWN_FLAGS else [n for n in SUITES if n not in OWN_FLAGS]
     for name in names:  # serving first: it defines the flags the other shared-flag suites read
         add = getattr(suite_module(name), "add_arguments", None)
@@ -79,10 +88,31 @@ def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None = 
             add(parser)
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--suite now; the chosen suite's flags when `parser` parses, from the arguments it is given (a
+    subcommand's parser is given its own part of the command line)."""
+    add_settings(parser, BenchSettings)
+    parse_known_args = parser.parse_known_args
+    added: list[str] = []
+
+    def parse_suite_args(args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):
+        argv = list(sys.argv[1:] if args is None else args)
+        suite = requested_suite(argv)
+        flag_set = suite if suite in OWN_FLAGS else DEFAULT
+        if not added:
+            add_suite_arguments(parser, suite)
+            added.append(flag_set)
+        elif added[0] != flag_set:
+            parser.error(f"this parser has the flags of --suite {added[0]}; make a new one for --suite {suite}")
+        return parse_known_args(argv, namespace)
+
+    parser.parse_known_args = parse_suite_args  # type: ignore[method-assign]
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """`loraserve bench ARGV`'s flags, parsed (for tests and scripts that run a suite in-process)."""
     parser = EnvArgumentParser(prog="loraserve bench", description=__doc__.splitlines()[0])
-    add_arguments(parser, argv)
+    add_arguments(parser)
     return parser.parse_args(list(argv))
 
 

@@ -263,7 +263,7 @@ def test_plots_are_pngs(tmp_path):
 
 def test_bench_command_writes_results(tmp_path, capsys):
     parser = EnvArgumentParser()
-    bench_cli.add_arguments(parser, [])
+    bench_cli.add_arguments(parser)
     out, saved = tmp_path / "out", tmp_path / "trace.jsonl"
     argv = [
         "--n-adapters",

@@ -238,18 +238,19 @@ MECHANISM = {
 }
 ELSEWHERE = {
     "tests/": "tests build throw-away parsers to check the mechanism",
-    "bench/": "the benchmark suites' own command line, outside the roles and their configurations",
 }
 
 
 def test_no_role_writes_a_flag_by_hand():
+    """Every command line (the roles', the bench suites', the bench's helper processes') comes from
+    configuration dataclasses."""
     tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
     files = [
         p
         for p in tracked.stdout.split()
         if p not in MECHANISM and not p.startswith(tuple(ELSEWHERE)) and "/v1/" not in p
     ]
-    assert "launcher/up.py" in files and "worker/main.py" in files
+    assert "launcher/up.py" in files and "worker/main.py" in files and "bench/cli.py" in files
     by_hand = [p for p in files if re.search(r"\.add_argument\(", (ROOT / p).read_text())]
     assert by_hand == [], "flags belong in a configuration dataclass's fields (loraserve/config_cli.py)"
 
@@ -343,3 +344,59 @@ def test_every_scheduler_policy_setting_is_a_flag_and_up_forwards_it(tmp_path):
     assert config.adaptive.starvation_s == 7.0 and config.cluster.max_zombies == 5
     assert config.adaptive.size_classes.bounds == (100.0, 900.0)  # given values replace the default, not extend it
     assert config.adaptive.step_cost.per_token_s == 0.001
+
+
+# ---- `loraserve bench`: each suite's flags from its settings dataclass ------------------------------------
+def _bench_args(argv: list[str]) -> argparse.Namespace:
+    from loraserve.cli import build_parser
+
+    return build_parser("bench").parse_args(["bench", *argv])
+
+
+def test_the_bench_parser_takes_the_suite_from_the_arguments_it_is_given(monkeypatch):
+    """The suite (and so its flags) comes from the command line being parsed, not this process's: a suite with
+    flags of its own and a shared-flag suite parse one after the other in one process."""
+    from loraserve.bench.suites.kernels.lora import KernelsSettings
+    from loraserve.bench.suites.serving.suite import ServingSettings
+
+    monkeypatch.delenv("LORASERVE_SUITE", raising=False)
+    monkeypatch.setattr("sys.argv", ["loraserve", "bench", "--suite", "gpu-check"])
+    kernels = _bench_args(["--suite", "kernels", "--dry-run", "--ranks", "8", "mixed", "--batch-sizes", "2"])
+    assert kernels.suite == "kernels"
+    assert config_from_args(KernelsSettings, kernels) == KernelsSettings(
+        ranks=(8, "mixed"), batch_sizes=(2,), dry_run=True
+    )
+    serving = _bench_args(["--quick", "--input-len", "4", "6", "--systems", "loraserve", "peft"])
+    assert serving.suite == "serving" and serving.input_len == [4, 6] and serving.n_adapters is None
+    assert config_from_args(ServingSettings, serving) == ServingSettings(
+        quick=True, input_len=(4, 6), systems=("loraserve", "peft")
+    )
+    with pytest.raises(SystemExit):
+        _bench_args(["--suite", "kernels", "--quick"])  # a shared flag: not the kernels suite's
+    with pytest.raises(SystemExit):
+        _bench_args(["--suite", "no-such-suite"])
+    monkeypatch.setenv("LORASERVE_SUITE", "attention")
+    assert _bench_args(["--dry-run"]).suite == "attention"
+
+
+def test_every_bench_suite_parses_to_its_settings_defaults(monkeypatch):
+    """Each suite's flags, not given, are its settings dataclass's defaults (one default per setting)."""
+    import dataclasses
+
+    from loraserve.bench import cli as bench_cli
+
+    for var in [v for v in __import__("os").environ if v.startswith("LORASERVE_")]:
+        monkeypatch.delenv(var)
+    for suite in bench_cli.SUITES:
+        args = _bench_args(["--suite", suite])
+        names = (
+            [suite] if suite in bench_cli.OWN_FLAGS else [n for n in bench_cli.SUITES if n not in bench_cli.OWN_FLAGS]
+        )
+        for name in names:
+            module = bench_cli.suite_module(name)
+            for cls in [v for v in vars(module).values() if isinstance(v, type) and v.__name__.endswith("Settings")]:
+                if cls.__module__ != module.__name__ or not dataclasses.is_dataclass(cls):
+                    continue
+                if not all("help" in f.metadata for f in dataclasses.fields(cls)):
+                    continue  # a suite's run settings, built from its flags and presets: no flags of its own
+                assert config_from_args(cls, args) == cls(), (suite, cls.__name__)

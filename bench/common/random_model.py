@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loraserve.config_cli import add_config_arguments, config_from_args, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -162,31 +163,31 @@ def write_llama_checkpoint(
     return written
 
 
+@dataclass(frozen=True)
+class RandomModelSettings:
+    """`python -m loraserve.bench.common.random_model`'s flags: where, and the model's shape."""
+
+    out: Path = setting(help="directory to create (refused if it exists)", flag="out", parse=Path)
+    hidden: int = setting(1024, "hidden size")
+    layers: int = setting(8, "decoder layers")
+    heads: int = setting(16, "attention heads")
+    kv_heads: int = setting(4, "key/value heads")
+    intermediate: int = setting(2816, "MLP intermediate size")
+    seed: int = setting(0, "the weights' seed")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m loraserve.bench.common.random_model", description=__doc__.splitlines()[0]
     )
-    p.add_argument("out", type=Path, help="directory to create (refused if it exists)")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    add_config_arguments(p, RandomModelSettings)
+    args = config_from_args(RandomModelSettings, p.parse_args(argv))
     if args.out.exists():
         p.error(f"{args.out} exists; choose a new directory")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
-    n = write_random_llama(
-        args.out,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        intermediate=args.intermediate,
-        seed=args.seed,
-    )
+    shape = {k: v for k, v in asdict(args).items() if k != "out"}
+    n = write_random_llama(args.out, **shape)
     print(f"wrote {args.out}: {n / 1e6:.1f}M parameters")
     return 0
 

@@ -44,7 +44,7 @@ class StackSystem:
             stack = LocalStack(
                 Path(self.adapters.model_dir),
                 workers=self.workers,
-                policy=self.policy,
+                **({} if self.policy is None else {"policy": self.policy}),  # None: `up`'s default policy
                 pool_pages=self.pool_pages,
                 max_batch_size=self.max_batch_size,
                 torch_threads=self.torch_threads,

@@ -36,8 +36,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.suites.abuse.probes import Roles, Traffic, big_body, connection_churn, idle_connections
 from loraserve.client import Client
+from loraserve.config_cli import setting
 from loraserve.demo.assets import demo_adapters
 from loraserve.gateway.keys import new_key
 from loraserve.launcher.ports import free_port_block
@@ -62,12 +64,17 @@ FULL = AbusePlan(20.0, 10_000, 2 * GIB, 20_000, 45.0, 600.0, 4)
 QUICK = AbusePlan(10.0, 3_000, 2 * GIB, 4_000, 20.0, 60.0, 3)
 
 
+@dataclass(frozen=True)
+class AbuseSettings:
+    """Options of this suite (the bench's --quick and --out apply); None: the preset's."""
+
+    abuse_soak_s: float | None = setting(None, "abuse suite: the soak's seconds")
+    abuse_idle_connections: int | None = setting(None, "abuse suite: idle HTTP connections held at once")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of this suite (the bench's --quick and --out apply)."""
-    parser.add_argument("--abuse-soak-s", type=float, default=None, help="abuse suite: the soak's seconds")
-    parser.add_argument(
-        "--abuse-idle-connections", type=int, default=None, help="abuse suite: idle HTTP connections held at once"
-    )
+    """The abuse suite's flags (`AbuseSettings`)."""
+    add_settings(parser, AbuseSettings)
 
 
 class _Stack:

@@ -37,6 +37,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve.adapter_config import PARENT
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.bench.common.llama7b_files import write_adapter, write_model
+from loraserve.bench.common.settings import add_settings
+from loraserve.config_cli import setting
 from loraserve.worker.adapters import load_adapter_bytes
 
 ADAPTER_NAME = "bench-7b"
@@ -174,23 +176,29 @@ def print_table(results: list[Result], first_ms: float, target_ms: float) -> Non
     print(f"first fetch (connect + transfer): {first_ms:.2f} ms; median transfer {verdict} the {target_ms:g} ms target")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--modules", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"], choices=list(PARENT))
-    parser.add_argument(
-        "--transport", default="tcp", choices=["tcp", "ipc"], help="loopback TCP (the default stack) or a unix socket"
+@dataclass(frozen=True)
+class AdapterFetchSettings:
+    """The adapter-fetch suite's flags (its own alone)."""
+
+    iterations: int = setting(30, "timed fetches")
+    warmup: int = setting(3, "untimed fetches first")
+    rank: int = setting(16, "the adapter's rank")
+    modules: tuple[str, ...] = setting(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), "the adapter's target modules", nargs="+", choices=list(PARENT)
     )
-    parser.add_argument("--target-ms", type=float, default=20.0, help="the issue's target for one fetch")
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=1,
-        help="intra-op threads for parsing (a worker parses on one fetch thread; on a shared CPU, more threads "
+    transport: str = setting("tcp", "loopback TCP (the default stack) or a unix socket", choices=["tcp", "ipc"])
+    target_ms: float = setting(20.0, "the issue's target for one fetch")
+    torch_threads: int = setting(
+        1,
+        "intra-op threads for parsing (a worker parses on one fetch thread; on a shared CPU, more threads "
         "stall in parallel regions)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    json: Path | None = setting(None, "also write the results here")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The adapter-fetch suite's flags (`AdapterFetchSettings`)."""
+    add_settings(parser, AdapterFetchSettings)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -28,12 +28,13 @@ import logging
 import signal
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
 
 from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.chaos.plan import (
     SAMPLED,
@@ -54,6 +55,7 @@ from loraserve.bench.suites.chaos.report import (
     summarize_chaos,
 )
 from loraserve.bench.systems.stack import _upload
+from loraserve.config_cli import setting
 from loraserve.grpc_utils import internal_channel
 from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -247,41 +249,37 @@ FULL = {"duration_s": 180.0, "interval_s": 10.0}
 QUICK = {"duration_s": 40.0, "interval_s": 5.0}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class ChaosSettings:
     """The chaos suite's own flags (it also reads --n-adapters, --seed, --quick, --out, --model, ...)."""
-    p = parser.add_argument_group("chaos suite (--suite chaos)")
-    p.add_argument(
-        "--chaos-duration",
-        type=float,
-        help=f"seconds of load (full: {FULL['duration_s']:g}; quick: {QUICK['duration_s']:g})",
+
+    chaos_duration: float | None = setting(
+        None, f"seconds of load (full: {FULL['duration_s']:g}; quick: {QUICK['duration_s']:g})"
     )
-    p.add_argument("--chaos-workers", type=int, default=3, help="workers in the stack (one always stays up)")
-    p.add_argument("--chaos-rate", type=float, default=ChaosConfig.rate, help="requests/s (Poisson arrivals)")
-    p.add_argument(
-        "--chaos-interval",
-        type=float,
-        help=f"mean seconds between disruptions (full: {FULL['interval_s']:g}; quick: {QUICK['interval_s']:g})",
+    chaos_workers: int = setting(3, "workers in the stack (one always stays up)")
+    chaos_rate: float = setting(ChaosConfig.rate, "requests/s (Poisson arrivals)")
+    chaos_interval: float | None = setting(
+        None, f"mean seconds between disruptions (full: {FULL['interval_s']:g}; quick: {QUICK['interval_s']:g})"
     )
-    p.add_argument(
-        "--chaos-signals",
+    chaos_signals: tuple[str, ...] = setting(
+        SIGNALS,
+        "disruptions to draw from: kill (SIGKILL), stop (SIGSTOP, SIGCONT later), term (SIGTERM: drain)",
         nargs="+",
-        default=list(SIGNALS),
         metavar="KIND",
-        help="disruptions to draw from: kill (SIGKILL), stop (SIGSTOP, SIGCONT later), term (SIGTERM: drain)",
     )
-    p.add_argument(
-        "--chaos-max-batch-size",
-        type=int,
-        default=ChaosConfig.max_batch_size,
-        help="running requests per worker: small, so the load spreads over the workers a disruption may hit",
+    chaos_max_batch_size: int = setting(
+        ChaosConfig.max_batch_size,
+        "running requests per worker: small, so the load spreads over the workers a disruption may hit",
     )
-    p.add_argument("--chaos-stop", type=float, default=ChaosConfig.stop_s, help="seconds between SIGSTOP and SIGCONT")
-    p.add_argument(
-        "--chaos-drain-timeout",
-        type=float,
-        default=ChaosConfig.drain_timeout_s,
-        help="a SIGTERMed worker's drain, seconds; streams still running then fail over",
+    chaos_stop: float = setting(ChaosConfig.stop_s, "seconds between SIGSTOP and SIGCONT")
+    chaos_drain_timeout: float = setting(
+        ChaosConfig.drain_timeout_s, "a SIGTERMed worker's drain, seconds; streams still running then fail over"
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The chaos suite's flags (`ChaosSettings`), in a group of their own."""
+    add_settings(parser.add_argument_group("chaos suite (--suite chaos)"), ChaosSettings)
 
 
 def config_from_args(args: argparse.Namespace) -> ChaosConfig:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings
+from loraserve.config_cli import setting
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,16 @@ FULL = Preset(("demo", "random-25m"), n=8, prompt_len=384, new_tokens=32, repeat
 QUICK = Preset(("demo",), n=4, prompt_len=256, new_tokens=16, repeats=2)
 
 
+@dataclass(frozen=True)
+class ChoicesSettings:
+    """The choices suite's own flag (it also reads --quick, --out, --threads, --seed, --adapter-cache)."""
+
+    choices_n: int | None = setting(None, "choices suite: choices per prompt")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--choices-n", type=int, help="choices suite: choices per prompt")
+    """The choices suite's flags (`ChoicesSettings`)."""
+    add_settings(p, ChoicesSettings)
 
 
 def _run(engine, prompt: list[int], n: int, new_tokens: int, grouped: bool, seed: int) -> dict:

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings
+from loraserve.config_cli import setting
 
 log = logging.getLogger(__name__)
 FULL_RANKS = (8, 16, 32, 64, 128)
@@ -31,17 +34,25 @@ TARGET_COLD_OVER_WARM = 1.25  # cold p50 TTFT ≤ 1.25 × warm
 TARGET_FRACTION_OF_MEMCPY = 0.5  # same-host fetch + load ≥ 50 % of memcpy bandwidth
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cold-parts", nargs="+", default=["stack", "load"], choices=["stack", "load"])
-    p.add_argument("--cold-models", nargs="+", default=None, help="cold suite: models (default: demo random-100m)")
-    p.add_argument("--cold-trials", type=int, default=None, help="cold suite: cold adapters per rank (full 12)")
-    p.add_argument(
-        "--cold-stack-option",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="cold suite: a `loraserve up` option for the stack (an ablation, e.g. adapter_rows=False)",
+@dataclass(frozen=True)
+class ColdSettings:
+    """The cold suite's own flags (it also reads --quick, --out, --threads, --adapter-cache)."""
+
+    cold_parts: tuple[str, ...] = setting(
+        ("stack", "load"), "cold suite: the parts to run", nargs="+", choices=["stack", "load"]
     )
+    cold_models: tuple[str, ...] | None = setting(None, "cold suite: models (default: demo random-100m)", nargs="+")
+    cold_trials: int | None = setting(None, "cold suite: cold adapters per rank (full 12)")
+    cold_stack_option: tuple[str, ...] = setting(
+        (),
+        "cold suite: a `loraserve up` option for the stack (an ablation, e.g. adapter_rows=False)",
+        metavar="NAME=VALUE",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The cold suite's flags (`ColdSettings`)."""
+    add_settings(p, ColdSettings)
 
 
 def _option(spec: str) -> tuple[str, object]:

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -46,7 +47,9 @@ import psutil
 import zmq
 
 from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.stats import quantile
+from loraserve.config_cli import setting
 from loraserve.launcher.ports import free_port_block
 from loraserve.scheduler.policy import POLICIES
 from loraserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -66,24 +69,28 @@ TARGET_RATE = 5000.0  # req/s admitted
 TARGET_P99_S = 0.001  # decision latency
 
 
+@dataclass(frozen=True)
+class ControlPlaneSettings:
+    """The control-plane suite's own flags (it also reads --quick, --out, --seed)."""
+
+    cp_workers: int = setting(WORKERS, "emulated workers reporting to the scheduler")
+    cp_adapters: int = setting(ADAPTERS, "adapters the requests ask for (Zipf α = 1)")
+    cp_rates: tuple[float, ...] | None = setting(None, "offered Submit rates, req/s (default: the preset's)", nargs="+")
+    cp_policies: tuple[str, ...] | None = setting(
+        None, "policies to measure (default: the preset's)", nargs="+", choices=POLICIES
+    )
+    cp_clients: int = setting(4, "gRPC channels the Submits go out on")
+    cp_step_s: float = setting(
+        STEP_S, "an emulated worker's step while it holds requests: it reports after each (the report cadence)"
+    )
+    cp_profile: bool = setting(
+        False, "run the scheduler under cProfile: --out/scheduler-POLICY.prof, and its top functions printed"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    p = parser.add_argument_group("control-plane suite (--suite control-plane)")
-    p.add_argument("--cp-workers", type=int, default=WORKERS, help="emulated workers reporting to the scheduler")
-    p.add_argument("--cp-adapters", type=int, default=ADAPTERS, help="adapters the requests ask for (Zipf α = 1)")
-    p.add_argument("--cp-rates", type=float, nargs="+", help="offered Submit rates, req/s (default: the preset's)")
-    p.add_argument("--cp-policies", nargs="+", choices=POLICIES, help="policies to measure (default: the preset's)")
-    p.add_argument("--cp-clients", type=int, default=4, help="gRPC channels the Submits go out on")
-    p.add_argument(
-        "--cp-step-s",
-        type=float,
-        default=STEP_S,
-        help="an emulated worker's step while it holds requests: it reports after each (the report cadence)",
-    )
-    p.add_argument(
-        "--cp-profile",
-        action="store_true",
-        help="run the scheduler under cProfile: --out/scheduler-POLICY.prof, and its top functions printed",
-    )
+    """The control-plane suite's flags (`ControlPlaneSettings`), in a group of their own."""
+    add_settings(parser.add_argument_group("control-plane suite (--suite control-plane)"), ControlPlaneSettings)
 
 
 def _sha(name: str) -> str:

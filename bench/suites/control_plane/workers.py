@@ -32,6 +32,8 @@ from pathlib import Path
 
 import zmq
 
+from loraserve.bench.common.settings import add_settings
+from loraserve.config_cli import setting
 from loraserve.sockets import make_socket, send
 from loraserve.wire import Assign, Cancel, WireError, WorkerReport, decode
 
@@ -194,16 +196,23 @@ class Driver:
         self.ctx.term()
 
 
-def main() -> int:
+@dataclass(frozen=True, kw_only=True)
+class WorkersSettings:
+    """The emulated workers' flags (the control-plane suite starts this process with them)."""
+
+    scheduler: str = setting(help="the scheduler's worker address (tcp://...)", required=True)
+    workers: int = setting(64, "emulated workers")
+    adapters: int = setting(10_000, "the catalogue the resident sets start from")
+    resident: int = setting(128, "adapters resident per worker")
+    max_batch_size: int = setting(64, "running requests per worker")
+    step_s: float = setting(0.02, "a step's duration while a worker holds requests")
+    out: Path = setting(help="where the latencies go, as JSON, when told to stop", required=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scheduler", required=True, help="the scheduler's worker address (tcp://...)")
-    p.add_argument("--workers", type=int, default=64)
-    p.add_argument("--adapters", type=int, default=10_000, help="the catalogue the resident sets start from")
-    p.add_argument("--resident", type=int, default=128, help="adapters resident per worker")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--step-s", type=float, default=0.02, help="a step's duration while a worker holds requests")
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
+    add_settings(p, WorkersSettings)
+    args = p.parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -17,13 +17,16 @@ import argparse
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, adapter_stats_since, warm_up
 from loraserve.bench.workloads.slora import DEFAULT_RANKS, FIRST_TOKEN_ID, round_robin_ranks
+from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 TARGET = 0.9
@@ -131,22 +134,29 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+@dataclass(frozen=True)
+class EngineScalingSettings:
+    """The engine-scaling suite's flags (its own alone)."""
+
+    adapters: tuple[int, ...] = setting((1, 10, 100, 1000), "adapter counts", nargs="+")
+    requests: int = setting(1000, "requests per adapter count")
+    prompt_len: int = setting(16, "prompt tokens per request")
+    output_len: int = setting(32, "output tokens per request")
+    max_batch_size: int = setting(32, "running requests per step")
+    ranks: tuple[int, ...] = setting(DEFAULT_RANKS, "adapter ranks, round-robin", nargs="+")
+    pool_pages: int = setting(1024, "engine pool pages")
+    device: str = setting("cpu", "cpu or cuda")
+    backend: str = setting("torch", "the engine's kernel backend", choices=["torch", "torch-bmm", "triton"])
+    no_prefetch: bool = setting(False, "no adapter prefetch")
+    threads: int = setting(1, "torch CPU threads")
+    model: Path = setting(DEMO_MODEL_DIR, "base model directory")
+    seed: int = setting(0, "")
+    json: Path | None = setting(None, "also write the rows here")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    p = parser
-    p.add_argument("--adapters", type=int, nargs="+", default=[1, 10, 100, 1000], help="adapter counts")
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS), help="adapter ranks, round-robin")
-    p.add_argument("--pool-pages", type=int, default=1024)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--backend", default="torch", choices=["torch", "torch-bmm", "triton"])
-    p.add_argument("--no-prefetch", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--model", type=Path, default=DEMO_MODEL_DIR)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="also write the rows here")
+    """The engine-scaling suite's flags (`EngineScalingSettings`)."""
+    add_settings(parser, EngineScalingSettings)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -34,10 +34,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.suites.gpu_check import report as gpu_report
 from loraserve.bench.suites.gpu_check.preset import DRY_RUN, GPU, Preset
+from loraserve.config_cli import setting
 
 PARTS = ("tests", "kernels", "engine", "stack", "overhead")
 # Seconds each part may take on the GPU (together about 11 minutes on one H100: where one command may
@@ -47,14 +50,22 @@ GPU_LIMITS_S = {"tests": 110, "kernels": 70, "engine": 260, "stack": 100, "overh
 DRY_RUN_LIMIT_S = 300
 
 
+@dataclass(frozen=True)
+class GpuCheckSettings:
+    """The gpu-check suite's flags (its own alone)."""
+
+    out: Path = setting(Path("out/gpu-check"), "results folder (created)")
+    work: Path | None = setting(None, "scratch folder for the random model (default: --out/work)")
+    parts: tuple[str, ...] = setting(PARTS, "the parts to run, in order", nargs="+", choices=PARTS)
+    dry_run: bool = setting(False, "tiny shapes on CPU: exercises the whole driver")
+    tests_dir: Path = setting(Path("tests"), "the test suite (for the tests part)")
+    scale_limits: float = setting(1.0, "multiply every part's time limit")
+    part: str | None = setting(None, argparse.SUPPRESS, choices=PARTS)  # internal: run one part in this process
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("out/gpu-check"), help="results folder (created)")
-    p.add_argument("--work", type=Path, default=None, help="scratch folder for the random model (default: --out/work)")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: exercises the whole driver")
-    p.add_argument("--tests-dir", type=Path, default=Path("tests"), help="the test suite (for the tests part)")
-    p.add_argument("--scale-limits", type=float, default=1.0, help="multiply every part's time limit")
-    p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
+    """The gpu-check suite's flags (`GpuCheckSettings`)."""
+    add_settings(p, GpuCheckSettings)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

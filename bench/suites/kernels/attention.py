@@ -41,9 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.bench.common.kernel_cases import make_uniform_attention_case
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.tables import markdown_table
 from loraserve.bench.suites.kernels.lora import fmt, ratio
 from loraserve.bench.suites.kernels.timing import Timers, cuda_timers, timed, wall_timers
+from loraserve.config_cli import setting
 
 # dense fp16/bf16 tensor-core peak by device-name substring, first match wins (datasheets, no sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0}
@@ -323,9 +325,17 @@ def run(dry_run: bool = False) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class AttentionSettings:
+    """The attention suite's flags (its own alone)."""
+
+    dry_run: bool = setting(False, "tiny shapes on CPU under Triton's interpreter")
+    json: Path | None = setting(None, "also write the results as JSON", metavar="OUT")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU under Triton's interpreter")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT")
+    """The attention suite's flags (`AttentionSettings`)."""
+    add_settings(p, AttentionSettings)
 
 
 def main(args: argparse.Namespace) -> int:

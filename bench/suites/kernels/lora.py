@@ -65,6 +65,7 @@ from loraserve.bench.common.kernel_cases import (
     make_bench_lora_pool,
     make_lora_plan,
 )
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.tables import markdown_table
 from loraserve.bench.suites.kernels.timing import (
     Fn,
@@ -75,6 +76,7 @@ from loraserve.bench.suites.kernels.timing import (
     timed,
     wall_timers,
 )
+from loraserve.config_cli import setting
 from loraserve.kernels.lora_bmm import lora_apply_bmm, prepare_lora_bmm
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
@@ -169,27 +171,32 @@ def parse_rank(text: str) -> int | str:
     return rank
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=parse_rank, nargs="+", default=list(SUITE_RANKS), help="ranks, or 'mixed'")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=list(SUITE_BATCH_SIZES))
-    p.add_argument("--popularity", nargs="+", choices=POPULARITIES, default=list(POPULARITIES))
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    p.add_argument("--prefill-len", type=int, default=64, help="tokens per request in prefill cases")
-    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="cap on a prefill case's tokens")
-    p.add_argument("--hidden", type=int, default=4096, help="d_in = d_out of the projection")
-    p.add_argument("--row-width", type=int, default=1024, help="pool row width (the KV width)")
-    p.add_argument("--rows-per-page", type=int, default=32)
-    p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    p.add_argument(
-        "--bandwidth",
-        type=float,
-        default=None,
-        help="bandwidth in TB/s for the roofline (default: measured by a device-to-device copy)",
+@dataclass(frozen=True)
+class KernelsSettings:
+    """The kernels suite's flags (its own alone); `LoraConfig.from_args` reads the sweep's from them."""
+
+    ranks: tuple[int | str, ...] = setting(SUITE_RANKS, "ranks, or 'mixed'", nargs="+", flag_type=parse_rank)
+    batch_sizes: tuple[int, ...] = setting(SUITE_BATCH_SIZES, "requests per case", nargs="+")
+    popularity: tuple[str, ...] = setting(POPULARITIES, "adapter popularity", nargs="+", choices=POPULARITIES)
+    phases: tuple[str, ...] = setting(PHASES, "prefill and/or decode cases", nargs="+", choices=PHASES)
+    prefill_len: int = setting(64, "tokens per request in prefill cases")
+    max_prefill_tokens: int = setting(4096, "cap on a prefill case's tokens")
+    hidden: int = setting(4096, "d_in = d_out of the projection")
+    row_width: int = setting(1024, "pool row width (the KV width)")
+    rows_per_page: int = setting(32, "pool rows per page")
+    dtype: str = setting("float16", "the tensors' dtype", choices=("float16", "bfloat16"))
+    bandwidth: float | None = setting(
+        None, "bandwidth in TB/s for the roofline (default: measured by a device-to-device copy)"
     )
-    p.add_argument("--rep", type=int, default=20, help="do_bench repetition time, ms")
-    p.add_argument("--gpu-suite", action="store_true", help="run the GPU suite's sweep (LoRA and attention)")
-    p.add_argument("--dry-run", action="store_true", help="the suite on CPU: tiny shapes, Triton's interpreter")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
+    rep: int = setting(20, "do_bench repetition time, ms")
+    gpu_suite: bool = setting(False, "run the GPU suite's sweep (LoRA and attention)")
+    dry_run: bool = setting(False, "the suite on CPU: tiny shapes, Triton's interpreter")
+    json: Path | None = setting(None, "also write the results as JSON", metavar="OUT")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The kernels suite's flags (`KernelsSettings`)."""
+    add_settings(p, KernelsSettings)
 
 
 def invalid(args: argparse.Namespace) -> str | None:

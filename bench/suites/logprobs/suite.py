@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings
+from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 
 PROMPT = "the quiet king"
@@ -140,10 +142,18 @@ def measure(engine, preset: Preset) -> dict[str, list[dict]]:
     return records
 
 
+@dataclass(frozen=True)
+class LogprobsSettings:
+    """The logprobs suite's flags (its own alone)."""
+
+    quick: bool = setting(False, "fewer tokens and repeats")
+    threads: int = setting(1, "torch CPU threads")
+    out: Path | None = setting(None, "write DIR/results.json")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--out", type=Path, help="write DIR/results.json")
+    """The logprobs suite's flags (`LogprobsSettings`)."""
+    add_settings(parser, LogprobsSettings)
 
 
 def main(args: argparse.Namespace) -> int:

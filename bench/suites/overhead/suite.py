@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, warm_up
 from loraserve.bench.workloads.slora import round_robin_ranks
+from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 log = logging.getLogger(__name__)
@@ -79,22 +81,27 @@ FULL = Preset(("demo", "random-25m", "random-100m"), 3, (16, 128), 1000, 256, 32
 QUICK = Preset(("demo", "random-25m"), 2, (16, 64), 200, 128, 16)
 
 
+@dataclass(frozen=True)
+class OverheadSettings:
+    """The overhead suite's own flags (it also reads the shared --quick, --out, --threads, ...)."""
+
+    overhead_batch: int = setting(64, "overhead suite: requests queued at once")
+    overhead_adapters: int = setting(32, "overhead suite: distinct adapters")
+    overhead_models: tuple[str, ...] | None = setting(
+        None, "overhead suite: demo, random-25m, random-100m (default: the preset's)", nargs="+"
+    )
+    overhead_scaling_n: int | None = setting(None, "overhead suite: distinct adapters of the scaling ratio")
+    overhead_output_len: tuple[int, ...] | None = setting(None, "overhead suite: output tokens, low high", nargs=2)
+    overhead_repeats: int | None = setting(None, "overhead suite: runs per side, the fastest kept")
+    overhead_device: str = setting("cpu", "overhead suite: the engine's device (cpu, cuda)")
+    overhead_backend: str = setting(
+        "auto", "overhead suite: the engine's kernel backend", choices=["auto", "torch", "triton", "torch-bmm"]
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--overhead-batch", type=int, default=64, help="overhead suite: requests queued at once")
-    p.add_argument("--overhead-adapters", type=int, default=32, help="overhead suite: distinct adapters")
-    p.add_argument(
-        "--overhead-models", nargs="+", help="overhead suite: demo, random-25m, random-100m (default: the preset's)"
-    )
-    p.add_argument("--overhead-scaling-n", type=int, help="overhead suite: distinct adapters of the scaling ratio")
-    p.add_argument("--overhead-output-len", type=int, nargs=2, help="overhead suite: output tokens, low high")
-    p.add_argument("--overhead-repeats", type=int, help="overhead suite: runs per side, the fastest kept")
-    p.add_argument("--overhead-device", default="cpu", help="overhead suite: the engine's device (cpu, cuda)")
-    p.add_argument(
-        "--overhead-backend",
-        default="auto",
-        choices=["auto", "torch", "triton", "torch-bmm"],
-        help="overhead suite: the engine's kernel backend",
-    )
+    """The overhead suite's flags (`OverheadSettings`)."""
+    add_settings(p, OverheadSettings)
 
 
 def model_dir(name: str, cache: Path) -> Path:

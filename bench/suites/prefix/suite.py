@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings
+from loraserve.config_cli import setting
 
 log = logging.getLogger(__name__)
 MODEL = "random-25m"
@@ -57,8 +59,16 @@ QUICK = Preset(adapters=4, tenants=2, conversations=1, turns=4, system_tokens=51
                answer_tokens=16, concurrency=8, repeats=1)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class PrefixSettings:
+    """The prefix suite's own flag (it also reads the shared --quick, --out, --threads, ...)."""
+
+    prefix_adapters: int | None = setting(None, "prefix suite: adapters (each with its own system prompt)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefix-adapters", type=int, help="prefix suite: adapters (each with its own system prompt)")
+    """The prefix suite's flags (`PrefixSettings`)."""
+    add_settings(p, PrefixSettings)
 
 
 @dataclass

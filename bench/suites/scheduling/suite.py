@@ -46,11 +46,13 @@ import shutil
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.scheduling import report as scheduling_report
 from loraserve.bench.suites.scheduling.stack import (
@@ -64,6 +66,7 @@ from loraserve.bench.suites.scheduling.stack import (
 )
 from loraserve.bench.workloads import scheduling as traces
 from loraserve.bench.workloads.scheduling import SchedRequest, SchedTrace
+from loraserve.config_cli import setting
 from loraserve.model_config import ModelConfig
 from loraserve.scheduler.policy import POLICIES, PolicyConfig
 from loraserve.worker.runner_profile import RunnerProfile, load_profile
@@ -387,37 +390,32 @@ def targets(records: list[dict]) -> list[dict]:
 
 
 # ---- the command -------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class SchedulingSettings:
     """The scheduling suite's own flags (it also reads --quick, --out, --seed, --model, --max-batch-size)."""
-    p = parser.add_argument_group("scheduling suite (--suite scheduling)")
-    p.add_argument(
-        "--stack",
-        action="store_true",
-        help="run the scenarios through the real stack (emulated workers): the suite's only mode, named "
+
+    stack: bool = setting(
+        False,
+        "run the scenarios through the real stack (emulated workers): the suite's only mode, named "
         "for clarity (the simulation it replaced is gone)",
     )
-    p.add_argument(
-        "--sched-scenarios", nargs="+", default=list(SCENARIOS), metavar="SCENARIO", help=" ".join(SCENARIOS)
+    sched_scenarios: tuple[str, ...] = setting(SCENARIOS, " ".join(SCENARIOS), nargs="+", metavar="SCENARIO")
+    sched_workers: int = setting(WORKERS, "emulated worker processes per stack")
+    sched_time_scale: float = setting(
+        TIME_SCALE,
+        "emulated step times are the profile's times this many times (a slower device: room for the services)",
     )
-    p.add_argument("--sched-workers", type=int, default=WORKERS, help="emulated worker processes per stack")
-    p.add_argument(
-        "--sched-time-scale",
-        type=float,
-        default=TIME_SCALE,
-        help="emulated step times are the profile's times this many times (a slower device: room for the services)",
-    )
-    p.add_argument(
-        "--sched-duration-scale",
-        type=float,
-        default=1.0,
-        help="multiplies each scenario's trace duration (quick: 20/15/20/20 s)",
-    )
-    p.add_argument(
-        "--runner-profile",
-        type=Path,
-        help="the emulated runner's profile to use (`bench --suite runner-profile`'s runner_profile.json) "
+    sched_duration_scale: float = setting(1.0, "multiplies each scenario's trace duration (quick: 20/15/20/20 s)")
+    runner_profile: Path | None = setting(
+        None,
+        "the emulated runner's profile to use (`bench --suite runner-profile`'s runner_profile.json) "
         "instead of calibrating one at the start",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The scheduling suite's flags (`SchedulingSettings`), in a group of their own."""
+    add_settings(parser.add_argument_group("scheduling suite (--suite scheduling)"), SchedulingSettings)
 
 
 def scaled_profile(profile: RunnerProfile, scale: float) -> RunnerProfile:

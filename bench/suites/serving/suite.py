@@ -29,11 +29,13 @@ from pathlib import Path
 
 from loraserve.bench.common.metrics import summarize
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.serving.report import BASELINES, STACK, print_report
 from loraserve.bench.systems.base import ReplayLimits, System
 from loraserve.bench.systems.engine import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.workloads.slora import DEFAULT_RANKS, Trace, WorkloadSpec, load_trace, save_trace, synthetic_trace
+from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.worker.config import EngineConfig
 
@@ -64,66 +66,56 @@ QUICK = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    p = parser
+def _preset(key: str) -> str:
+    return f"(full: {FULL[key]}; quick: {QUICK[key]})"
 
-    def preset(key: str) -> str:
-        return f"(full: {FULL[key]}; quick: {QUICK[key]})"
 
-    p.add_argument("--quick", action="store_true", help="a small preset that runs in a few minutes on 2 CPU cores")
-    p.add_argument("--n-adapters", type=int, nargs="+", help=f"adapter counts {preset('n_adapters')}")
-    p.add_argument(
-        "--rates",
-        type=float,
-        nargs="+",
-        help=f"request rates R, req/s; the first is the adapter sweep's {preset('rates')}",
+@dataclass(frozen=True)
+class ServingSettings:
+    """The serving suite's flags, which the other suites that share the bench's flags read too."""
+
+    quick: bool = setting(False, "a small preset that runs in a few minutes on 2 CPU cores")
+    n_adapters: tuple[int, ...] | None = setting(None, f"adapter counts {_preset('n_adapters')}", nargs="+")
+    rates: tuple[float, ...] | None = setting(
+        None, f"request rates R, req/s; the first is the adapter sweep's {_preset('rates')}", nargs="+"
     )
-    p.add_argument("--rate-sweep-n", type=int, help=f"adapters for the other rates {preset('rate_sweep_n')}")
-    p.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of adapter popularity")
-    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times")
-    p.add_argument("--duration", type=float, help=f"trace duration, seconds {preset('duration')}")
-    p.add_argument(
-        "--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"), help=f"prompt length range {preset('input_len')}"
+    rate_sweep_n: int | None = setting(None, f"adapters for the other rates {_preset('rate_sweep_n')}")
+    alpha: float = setting(1.0, "power-law exponent of adapter popularity")
+    cv: float = setting(1.0, "coefficient of variation of inter-arrival times")
+    duration: float | None = setting(None, f"trace duration, seconds {_preset('duration')}")
+    input_len: tuple[int, ...] | None = setting(
+        None, f"prompt length range {_preset('input_len')}", nargs=2, metavars=("LOW", "HIGH")
     )
-    p.add_argument(
-        "--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"), help=f"output length range {preset('output_len')}"
+    output_len: tuple[int, ...] | None = setting(
+        None, f"output length range {_preset('output_len')}", nargs=2, metavars=("LOW", "HIGH")
     )
-    p.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS), help="adapter ranks, round-robin")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--systems", nargs="+", default=list(SYSTEMS), metavar="SYSTEM", help=f"systems to compare: {' '.join(SYSTEMS)}"
+    ranks: tuple[int, ...] = setting(DEFAULT_RANKS, "adapter ranks, round-robin", nargs="+")
+    seed: int = setting(0, "")
+    systems: tuple[str, ...] = setting(SYSTEMS, f"systems to compare: {' '.join(SYSTEMS)}", nargs="+", metavar="SYSTEM")
+    baseline_max_adapters: int = setting(100, "skip peft and merge-and-swap above this many adapters")
+    trace: Path | None = setting(None, "replay this JSON-lines trace instead of generating")
+    save_trace: Path | None = setting(None, "write each generated trace here (-n<N>-r<R> added if several)")
+    out: Path | None = setting(None, "directory for results.json, records.jsonl and the plots")
+    slo: float = setting(1.0, "SLO on the first-token latency, seconds (S-LoRA: 6 s for a 7B model on an A100)")
+    drain: float | None = setting(None, f"seconds after the last arrival; then stragglers are cut {_preset('drain')}")
+    model: Path = setting(DEMO_MODEL_DIR, "base model directory")
+    adapter_cache: Path | None = setting(None, "where synthetic adapter directories are written once")
+    max_batch_size: int = setting(32, "running requests per step / per static batch")
+    pool_pages: int | None = setting(
+        None, f"engine pool pages (16 KV tokens or 32 adapter rows each) {_preset('pool_pages')}"
     )
-    p.add_argument(
-        "--baseline-max-adapters", type=int, default=100, help="skip peft and merge-and-swap above this many adapters"
-    )
-    p.add_argument("--trace", type=Path, help="replay this JSON-lines trace instead of generating")
-    p.add_argument("--save-trace", type=Path, help="write each generated trace here (-n<N>-r<R> added if several)")
-    p.add_argument("--out", type=Path, help="directory for results.json, records.jsonl and the plots")
-    p.add_argument(
-        "--slo",
-        type=float,
-        default=1.0,
-        help="SLO on the first-token latency, seconds (S-LoRA: 6 s for a 7B model on an A100)",
-    )
-    p.add_argument(
-        "--drain", type=float, help=f"seconds after the last arrival; then stragglers are cut {preset('drain')}"
-    )
-    p.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="base model directory")
-    p.add_argument("--adapter-cache", type=Path, help="where synthetic adapter directories are written once")
-    p.add_argument("--max-batch-size", type=int, default=32, help="running requests per step / per static batch")
-    p.add_argument(
-        "--pool-pages",
-        type=int,
-        help=f"engine pool pages (16 KV tokens or 32 adapter rows each) {preset('pool_pages')}",
-    )
-    p.add_argument(
-        "--split-adapter-fraction",
-        type=float,
-        help="adapters' share of the pool in loraserve-no-unified-pool (default: what is left "
+    split_adapter_fraction: float | None = setting(
+        None,
+        "adapters' share of the pool in loraserve-no-unified-pool (default: what is left "
         "after KV room for a full batch of the longest requests)",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    threads: int = setting(1, "torch CPU threads")
+    no_progress: bool = setting(False, "no progress bars")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serving suite's flags (`ServingSettings`)."""
+    add_settings(parser, ServingSettings)
 
 
 @dataclass(frozen=True)
@@ -216,10 +208,10 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
         todo = settings(args)
         jobs = [(s, None) for s in todo]
     rows, records, systems = [], [], {}
-    for setting, given in jobs:
-        trace = given or _trace_for(setting, args, len(jobs) > 1)
+    for point, given in jobs:
+        trace = given or _trace_for(point, args, len(jobs) > 1)
         for name in args.systems:
-            if name in BASELINES and setting.n_adapters > args.baseline_max_adapters:
+            if name in BASELINES and point.n_adapters > args.baseline_max_adapters:
                 continue
             if name not in systems:  # one instance per system: the PEFT one keeps its loaded adapters
                 systems[name] = build_system(name, args, bank, limits)
@@ -228,10 +220,10 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
             result = system.run(trace)
             row = {
                 "system": name,
-                "n_adapters": setting.n_adapters,
+                "n_adapters": point.n_adapters,
                 "alpha": trace.params.get("alpha", args.alpha),
                 "cv": trace.params.get("cv", args.cv),
-                "rate": setting.rate,
+                "rate": point.rate,
                 "duration_s": trace.duration_s,
                 "offered_req_per_s": round(len(trace.requests) / trace.duration_s, 3) if trace.duration_s else None,
                 "seed": args.seed,
@@ -244,13 +236,13 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
             }
             rows.append(row)
             records += [
-                {"system": name, "n_adapters": setting.n_adapters, "rate": setting.rate, **r.as_dict()} for r in result
+                {"system": name, "n_adapters": point.n_adapters, "rate": point.rate, **r.as_dict()} for r in result
             ]
             log.info(
                 "%s n=%d rate=%g: %.2f req/s, %.0f tok/s, ttft p50 %s s, SLO %.0f%%, %d/%d finished",
                 name,
-                setting.n_adapters,
-                setting.rate,
+                point.n_adapters,
+                point.rate,
                 row["req_per_s"],
                 row["tokens_per_s"],
                 row["ttft_p50_s"],

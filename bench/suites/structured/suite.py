@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings
+from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,16 @@ FULL = Preset(batch=32, new_tokens=96, repeats=3)
 QUICK = Preset(batch=16, new_tokens=48, repeats=2)
 
 
+@dataclass(frozen=True)
+class StructuredSettings:
+    """The structured suite's own flag (it also reads the shared --quick, --out, --threads, ...)."""
+
+    structured_batch: int | None = setting(None, "structured suite: requests decoding side by side")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--structured-batch", type=int, help="structured suite: requests decoding side by side")
+    """The structured suite's flags (`StructuredSettings`)."""
+    add_settings(p, StructuredSettings)
 
 
 def _run(engine, batch: int, constrained: int, grammar: str | None, new_tokens: int) -> dict:
