@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -88,31 +87,16 @@ def add_suite_arguments(parser: argparse.ArgumentParser, suite: str) -> None:
             add(parser)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """--suite now; the chosen suite's flags when `parser` parses, from the arguments it is given (a
-    subcommand's parser is given its own part of the command line)."""
+def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] = ()) -> None:
+    """--suite, and the flags of the suite `argv` (the bench command's own arguments) asks for."""
     add_settings(parser, BenchSettings)
-    parse_known_args = parser.parse_known_args
-    added: list[str] = []
-
-    def parse_suite_args(args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):
-        argv = list(sys.argv[1:] if args is None else args)
-        suite = requested_suite(argv)
-        flag_set = suite if suite in OWN_FLAGS else DEFAULT
-        if not added:
-            add_suite_arguments(parser, suite)
-            added.append(flag_set)
-        elif added[0] != flag_set:
-            parser.error(f"this parser has the flags of --suite {added[0]}; make a new one for --suite {suite}")
-        return parse_known_args(argv, namespace)
-
-    parser.parse_known_args = parse_suite_args  # type: ignore[method-assign]
+    add_suite_arguments(parser, requested_suite(argv))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """`loraserve bench ARGV`'s flags, parsed (for tests and scripts that run a suite in-process)."""
     parser = EnvArgumentParser(prog="loraserve bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    add_arguments(parser, argv)
     return parser.parse_args(list(argv))
 
 

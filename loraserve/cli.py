@@ -6,8 +6,10 @@ Only the chosen subcommand's module is imported, so e.g. the gateway never loads
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraserve.config_cli import add_config_arguments, setting
@@ -55,7 +57,9 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def build_parser(chosen: str | None) -> EnvArgumentParser:
+def build_parser(chosen: str | None, rest: Sequence[str] = ()) -> EnvArgumentParser:
+    """The parser of `loraserve`, with the flags of command `chosen` (whose arguments are `rest`: a
+    command whose flags depend on its arguments, as `bench --suite NAME`, takes them as `argv`)."""
     parser = EnvArgumentParser(prog="loraserve", description="Serve many LoRA adapters of one base model.")
     add_config_arguments(parser, CliSettings)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=EnvArgumentParser)
@@ -63,7 +67,11 @@ def build_parser(chosen: str | None) -> EnvArgumentParser:
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             module = importlib.import_module(module_name)
-            getattr(module, add)(command)
+            adder = getattr(module, add)
+            if "argv" in inspect.signature(adder).parameters:
+                adder(command, argv=list(rest))
+            else:
+                adder(command)
             command.set_defaults(run=getattr(module, run))
     return parser
 
@@ -71,7 +79,7 @@ def build_parser(chosen: str | None) -> EnvArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if a in COMMANDS), None)
-    parser = build_parser(chosen)
+    parser = build_parser(chosen, argv[argv.index(chosen) + 1 :] if chosen else ())
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -350,7 +350,7 @@ def test_every_scheduler_policy_setting_is_a_flag_and_up_forwards_it(tmp_path):
 def _bench_args(argv: list[str]) -> argparse.Namespace:
     from loraserve.cli import build_parser
 
-    return build_parser("bench").parse_args(["bench", *argv])
+    return build_parser("bench", argv).parse_args(["bench", *argv])
 
 
 def test_the_bench_parser_takes_the_suite_from_the_arguments_it_is_given(monkeypatch):
