@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraserve.config_cli import setting
+from loraserve.config_cli import directory_setting, setting
 from loraserve.errors import InvalidConfigError
 from loraserve.internal_auth import InternalKeys
 from loraserve.model_config import DEFAULT_MAX_LORA_RANK
@@ -137,15 +137,11 @@ class StoreConfig:
         "keep each version packed in the workers' pool row layout too (about its size again in RAM), so a "
         "worker copies it into its pool without parsing or packing (--no-adapter-rows: the files only)",
     )
-    shm_root: Path | None = setting(
+    shm_root: Path | None = directory_setting(
         Path("/dev/shm"),
         "a tmpfs where the packed rows live, mapped by workers on this host and user instead of sent over "
         "the socket (a private loraserve-UID directory is made there); empty: sockets only",
         flag="--shared-memory-root",
-        metavar="DIR",
-        flag_type=str,
-        parse=lambda text: Path(text) if text else None,
-        show=lambda path: "" if path is None else str(path),
     )
 
     def __post_init__(self) -> None:

@@ -48,6 +48,20 @@ def setting(default: Any = _UNSET, help: str = "", *, factory: Callable[[], Any]
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def directory_setting(default: Path | None, help: str, **meta: Any) -> Any:
+    """A setting naming a directory that may be unset: the flag takes DIR, and an empty value means None
+    (so a default directory can be turned off: `--flag ''`)."""
+    return setting(
+        default,
+        help,
+        metavar="DIR",
+        flag_type=str,
+        parse=lambda text: Path(text) if text else None,
+        show=lambda path: "" if path is None else str(path),
+        **meta,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """One setting's flag, as read from its field."""

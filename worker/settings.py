@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraserve.config_cli import setting
+from loraserve.config_cli import directory_setting, setting
 from loraserve.process import DRAIN_TIMEOUT_S
 
 
@@ -27,15 +27,11 @@ class WorkerSettings:
         "fetch adapters already packed in the pool's row layout when the store has them, instead of their "
         "files to parse, validate and pack here (--no-adapter-rows: the files)",
     )
-    shm_root: Path | None = setting(
+    shm_root: Path | None = directory_setting(
         Path("/dev/shm"),
         "the store's --shared-memory-root: rows of a store on this host and user are mapped from there, "
         "not received over the socket; empty: the socket only",
         flag="--shared-memory-root",
-        metavar="DIR",
-        flag_type=str,
-        parse=lambda text: Path(text) if text else None,
-        show=lambda path: "" if path is None else str(path),
     )
     verify_shared_memory: bool = setting(
         False,
