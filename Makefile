@@ -4,6 +4,7 @@
 #   make test  — set up, lint (Python and protos), run the whole test suite
 # Both create .venv in the repo on first use; later runs skip the set-up while pyproject.toml is unchanged.
 # make test also installs the buf CLI from npm into node_modules (package.json), again only when it changed.
+# While changing code: make test-unit — the unit tests alone (tests/unit, under a minute; tests/README.md).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -15,7 +16,7 @@ BUF       := node_modules/.bin/buf
 # The release `buf breaking` compares with: the newest baseline in proto/releases (`make proto-release`).
 PROTO_BASELINE = $(shell ls proto/releases/loraserve-*.json 2>/dev/null | sort -V | tail -n 1)
 
-.PHONY: run test lint setup clean-venv demo-assets protos proto-check proto-release gpu-check
+.PHONY: run test test-unit lint setup clean-venv demo-assets protos proto-check proto-release gpu-check
 
 setup: $(STAMP)
 
@@ -35,6 +36,11 @@ lint: $(STAMP)
 
 test: lint proto-check
 	$(VENV)/bin/pytest
+
+# The unit tests of every package (tests/unit: no processes, no sockets to other roles), with the
+# property tests' examples fixed (CI=true) so that a run is quick and repeatable. tests/README.md: the folders.
+test-unit: $(STAMP)
+	CI=true $(VENV)/bin/pytest tests/unit
 
 run: $(STAMP)
 	$(VENV)/bin/loraserve up --show-demo --http-bind 127.0.0.1:8000

@@ -1,6 +1,6 @@
 """Regenerate the committed gRPC stubs in loraserve/v1 from proto/ (`make protos`).
 
-The stubs are committed so that running loraserve needs no protoc; tests/test_protos.py checks
+The stubs are committed so that running loraserve needs no protoc; tests/project/test_project.py checks
 they match the .proto sources.
 """
 

@@ -16,7 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers as `helpers`
+# Tests import the shared helpers in support/ by name (`helpers`, `stack`, ...), and a test module
+# of any folder by its name (`from test_scheduler_policy import request`): file names are unique.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+sys.path.extend(sorted({str(p.parent) for p in Path(__file__).parent.glob("*/**/test_*.py")}))
 
 import pytest
 from helpers import KERNEL_DEVICES, TinySpec, make_adapter, make_model

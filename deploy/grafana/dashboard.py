@@ -4,7 +4,7 @@
 
 The panels are declared below as plain data, one row per role. The latency breakdown of single
 requests (queue, adapter load, prefill, decode) is in the traces, not in metrics, so its row
-queries Jaeger. tests/test_deploy.py checks that the committed JSON is what this script writes and
+queries Jaeger. tests/project/test_deploy.py checks that the committed JSON is what this script writes and
 that every PromQL expression names a metric (and labels) the roles really export.
 """
 

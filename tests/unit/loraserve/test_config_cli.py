@@ -231,7 +231,7 @@ def test_every_setting_changed_round_trips(tmp_path):
 
 
 # ---- no flag outside the configuration dataclasses ------------------------------------------------------
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 MECHANISM = {
     "loraserve/config_cli.py": "the one place that turns dataclass fields into flags",
     "loraserve/flags.py": "the parser's environment twins, which config_cli.py's flags go through",

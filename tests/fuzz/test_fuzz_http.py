@@ -13,7 +13,7 @@ generated (`test_the_fuzzer_covers_every_field`). `max_tokens` stays small when 
 number, so that accepted requests finish quickly.
 
 Examples are few by default (the module stays well under 30 s) and derandomized when CI is set; for
-a longer hunt: LORASERVE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q tests/test_fuzz_http.py
+a longer hunt: LORASERVE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q tests/fuzz/test_fuzz_http.py
 """
 
 from __future__ import annotations

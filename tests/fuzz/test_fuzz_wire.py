@@ -7,7 +7,7 @@
     process) and to a gateway's token sink; both keep working afterwards.
 
 The CI budget is small: 150 examples per property by default. For a longer local run set
-LORASERVE_FUZZ_EXAMPLES, e.g. `LORASERVE_FUZZ_EXAMPLES=20000 pytest tests/test_fuzz_wire.py`.
+LORASERVE_FUZZ_EXAMPLES, e.g. `LORASERVE_FUZZ_EXAMPLES=20000 pytest tests/fuzz/test_fuzz_wire.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`loraserve bench --suite cold`, its load part at two iterations: a real store process, every transfer path,
-the records' fields (the stack part is what tests/test_cold_start.py checks, with assertions)."""
+the records' fields (the stack part is what tests/stack/test_cold_start.py checks, with assertions)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from loraserve.bench.suites.gpu_check import report as gpu_report
 from loraserve.bench.suites.gpu_check import suite as gpu_check
 from loraserve.bench.suites.gpu_check.preset import DRY_RUN
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

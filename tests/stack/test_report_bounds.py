@@ -13,12 +13,12 @@ import time
 
 import pytest
 import zmq
+from scheduler_proc import FakeWorker, SchedulerProcess, report
 
 from loraserve.scheduler.policy import AssignTo, PolicyConfig, QueuedRequest, SchedulerPolicy
 from loraserve.sockets import make_socket
 from loraserve.v1 import scheduler_pb2
 from loraserve.wire import MAX_BATCH, MAX_REPORTED_IDS, MAX_RESIDENT, WireError, WorkerReport, decode, encode
-from tests.scheduler_proc import FakeWorker, SchedulerProcess, report
 
 SINK = "tcp://127.0.0.1:9"  # never read: the fake worker does not answer
 OVER = 65_536  # resident adapters in the reports that stalled the scheduler for 44 s

@@ -1,7 +1,7 @@
 """An adapter upload through the gateway whose store dies mid-upload ends UNAVAILABLE, saying the
 store is unavailable and the upload may be retried: never INTERNAL.
 
-Real processes: a store (`tests/store_proc.py`) and a gateway in front of it (no scheduler: uploads
+Real processes: a store (`tests/support/store_proc.py`) and a gateway in front of it (no scheduler: uploads
 do not need one). The store is SIGKILLed in two ways:
 
 - between two of the client's messages: the gateway's connection to it is reset (UNAVAILABLE);

@@ -9,6 +9,7 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
+from scheduler_proc import report
 
 from loraserve.scheduler import metrics
 from loraserve.scheduler.loop import SchedulerLoop
@@ -16,7 +17,6 @@ from loraserve.scheduler.policy import PolicyConfig, SchedulerPolicy
 from loraserve.scheduler.submit import spec_from_submit
 from loraserve.v1 import scheduler_pb2
 from loraserve.wire import Tokens, WorkerReport, decode
-from tests.scheduler_proc import report
 
 WORKER_TIMEOUT_S = 2.0  # far longer than the test: only a failed send can drop the ghost in time
 

@@ -10,9 +10,9 @@ import threading
 import time
 
 import zmq
+from scheduler_proc import FakeWorker, SchedulerProcess
 
 from loraserve.v1 import scheduler_pb2
-from tests.scheduler_proc import FakeWorker, SchedulerProcess
 
 CYCLES = 5000
 MAX_PLACED = 60  # the fake worker never finishes a request; its reports say 64 slots

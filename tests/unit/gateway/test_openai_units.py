@@ -570,7 +570,7 @@ def test_every_accepted_field_reaches_the_request_or_shapes_the_answer(kind):
     routes = OpenAiRoutes(SimpleNamespace(config=SimpleNamespace(model_name="m")), None, 0)
     unclassified = set(kind.model_fields) - set(REACHES_THE_REQUEST) - set(SHAPES_THE_ANSWER)
     assert not unclassified, f"say where {sorted(unclassified)} take effect (and test it), or refuse them"
-    tests = Path(__file__).read_text() + Path(__file__).with_name("test_openai_http.py").read_text()
+    tests = Path(__file__).read_text() + (Path(__file__).parents[2] / "stack" / "test_openai_http.py").read_text()
     for test in SHAPES_THE_ANSWER.values():
         assert f"def {test.rsplit(': ', 1)[-1]}(" in tests, test
     for field in set(kind.model_fields) & set(REACHES_THE_REQUEST):
@@ -588,7 +588,7 @@ def test_the_readme_lists_every_refusal():
 
     from loraserve.gateway.http.refusals import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
     table = readme[readme.index("| refused | why |") :]
     table = table[: table.index("\n\n")]
     named = set(re.findall(r"`([a-z_.]+)", table))

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import kubernetes_validate
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 K8S = ROOT / "deploy" / "k8s"
 K8S_VERSION = "1.30"  # the oldest Kubernetes the manifests target; kubernetes-validate bundles its schemas

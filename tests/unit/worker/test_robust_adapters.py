@@ -24,7 +24,7 @@ from loraserve.errors import InvalidAdapterError
 from loraserve.model_config import ModelConfig
 from loraserve.worker.adapters import load_adapter_bytes, load_adapter_dir
 
-DEMO = Path(__file__).parent.parent / "demo"
+DEMO = Path(__file__).parents[3] / "demo"
 CATASTROPHIC = r"model\.layer(.*)*(.*)*X"  # exponential for a backtracking engine: ~2 s per 31-char name
 
 

@@ -23,7 +23,7 @@ PROMPT = "the quiet king finds my little boat and the green queen waits across t
 
 def _engine(**overrides) -> Engine:
     """The prefix cache is off: these tests are about copying a donor's KV (with the cache, a member finds
-    the donor's full pages cached and copies only the last partial one: tests/test_choices_prefix_cache.py)."""
+    the donor's full pages cached and copies only the last partial one: tests/numerics/test_choices_prefix_cache.py)."""
     overrides.setdefault("prefix_cache", False)
     engine = Engine(DEMO_MODEL_DIR, EngineConfig(device="cpu", pool_pages=128, **overrides))
     engine.register_adapter("upper", demo_adapters()["upper"])

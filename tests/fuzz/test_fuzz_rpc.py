@@ -7,7 +7,7 @@ embedded demo model serves the whole module. Properties: no call ends INTERNAL o
 call ends within its deadline, and the gateway still answers health SERVING afterwards.
 
 The default budget keeps the module well under a minute. For a longer hunt:
-    LORASERVE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q tests/test_fuzz_rpc.py
+    LORASERVE_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q tests/fuzz/test_fuzz_rpc.py
 """
 
 from __future__ import annotations

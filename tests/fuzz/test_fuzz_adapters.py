@@ -10,7 +10,7 @@ random JSON of any type, regexes included, or random text).
 The default budget is small for CI (LORASERVE_FUZZ_EXAMPLES, default 150 examples per test, a few
 seconds each). For a longer run:
 
-    LORASERVE_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest -q tests/test_fuzz_adapters.py
+    LORASERVE_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest -q tests/fuzz/test_fuzz_adapters.py
 """
 
 from __future__ import annotations
