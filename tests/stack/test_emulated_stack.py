@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from emulated import emulated_engine, fixed_profile
+from helpers import mixed_requests
 from stack import LocalStack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.demo.corpus import HELD_OUT_PROMPTS
 from loraserve.v1 import common_pb2, gateway_pb2
 from loraserve.worker.engine import GenerateRequest
 from loraserve.worker.sampling import SamplingParams
@@ -51,20 +51,7 @@ def stack(profile):
 
 def _requests(count: int) -> list[gateway_pb2.GenerateRequest]:
     """Greedy and seeded-sampling requests over adapters and the base model."""
-    requests = []
-    for i in range(count):
-        sampling = common_pb2.SamplingParameters(ignore_eos=True)
-        if i % 2:
-            sampling.temperature, sampling.top_p, sampling.seed = 0.9, 0.95, 500 + i
-        requests.append(
-            gateway_pb2.GenerateRequest(
-                adapter=ADAPTERS[i % len(ADAPTERS)],
-                text=HELD_OUT_PROMPTS[i % len(HELD_OUT_PROMPTS)],
-                max_new_tokens=NEW_TOKENS,
-                sampling=sampling,
-            )
-        )
-    return requests
+    return mixed_requests(count, ADAPTERS, NEW_TOKENS, seed_base=500)
 
 
 def _stream_all(stack, requests, received: list[int]) -> list[tuple[list[int], gateway_pb2.GenerateResponse]]:

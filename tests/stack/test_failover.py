@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from helpers import mixed_requests
 from stack import LocalStack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.demo.corpus import HELD_OUT_PROMPTS
 from loraserve.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.slow
@@ -40,20 +40,7 @@ def stack():
 
 def _requests(count: int) -> list[gateway_pb2.GenerateRequest]:
     """Greedy and seeded-sampling requests over several adapters (and the base model)."""
-    requests = []
-    for i in range(count):
-        sampling = common_pb2.SamplingParameters(ignore_eos=True)
-        if i % 2:
-            sampling.temperature, sampling.top_p, sampling.seed = 0.9, 0.95, 1000 + i
-        requests.append(
-            gateway_pb2.GenerateRequest(
-                adapter=ADAPTERS[i % len(ADAPTERS)],
-                text=HELD_OUT_PROMPTS[i % len(HELD_OUT_PROMPTS)],
-                max_new_tokens=NEW_TOKENS,
-                sampling=sampling,
-            )
-        )
-    return requests
+    return mixed_requests(count, ADAPTERS, NEW_TOKENS, seed_base=1000)
 
 
 @dataclass

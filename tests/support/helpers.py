@@ -163,3 +163,25 @@ def hf_sequence_logits(model_path: Path, adapter_path: Path | None, token_ids: l
     model.eval()
     with torch.no_grad():
         return model(input_ids=torch.tensor([token_ids])).logits[0].float()
+
+
+def mixed_requests(count: int, adapters: list[str], new_tokens: int, seed_base: int):
+    """`count` gRPC requests over `adapters` ("": the base model) and the held-out prompts: every other
+    one greedy, the rest seeded sampling (seed `seed_base + i`), all ignoring EOS."""
+    from loraserve.demo.corpus import HELD_OUT_PROMPTS
+    from loraserve.v1 import common_pb2, gateway_pb2
+
+    requests = []
+    for i in range(count):
+        sampling = common_pb2.SamplingParameters(ignore_eos=True)
+        if i % 2:
+            sampling.temperature, sampling.top_p, sampling.seed = 0.9, 0.95, seed_base + i
+        requests.append(
+            gateway_pb2.GenerateRequest(
+                adapter=adapters[i % len(adapters)],
+                text=HELD_OUT_PROMPTS[i % len(HELD_OUT_PROMPTS)],
+                max_new_tokens=new_tokens,
+                sampling=sampling,
+            )
+        )
+    return requests
