@@ -187,7 +187,7 @@ class AdapterFetchSettings:
         ("q_proj", "k_proj", "v_proj", "o_proj"), "the adapter's target modules", nargs="+", choices=list(PARENT)
     )
     transport: str = setting("tcp", "loopback TCP (the default stack) or a unix socket", choices=["tcp", "ipc"])
-    target_ms: float = setting(20.0, "the issue's target for one fetch")
+    target_ms: float = setting(20.0, "the target for one fetch, in milliseconds")
     torch_threads: int = setting(
         1,
         "intra-op threads for parsing (a worker parses on one fetch thread; on a shared CPU, more threads "

@@ -7,15 +7,15 @@ into pool rows, a float16 pool on the CPU). Each path is timed from the fetch re
 pool:
 
     files        the adapter's files over the data plane, parsed and checked (`load_adapter_bytes`),
-                 packed into rows (`UnifiedPool.prepare`), copied in: the path before issue 22
+                 packed into rows (`UnifiedPool.prepare`), copied in: the path of a store without rows
     rows-tcp     the rows the store packed, over the data plane, per-layer digests checked, copied in
     rows-shm     the rows the store packed, in shared memory named by the reply, copied in
     rows-shm-verified   the same, the mapped rows also hashed against the store's layer digests
                         (`--verify-shared-memory`; off by default, see loraserve/shared_rows.py)
 
 memcpy: one numpy copy of a 64 MiB buffer into another, the bandwidth a single-threaded copy reaches here,
-measured once before each load (the machine is shared: both see the same conditions); a path's
-`fraction_of_memcpy` = its GB/s ÷ the median memcpy GB/s measured beside it (the issue's target for
+measured once before each load (so that both see the same conditions); a path's
+`fraction_of_memcpy` = its GB/s ÷ the median memcpy GB/s measured beside it (the target for
 rows-shm: ≥ 0.5). The `memcpy` record is the median over all of them.
 """
 

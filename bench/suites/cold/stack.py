@@ -9,7 +9,7 @@ by the client, from the call to the first streamed chunk with tokens: everything
 (the gateway's parse, tokenize and hint, the scheduler, the fetch, the load, the prefill).
 
 A record per (model, rank): cold and warm TTFT p50 / p99, the penalty (cold − warm, per pair) p50 /
-p99, and cold p50 ÷ warm p50 (the issue's target: ≤ 1.25); and, from the stack's own latency breakdown
+p99, and cold p50 ÷ warm p50 (target: ≤ 1.25); and, from the stack's own latency breakdown
 (`GenerateResponse.timings`), the p50 of each side's queue (arrival to first scheduled step), adapter
 wait (a cold request's fetch and copy, as the worker saw them) and prefill.
 """
