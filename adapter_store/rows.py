@@ -71,7 +71,3 @@ class RowsMaker:
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()
-
-    @property
-    def shm_base(self) -> Path | None:
-        return self.shared.base if self.shared is not None else None

@@ -147,19 +147,19 @@ class GenerationCore:
             output = Output(self.tokenizer, valid, prompt_ids, arrival)
             events = telemetry.current_while_producing(span, self._stream(request_id, output, stream, version))
             self.streams.add(stream)
-            finished = False
+            finished, reason = False, "the gateway stopped reading"
             try:
                 async for event in events:
                     finished = finished or isinstance(event, Summary)
                     yield event
             except asyncio.CancelledError:
-                self.scheduler.cancel(stream.attempt_id, "client cancelled or deadline exceeded")
+                reason = "client cancelled or deadline exceeded"
                 raise
             finally:
                 self.streams.remove(stream)
                 span.set_attribute("loraserve.failovers", stream.failovers)
-                if not finished:
-                    self.scheduler.cancel(stream.attempt_id, "the gateway stopped reading")
+                if not finished:  # once, whichever way the stream ended early
+                    self.scheduler.cancel(stream.attempt_id, reason)
         finally:
             span.end()
 
@@ -187,9 +187,8 @@ class GenerationCore:
     ) -> AsyncIterator[Event]:
         stream_span = None
         async for message in stream.messages():
-            first = output.first_token_at is None
             step = output.push(message)
-            if first and output.first_token_at is not None:
+            if step.first_token:
                 metrics.TIME_TO_FIRST_TOKEN.observe(output.first_token_at - output.arrival)
                 stream_span = telemetry.tracer().start_span("gateway.stream")
             if step.chunk is not None:

@@ -27,6 +27,7 @@ class Step:
     done: bool = False
     finish_reason: str = ""
     still_running: bool = False
+    first_token: bool = False  # the message carried the generation's first token
 
 
 class Output:
@@ -47,7 +48,8 @@ class Output:
         self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
         logprobs = logprobs_of(message.token_ids, message.logprobs)
         prompt_logprobs = []
-        if message.token_ids and self.first_token_at is None:
+        first = bool(message.token_ids) and self.first_token_at is None
+        if first:
             if self.valid.sampling.prompt_logprobs is not None:  # they come with the first token
                 prompt_logprobs = prompt_logprobs_of(self.prompt_ids, message.prompt_logprobs)
             self.first_token_at = time.time()
@@ -63,8 +65,8 @@ class Output:
             chunk = Chunk(shown, list(message.token_ids), logprobs, prompt_logprobs)
         if stopped or message.finished:
             reason = "stop_sequence" if stopped else message.finish_reason or ""
-            return Step(chunk, True, reason, still_running=not message.finished)
-        return Step(chunk)
+            return Step(chunk, True, reason, still_running=not message.finished, first_token=first)
+        return Step(chunk, first_token=first)
 
     def summary(
         self,

@@ -10,7 +10,6 @@ from loraserve.params import SamplingParams
 from loraserve.request_spec import Sampling
 from loraserve.structured import KINDS, grammar_for
 from loraserve.v1 import common_pb2
-from loraserve.wire import TokenLogprob
 
 S = TypeVar("S", SamplingParams, Sampling)
 
@@ -77,22 +76,3 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParameters:
     if params.grammar is not None:
         pb.structured_output.llguidance = params.grammar
     return pb
-
-
-def logprobs_to_pb(token_ids: list[int], entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
-    """One TokenLogprob per token of `token_ids`, from the worker's entries for them (none: not asked for)."""
-    if not entries:
-        return []
-    return [_logprob_pb(t, e) for t, e in zip(token_ids, entries, strict=True)]
-
-
-def prompt_logprobs_to_pb(prompt_ids: list[int], entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
-    """One TokenLogprob per prompt token: the first has no log-probability, the others the worker's entries."""
-    first = [common_pb2.TokenLogprob(token_id=prompt_ids[0])] if prompt_ids else []
-    return first + logprobs_to_pb(prompt_ids[1:], entries)
-
-
-def _logprob_pb(token_id: int, entry: TokenLogprob) -> common_pb2.TokenLogprob:
-    logprob, top_ids, top_logprobs = entry
-    top = [common_pb2.TopLogprob(token_id=i, logprob=lp) for i, lp in zip(top_ids, top_logprobs, strict=True)]
-    return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, top=top)

@@ -99,7 +99,7 @@ class AdaptivePlanner:
             request.prefix,
         )
 
-    def load_of(self, view: WorkerView, placed: Lookup, reserved_pages: int, now: float) -> WorkerLoad:
+    def load_of(self, view: WorkerView, placed: Lookup, now: float) -> WorkerLoad:
         report = view.report
         unreported = view.unreported()  # the report's sets are built once per report (WorkerView)
         known = [r for r in map(placed, (*view.reported, *unreported)) if r is not None]
@@ -110,19 +110,18 @@ class AdaptivePlanner:
                 del loading[adapter]
         batch_adapters = frozenset(r.adapter for r in known if r.adapter is not None)
         coming = _unexpired(self._caching.setdefault(view.worker_id, {}), view.prefixes, now)
-        held = len(view.reported) + len(unreported)
         return WorkerLoad(
             worker_id=view.worker_id,
-            requests=held,
-            waiting=held - len(view.running),
+            requests=view.held,  # kept by the cluster view as reports come and requests are placed
+            waiting=view.held - len(view.running),
             max_batch=report.max_batch_size,
-            room_pages=report.free_pages + report.evictable_pages - reserved_pages,
+            room_pages=view.room_pages(),
             tokens_per_page=report.tokens_per_page,
             batch=BatchShape(
-                tokens=held,
+                tokens=view.held,
                 rank_tokens=sum(self.rank(r) for r in known),
                 adapters=len(batch_adapters),
-                kv_pages=report.kv_pages + reserved_pages,
+                kv_pages=report.kv_pages + view.reserved_pages,
             ),
             adapters=resident.union(loading) if loading else resident,  # a set: placement asks it of many workers
             batch_adapters=batch_adapters,

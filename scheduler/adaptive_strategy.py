@@ -114,7 +114,7 @@ class AdaptiveStrategy:
         return self._index.loads
 
     def _make(self, view: WorkerView, now: float) -> WorkerLoad:
-        return self.planner.load_of(view, self.cluster.request, view.reserved_pages, now)
+        return self.planner.load_of(view, self.cluster.request, now)
 
     def _remake(self, i: int, now: float) -> None:
         assert self._of is not None

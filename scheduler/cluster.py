@@ -92,6 +92,7 @@ class ClusterView:
         self._ready: list[WorkerView] | None = None
         self._max_tokens = 0  # the most tokens one request may take on some ready worker's pool
         self._fresh: list[WorkerView] = []
+        self._fresh_ids: frozenset[str] = frozenset()  # the fresh list's workers, to ask about one in O(1)
         self._fresh_until = -1.0  # the fresh list holds until then (or a change of the ready list)
         self._fresh_at = 0.0  # when it was made (a clock that goes back makes it again)
         self._slots = 0  # batch slots of the fresh workers
@@ -122,10 +123,15 @@ class ClusterView:
             fresh = [w for w in ready if now - w.last_report <= fresh_s]
             if fresh != self._fresh:  # the same workers: the same list, so views made for it stay
                 self._fresh = fresh
+                self._fresh_ids = frozenset(w.worker_id for w in fresh)
             self._fresh_at = now
             self._fresh_until = min((w.last_report for w in self._fresh), default=now) + fresh_s
             self._slots = sum(w.report.max_batch_size for w in self._fresh)
         return self._fresh
+
+    def is_fresh(self, view: WorkerView, now: float) -> bool:
+        self.fresh(now)
+        return view.worker_id in self._fresh_ids
 
     def slots(self, now: float) -> int:
         """Batch slots of the fresh workers."""
@@ -170,7 +176,7 @@ class ClusterView:
             old.tokens_per_page,
         ):
             self._ready = None
-        elif report.max_batch_size != old.max_batch_size or view not in self._fresh:
+        elif report.max_batch_size != old.max_batch_size or view.worker_id not in self._fresh_ids:
             self._fresh_until = -1.0  # a stale worker came back, or its slots changed
         finished = []
         for request_id in report.finished:

@@ -7,7 +7,6 @@ plain data the loop executes: ASSIGN, CANCEL and PREFETCH to workers, failures t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from loraserve.prefix_keys import PrefixProbe
 from loraserve.wire import AdapterKey
@@ -25,7 +24,6 @@ class QueuedRequest:
     arrival: float
     deadline: float | None = None
     enqueued: float = 0.0
-    payload: Any = None  # what the loop needs to build the assignment; opaque here
     tenant: str = ""  # whose request (VTC fairness); "" is a tenant like any other
     ttft_slo_s: float | None = None  # time-to-first-token target from `arrival`; refused early if missed
     rank: int = 0  # the adapter's LoRA rank; 0: unknown (SizeClasses.default_rank is assumed)

@@ -47,14 +47,10 @@ class FcfsStrategy:
     # ---- placement -----------------------------------------------------------------------------
     def choose(self, request: QueuedRequest, now: float) -> WorkerView | None:
         """The busiest fresh worker with batch and pool room, then one holding the adapter, then the largest id."""
-        tokens = request.prompt_len + request.max_new_tokens
         adapter = request.adapter
         best, best_key = None, None
         for w in self.cluster.fresh(now):
-            r = w.report
-            if w.held >= r.max_batch_size:
-                continue
-            if -(-tokens // max(1, r.tokens_per_page)) > r.free_pages + r.evictable_pages - w.reserved_pages:
+            if not w.has_room(request):
                 continue
             key = (w.held, adapter is not None and adapter in w.resident, w.worker_id)
             if best_key is None or key > best_key:

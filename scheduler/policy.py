@@ -45,7 +45,7 @@ from collections import OrderedDict
 from loraserve.errors import ResourceExhaustedError, UnavailableError
 from loraserve.scheduler.adaptive_strategy import AdaptiveStrategy
 from loraserve.scheduler.cluster import ClusterView, WorkerView
-from loraserve.scheduler.config import POLICIES, AdaptiveConfig, ClusterConfig, FcfsConfig, PolicyConfig
+from loraserve.scheduler.config import POLICIES, PolicyConfig
 from loraserve.scheduler.decisions import (
     AssignTo,
     CancelOn,
@@ -61,21 +61,16 @@ from loraserve.wire import WorkerReport
 
 __all__ = [
     "POLICIES",
-    "AdaptiveConfig",
     "AssignTo",
     "CancelOn",
-    "ClusterConfig",
     "Decision",
     "Fail",
-    "FcfsConfig",
     "Migrate",
     "PolicyConfig",
     "PrefetchOn",
     "QueuedRequest",
     "SchedulerPolicy",
-    "Strategy",
     "WorkerGone",
-    "WorkerView",
 ]
 
 MAX_GROUPS = 4096  # prefill groups whose worker placement remembers (the most recent)
@@ -256,7 +251,7 @@ class SchedulerPolicy:
         there the prompt is computed once (shared prefill), whatever the strategy would choose."""
         worker_id = self._group_workers.get(request.group) if request.group is not None else None
         view = self.workers.get(worker_id) if worker_id is not None else None
-        if view is None or not any(view is w for w in self.cluster.fresh(now)):
+        if view is None or not self.cluster.is_fresh(view, now):
             return None
         return view if self.strategy.fits(view, request, now) else None
 

@@ -16,10 +16,10 @@ socket is used by two threads. Malformed scheduler messages are logged (rate-lim
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +33,7 @@ from loraserve.wire import Message, WireError, decode
 from loraserve.worker.fetch_threads import Wakeup
 
 log = logging.getLogger(__name__)
-WATCH_INTERVAL_S = 0.02  # how often the gateways' connection monitors are read when nothing else happens
+WATCH_INTERVAL_S = 0.02  # the gateways' connection monitors are read at most this often (and when idle)
 MAX_RECEIVED_PER_TURN = 64  # scheduler messages decoded before the outbox is looked at again
 
 
@@ -75,9 +75,7 @@ class WorkerIO:
         )
         self._gateways = PushSockets(ctx, curve=gateway_curve)
         self._watch = GatewayWatch()
-        nudge = f"inproc://worker-io-{id(self)}"
-        self._nudge_in = make_socket(ctx, zmq.PULL, bind=nudge)
-        self._nudge = make_socket(ctx, zmq.PUSH, connect=nudge)  # the step loop's end: only it sends on it
+        self._nudge = Wakeup()  # the step loop wakes the thread when it queues a message
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
         self._thread.start()
@@ -92,21 +90,18 @@ class WorkerIO:
 
     def _queue(self, address: str | None, message: Message, going_on: Sequence[str]) -> None:
         self._outbox.put((address, message, going_on))
-        with contextlib.suppress(zmq.Again):  # a full pipe holds nudges enough: the thread will look anyway
-            self._nudge.send(b"", zmq.NOBLOCK)
+        self._nudge.wake()
 
     def close(self, linger_ms: int = 200) -> None:
         """Send what is queued, then close every socket (the thread first, so no socket is shared)."""
         self._stopping = True
-        with contextlib.suppress(zmq.Again):
-            self._nudge.send(b"", zmq.NOBLOCK)
+        self._nudge.wake()
         self._thread.join(10)
-        self._nudge.close(linger=0)
         if self._thread.is_alive():  # stuck in a send: leave its sockets to it, lingering nothing
             log.warning("worker I/O thread did not stop in time")
             return
         self._watch.close()
-        self._nudge_in.close(linger=0)
+        self._nudge.close()
         self._scheduler.close(linger=linger_ms)
         self._gateways.close(linger_ms=linger_ms)
 
@@ -114,29 +109,24 @@ class WorkerIO:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._scheduler, zmq.POLLIN)
-        poller.register(self._nudge_in, zmq.POLLIN)
+        poller.register(self._nudge.fd, zmq.POLLIN)
+        watched = time.monotonic()
         try:
             while True:
                 ready = dict(poller.poll(int(WATCH_INTERVAL_S * 1000)))
-                if self._nudge_in in ready:
-                    self._drain_nudges()
+                self._nudge.clear()
                 self._send_queued()
                 if self._stopping:
                     return
                 if self._scheduler in ready:
                     self._receive()
-                for address in self._watch.disconnected():
-                    self._tell(GatewayGone(address))
+                if time.monotonic() - watched >= WATCH_INTERVAL_S:  # not on every message: the monitors are slow news
+                    watched = time.monotonic()
+                    for address in self._watch.disconnected():
+                        self._tell(GatewayGone(address))
         except Exception:  # a bug here must not leave the worker running deaf: the step loop sees it die
             log.exception("worker I/O thread failed")
             raise
-
-    def _drain_nudges(self) -> None:
-        while True:
-            try:
-                self._nudge_in.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
 
     def _receive(self) -> None:
         for _ in range(MAX_RECEIVED_PER_TURN):

@@ -57,12 +57,12 @@ class ParkedRequests:
         request was scheduled), loading (a fetch or copy was under way), cold (its load starts now)."""
         pool = self.engine.pool
         if pool.is_resident(key):
-            ready = pool.slot(key).ready  # a background copy no step has waited for yet
-            if ready is None:
+            slot = pool.slot(key)
+            if slot.ready is None:  # no background copy a step has not waited for yet
                 return "resident"
-            if not (ready.query() if hasattr(ready, "query") else ready.done()):
+            if not slot.copied:
                 return "loading"
-            return "resident" if pool.slot(key).demand else "ready"
+            return "resident" if slot.demand else "ready"
         return "loading" if key in self.awaiting else "cold"
 
     def land(self, start: Callable[[str, Fetched], None], fail: Callable[[str, LoraserveError], None]) -> None:

@@ -317,7 +317,8 @@ class WorkerService:
             status, error = ending(out, tracked.expired)
             self._end(out.request_id, error_status=status, error=error, output=None if status else out)
         for address, outs in going_on.items():
-            self._send(address, step_tokens(self.config.worker_id, outs), [o.request_id for o in outs])
+            message = step_tokens(self.config.worker_id, outs)
+            self._send(address, message, message.request_ids)
 
     def _end(
         self, request_id: str, error_status=None, error=None, retry=False, output: StepOutput | None = None

@@ -35,6 +35,7 @@ from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.drafts import Draft
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
+from loraserve.gateway.http.generation import http_metadata
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.responses import Answers
@@ -109,7 +110,7 @@ class OpenAiRoutes:
 
     def caller(self, request: Request) -> Principal:
         """The authenticated caller (a dependency of every route; `BodyGuard` has refused the others)."""
-        return self.core.authenticate({k.lower(): v for k, v in request.headers.items()})
+        return self.core.authenticate(http_metadata(request.headers))
 
     # ---- models ---------------------------------------------------------------------------------
     async def models(self, principal: Caller) -> dict[str, Any]:

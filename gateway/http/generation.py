@@ -51,7 +51,7 @@ class Generation:
             async for event in events:  # to its end, past the summary: closing it early would count CANCELLED
                 if isinstance(event, Chunk):
                     if event.text or event.logprobs or event.prompt_logprobs:
-                        self._queue.put_nowait(Piece(event.text, list(event.logprobs), list(event.prompt_logprobs)))
+                        self._queue.put_nowait(Piece(event.text, event.logprobs, event.prompt_logprobs))
                 elif not self._finished:
                     self._finished = True
                     self._queue.put_nowait(_final(event))
