@@ -55,8 +55,7 @@ def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
     for name in ("prefill_group", "cache_salt"):
         if len(getattr(request, name)) > MAX_ID:
             raise InvalidRequestError(name, f"must be at most {MAX_ID} characters")
-    if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
-        raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
+    _check_adapter_and_tenant(request)
     if not 1 <= len(request.prompt_ids) <= MAX_LIST:
         raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {len(request.prompt_ids)}")
     if len(request.prompt_ids) + len(request.output_ids) > MAX_LIST:
@@ -69,10 +68,6 @@ def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         check_endpoint(request.reply_to)
     except BadEndpointError as e:
         raise InvalidRequestError("reply_to", str(e)) from None
-    if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
-        raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")
-    if request.adapter_rank > MAX_ADAPTER_RANK:
-        raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
     if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
         raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
     for name in ("deadline_unix", "arrival_unix"):
@@ -118,6 +113,13 @@ def check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:
     """Refuse a hint naming what no ASSIGN could carry (the worker's decoder would drop the PREFETCH)."""
     if not request.adapter or len(request.adapter) > MAX_ID:
         raise InvalidRequestError("adapter", f"must be 1-{MAX_ID} characters")
+    _check_adapter_and_tenant(request)
+
+
+def _check_adapter_and_tenant(
+    request: scheduler_pb2.SubmitRequest | scheduler_pb2.PrepareAdapterRequest,
+) -> None:
+    """The fields a Submit and a hint share: the adapter's weights hash and rank, and the tenant."""
     if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
         raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
     if request.adapter_rank > MAX_ADAPTER_RANK:
