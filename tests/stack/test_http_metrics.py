@@ -2,7 +2,9 @@
 OK in `loraserve_gateway_requests_total`, one whose client went away counts CANCELLED.
 
 A real stack (one worker, the demo model, `--metrics-port`) is sent real HTTP requests, streaming
-and not, completions and chat; the test scrapes `/metrics` before and after.
+and not, completions and chat; the test scrapes `/metrics` before and after. The worker is emulated,
+with steps of STEP_S: a client that leaves after the first token does so long before its 480 tokens
+could be generated, however loaded the machine (a real demo-model worker may finish them first).
 """
 
 from __future__ import annotations
@@ -14,18 +16,28 @@ import time
 from collections import Counter
 
 import pytest
+from emulated import fixed_profile
 from stack import LocalStack, free_port_block, scrape_metrics
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 pytestmark = pytest.mark.slow
 PROMPT = "the quiet king"
+STEP_S = 0.02  # 480 tokens: about 10 s
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(tmp_path_factory):
     http_port, metrics_port = free_port_block(1), free_port_block(4)
-    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{http_port}", metrics_port=metrics_port)
+    profile = fixed_profile(tmp_path_factory.mktemp("http-metrics") / "runner_profile.json", step_s=STEP_S)
+    stack = LocalStack(
+        DEMO_MODEL_DIR,
+        workers=1,
+        http_bind=f"127.0.0.1:{http_port}",
+        metrics_port=metrics_port,
+        runner="emulated",
+        runner_profile=profile,
+    )
     stack.http_port, stack.metrics_port = http_port, metrics_port
     stack.start()
     stack.wait_workers(1)

@@ -369,6 +369,74 @@ def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
     assert disconnected and cancelled
 
 
+def _closing_events(ended: list[str]):
+    """A generation's events as the core gives them (a chunk, the summary, then its clean-up), noting in
+    `ended` whether it ran to its end ("OK") or was closed early ("CANCELLED"), as the core counts it."""
+    from loraserve.gateway.events import Chunk, Summary
+
+    async def events():
+        try:
+            yield Chunk("a", (1,))
+            yield Summary("r", "", "length", 3, 1)
+        except GeneratorExit:
+            ended.append("CANCELLED")
+            raise
+        ended.append("OK")
+
+    return events()
+
+
+@pytest.mark.parametrize("delivered", [False, True])
+def test_a_generation_counts_ok_only_once_its_answer_went_out(delivered):
+    """The summary has reached the gateway, but the client leaves before the answer was written: the
+    generation is closed early (CANCELLED); once delivered, the same cancel leaves it OK."""
+    from loraserve.gateway.http.generation import Generation
+
+    async def scenario() -> list[str]:
+        ended: list[str] = []
+        generation = Generation(_closing_events(ended))
+        assert (await generation.next()).text == "a"
+        assert isinstance(await generation.next(), Final)
+        if delivered:
+            generation.delivered()
+        generation.cancel()
+        await asyncio.wait([generation._task], timeout=5)
+        return ended
+
+    assert asyncio.run(scenario()) == ["OK" if delivered else "CANCELLED"]
+
+
+@pytest.mark.parametrize("client_stays", [False, True])
+def test_a_stream_delivers_its_generation_only_when_sent_whole(client_stays):
+    """A stream whose client disconnects before its last byte cancels its generation even though the
+    summary already came; one sent whole lets it end OK."""
+    from loraserve.gateway.http.generation import Generation, GenerationStream
+
+    async def scenario() -> list[str]:
+        ended: list[str] = []
+        generation = Generation(_closing_events(ended))
+        answered = [await generation.next(), await generation.next()]  # all of it is in the gateway
+
+        async def events():
+            for item in answered:
+                yield b"data: x\n\n"
+                await asyncio.sleep(0.01 if item is answered[-1] else 0)
+
+        async def send(message) -> None:
+            pass
+
+        async def receive():
+            await asyncio.sleep(5 if client_stays else 0.001)
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/", "headers": []}
+        await asyncio.wait_for(GenerationStream([generation], events())(scope, receive, send), 5)
+        await asyncio.wait([generation._task], timeout=5)
+        return ended
+
+    assert asyncio.run(scenario()) == ["OK" if client_stays else "CANCELLED"]
+
+
 def test_each_spelling_of_structured_output_is_one_constraint():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     spellings = {
