@@ -35,7 +35,6 @@ from loraserve.gateway.auth import Authenticator
 from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.config import GatewayConfig
 from loraserve.gateway.core import GenerationCore
-from loraserve.gateway.failover import FailoverConfig
 from loraserve.gateway.grpc_calls import add_loraserve
 from loraserve.gateway.http.connections import ConnectionLimits
 from loraserve.gateway.model_service import ModelService
@@ -50,7 +49,7 @@ from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.tool_parsers import parser_named
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
-from loraserve.internal_auth import check_open_planes, load_optional
+from loraserve.internal_auth import InternalAuthSettings, check_open_planes, load_optional
 from loraserve.model_config import ModelConfig, ModelSettings
 from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import health_off, supervise
@@ -123,33 +122,36 @@ async def _drain_on_stop(core: GenerationCore, health, stop_event, drained: asyn
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
-    check_bind(args.bind, args.auth_file, args.insecure_no_auth)
-    if args.http_bind:
-        check_bind(args.http_bind, args.auth_file, args.insecure_no_auth)
-    tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    settings: GatewaySettings = config_from_args(GatewaySettings, args)
+    model_dir = config_from_args(ModelSettings, args).model
+    internal = config_from_args(InternalAuthSettings, args)
+    check_bind(settings.bind, settings.auth_file, settings.insecure_no_auth)
+    if settings.http_bind:
+        check_bind(settings.http_bind, settings.auth_file, settings.insecure_no_auth)
+    tls = load_server_tls(settings.tls.tls_cert, settings.tls.tls_key, settings.tls.tls_client_ca)
     logging.getLogger("loraserve.audit").setLevel(logging.INFO)  # the audit trail shows at any --log-level
-    auth = Authenticator(load_auth_file(args.auth_file) if args.auth_file is not None else None)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_keys, auth, args.auth_file)
-    model = ModelConfig.from_dir(args.model)
-    tokenizer = Tokenizer.from_model_dir(args.model)
+    auth = Authenticator(load_auth_file(settings.auth_file) if settings.auth_file is not None else None)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_keys, auth, settings.auth_file)
+    model = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_model_dir(model_dir)
     limits = Limits(
         vocab_size=model.vocab_size,
-        max_context=args.max_context or model.max_position_embeddings,
-        default_max_new_tokens=args.default_max_new_tokens,
+        max_context=settings.max_context or model.max_position_embeddings,
+        default_max_new_tokens=settings.default_max_new_tokens,
     )
-    keys = load_optional(args.internal_keys, "gateway")
-    check_open_planes("gateway", keys, [args.token_address], args.insecure_no_internal_auth)
+    keys = load_optional(internal.internal_keys, "gateway")
+    check_open_planes("gateway", keys, [settings.token_address], internal.insecure_no_internal_auth)
     token = keys.token if keys is not None else None
-    sink = TokenSink(args.token_address, keys)
-    if args.token_advertise:
-        sink.address = args.token_advertise
-    scheduler = scheduler_pb2_grpc.SchedulerStub(internal_channel(args.scheduler, token))
-    store_stub = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(args.store, token))
+    sink = TokenSink(settings.token_address, keys)
+    if settings.token_advertise:
+        sink.address = settings.token_advertise
+    scheduler = scheduler_pb2_grpc.SchedulerStub(internal_channel(settings.scheduler, token))
+    store_stub = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(settings.store, token))
     config = GatewayConfig(
-        Path(args.model).name,
+        Path(model_dir).name,
         model.model_type,
-        args.max_lora_rank,
-        failover=config_from_args(FailoverConfig, args),
+        settings.max_lora_rank,
+        failover=settings.failover,
     )
     admission = Admission(auth)
     store = StoreClient(store_stub, config.internal_timeout_s)
@@ -158,23 +160,24 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     scheduler_client = SchedulerClient(scheduler, sink.address, config.internal_timeout_s)
     core = GenerationCore(config, limits, tokenizer, sink, scheduler_client, adapters, admission)
     admin = AdapterAdminService(admission, store, adapters, versions, config.upload_timeout_s)
-    http = _http_server(args, core, admin, tls) if args.http_bind else None  # its socket first: a busy port stops here
-    server, port = new_server(args.bind, credentials=tls.credentials() if tls else None)
+    # the HTTP socket first: a busy port stops here
+    http = _http_server(settings, model_dir, core, admin, tls) if settings.http_bind else None
+    server, port = new_server(settings.bind, credentials=tls.credentials() if tls else None)
     add_loraserve(server, GenerationService(core), ModelService(core), admin)
     health = add_health_and_reflection(server, [SERVICE])
     await set_serving(health, [SERVICE], False)
     await server.start()
     security = "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS"
-    log.info("gateway: gRPC (%s) on %s (port %d), token sink %s", security, args.bind, port, sink.address)
+    log.info("gateway: gRPC (%s) on %s (port %d), token sink %s", security, settings.bind, port, sink.address)
     if auth.open:
         log.warning("gateway: no --auth-file: every caller is tenant 'default' with every scope")
     else:
-        log.info("gateway: API keys of %d tenants from %s (SIGHUP reloads)", len(auth.tenants), args.auth_file)
+        log.info("gateway: API keys of %d tenants from %s (SIGHUP reloads)", len(auth.tenants), settings.auth_file)
     drained = asyncio.Event()
     tasks = {
         "token sink": sink.run(),
         "cluster watch": _watch_cluster(core, scheduler, health),
-        "drain": _drain_on_stop(core, health, stop_event, drained, args.drain_timeout),
+        "drain": _drain_on_stop(core, health, stop_event, drained, settings.drain_timeout),
         "adapter versions": watch_store(store_stub, versions),
     }
     if http is not None:
@@ -186,27 +189,30 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         sink.shutdown()
 
 
-def _http_server(args: argparse.Namespace, core: GenerationCore, admin: AdapterAdminService, tls):
+def _http_server(settings: GatewaySettings, model_dir: Path, core: GenerationCore, admin: AdapterAdminService, tls):
     """The OpenAI-compatible HTTP API on --http-bind (imported only then: FastAPI is not light)."""
     from loraserve.gateway.http.server import HttpServer
 
     limits = ConnectionLimits(
-        args.http_max_connections, args.http_header_timeout, args.http_body_timeout, args.http_keep_alive
+        settings.http_max_connections,
+        settings.http_header_timeout,
+        settings.http_body_timeout,
+        settings.http_keep_alive,
     )
-    tool_parser = parser_named(args.tool_call_parser) if args.tool_call_parser else None
+    tool_parser = parser_named(settings.tool_call_parser) if settings.tool_call_parser else None
     http = HttpServer(
         core,
         admin,
-        args.model,
-        args.http_bind,
-        args.tls_cert,
-        args.tls_key,
-        args.tls_client_ca,
+        model_dir,
+        settings.http_bind,
+        settings.tls.tls_cert,
+        settings.tls.tls_key,
+        settings.tls.tls_client_ca,
         limits=limits,
         tool_parser=tool_parser,
     )
     security = "HTTP" if tls is None else "HTTPS, mutual TLS" if tls.mutual else "HTTPS"
-    log.info("gateway: OpenAI-compatible API (%s) on %s (port %d)", security, args.http_bind, http.port)
+    log.info("gateway: OpenAI-compatible API (%s) on %s (port %d)", security, settings.http_bind, http.port)
     return http
 
 

@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from loraserve import telemetry
-from loraserve.convert import sampling_to_pb
 from loraserve.errors import ResourceExhaustedError
 from loraserve.gateway.adapter_versions import AdapterVersion
 from loraserve.gateway.events import RetryLaterError
 from loraserve.gateway.validation import ValidRequest
 from loraserve.grpc_utils import RETRY_AFTER_KEY, internal_call
 from loraserve.names import TENANT_NAME
+from loraserve.params import encode_sampling
 from loraserve.v1 import scheduler_pb2
 from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
 
@@ -51,7 +51,6 @@ class SchedulerClient:
     ) -> str:
         """Queue one attempt of a generation (`output_ids`: the tokens its lost predecessors streamed);
         returns the instance of the scheduler that took it."""
-        sampling = valid.sampling
         submit = scheduler_pb2.SubmitRequest(
             request_id=attempt_id,
             prompt_ids=prompt_ids,
@@ -59,9 +58,7 @@ class SchedulerClient:
             adapter_version=version.version,
             adapter_sha256=version.sha256,
             adapter_rank=version.rank,
-            sampling=sampling_to_pb(sampling),
-            max_new_tokens=sampling.max_new_tokens,
-            stop_token_ids=list(sampling.stop_token_ids),
+            sampling_params=encode_sampling(valid.sampling),  # the scheduler decodes the same SamplingParams
             deadline_unix=deadline_unix or 0.0,
             reply_to=self.reply_to,
             arrival_unix=arrival_unix,

@@ -1,11 +1,20 @@
-"""Per-request sampling parameters, validated on construction (no torch: the gateway uses them too)."""
+"""Per-request sampling parameters, validated on construction (no torch: the gateway uses them too).
+
+`SamplingParams` is one type from the gateway's validation to the worker's sampler: a frozen msgspec
+Struct, so it also is its own wire schema. The gateway sends it to the scheduler as msgpack
+(`encode_sampling`), the scheduler decodes it into the same type (`decode_sampling`: bounds from the
+annotations, unknown fields refused, `check_sampling` run), and the request spec carries it to the
+worker unchanged.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
+
+from loraserve.bounds import Count, Finite, TokenId
 from loraserve.errors import InvalidRequestError
 from loraserve.structured import MAX_GRAMMAR_BYTES
 
@@ -15,28 +24,33 @@ from loraserve.structured import MAX_GRAMMAR_BYTES
 MIN_TEMPERATURE = 1e-3
 MIN_REPETITION_PENALTY = 1e-2
 MAX_LOGPROBS = 20  # alternatives reported per token (OpenAI's limit)
+MAX_STOP_TOKENS = 1024
+
+Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one; 0: off
-    seed: int | None = None  # None: a fresh random seed per request
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one request's tokens are chosen. Keyword construction checks every value (`check_sampling`:
+    InvalidRequestError naming the field); `msgspec.structs.replace` makes a changed copy."""
+
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 64
+    temperature: Finite = 0.0  # 0: greedy
+    top_k: Count = 0  # 0: off
+    top_p: Finite = 1.0
+    min_p: Finite = 0.0  # drop tokens less likely than min_p times the most likely one; 0: off
+    seed: Count | None = None  # None: a fresh random seed per request
+    repetition_penalty: Finite = 1.0
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    stop_token_ids: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_STOP_TOKENS)] = ()
     ignore_eos: bool = False
     # Log-probabilities (`worker/logprobs.py`): None asks for none; k reports each token's own and the k
     # most likely alternatives' (0 to MAX_LOGPROBS), for every generated token and for the prompt's.
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
     # Structured output: an llguidance grammar (`loraserve/structured.py`) the output must match; each
     # token is sampled among those the grammar allows next, and the output ends when the grammar does.
-    grammar: str | None = None
+    grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_BYTES)] | None = None
 
     def __post_init__(self) -> None:
         check_sampling(self)
@@ -51,8 +65,7 @@ class SamplingParams:
 
 
 def check_sampling(p: Any) -> None:
-    """Raise InvalidRequestError naming the first field of `p` (SamplingParams, or the request spec's
-    `Sampling`: the same fields) that is out of range."""
+    """Raise InvalidRequestError naming the first field of `p` (a SamplingParams) that is out of range."""
 
     def bad(name: str, why: str):
         raise InvalidRequestError(name, f"{why}, got {getattr(p, name)!r}")
@@ -87,3 +100,21 @@ def check_sampling(p: Any) -> None:
             raise InvalidRequestError("grammar", f"must be a grammar of 1 to {MAX_GRAMMAR_BYTES} characters")
         if p.ignore_eos:
             bad("ignore_eos", "cannot be combined with structured output (the output ends where its grammar does)")
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(SamplingParams)
+
+
+def encode_sampling(params: SamplingParams) -> bytes:
+    """`params` as msgpack: what a SubmitRequest's `sampling_params` carries."""
+    return _ENCODER.encode(params)
+
+
+def decode_sampling(data: bytes, field: str = "sampling_params") -> SamplingParams:
+    """The SamplingParams `data` holds (`encode_sampling`); InvalidRequestError naming `field` and what
+    is wrong if it is not one, or a value is out of range."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError as e:  # a ValidationError too: a value of the wrong type or out of bounds
+        raise InvalidRequestError(field, str(e)) from None

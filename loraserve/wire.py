@@ -25,24 +25,15 @@ from typing import Annotated, Any, ClassVar, NamedTuple
 
 import msgspec
 
+from loraserve.bounds import MAX_ID, MAX_LIST, Count, Finite, Id, Seconds, TokenId, TokenIds, Version
 from loraserve.errors import LoraserveError
 from loraserve.params import MAX_LOGPROBS
 from loraserve.prefix_keys import FINGERPRINT_BYTES
-from loraserve.request_spec import (
-    MAX_ID,
-    MAX_LIST,
-    MAX_TEXT,
-    Count,
-    Finite,
-    Id,
-    RequestSpec,
-    Seconds,
-    TokenId,
-    TokenIds,
-    Version,
-)
+from loraserve.request_spec import RequestSpec
 
-__all__ = [  # the messages, their vocabulary, and the names re-exported from `loraserve/request_spec.py`
+MAX_TEXT = 64 * 1024  # characters of an error message or reason
+
+__all__ = [  # the messages, their vocabulary, and the bounds re-exported from `loraserve/bounds.py`
     "MAX_ID",
     "MAX_LIST",
     "MAX_TEXT",

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 
+from loraserve.bounds import MAX_ID, MAX_LIST
 from loraserve.convert import sampling_from_pb
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
 from loraserve.names import SHA256_HEX, TENANT_NAME
+from loraserve.params import SamplingParams, decode_sampling
 from loraserve.prefix_keys import PrefixProbe, adapter_identity, chain_root
-from loraserve.request_spec import MAX_ADAPTER_RANK, MAX_ID, MAX_LIST, RequestSpec, Sampling
+from loraserve.request_spec import MAX_ADAPTER_RANK, RequestSpec
 from loraserve.scheduler.decisions import QueuedRequest
 from loraserve.v1 import scheduler_pb2
 
@@ -23,9 +25,14 @@ MAX_TTFT_SLO_S = 86400.0
 
 
 def spec_from_submit(request: scheduler_pb2.SubmitRequest, now: float) -> RequestSpec:
-    """The request's spec (raises InvalidRequestError naming the field): sampling converted once, here."""
+    """The request's spec (raises InvalidRequestError naming the field). Its sampling parameters are the
+    gateway's SamplingParams as sent (`sampling_params`), or made here from the protobuf fields."""
     check_submit(request)
-    sampling = sampling_from_pb(request.sampling, request.max_new_tokens, request.stop_token_ids, into=Sampling)
+    sampling = submitted_sampling(request)
+    if request.output_ids and len(request.output_ids) >= sampling.max_new_tokens:
+        raise InvalidRequestError(
+            "output_ids", f"holds {len(request.output_ids)} tokens; max_new_tokens is {sampling.max_new_tokens}"
+        )
     return RequestSpec(
         request_id=request.request_id,
         prompt_ids=request.prompt_ids[:],  # a slice: 4× faster than list() of a protobuf field
@@ -46,8 +53,16 @@ def spec_from_submit(request: scheduler_pb2.SubmitRequest, now: float) -> Reques
     )
 
 
+def submitted_sampling(request: scheduler_pb2.SubmitRequest) -> SamplingParams:
+    """The Submit's sampling parameters, checked: `sampling_params` when set, else the protobuf fields."""
+    if request.sampling_params:
+        return decode_sampling(request.sampling_params)
+    return sampling_from_pb(request.sampling, request.max_new_tokens, request.stop_token_ids)
+
+
 def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
-    """Refuse what a worker's decoder would refuse in the ASSIGN, or what could not be delivered."""
+    """Refuse what a worker's decoder would refuse in the ASSIGN, or what could not be delivered (the
+    sampling parameters check themselves: `submitted_sampling`)."""
     if not request.request_id or len(request.request_id) > MAX_ID:
         raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
     if len(request.adapter) > MAX_ID:
@@ -60,10 +75,6 @@ def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {len(request.prompt_ids)}")
     if len(request.prompt_ids) + len(request.output_ids) > MAX_LIST:
         raise InvalidRequestError("output_ids", f"prompt_ids + output_ids must hold at most {MAX_LIST} tokens")
-    if request.output_ids and len(request.output_ids) >= request.max_new_tokens:
-        raise InvalidRequestError(
-            "output_ids", f"holds {len(request.output_ids)} tokens; max_new_tokens is {request.max_new_tokens}"
-        )
     try:
         check_endpoint(request.reply_to)
     except BadEndpointError as e:

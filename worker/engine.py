@@ -276,11 +276,11 @@ class Engine:
         return request
 
     def add_spec(self, spec: RequestSpec) -> Request:
-        """Queue a request the scheduler placed here; its Request holds `spec` unchanged (`add_request` says
-        what it raises). The spec's sampling values become the sampler's SamplingParams here, once."""
+        """Queue a request the scheduler placed here; its Request holds `spec` unchanged, and the sampler
+        reads the spec's SamplingParams (`add_request` says what it raises)."""
         return self.add_request(
             spec.prompt_ids,
-            spec.sampling.params(),
+            spec.sampling,
             spec.adapter_key,
             spec.request_id,
             spec.output_ids,

@@ -24,7 +24,8 @@ from stack import free_port_block
 from wire_fuzz import FUZZ, any_frames
 
 from loraserve.demo.assets import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR
-from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.params import SamplingParams
+from loraserve.request_spec import RequestSpec
 from loraserve.sockets import make_socket, send
 from loraserve.wire import AdapterPayload, Assign, FetchAdapter, StepTokens, Tokens, WireError, WorkerReport, decode
 
@@ -111,7 +112,7 @@ class Roles:
         self.router.send_multipart([WORKER_ID.encode(), *(frames or [b""])])
 
     def generate(self, request_id: str, max_new_tokens: int = 6, timeout_s: float = 60.0) -> list[int]:
-        sampling = Sampling(max_new_tokens=max_new_tokens, ignore_eos=True)
+        sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         spec = RequestSpec(
             request_id, [1, 5, 9], sampling, self.sink_address, time.time(), adapter=ADAPTER, adapter_version=1
         )

@@ -246,7 +246,7 @@ def test_fuzzed_submits_never_fail_internally_and_pass_nothing_invalid_to_a_work
     assert worker.malformed == 0, f"the scheduler sent a worker something wire.decode refuses: {worker.errors[:3]}"
     assert worker.assigned, "no fuzzed Submit was accepted: the property was not exercised"
     for assign in worker.assigned:  # what a worker would run: sampling values it accepts, a prompt
-        assert isinstance(assign.spec.sampling.params(), SamplingParams)
+        assert isinstance(assign.spec.sampling, SamplingParams)
         assert assign.spec.prompt_ids
 
 

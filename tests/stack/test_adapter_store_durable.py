@@ -25,7 +25,8 @@ from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import NotFoundError
 from loraserve.launcher.ports import free_port_block
 from loraserve.launcher.up import wait_healthy
-from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.params import SamplingParams
+from loraserve.request_spec import RequestSpec
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import gateway_pb2
 from loraserve.wire import AdapterPayload, Assign, Tokens, WorkerReport, decode
@@ -276,7 +277,7 @@ def test_a_worker_fails_the_requests_of_a_fetch_whose_bytes_do_not_match_their_h
             assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
         outcome = {}
         for request_id in ("rotten", "ok"):
-            sampling = Sampling(max_new_tokens=4, ignore_eos=True)
+            sampling = SamplingParams(max_new_tokens=4, ignore_eos=True)
             reply_to = sink.getsockopt_string(zmq.LAST_ENDPOINT)
             spec = RequestSpec(
                 request_id, [1, 5, 9], sampling, reply_to, time.time(), adapter=request_id, adapter_version=1

@@ -25,7 +25,8 @@ from scheduler_proc import FakeWorker, SchedulerProcess, report
 
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
 from loraserve.log_limit import RateLimitedLog
-from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.params import SamplingParams
+from loraserve.request_spec import RequestSpec
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
 from loraserve.supervise import RoleFailed, supervise
 from loraserve.v1 import scheduler_pb2
@@ -168,7 +169,9 @@ def test_a_bad_endpoint_never_leaves_a_socket_that_blocks_shutdown():
 
 
 def test_the_worker_decoder_refuses_what_would_crash_or_wedge_a_worker():
-    spec = RequestSpec("r", [1], Sampling(max_new_tokens=2), "tcp://127.0.0.1:5", 1.0, adapter="a", adapter_version=1)
+    spec = RequestSpec(
+        "r", [1], SamplingParams(max_new_tokens=2), "tcp://127.0.0.1:5", 1.0, adapter="a", adapter_version=1
+    )
     good = Assign(spec)
     assert decode(encode(good)) == good
     bad = [

@@ -12,7 +12,8 @@ import msgpack
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.params import SamplingParams
+from loraserve.request_spec import RequestSpec
 from loraserve.wire import (
     _TYPES,
     AdapterPayload,
@@ -39,7 +40,7 @@ VALID: list[Message] = [
         RequestSpec(
             "r",
             [1, 2],
-            Sampling(max_new_tokens=4, stop_token_ids=(2,)),
+            SamplingParams(max_new_tokens=4, stop_token_ids=(2,)),
             "tcp://127.0.0.1:7201",
             1.0,
             adapter="x",

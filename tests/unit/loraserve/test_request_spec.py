@@ -3,17 +3,17 @@ engine holds it unchanged; the worker's sockets run on an I/O thread that decode
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+import msgspec
 import pytest
 import zmq
 from emulated import emulated_engine, fixed_profile
 
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
-from loraserve.params import SamplingParams
-from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.params import SamplingParams, encode_sampling
+from loraserve.request_spec import RequestSpec
 from loraserve.scheduler.submit import spec_from_submit
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import common_pb2, scheduler_pb2
@@ -52,12 +52,13 @@ def test_the_spec_travels_unchanged_from_the_scheduler_edge_to_the_engine_reques
     assert (spec.prompt_ids, spec.output_ids, spec.sampling.stop_token_ids) == ([1, 5, 9], [4], (2,))
     received = decode([bytes(f) for f in encode(Assign(spec, queued_s=0.1))])
     assert received.spec == spec
-    # the sampler's parameters are what the gateway-side conversion of the same proto gives
-    params = received.spec.sampling.params()
+    # the sampler's parameters are what the gateway-side conversion of the same proto gives, and the
+    # engine's request reads the spec's own object
+    params = received.spec.sampling
     assert params == sampling_from_pb(submit.sampling, submit.max_new_tokens, submit.stop_token_ids)
     engine = emulated_engine(fixed_profile(tmp_path / "profile.json"))
     request = engine.add_spec(received.spec)
-    assert request.spec is received.spec and request.sampling == params and request.adapter == ("upper", 1)
+    assert request.spec is received.spec and request.sampling is params and request.adapter == ("upper", 1)
     while engine.has_unfinished():
         engine.step()
     assert received.spec == spec, "running it changed nothing in the spec"
@@ -69,7 +70,37 @@ def test_the_scheduler_edge_refuses_bad_sampling_naming_the_field():
     with pytest.raises(InvalidRequestError, match="temperature"):
         spec_from_submit(_submit(sampling=common_pb2.SamplingParameters(temperature=1e-9)), time.time())
     with pytest.raises(InvalidRequestError, match="max_new_tokens"):
-        Sampling(max_new_tokens=0)
+        SamplingParams(max_new_tokens=0)
+
+
+def test_the_gateways_sampling_params_reach_the_spec_as_sent():
+    """The gateway sends its validated SamplingParams as msgpack; the spec holds an equal one, and the
+    bytes replace the protobuf sampling fields."""
+    params = SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5, seed=11, stop_token_ids=(2, 3), logprobs=1)
+    submit = _submit(sampling_params=encode_sampling(params), max_new_tokens=1)
+    spec = spec_from_submit(submit, time.time())
+    assert type(spec.sampling) is SamplingParams and spec.sampling == params
+    assert (
+        spec_from_submit(_submit(sampling_params=encode_sampling(SamplingParams())), 0.0).sampling == SamplingParams()
+    )
+
+
+@pytest.mark.parametrize(
+    "data, field, why",
+    [
+        (msgspec.msgpack.encode({"max_new_tokens": 4, "temprature": 0.5}), "sampling_params", "unknown field"),
+        (msgspec.msgpack.encode({"temperature": "hot"}), "sampling_params", "temperature"),
+        (msgspec.msgpack.encode({"stop_token_ids": [-1]}), "sampling_params", "stop_token_ids"),
+        (msgspec.msgpack.encode({"top_p": 0.0}), "top_p", "must be in"),
+        (msgspec.msgpack.encode({"max_new_tokens": 1}), "output_ids", "max_new_tokens is 1"),  # one is generated
+        (b"\x81\xa4seed", "sampling_params", "truncated"),
+        (b"\xc1", "sampling_params", ""),
+    ],
+)
+def test_the_scheduler_edge_refuses_bad_sampling_params_naming_what_is_wrong(data, field, why):
+    with pytest.raises(InvalidRequestError) as info:
+        spec_from_submit(_submit(sampling_params=data), time.time())
+    assert info.value.field == field and why in str(info.value)
 
 
 def test_the_io_thread_decodes_sends_and_reports_what_failed():
@@ -84,7 +115,7 @@ def test_the_io_thread_decodes_sends_and_reports_what_failed():
         assert scheduler.poll(5000)
         identity, *frames = scheduler.recv_multipart()
         assert identity == b"w1" and decode(frames) == report
-        spec = RequestSpec("r", [1] * 4096, Sampling(), gateway.getsockopt_string(zmq.LAST_ENDPOINT), 1.0)
+        spec = RequestSpec("r", [1] * 4096, SamplingParams(), gateway.getsockopt_string(zmq.LAST_ENDPOINT), 1.0)
         send(scheduler, Assign(spec), to=b"w1")
         assert io.inbox.get(timeout=5) == Assign(spec)  # decoded on the I/O thread
         io.to_gateway(spec.reply_to, Tokens("r", [7]))
@@ -101,8 +132,3 @@ def test_the_io_thread_decodes_sends_and_reports_what_failed():
         if not gateway.closed:
             gateway.close(linger=0)
         ctx.term()
-
-
-def test_the_spec_sampling_has_the_sampler_fields_and_defaults():
-    assert Sampling.__struct_fields__ == tuple(f.name for f in dataclasses.fields(SamplingParams))
-    assert Sampling().params() == SamplingParams()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.params import SamplingParams
+from loraserve.request_spec import RequestSpec
 from loraserve.wire import AdapterPayload, Assign, MsgType, Prefetch, Tokens, WireError, WorkerReport, decode, encode
 
 
@@ -13,7 +14,7 @@ def test_round_trip_keeps_every_field():
     spec = RequestSpec(
         "r1",
         [1, 2, 3],
-        Sampling(max_new_tokens=5, stop_token_ids=(7,)),
+        SamplingParams(max_new_tokens=5, stop_token_ids=(7,)),
         "tcp://127.0.0.1:1",
         1.5,
         adapter="upper",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 import timeit
 
-from loraserve.request_spec import RequestSpec, Sampling
+from loraserve.params import SamplingParams
+from loraserve.request_spec import RequestSpec
 from loraserve.wire import Assign, decode, encode
 
 PROMPT_TOKENS = 4096
@@ -15,7 +16,7 @@ MAX_US_PER_TOKEN = 0.2
 
 def test_a_long_assign_decodes_within_its_budget():
     prompt = [(i * 7919) % 32000 for i in range(PROMPT_TOKENS)]
-    sampling = Sampling(max_new_tokens=64, temperature=0.7, stop_token_ids=(2,))
+    sampling = SamplingParams(max_new_tokens=64, temperature=0.7, stop_token_ids=(2,))
     spec = RequestSpec("r1", prompt, sampling, "tcp://127.0.0.1:7201", time.time(), adapter="upper", adapter_version=2)
     frames = [bytes(f) for f in encode(Assign(spec, trace={"traceparent": "00-abc"}))]
     assert decode(frames).spec == spec

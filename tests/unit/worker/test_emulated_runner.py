@@ -11,6 +11,7 @@ import re
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from emulated import ADAPTERS, MODEL, emulated_engine, fixed_profile
 
@@ -105,8 +106,8 @@ def test_structured_output_masks_are_respected(engine):
 
 
 def test_log_probabilities_are_well_formed(engine):
-    sampling = dataclasses.replace(SAMPLINGS["seeded"], max_new_tokens=8, logprobs=4, prompt_logprobs=3)
-    greedy = dataclasses.replace(SAMPLINGS["greedy"], max_new_tokens=8, logprobs=4)
+    sampling = msgspec.structs.replace(SAMPLINGS["seeded"], max_new_tokens=8, logprobs=4, prompt_logprobs=3)
+    greedy = msgspec.structs.replace(SAMPLINGS["greedy"], max_new_tokens=8, logprobs=4)
     results = engine.generate(_requests(sampling) + _requests(greedy))
     for result in results:
         assert len(result.logprobs) == 8

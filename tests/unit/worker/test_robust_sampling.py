@@ -6,6 +6,7 @@ then overflow logits / temperature to infinity, so torch.multinomial raised and 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given
@@ -95,7 +96,7 @@ def test_a_subnormal_temperature_from_the_wire_is_invalid_argument():
 def _unchecked(params: SamplingParams, **values) -> SamplingParams:
     """`params` with fields set past validation, as a bug or a future field could let through."""
     for name, value in values.items():
-        object.__setattr__(params, name, value)
+        msgspec.structs.force_setattr(params, name, value)
     return params
 
 
