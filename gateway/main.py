@@ -186,6 +186,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         await supervise("gateway", tasks, drained, health_off(health, [SERVICE]))
     finally:
         await server.stop(grace=2.0)
+        await scheduler_client.close()
         sink.shutdown()
 
 

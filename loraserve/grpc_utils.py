@@ -60,7 +60,9 @@ def status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
 
 
-def _code_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def code_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a call that raised `exc` ends with, and its message: a LoraserveError's own, else
+    INTERNAL naming an incident that the log holds with the traceback."""
     if isinstance(exc, errors.LoraserveError):
         return status_code(exc.status), str(exc)
     incident = uuid.uuid4().hex[:12]
@@ -146,7 +148,7 @@ async def _answer(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if context.done():
         log.debug("call already ended: %r", exc)
         return
-    code, message = _code_and_message(exc)
+    code, message = code_and_message(exc)
     try:
         await context.abort(code, message)
     except grpc.aio.AbortError:

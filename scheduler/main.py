@@ -35,7 +35,8 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     check_open_planes("scheduler", keys, [args.bind, args.worker_address], args.insecure_no_internal_auth)
     loop = SchedulerLoop(policy, args.worker_address, keys=keys)
     server, _ = new_server(args.bind, interceptors=server_interceptors(keys.token if keys else None))
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop), server)
+    service = SchedulerService(loop)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     health = add_health_and_reflection(server, [SERVICE])
     await server.start()
     await set_serving(health, [SERVICE], True)
@@ -43,6 +44,7 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     try:
         await supervise("scheduler", {"scheduler loop": loop.run()}, stop_event, health_off(health, [SERVICE]))
     finally:
+        service.stopping = True
         await server.stop(grace=1.0)
 
 

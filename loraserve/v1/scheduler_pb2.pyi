@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "adapter", "adapter_version", "sampling", "max_new_tokens", "stop_token_ids", "deadline_unix", "reply_to", "arrival_unix", "output_ids", "adapter_sha256", "attempt", "tenant", "ttft_slo_s", "adapter_rank", "tokens_per_minute", "prefill_group", "cache_salt", "sampling_params")
+    __slots__ = ("request_id", "prompt_ids", "adapter", "adapter_version", "sampling", "max_new_tokens", "stop_token_ids", "deadline_unix", "reply_to", "arrival_unix", "output_ids", "adapter_sha256", "attempt", "tenant", "ttft_slo_s", "adapter_rank", "tokens_per_minute", "prefill_group", "cache_salt", "sampling_params", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +36,7 @@ class SubmitRequest(_message.Message):
     PREFILL_GROUP_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: str
@@ -49,7 +57,8 @@ class SubmitRequest(_message.Message):
     prefill_group: str
     cache_salt: str
     sampling_params: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., reply_to: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ..., adapter_sha256: _Optional[str] = ..., attempt: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., adapter_rank: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ..., prefill_group: _Optional[str] = ..., cache_salt: _Optional[str] = ..., sampling_params: _Optional[bytes] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., reply_to: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ..., adapter_sha256: _Optional[str] = ..., attempt: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., adapter_rank: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ..., prefill_group: _Optional[str] = ..., cache_salt: _Optional[str] = ..., sampling_params: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("queue_position", "instance")
@@ -126,18 +135,55 @@ class ClusterState(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., queue_length: _Optional[int] = ..., max_queue_length: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class PrepareAdapterRequest(_message.Message):
-    __slots__ = ("adapter", "adapter_version", "adapter_sha256", "adapter_rank", "tenant")
+    __slots__ = ("adapter", "adapter_version", "adapter_sha256", "adapter_rank", "tenant", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SHA256_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_RANK_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     adapter_version: int
     adapter_sha256: str
     adapter_rank: int
     tenant: str
-    def __init__(self, adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., adapter_sha256: _Optional[str] = ..., adapter_rank: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., adapter_sha256: _Optional[str] = ..., adapter_rank: _Optional[int] = ..., tenant: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SubmitStreamRequest(_message.Message):
+    __slots__ = ("requests", "hints")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
+    hints: _containers.RepeatedCompositeFieldContainer[PrepareAdapterRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ..., hints: _Optional[_Iterable[_Union[PrepareAdapterRequest, _Mapping]]] = ...) -> None: ...
+
+class SubmitStreamResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[SubmitOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[SubmitOutcome, _Mapping]]] = ...) -> None: ...
+
+class SubmitOutcome(_message.Message):
+    __slots__ = ("request_id", "status", "message", "queued", "retry_after_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    status: str
+    message: str
+    queued: SubmitResponse
+    retry_after_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., message: _Optional[str] = ..., queued: _Optional[_Union[SubmitResponse, _Mapping]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class PrepareAdapterResponse(_message.Message):
     __slots__ = ("worker_id",)

@@ -55,6 +55,11 @@ class SchedulerStub:
                 request_serializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterRequest.SerializeToString,
                 response_deserializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterResponse.FromString,
                 _registered_method=True)
+        self.SubmitStream = channel.stream_stream(
+                '/loraserve.v1.Scheduler/SubmitStream',
+                request_serializer=loraserve_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.SerializeToString,
+                response_deserializer=loraserve_dot_v1_dot_scheduler__pb2.SubmitStreamResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -92,6 +97,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitStream(self, request_iterator, context):
+        """Submit and PrepareAdapter for many requests over one long-lived call: a gateway keeps one open
+        and writes a SubmitStreamRequest of what arrived since its last write (one request when it is idle, many
+        under load). The scheduler answers every batch with one SubmitStreamResponse, in order: one outcome
+        per Submit, each what the unary Submit would have ended with. Hints are answered by nothing.
+        A refusal of one request never ends the call; a malformed batch or an unauthenticated caller does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +130,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.PrepareAdapter,
                     request_deserializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterRequest.FromString,
                     response_serializer=loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterResponse.SerializeToString,
+            ),
+            'SubmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitStream,
+                    request_deserializer=loraserve_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.FromString,
+                    response_serializer=loraserve_dot_v1_dot_scheduler__pb2.SubmitStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +246,33 @@ class Scheduler:
             '/loraserve.v1.Scheduler/PrepareAdapter',
             loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterRequest.SerializeToString,
             loraserve_dot_v1_dot_scheduler__pb2.PrepareAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/loraserve.v1.Scheduler/SubmitStream',
+            loraserve_dot_v1_dot_scheduler__pb2.SubmitStreamRequest.SerializeToString,
+            loraserve_dot_v1_dot_scheduler__pb2.SubmitStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

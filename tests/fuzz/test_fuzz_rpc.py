@@ -100,7 +100,9 @@ def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy:
             if value is None:
                 continue
             field = descriptor.fields_by_name[name]
-            if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if _is_map(field):  # a map<K, V>: its entries are messages with a key and a value
+                getattr(message, name).update({e.key: e.value for e in value})
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
                 target = getattr(message, name)
                 if field.is_repeated:
                     for item in value:
@@ -114,6 +116,10 @@ def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy:
         return message
 
     return st.fixed_dictionaries(fields).map(build)
+
+
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
 
 
 def _message_class(descriptor: Descriptor):
@@ -134,7 +140,10 @@ def _call(channel: grpc.Channel, method, request: bytes, service=SERVICE) -> Non
     path = f"/{service.full_name}/{method.name}"
     started = time.monotonic()
     try:
-        if method.client_streaming:
+        if method.client_streaming and method.server_streaming:
+            for _ in channel.stream_stream(path)(iter([request]), timeout=DEADLINE_S):
+                pass
+        elif method.client_streaming:
             channel.stream_unary(path)(iter([request]), timeout=DEADLINE_S)
         elif method.server_streaming:
             for _ in channel.unary_stream(path)(request, timeout=DEADLINE_S):
@@ -220,7 +229,9 @@ def near_valid_submits(draw) -> scheduler_pb2.SubmitRequest:
     name = draw(st.sampled_from([f.name for f in target.DESCRIPTOR.fields]))
     target.ClearField(name)
     value = getattr(source, name)
-    if target.DESCRIPTOR.fields_by_name[name].is_repeated:
+    if _is_map(target.DESCRIPTOR.fields_by_name[name]):
+        getattr(target, name).update(value)
+    elif target.DESCRIPTOR.fields_by_name[name].is_repeated:
         getattr(target, name).extend(value)
     elif hasattr(value, "CopyFrom"):
         getattr(target, name).CopyFrom(value)
@@ -248,6 +259,35 @@ def test_fuzzed_submits_never_fail_internally_and_pass_nothing_invalid_to_a_work
     for assign in worker.assigned:  # what a worker would run: sampling values it accepts, a prompt
         assert isinstance(assign.spec.sampling, SamplingParams)
         assert assign.spec.prompt_ids
+
+
+def test_fuzzed_submit_batches_get_an_outcome_each_and_never_fail_internally(scheduler):
+    """SubmitStream: every request of a batch gets its own outcome, none INTERNAL, and a batch that is
+    not a valid message ends the call INVALID_ARGUMENT; what it queues reaches the worker intact."""
+    process, worker = scheduler
+    method = SCHEDULER.methods_by_name["SubmitStream"]
+    submits = near_valid_submits() | messages(scheduler_pb2.SubmitRequest.DESCRIPTOR)
+    hints = messages(scheduler_pb2.PrepareAdapterRequest.DESCRIPTOR)
+
+    @FUZZ
+    @given(st.lists(submits, max_size=6), st.lists(hints, max_size=2))
+    @example([_valid_submit("stream-baseline")], [])
+    def check(requests, hints):
+        batch = scheduler_pb2.SubmitStreamRequest(requests=requests, hints=hints)
+        replies = list(process.stub.SubmitStream(iter([batch]), timeout=DEADLINE_S))
+        assert [len(r.outcomes) for r in replies] == [len(requests)]
+        outcomes = replies[0].outcomes
+        assert [o.request_id for o in outcomes] == [r.request_id for r in requests]
+        for outcome in outcomes:
+            assert outcome.status not in ("INTERNAL", "UNKNOWN"), f"{outcome.status}: {outcome.message}"
+            assert (outcome.status == "OK") == bool(outcome.queued.instance), outcome
+
+    check()
+    _call(process.channel, method, b"\x0a\x03\xff\xfe\x00", SCHEDULER)  # not a SubmitStreamRequest
+    time.sleep(0.3)  # ASSIGNs in flight reach the fake worker
+    assert process.process.poll() is None, process.output()
+    assert worker.malformed == 0, f"the scheduler sent a worker something wire.decode refuses: {worker.errors[:3]}"
+    assert any(a.spec.request_id == "stream-baseline" for a in worker.assigned)
 
 
 @pytest.mark.parametrize("method", ["Cancel", "GetClusterState"])

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve.launcher.ports import free_port_block
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from loraserve.wire import Assign, WireError, WorkerReport, decode
+from loraserve.wire import Assign, Prefetch, WireError, WorkerReport, decode
 
 
 def report(worker_id: str, **changes) -> WorkerReport:
@@ -41,8 +41,9 @@ def report(worker_id: str, **changes) -> WorkerReport:
 class SchedulerProcess:
     """`loraserve scheduler` as a child process on free loopback ports."""
 
-    def __init__(self, worker_timeout: float = 1.0, prelude: str = ""):
-        base = free_port_block(2)
+    def __init__(self, worker_timeout: float = 1.0, prelude: str = "", base_port: int | None = None):
+        base = base_port or free_port_block(2)  # a given one: a scheduler restarted where the last one was
+        self.base_port = base
         self.grpc_address = f"127.0.0.1:{base}"
         self.worker_address = f"tcp://127.0.0.1:{base + 1}"
         args = [
@@ -119,13 +120,14 @@ class SchedulerProcess:
 
 
 class FakeWorker:
-    """A DEALER with a worker identity: heartbeats a ready report, collects the ASSIGNs it gets."""
+    """A DEALER with a worker identity: heartbeats a ready report, collects the ASSIGNs and PREFETCHes it gets."""
 
     def __init__(self, address: str, worker_id: str = "w1"):
         self.ctx = zmq.Context()
         self.worker_id = worker_id
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=address, identity=worker_id)
         self.assigned: list[Assign] = []
+        self.prefetched: list[Prefetch] = []
         self.malformed = 0  # messages from the scheduler that wire.decode refused
         self.errors: list[str] = []  # what it said about them
         self._stop = threading.Event()
@@ -145,6 +147,8 @@ class FakeWorker:
                     continue
                 if isinstance(message, Assign):
                     self.assigned.append(message)
+                elif isinstance(message, Prefetch):
+                    self.prefetched.append(message)
 
     def wait_assigned(self, request_id: str, timeout_s: float = 5.0) -> Assign:
         deadline = time.monotonic() + timeout_s

@@ -13,9 +13,11 @@ and its ZMQ loop, unchanged) and every message it exchanges. What stands in for 
   adapters (128 each, least recently used first, out of `--cp-adapters`) and a step sample. A
   request runs `max_new_tokens` steps. No engine runs: a real worker's step loop costs its own
   process, not the scheduler;
-- **the gateways**: this process, calling `Submit` over gRPC as a gateway does (prompt ids, the
-  adapter with its rank and weights' hash, a tenant of 8, sampling), open loop at each offered rate
-  for `PHASE_S` seconds, on `--cp-clients` channels.
+- **the gateways**: this process, submitting over gRPC as a gateway does (prompt ids, the adapter
+  with its rank and weights' hash, a tenant of 8, sampling), open loop at each offered rate for
+  `PHASE_S` seconds, on `--cp-clients` channels (one "gateway" each). `--cp-submit` says how the
+  Submits travel: `stream`, batched on one SubmitStream call per channel (`gateway/submit_stream.py`,
+  what gateways use), or `unary`, one Submit call each; the full preset runs both, side by side.
 
 Per offered rate: admitted req/s (Submits answered OK per second), refusals, the Submit call's
 latency as the client sees it, and the decision latency twice: inside the scheduler (the request
@@ -50,6 +52,8 @@ from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.stats import quantile
 from loraserve.config_cli import setting
+from loraserve.errors import LoraserveError
+from loraserve.gateway.submit_stream import SubmitStream
 from loraserve.launcher.ports import free_port_block
 from loraserve.scheduler.policy import POLICIES
 from loraserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -63,10 +67,12 @@ TENANTS = 8
 PROMPT = 32  # tokens per request
 NEW_TOKENS = 16  # steps a request runs on its emulated worker
 STEP_S = 0.02  # an emulated worker's step: 50 reports a second from each busy worker
-QUICK = {"rates": (250, 1000, 2500, 5000), "phase_s": 4.0, "policies": ("adaptive",)}
-FULL = {"rates": (250, 500, 1000, 1500, 2000, 3000, 5000), "phase_s": 8.0, "policies": POLICIES}
+SUBMITS = ("stream", "unary")  # how Submits travel: batched on a SubmitStream call, or one call each
+QUICK = {"rates": (250, 1000, 2500, 5000), "phase_s": 4.0, "policies": ("adaptive",), "submits": ("stream",)}
+FULL = {"rates": (250, 500, 1000, 1500, 2000, 3000, 5000), "phase_s": 8.0, "policies": POLICIES, "submits": SUBMITS}
 TARGET_RATE = 5000.0  # req/s admitted
 TARGET_P99_S = 0.001  # decision latency
+SUBMIT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,14 @@ class ControlPlaneSettings:
     cp_policies: tuple[str, ...] | None = setting(
         None, "policies to measure (default: the preset's)", nargs="+", choices=POLICIES
     )
-    cp_clients: int = setting(4, "gRPC channels the Submits go out on")
+    cp_clients: int = setting(4, "gRPC channels the Submits go out on (one gateway each)")
+    cp_submit: tuple[str, ...] | None = setting(
+        None,
+        "how Submits travel: stream (batched on one SubmitStream call per channel, as gateways send them) "
+        "or unary (one Submit call each); default: the preset's",
+        nargs="+",
+        choices=SUBMITS,
+    )
     cp_step_s: float = setting(
         STEP_S, "an emulated worker's step while it holds requests: it reports after each (the report cadence)"
     )
@@ -112,11 +125,13 @@ class Catalogue:
 
 
 class Clients:
-    """Submits over `channels` gRPC channels, as gateways send them."""
+    """Submits over `channels` gRPC channels, as gateways send them: on one SubmitStream call each
+    (`submit` "stream"), or one Submit call each ("unary")."""
 
-    def __init__(self, address: str, channels: int, reply_to: str, catalogue: Catalogue, seed: int):
+    def __init__(self, address: str, channels: int, reply_to: str, catalogue: Catalogue, seed: int, submit: str):
         self.channels = [grpc.aio.insecure_channel(address) for _ in range(channels)]
         self.stubs = [scheduler_pb2_grpc.SchedulerStub(c) for c in self.channels]
+        self.streams = [SubmitStream(stub, SUBMIT_TIMEOUT_S) for stub in self.stubs] if submit == "stream" else None
         self.reply_to, self.catalogue = reply_to, catalogue
         rng = np.random.default_rng(seed + 1)
         self.prompts = [[int(t) for t in rng.integers(3, 1000, PROMPT)] for _ in range(64)]
@@ -148,11 +163,16 @@ class Clients:
             )
             sent = time.perf_counter()
             try:
-                await self.stubs[i % len(self.stubs)].Submit(request, timeout=30)
+                if self.streams is not None:
+                    await self.streams[i % len(self.streams)].submit(request)
+                else:
+                    await self.stubs[i % len(self.stubs)].Submit(request, timeout=SUBMIT_TIMEOUT_S)
                 latencies.append(time.perf_counter() - sent)
                 codes["OK"] = codes.get("OK", 0) + 1
             except grpc.aio.AioRpcError as e:
                 codes[e.code().name] = codes.get(e.code().name, 0) + 1
+            except LoraserveError as e:
+                codes[e.status] = codes.get(e.status, 0) + 1
 
         for i in range(n):
             delay = start + i / rate - time.monotonic()
@@ -174,6 +194,8 @@ class Clients:
         }
 
     async def close(self) -> None:
+        for stream in self.streams or ():
+            await stream.close()
         for channel in self.channels:
             await channel.close()
 
@@ -213,7 +235,13 @@ async def wait_ready(address: str, workers: int, timeout_s: float = 60.0) -> Non
 
 
 async def measure(
-    policy: str, rates: list[float], phase_s: float, args: argparse.Namespace, scratch: Path, profile: Path | None
+    policy: str,
+    submit: str,
+    rates: list[float],
+    phase_s: float,
+    args: argparse.Namespace,
+    scratch: Path,
+    profile: Path | None,
 ) -> dict:
     base = free_port_block(3)
     grpc_address, worker_address = f"127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
@@ -221,14 +249,15 @@ async def measure(
     ctx = zmq.Context()
     sink = ctx.socket(zmq.PULL)  # failures the scheduler sends "gateways" (there should be none)
     sink.bind(reply_to)
-    latencies_file = scratch / f"workers-{policy}.json"
+    latencies_file = scratch / f"workers-{policy}-{submit}.json"
     scheduler = start_scheduler(policy, grpc_address, worker_address, profile)
     workers = start_workers(worker_address, args.cp_workers, args.cp_adapters, args.cp_step_s, latencies_file)
     phases = []
     try:
         await wait_ready(grpc_address, args.cp_workers)
         cpu = psutil.Process(scheduler.pid)
-        clients = Clients(grpc_address, args.cp_clients, reply_to, Catalogue(args.cp_adapters, args.seed), args.seed)
+        catalogue = Catalogue(args.cp_adapters, args.seed)
+        clients = Clients(grpc_address, args.cp_clients, reply_to, catalogue, args.seed, submit)
         await clients.phase("warm", 200.0, 1.0)
         await asyncio.sleep(1.0)
         for rate in rates:
@@ -241,7 +270,7 @@ async def measure(
             )
             result["phase"] = name
             phases.append(result)
-            log.info("%s %s: %s", policy, name, {k: v for k, v in result.items() if k != "codes"})
+            log.info("%s %s %s: %s", policy, submit, name, {k: v for k, v in result.items() if k != "codes"})
             await asyncio.sleep(1.0)  # the emulated workers finish what they hold
         await clients.close()
     finally:
@@ -265,7 +294,7 @@ async def measure(
         result |= {"decision_max_s": round(max(queued), 6) if queued else None}
         result |= {"end_to_end_p50_s": _q(e2e, 0.5), "end_to_end_p99_s": _q(e2e, 0.99)}
         result["kept_up"] = kept_up(result)
-    return {"policy": policy, "phases": phases}
+    return {"policy": policy, "submit": submit, "phases": phases}
 
 
 def kept_up(phase: dict) -> bool:
@@ -281,7 +310,7 @@ def verdict(runs: list[dict]) -> list[dict]:
     decision p99 at the target rate."""
     out = []
     for run in runs:
-        if run["policy"] != POLICIES[0]:
+        if run["policy"] != POLICIES[0] or run["submit"] != SUBMITS[0]:
             continue
         kept = [p for p in run["phases"] if kept_up(p)]
         best = max((p["admitted_req_per_s"] for p in kept), default=0.0)
@@ -303,22 +332,25 @@ def main(args: argparse.Namespace) -> int:
     preset = QUICK if args.quick else FULL
     rates = list(args.cp_rates or preset["rates"])
     chosen = list(args.cp_policies or preset["policies"])
+    submits = list(args.cp_submit or preset["submits"])
     out = args.out or Path(tempfile.mkdtemp(prefix="loraserve-cp-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     runs = []
     with tempfile.TemporaryDirectory(prefix="loraserve-cp-") as scratch:
         for policy in chosen:
-            profile = out / f"scheduler-{policy}.prof" if args.cp_profile else None
-            runs.append(asyncio.run(measure(policy, rates, preset["phase_s"], args, Path(scratch), profile)))
-            if profile is not None and profile.exists():
-                import pstats
+            for submit in submits:
+                profile = out / f"scheduler-{policy}-{submit}.prof" if args.cp_profile else None
+                phase_s = preset["phase_s"]
+                runs.append(asyncio.run(measure(policy, submit, rates, phase_s, args, Path(scratch), profile)))
+                if profile is not None and profile.exists():
+                    import pstats
 
-                print(f"--- the scheduler under {policy}: where its time went ({profile})")
-                pstats.Stats(str(profile)).sort_stats("tottime").print_stats(25)
+                    print(f"--- the scheduler under {policy}, {submit} Submits: where its time went ({profile})")
+                    pstats.Stats(str(profile)).sort_stats("tottime").print_stats(25)
     result = {
         "what": "a real scheduler process; emulated workers in one process speaking the worker protocol; "
-        "this process calling Submit as gateways do",
+        "this process submitting as gateways do (stream) or one call per Submit (unary)",
         "workers": args.cp_workers,
         "adapters": args.cp_adapters,
         "step_s": args.cp_step_s,
@@ -333,9 +365,10 @@ def main(args: argparse.Namespace) -> int:
     for run in runs:
         for p in run["phases"]:
             print(
-                f"{run['policy']:>8} offered {p['offered_req_per_s']:>6g}/s: admitted {p['admitted_req_per_s']:>7}/s "
-                f"(refused {p['sent'] - p['codes'].get('OK', 0)}), decision p50/p99 {p['decision_p50_s']}/"
-                f"{p['decision_p99_s']} s, end to end p99 {p['end_to_end_p99_s']} s, scheduler CPU {p['scheduler_cpu']}"
+                f"{run['policy']:>8} {run['submit']:>6} offered {p['offered_req_per_s']:>6g}/s: "
+                f"admitted {p['admitted_req_per_s']:>7}/s (refused {p['sent'] - p['codes'].get('OK', 0)}), "
+                f"decision p50/p99 {p['decision_p50_s']}/{p['decision_p99_s']} s, "
+                f"end to end p99 {p['end_to_end_p99_s']} s, scheduler CPU {p['scheduler_cpu']}"
                 f"{'' if p['kept_up'] else ' (fell behind)'}"
             )
     for t in result["targets"]:
