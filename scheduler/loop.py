@@ -61,6 +61,7 @@ from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerRe
 
 log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.5  # at most one probe of every worker per this, however many disconnects
+REPORTS_PER_TURN = 256  # worker messages read at once before the event loop's other work gets a turn
 
 
 @dataclass
@@ -89,6 +90,8 @@ class SchedulerLoop:
         except BaseException:
             self._stop_auth()
             raise
+        # The same socket without asyncio's future per message: what has already arrived is read through it.
+        self._arrived = zmq.Socket.shadow(self.workers.underlying)
         self.gateways = PushSockets(self.ctx, curve=keys.client_of("gateway") if keys is not None else None)
         self.pending: dict[str, _Pending] = {}
         self.quotas = TokenQuotas()  # each tenant's tokens_per_minute, for every gateway at once
@@ -189,27 +192,38 @@ class SchedulerLoop:
                 await asyncio.wait_for(self._wake.wait(), self.tick_s)
 
     async def _receive(self) -> None:
+        """Worker reports: one awaited, then those already waiting (up to REPORTS_PER_TURN) read without
+        waiting, before the loop's other work gets its turn and a round runs on all of them."""
         while True:
-            frames = await self.workers.recv_multipart()
-            identity, body = frames[0], frames[1:]
-            try:
-                message = decode(body)
-            except WireError as e:
-                self._dropped.warning(identity, "malformed message", "dropped: %s", e)
-                continue
-            if not isinstance(message, WorkerReport) or message.worker_id.encode() != identity:
-                self._dropped.warning(identity, type(message).__name__, "dropped: workers send only their own reports")
-                continue
-            known = message.worker_id in self.policy.workers
-            self._execute(self.policy.on_report(message, time.time()))
-            if not known:
-                log.info(
-                    "worker %s registered (ready=%s, %d pages)",
-                    message.worker_id,
-                    message.ready,
-                    message.total_pages,
-                )
+            self._on_worker_message(await self.workers.recv_multipart())
+            for _ in range(REPORTS_PER_TURN):
+                try:
+                    frames = self._arrived.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_worker_message(frames)
             self._wake.set()
+            await asyncio.sleep(0)
+
+    def _on_worker_message(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        try:
+            message = decode(body)
+        except WireError as e:
+            self._dropped.warning(identity, "malformed message", "dropped: %s", e)
+            return
+        if not isinstance(message, WorkerReport) or message.worker_id.encode() != identity:
+            self._dropped.warning(identity, type(message).__name__, "dropped: workers send only their own reports")
+            return
+        known = message.worker_id in self.policy.workers
+        self._execute(self.policy.on_report(message, time.time()))
+        if not known:
+            log.info(
+                "worker %s registered (ready=%s, %d pages)",
+                message.worker_id,
+                message.ready,
+                message.total_pages,
+            )
 
     async def _watch_connections(self) -> None:
         await self._disconnects.run(self._on_disconnects)

@@ -66,6 +66,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.loop.prepare_adapter(hint, hint.trace_context)
         except LoraserveError as e:  # a hint is best effort: a bad one changes nothing
             log.debug("adapter hint for %r not taken: %s", hint.adapter, e)
+        except Exception:  # nor may a failing one end the call the gateway's Submits share
+            log.exception("adapter hint for %r failed", hint.adapter)
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest, context: grpc.aio.ServicerContext):
         return scheduler_pb2.CancelResponse(found=self.loop.cancel(request.request_id, request.reason))
