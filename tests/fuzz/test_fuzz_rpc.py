@@ -21,7 +21,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from scheduler_proc import FakeWorker, SchedulerProcess
+from scheduler_proc import scheduler_with_worker
 from stack import LocalStack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
@@ -195,17 +195,8 @@ SCHEDULER = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"]
 
 @pytest.fixture(scope="module")
 def scheduler():
-    process = SchedulerProcess(worker_timeout=5.0)
-    worker = None
-    try:
-        process.wait_serving()
-        worker = FakeWorker(process.worker_address)
-        process.wait_worker(worker.worker_id)
-        yield process, worker
-    finally:
-        if worker is not None:
-            worker.close()
-        process.stop()
+    with scheduler_with_worker() as running:
+        yield running
 
 
 def _valid_submit(request_id: str) -> scheduler_pb2.SubmitRequest:

@@ -12,7 +12,7 @@ import time
 
 import msgspec
 import pytest
-from scheduler_proc import FakeWorker, SchedulerProcess
+from scheduler_proc import SchedulerProcess, scheduler_with_worker
 
 from loraserve.errors import UnavailableError
 from loraserve.gateway.events import RetryLaterError
@@ -28,17 +28,8 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 @pytest.fixture
 def scheduler():
-    process = SchedulerProcess(worker_timeout=5.0)
-    worker = None
-    try:
-        process.wait_serving()
-        worker = FakeWorker(process.worker_address)
-        process.wait_worker(worker.worker_id)
-        yield process, worker
-    finally:
-        if worker is not None:
-            worker.close()
-        process.stop()
+    with scheduler_with_worker() as running:
+        yield running
 
 
 def _request(request_id: str, **fields) -> scheduler_pb2.SubmitRequest:

@@ -7,10 +7,12 @@ sent malicious messages, without paying for a model.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import zmq
@@ -164,3 +166,19 @@ class FakeWorker:
         self._thread.join(5)
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+@contextlib.contextmanager
+def scheduler_with_worker(worker_timeout: float = 5.0) -> Iterator[tuple[SchedulerProcess, FakeWorker]]:
+    """A serving scheduler process with one registered FakeWorker; both stopped at the end."""
+    process = SchedulerProcess(worker_timeout=worker_timeout)
+    worker = None
+    try:
+        process.wait_serving()
+        worker = FakeWorker(process.worker_address)
+        process.wait_worker(worker.worker_id)
+        yield process, worker
+    finally:
+        if worker is not None:
+            worker.close()
+        process.stop()
