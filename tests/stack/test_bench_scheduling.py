@@ -236,16 +236,19 @@ def traces_of(rows: list[dict], policy: str, prefetch: bool) -> list[dict]:
 def test_tiny_control_plane_suite_through_the_cli(tmp_path, monkeypatch):
     """A real scheduler, 4 emulated workers in one process, Submits over gRPC: every request placed, and
     the decision latencies measured inside the scheduler and end to end."""
-    monkeypatch.setattr(control_plane, "QUICK", {"rates": (200.0,), "phase_s": 1.5, "policies": ("adaptive",)})
+    tiny = {"rates": (200.0,), "phase_s": 1.5, "policies": ("adaptive",), "submits": ("stream", "unary")}
+    monkeypatch.setattr(control_plane, "QUICK", tiny)
     out = tmp_path / "cp"
     args = _args("--suite", "control-plane", "--quick", "--cp-workers", "4", "--cp-adapters", "100", "--out", str(out))
     assert bench_main.main(args) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["suite"] == "control-plane" and result["records"] == result["runs"]
     assert (result["workers"], result["adapters"]) == (4, 100)
-    ((phase,),) = [run["phases"] for run in result["runs"]]
-    assert phase["sent"] == 300 and phase["codes"] == {"OK": 300} and phase["assigned"] == 300
-    assert 0 <= phase["decision_p50_s"] <= phase["decision_p99_s"] <= phase["end_to_end_p99_s"]
-    assert phase["admitted_req_per_s"] == pytest.approx(200.0, rel=0.1) and 0 < phase["scheduler_cpu"] < 2
-    assert phase["kept_up"] is True
+    assert [(run["policy"], run["submit"]) for run in result["runs"]] == [("adaptive", "stream"), ("adaptive", "unary")]
+    for run in result["runs"]:
+        ((phase,),) = [run["phases"]]
+        assert phase["sent"] == 300 and phase["codes"] == {"OK": 300} and phase["assigned"] == 300
+        assert 0 <= phase["decision_p50_s"] <= phase["decision_p99_s"] <= phase["end_to_end_p99_s"]
+        assert phase["admitted_req_per_s"] == pytest.approx(200.0, rel=0.1) and 0 < phase["scheduler_cpu"] < 2
+        assert phase["kept_up"] is True
     assert [t["name"] for t in result["targets"]] == ["admitted req/s", "decision p99 at 5000 req/s offered (s)"]

@@ -192,6 +192,19 @@ def _steps(stack) -> int:
     return sum(w.steps for w in stack.cluster().workers)
 
 
+def _settled_steps(stack, timeout_s: float = 10.0) -> int:
+    """The workers' step count once their reports have caught up with the steps already taken: a
+    worker reports its last step just after that step's tokens went out (idle reports every 0.25 s)."""
+    deadline = time.monotonic() + timeout_s
+    steps = _steps(stack)
+    while time.monotonic() < deadline:
+        time.sleep(0.4)
+        if (now := _steps(stack)) == steps:
+            return steps
+        steps = now
+    raise AssertionError("the workers kept stepping")
+
+
 @pytest.mark.parametrize(
     ("fields", "code", "message"),
     [
@@ -212,7 +225,7 @@ def _steps(stack) -> int:
     ],
 )
 def test_bad_requests_get_precise_statuses_and_reach_no_worker(stack, fields, code, message):
-    before = _steps(stack)
+    before = _settled_steps(stack)
     with pytest.raises(grpc.RpcError) as info:
         _generate(stack, **fields)
     assert info.value.code() == code
