@@ -84,6 +84,7 @@ MAX_IDS = 1 << 16  # request ids in one cancel or step message
 MAX_BATCH = 1024  # a worker's max_batch_size (vLLM's default is 256, ours 64)
 MAX_REPORTED_IDS = 2 * MAX_BATCH  # request ids in one list of a report (running, waiting, finished)
 MAX_RESIDENT = 4096  # resident adapters named in one report
+RESIDENT_RESEND_S = 2.0  # a worker sends its resident adapters when the set changed, and this often when not
 MAX_PREFETCH = 1024  # adapters in one prefetch hint
 MAX_STEP_SAMPLES = 64  # measured steps in one report
 MAX_PREFIXES = 4096  # cached prefix fingerprints in one report (its most recently used)
@@ -150,8 +151,10 @@ class WorkerReport(Message):
     adapter_pages: Count
     running: ReportedIds  # request ids in the running batch
     waiting: ReportedIds  # request ids assigned but not yet running
-    # [(adapter name, version), ...], least recently used first; the most recent MAX_RESIDENT at most
-    resident: _list(AdapterRef, MAX_RESIDENT)
+    # [(adapter name, version), ...], least recently used first; the most recent MAX_RESIDENT at most.
+    # None: the same set as in the last report that carried it (workers send it when the set changed,
+    # and every few seconds in any case: `worker/reporter.py`).
+    resident: _list(AdapterRef, MAX_RESIDENT) | None = None
     finished: ReportedIds = msgspec.field(default_factory=list)  # request ids that ended since the last report
     evictable_pages: Count = 0  # pages of cached adapters no request uses, and idle cached KV pages (reclaimable)
     cached_pages: Count = 0  # idle KV pages kept for the prefix cache (among evictable_pages)

@@ -42,7 +42,7 @@ class WorkerView:
     last_report: float
     report: WorkerReport
     assigned: set[str] = field(default_factory=set)  # request ids placed here (adopted ones included)
-    resident: frozenset[AdapterKey] = field(init=False)  # report.resident
+    resident: frozenset[AdapterKey] = field(init=False)  # report.resident, from the last report that carried it
     running: frozenset[str] = field(init=False)  # report.running
     reported: frozenset[str] = field(init=False)  # report.running + report.waiting
     prefixes: frozenset[bytes] = frozenset()  # report.cached_prefixes, from the last report that carried them
@@ -50,7 +50,7 @@ class WorkerView:
     reserved_pages: int = 0  # KV pages that assignments not reported yet will take
 
     def __post_init__(self) -> None:
-        self.resident = frozenset(map(tuple, self.report.resident))  # type: ignore[arg-type]
+        self.resident = frozenset(map(tuple, self.report.resident or ()))  # type: ignore[arg-type]
         self.running = frozenset(self.report.running)
         self.reported = self.running | frozenset(self.report.waiting)
         self.prefixes = frozenset(self.report.prefixes())
@@ -59,7 +59,7 @@ class WorkerView:
         old, self.report, self.last_report = self.report, report, now
         if report.cached_prefixes is not None:
             self.prefixes = frozenset(report.prefixes())
-        if report.resident != old.resident:
+        if report.resident is not None:
             self.resident = frozenset(map(tuple, report.resident))  # type: ignore[arg-type]
         if report.running != old.running:
             self.running = frozenset(report.running)

@@ -25,7 +25,7 @@ def cluster_state(policy: SchedulerPolicy, instance: str) -> scheduler_pb2.Clust
                 total_pages=r.total_pages,
                 kv_pages=r.kv_pages,
                 adapter_pages=r.adapter_pages,
-                resident_adapters=[f"{n}@{v}" for n, v in r.resident],
+                resident_adapters=sorted(f"{n}@{v}" for n, v in view.resident),
                 last_report_age_s=now - view.last_report,
                 prefetch_hits=r.prefetch_hits,
                 prefetch_misses=r.prefetch_misses,

@@ -1,5 +1,6 @@
 """The worker's reports to the scheduler: its pool, queues, resident adapters, finished requests,
 step samples (for the scheduler's step-cost fit) and cached-prefix fingerprints, in one `WorkerReport`.
+The resident adapters and the fingerprints go out when they changed, and every few seconds in any case.
 
 Pure bookkeeping between reports — the service sends what `report` builds (through its I/O thread).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from loraserve.wire import MAX_PREFIXES, MAX_RESIDENT, MAX_STEP_SAMPLES, WorkerReport
+from loraserve.wire import MAX_PREFIXES, MAX_RESIDENT, MAX_STEP_SAMPLES, RESIDENT_RESEND_S, WorkerReport
 from loraserve.worker.engine import Engine
 
 PREFIXES_MIN_S = 0.05  # cached-prefix fingerprints go out at most this often when they change ...
@@ -25,6 +26,7 @@ class Reporter:
         self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since then
         self.last_sent = 0.0  # monotonic time of the last report
         self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
+        self._resident_sent: tuple[frozenset, float] = (frozenset(), -RESIDENT_RESEND_S)  # (set, monotonic time)
 
     def sample_step(self, seconds: float) -> None:
         """Keep the step's composition and time for the next report (the scheduler fits its cost model
@@ -49,7 +51,7 @@ class Reporter:
             adapter_pages=pool.adapter_pages,
             running=[r.request_id for r in e.step_scheduler.running],
             waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
-            resident=[list(k) for k in e.pool.resident_adapters()[-MAX_RESIDENT:]],  # the most recently used
+            resident=self._resident(),
             finished=self.finished,
             evictable_pages=e.pool.evictable_pages() + pool.cached_pages,
             cached_pages=pool.cached_pages,
@@ -67,6 +69,18 @@ class Reporter:
         self.finished, self.step_samples = [], []
         self.last_sent = time.monotonic()
         return report
+
+    def _resident(self) -> list[list] | None:
+        """The resident adapters (the most recently used MAX_RESIDENT) when the set changed since it last
+        went out, and every RESIDENT_RESEND_S in any case (a scheduler that restarted learns it); else
+        None. Their order changes with every step that uses one, and the scheduler reads only the set."""
+        resident, now = self.engine.pool.resident_adapters()[-MAX_RESIDENT:], time.monotonic()
+        kept = frozenset(resident)
+        sent, sent_at = self._resident_sent
+        if kept == sent and now - sent_at < RESIDENT_RESEND_S:
+            return None
+        self._resident_sent = kept, now
+        return [list(k) for k in resident]
 
     def _cached_prefixes(self) -> bytes | None:
         """The pool's cached-prefix fingerprints when they changed (at most every PREFIXES_MIN_S), and

@@ -8,6 +8,7 @@ import random
 from dataclasses import fields, is_dataclass, replace
 from typing import get_type_hints
 
+import msgspec
 import pytest
 from test_scheduler_policy import report, request
 from test_scheduling_policies import load
@@ -89,6 +90,19 @@ def test_the_cluster_view_keeps_counts_true_as_requests_come_and_go():
         for worker_id, view in cluster.workers.items():
             assert (view.held, view.reserved_pages) == _recount(cluster, worker_id)
     assert sum(cluster.in_flight.values()) == sum(1 for _, r in cluster.placed.values() if r is not None)
+
+
+def test_a_report_without_resident_adapters_keeps_the_last_set_it_named():
+    cluster = ClusterView()
+    cluster.on_report(report("w", resident=[("a", 1), ("b", 1)]), 0.0)
+    unchanged = msgspec.structs.replace(report("w"), resident=None)
+    cluster.on_report(unchanged, 0.1)
+    assert cluster.workers["w"].resident == {("a", 1), ("b", 1)}
+    cluster.on_report(report("w", resident=[("b", 1)]), 0.2)
+    assert cluster.workers["w"].resident == {("b", 1)}
+    empty = report("w", resident=[])  # an empty list says none; None says "as before"
+    cluster.on_report(empty, 0.3)
+    assert cluster.workers["w"].resident == frozenset()
 
 
 def test_the_fresh_list_follows_reports_and_time_without_a_pass_per_question():
