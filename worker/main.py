@@ -61,7 +61,13 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
 
         engine = service.engine
         REGISTRY.register(
-            WorkerCollector(lambda: service.last_report, engine.pool.stats, engine.registry, engine.step_scheduler)
+            WorkerCollector(
+                lambda: service.last_report,
+                engine.pool.stats,
+                engine.registry,
+                engine.step_scheduler,
+                resident_count=lambda: service.reporter.resident_count,
+            )
         )
     try:
         service.run(stop)

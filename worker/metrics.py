@@ -59,9 +59,12 @@ class WorkerCollector(Collector):
         adapter_stats: object,
         host_cache: HostCache,
         step_scheduler: object = None,
+        *,
+        resident_count: Callable[[], int],
     ):
         self.last_report, self.adapter_stats, self.host_cache = last_report, adapter_stats, host_cache
         self.step_scheduler = step_scheduler  # its shared_prefill_tokens (an int)
+        self.resident_count = resident_count  # adapters in the pool (a report names them only when they change)
 
     def collect(self) -> Iterator:
         report = self.last_report()
@@ -78,7 +81,7 @@ class WorkerCollector(Collector):
             ("loraserve_worker_pool_waste_fraction", "Unused share of allocated pages", report.waste_fraction),
             ("loraserve_worker_running_requests", "Requests in the running batch", len(report.running)),
             ("loraserve_worker_waiting_requests", "Requests assigned but not running yet", len(report.waiting)),
-            ("loraserve_worker_resident_adapters", "Adapters in the pool", len(report.resident)),
+            ("loraserve_worker_resident_adapters", "Adapters in the pool", self.resident_count()),
             ("loraserve_worker_ready", "1 when the worker accepts requests", int(report.ready)),
             ("loraserve_worker_host_cache_bytes", "Host RAM held by cached adapter weights", self.host_cache.nbytes),
         ):

@@ -27,6 +27,7 @@ class Reporter:
         self.last_sent = 0.0  # monotonic time of the last report
         self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
         self._resident_sent: tuple[frozenset, float] = (frozenset(), -RESIDENT_RESEND_S)  # (set, monotonic time)
+        self.resident_count = 0  # adapters in the pool at the last report (read by the metrics endpoint's thread)
 
     def sample_step(self, seconds: float) -> None:
         """Keep the step's composition and time for the next report (the scheduler fits its cost model
@@ -74,7 +75,9 @@ class Reporter:
         """The resident adapters (the most recently used MAX_RESIDENT) when the set changed since it last
         went out, and every RESIDENT_RESEND_S in any case (a scheduler that restarted learns it); else
         None. Their order changes with every step that uses one, and the scheduler reads only the set."""
-        resident, now = self.engine.pool.resident_adapters()[-MAX_RESIDENT:], time.monotonic()
+        everything, now = self.engine.pool.resident_adapters(), time.monotonic()
+        self.resident_count = len(everything)
+        resident = everything[-MAX_RESIDENT:]
         kept = frozenset(resident)
         sent, sent_at = self._resident_sent
         if kept == sent and now - sent_at < RESIDENT_RESEND_S:

@@ -64,7 +64,7 @@ def exported_metrics() -> dict[str, set[str]]:
         resident=[],
     )
     host_cache = SimpleNamespace(evictions=0, budget_bytes=None, nbytes=0)
-    collector = worker.WorkerCollector(lambda: report, SimpleNamespace(), host_cache)
+    collector = worker.WorkerCollector(lambda: report, SimpleNamespace(), host_cache, resident_count=lambda: 0)
     names: dict[str, set[str]] = {}
     for family in [*REGISTRY.collect(), *collector.collect()]:
         labels = declared.get(family.name, set()) | {k for s in family.samples for k in s.labels}
