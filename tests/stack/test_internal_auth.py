@@ -138,6 +138,11 @@ def test_internal_grpc_ports_refuse_calls_without_the_internal_token(stack, toke
     with grpc.insecure_channel(stack.ports.scheduler) as sched, grpc.insecure_channel(stack.ports.store) as store:
         calls = {
             "Submit": lambda: scheduler_pb2_grpc.SchedulerStub(sched).Submit(submit, timeout=5, metadata=metadata),
+            "SubmitStream": lambda: list(
+                scheduler_pb2_grpc.SchedulerStub(sched).SubmitStream(
+                    iter([scheduler_pb2.SubmitStreamRequest(requests=[submit])]), timeout=5, metadata=metadata
+                )
+            ),
             "GetClusterState": lambda: scheduler_pb2_grpc.SchedulerStub(sched).GetClusterState(
                 scheduler_pb2.GetClusterStateRequest(), timeout=5, metadata=metadata
             ),
