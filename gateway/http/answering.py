@@ -63,8 +63,6 @@ async def answer(
     try:
         if not stream:
             results = await until_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
-            for generation in generations:  # the answer is whole and goes out now, in one response
-                generation.delivered()
             usage = Final.summed([final for _, final in results], candidates)
             kept = best_of(list(results), candidates, answers.choices_per_prompt)
             return JSONResponse(answers.whole(kept, usage))

@@ -4,10 +4,8 @@
 `traceparent`). `Generation` runs `GenerationCore.generate` in one task (so the trace span opens and
 closes in one context) and hands its events over as plain values: text pieces, then a `Final`; a
 refusal's retry hint is kept for a Retry-After header. Cancelling it — the client went away —
-cancels that task, which cancels the request downstream exactly as a gRPC client's cancel does.
-A generation counts OK only once its answer went out whole (`delivered`): after its summary, the task
-holds the generation open until then, so a client that leaves while the rest of an answer the gateway
-already holds is still being written counts CANCELLED, as it would over gRPC.
+cancels that task, which cancels the request downstream exactly as a gRPC client's cancel does; once
+the summary has come, the task runs the generation to its end (its outcome: OK).
 A dropped client is noticed where the request waits: `until_disconnected` watches the
 connection while a non-streaming request is generated; Starlette does the same for a stream.
 """
@@ -44,8 +42,7 @@ class Generation:
 
     def __init__(self, events: AsyncIterator[Event]):
         self._queue: asyncio.Queue[Piece | Final | Exception] = asyncio.Queue()
-        self._finished = False  # the summary came: no more events
-        self._delivered = asyncio.Event()  # the answer went out whole: the generation ends as OK
+        self._finished = False  # the summary came: the generation is over, and ends as OK
         self.retry_after_s: float | None = None  # a refusal's hint of when to retry
         self._task = asyncio.get_running_loop().create_task(self._pump(events))
 
@@ -58,7 +55,6 @@ class Generation:
                 elif not self._finished:
                     self._finished = True
                     self._queue.put_nowait(_final(event))
-                    await self._delivered.wait()  # the generation is OK once its answer is out, not before
             if not self._finished:
                 self._queue.put_nowait(LoraserveError("the generation ended without a summary"))
         except Exception as e:  # the request's failure, for the HTTP side to send
@@ -92,14 +88,10 @@ class Generation:
             pieces.append(item)
         raise AssertionError("unreachable: pieces() ends with a Final")
 
-    def delivered(self) -> None:
-        """The answer went out whole: the generation runs to its end, and its outcome is OK."""
-        self._delivered.set()
-
     def cancel(self) -> None:
-        """Stop generating, which cancels the request downstream and counts it CANCELLED; a no-op once
-        `delivered`."""
-        if not self._delivered.is_set():
+        """Stop generating, which cancels the request downstream; a no-op once the summary has come (what
+        remains is the generation's own clean-up, and its outcome is OK)."""
+        if not self._finished:
             self._task.cancel()
 
 
@@ -141,11 +133,6 @@ class GenerationStream(StreamingResponse):
     def __init__(self, generations: list[Generation], events: AsyncIterator[bytes]):
         super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
         self.generations = generations
-
-    async def stream_response(self, send) -> None:
-        await super().stream_response(send)
-        for generation in self.generations:  # the last byte was handed over: the answer is out
-            generation.delivered()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
