@@ -18,6 +18,7 @@ import msgspec
 
 from loraserve.bounds import MAX_LIST, Count, Id, Seconds, Short, TokenIds, Version
 from loraserve.endpoints import BadEndpointError, check_endpoint
+from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams
 
 MAX_ADAPTER_RANK = 4096  # far above any rank a store admits (its --max-lora-rank)
@@ -46,12 +47,14 @@ class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cache_salt: Id = ""  # prefix caching: only requests with the same salt share cached KV
 
     def __post_init__(self) -> None:
+        """Raises InvalidRequestError naming the field: the scheduler's edge answers INVALID_ARGUMENT, the
+        worker's decoder drops the message."""
         if len(self.prompt_ids) + len(self.output_ids) > MAX_LIST:
-            raise ValueError(f"prompt_ids + output_ids hold more than {MAX_LIST} tokens")
+            raise InvalidRequestError("output_ids", f"prompt_ids + output_ids must hold at most {MAX_LIST} tokens")
         try:
             check_endpoint(self.reply_to)
         except BadEndpointError as e:
-            raise ValueError(f"reply_to: {e}") from None
+            raise InvalidRequestError("reply_to", str(e)) from None
 
     @property
     def adapter_key(self) -> tuple[str, int] | None:

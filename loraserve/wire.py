@@ -84,7 +84,6 @@ MAX_IDS = 1 << 16  # request ids in one cancel or step message
 MAX_BATCH = 1024  # a worker's max_batch_size (vLLM's default is 256, ours 64)
 MAX_REPORTED_IDS = 2 * MAX_BATCH  # request ids in one list of a report (running, waiting, finished)
 MAX_RESIDENT = 4096  # resident adapters named in one report
-RESIDENT_RESEND_S = 2.0  # a worker sends its resident adapters when the set changed, and this often when not
 MAX_PREFETCH = 1024  # adapters in one prefetch hint
 MAX_STEP_SAMPLES = 64  # measured steps in one report
 MAX_PREFIXES = 4096  # cached prefix fingerprints in one report (its most recently used)
@@ -406,8 +405,8 @@ def decode(frames: list) -> Message:
         raise WireError(_describe(cls.__name__, str(e), body)) from None
     except msgspec.DecodeError as e:
         raise WireError(f"{cls.__name__}: body is not msgpack: {e}") from None
-    except LoraserveError as e:  # the spec's sampling values, refused as SamplingParams refuses them
-        raise WireError(f"{cls.__name__}.spec.sampling: {e}") from None
+    except LoraserveError as e:  # a spec's cross-field or sampling check (`RequestSpec`, `SamplingParams`)
+        raise WireError(f"{cls.__name__}.spec: {e}") from None
     try:
         message.check()
     except ValueError as e:
@@ -470,3 +469,24 @@ def _length_at(body: Any, path: str) -> str:
         return f" (got {len(value)})"
     except Exception:
         return ""
+
+
+RESIDENT_RESEND_S = 2.0  # a worker names its resident adapters when the set changed, and this often when not
+
+
+class ResidentNews:
+    """What a worker's next report says of its resident adapters: the list when the set changed since it
+    last went out, and every RESIDENT_RESEND_S in any case (a scheduler that restarted learns it); else
+    None. Their order changes with every step that uses one; the scheduler reads only the set."""
+
+    def __init__(self) -> None:
+        self._sent: frozenset = frozenset()
+        self._sent_at = -RESIDENT_RESEND_S
+
+    def news(self, resident: list, now: float) -> list[list] | None:
+        """`resident` (least recently used first) as the report's `resident`, or None; `now`: monotonic."""
+        kept = frozenset(resident)
+        if kept == self._sent and now - self._sent_at < RESIDENT_RESEND_S:
+            return None
+        self._sent, self._sent_at = kept, now
+        return [list(k) for k in resident]

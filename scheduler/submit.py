@@ -12,7 +12,6 @@ import math
 
 from loraserve.bounds import MAX_ID, MAX_LIST
 from loraserve.convert import sampling_from_pb
-from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
 from loraserve.names import SHA256_HEX, TENANT_NAME
 from loraserve.params import SamplingParams, decode_sampling
@@ -61,8 +60,9 @@ def submitted_sampling(request: scheduler_pb2.SubmitRequest) -> SamplingParams:
 
 
 def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
-    """Refuse what a worker's decoder would refuse in the ASSIGN, or what could not be delivered (the
-    sampling parameters check themselves: `submitted_sampling`)."""
+    """Refuse what a worker's decoder would refuse in the ASSIGN: the lengths and values of the Submit's
+    own fields. What crosses fields (the token total, the reply address) the spec checks as it is built,
+    and the sampling parameters check themselves (`submitted_sampling`)."""
     if not request.request_id or len(request.request_id) > MAX_ID:
         raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
     if len(request.adapter) > MAX_ID:
@@ -73,12 +73,6 @@ def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
     _check_adapter_and_tenant(request)
     if not 1 <= len(request.prompt_ids) <= MAX_LIST:
         raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {len(request.prompt_ids)}")
-    if len(request.prompt_ids) + len(request.output_ids) > MAX_LIST:
-        raise InvalidRequestError("output_ids", f"prompt_ids + output_ids must hold at most {MAX_LIST} tokens")
-    try:
-        check_endpoint(request.reply_to)
-    except BadEndpointError as e:
-        raise InvalidRequestError("reply_to", str(e)) from None
     if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
         raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
     for name in ("deadline_unix", "arrival_unix"):

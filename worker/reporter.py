@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from loraserve.wire import MAX_PREFIXES, MAX_RESIDENT, MAX_STEP_SAMPLES, RESIDENT_RESEND_S, WorkerReport
+from loraserve.wire import MAX_PREFIXES, MAX_RESIDENT, MAX_STEP_SAMPLES, ResidentNews, WorkerReport
 from loraserve.worker.engine import Engine
 
 PREFIXES_MIN_S = 0.05  # cached-prefix fingerprints go out at most this often when they change ...
@@ -26,7 +26,7 @@ class Reporter:
         self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since then
         self.last_sent = 0.0  # monotonic time of the last report
         self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
-        self._resident_sent: tuple[frozenset, float] = (frozenset(), -RESIDENT_RESEND_S)  # (set, monotonic time)
+        self._resident = ResidentNews()  # the resident adapters go out when the set changed
         self.resident_count = 0  # adapters in the pool at the last report (read by the metrics endpoint's thread)
 
     def sample_step(self, seconds: float) -> None:
@@ -40,6 +40,8 @@ class Reporter:
     def report(self, ready: bool, draining: bool, parked: list[str], fatal: str | None = None) -> WorkerReport:
         """The report to send now (`parked`: requests waiting for their adapter's fetch); starts the next."""
         e = self.engine
+        resident = e.pool.resident_adapters()
+        self.resident_count = len(resident)
         pool = e.pool.page_stats()
         stats = e.pool.stats
         report = WorkerReport(
@@ -52,7 +54,7 @@ class Reporter:
             adapter_pages=pool.adapter_pages,
             running=[r.request_id for r in e.step_scheduler.running],
             waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
-            resident=self._resident(),
+            resident=self._resident.news(resident[-MAX_RESIDENT:], time.monotonic()),
             finished=self.finished,
             evictable_pages=e.pool.evictable_pages() + pool.cached_pages,
             cached_pages=pool.cached_pages,
@@ -70,20 +72,6 @@ class Reporter:
         self.finished, self.step_samples = [], []
         self.last_sent = time.monotonic()
         return report
-
-    def _resident(self) -> list[list] | None:
-        """The resident adapters (the most recently used MAX_RESIDENT) when the set changed since it last
-        went out, and every RESIDENT_RESEND_S in any case (a scheduler that restarted learns it); else
-        None. Their order changes with every step that uses one, and the scheduler reads only the set."""
-        everything, now = self.engine.pool.resident_adapters(), time.monotonic()
-        self.resident_count = len(everything)
-        resident = everything[-MAX_RESIDENT:]
-        kept = frozenset(resident)
-        sent, sent_at = self._resident_sent
-        if kept == sent and now - sent_at < RESIDENT_RESEND_S:
-            return None
-        self._resident_sent = kept, now
-        return [list(k) for k in resident]
 
     def _cached_prefixes(self) -> bytes | None:
         """The pool's cached-prefix fingerprints when they changed (at most every PREFIXES_MIN_S), and

@@ -8,7 +8,7 @@ what `--workers` real workers would send — one DEALER socket per worker with i
 `WorkerReport` after every step (every `--step-s` while it holds requests, every 0.25 s when idle)
 with its running and waiting requests, those that finished, its resident adapters (least recently
 used first, at most `--resident` of them; as a real worker does, only when the set changed, and every
-RESIDENT_RESEND_S in any case) and a measured step sample — but no engine runs: an
+2 s in any case: `ResidentNews`) and a measured step sample — but no engine runs: an
 assigned request runs for `max_new_tokens` steps, its adapter becomes resident (the oldest one
 leaves), and a step takes `--step-s`. One thread serves every worker, so 64 of them cost one
 process and a fraction of a core.
@@ -36,7 +36,7 @@ import zmq
 from loraserve.bench.common.settings import add_settings
 from loraserve.config_cli import setting
 from loraserve.sockets import make_socket, send
-from loraserve.wire import RESIDENT_RESEND_S, Assign, Cancel, WireError, WorkerReport, decode
+from loraserve.wire import Assign, Cancel, ResidentNews, WireError, WorkerReport, decode
 
 IDLE_REPORT_S = 0.25
 TOTAL_PAGES = 65536
@@ -55,7 +55,7 @@ class FakeWorker:
     finished: list[str] = field(default_factory=list)
     next_report: float = 0.0
     steps: int = 0
-    resident_sent: tuple[frozenset, float] = (frozenset(), -RESIDENT_RESEND_S)  # the set last sent, and when
+    resident_news: ResidentNews = field(default_factory=ResidentNews)  # as a real worker reports it
 
     def assign(self, message: Assign) -> None:
         spec = message.spec
@@ -99,7 +99,7 @@ class FakeWorker:
             adapter_pages=0,
             running=ids[: self.max_batch],
             waiting=ids[self.max_batch :],
-            resident=self._resident(),
+            resident=self.resident_news.news(list(self.resident), time.monotonic()),
             finished=self.finished,
             tokens_per_page=TOKENS_PER_PAGE,
             steps=self.steps,
@@ -108,13 +108,6 @@ class FakeWorker:
         )
         self.finished = []
         return report
-
-    def _resident(self) -> list[list] | None:
-        kept, now = frozenset(self.resident), time.monotonic()
-        if kept == self.resident_sent[0] and now - self.resident_sent[1] < RESIDENT_RESEND_S:
-            return None
-        self.resident_sent = kept, now
-        return [list(k) for k in self.resident]
 
 
 @dataclass
