@@ -122,6 +122,7 @@ class DataPlane:
             span.set_attribute("loraserve.adapter.name", fetch.name)
             span.set_attribute("loraserve.adapter.version", fetch.version)
             try:
+                self.store.check_loaded()  # UNAVAILABLE, not NOT_FOUND, for what is not loaded yet
                 record, files, rows = self.store.get_rows(fetch.name, fetch.version)
             except LoraserveError as e:
                 span.set_attribute("loraserve.error", e.status)
@@ -132,6 +133,11 @@ class DataPlane:
             self.served += 1
             if rows is not None and (fetch.row_width, fetch.num_layers) == (rows.spec.row_width, rows.spec.num_layers):
                 shared = fetch.shared_memory and rows.file is not None
+                try:  # a file is mapped for this reply only (ZMQ holds the view until it is sent)
+                    sent = b"" if shared else rows.buffer
+                except FileNotFoundError:  # purged since `get_rows`: as if it had been before
+                    error = f"adapter {fetch.name!r} version {fetch.version} was just released"
+                    return FetchFailed(fetch.name, fetch.version, status="NOT_FOUND", error=error)
                 span.set_attribute("loraserve.adapter.bytes", 0 if shared else rows.spec.nbytes)
                 span.set_attribute("loraserve.adapter.shared_memory", shared)
                 return AdapterRows(
@@ -149,7 +155,7 @@ class DataPlane:
                     shm_name=rows.file.name if shared else "",
                     shm_token=rows.file.token if shared else "",
                     config_json=files.config_json,
-                    rows=b"" if shared else rows.buffer,
+                    rows=sent,
                 )
             span.set_attribute("loraserve.adapter.bytes", len(files.config_json) + len(files.weights))
             return AdapterPayload(

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from loraserve.adapter_config import CONFIG_FILE
 from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, WEIGHTS_FILES
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB
-from loraserve.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
+from loraserve.errors import InvalidRequestError, NotFoundError, PermissionDeniedError, TooLargeError
 
 NAME_MAX = 255  # bytes in one path component (Linux, macOS)
 PATH_MAX = 4096  # bytes in a whole path
@@ -100,14 +100,15 @@ def read_adapter_dir(directory: Path, max_weights_bytes: int, confine_to: Path |
         )
     weights_size = weights_path.stat().st_size
     if weights_size > max_weights_bytes:
-        raise ResourceExhaustedError(too_large_message(weights_size, max_weights_bytes))
+        raise TooLargeError(too_large_message(weights_size, max_weights_bytes))
     return AdapterFiles(config_path.read_bytes(), weights_path.read_bytes(), fmt)
 
 
 def too_large_message(size: int, limit: int) -> str:
+    """Why weights of `size` bytes are refused (`TooLargeError`: INVALID_ARGUMENT, HTTP 413, not retried)."""
     return (
         f"adapter weights of {size / MIB:.1f} MiB ({size} bytes) exceed the store's maximum adapter size of "
-        f"{limit / MIB:.1f} MiB ({limit} bytes)"
+        f"{limit / MIB:.1f} MiB ({limit} bytes): the store's --max-adapter-mb"
     )
 
 

@@ -4,7 +4,8 @@ Start-up: read the base model's config.json, open the data dir or object store (
 exit 1 if it cannot be locked or written), bind the data plane (its own thread, see data_plane.py),
 start gRPC with health NOT_SERVING, restore every stored adapter (catalog.py; corrupt ones are
 quarantined, ones over lowered limits skipped in place), register the preloads (a preload whose
-files are unchanged keeps its version), then SERVING. Stops on
+files are unchanged keeps its version), then SERVING. Until then every gRPC call and every fetch
+is refused UNAVAILABLE ("still loading its catalogue"): none is answered from a partial set. Stops on
 SIGTERM/SIGINT: gRPC drains for a grace period, the data-plane thread closes its socket, exit 0.
 If the data-plane thread or the purge task dies, health goes NOT_SERVING and the store exits 1
 (`loraserve/supervise.py`).
@@ -135,7 +136,9 @@ async def serve(config: StoreConfig, stop_event: threading.Event) -> None:
 
 async def _serve(config: StoreConfig, model: ModelConfig, catalog: Catalog | None, stop_event: threading.Event) -> None:
     rows = RowsMaker(model, config.shm_root) if config.adapter_rows else None
-    store = AdapterStore(model, config.limits, adapter_root=config.adapter_root, catalog=catalog, rows=rows)
+    store = AdapterStore(  # `loading`: every caller is refused UNAVAILABLE until the catalogue is all in
+        model, config.limits, adapter_root=config.adapter_root, catalog=catalog, rows=rows, loading=True
+    )
     try:
         data_plane = DataPlane(store, config.data_address, config.keys)
     except BaseException:
@@ -157,6 +160,7 @@ async def _serve(config: StoreConfig, model: ModelConfig, catalog: Catalog | Non
     tasks = {"purge": _purge_periodically(store, config.purge_interval_s), "data plane": data_plane.watch()}
     try:
         await asyncio.to_thread(_restore_and_preload, store, config)
+        store.loaded()
         await set_serving(health, [SERVICE], True)
         log.info(
             "adapter store: gRPC on %s (port %d), data plane on %s, %d adapter(s), budget %d MiB, root %s, kept in %s",

@@ -25,15 +25,22 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PackedRows:
-    """One version's rows, their layer digests, and the shared-memory file holding them (if any)."""
+    """One version's rows, their layer digests, and where they are: in RAM, or in a shared-memory file
+    (mapped only while read: the store holds no descriptor per version)."""
 
     spec: RowsSpec
     rank: int
     modules: tuple[str, ...]
     layers: tuple[int, ...]
     digests: list[str]
-    buffer: memoryview  # the rows' bytes
+    memory: memoryview | None = field(default=None, repr=False)  # the rows' bytes in RAM, without a file
     file: SharedRowsFile | None = field(default=None, repr=False)
+
+    @property
+    def buffer(self) -> memoryview:
+        """The rows' bytes: in RAM, or the file mapped now (released with the view; FileNotFoundError once
+        the version was purged)."""
+        return self.file.rows if self.file is not None else self.memory
 
     def release(self) -> None:
         """The version is gone: remove its file (mappings, the store's own included, end when unused)."""
@@ -63,10 +70,11 @@ class RowsMaker:
                 file = self.shared.create(spec.nbytes, sha256)
             except OSError as e:
                 log.warning("adapter rows (%d bytes) kept in RAM, not in shared memory: %s", spec.nbytes, e)
-        buffer = file.rows if file is not None else memoryview(bytearray(spec.nbytes))
+        buffer = file.rows if file is not None else memoryview(bytearray(spec.nbytes))  # a file: mapped for now
         pack_rows(checked, self.model, np.frombuffer(buffer, dtype=np.uint8))
-        rank = checked.config.rank
-        return PackedRows(spec, rank, checked.modules, checked.layers, layer_digests(buffer, spec), buffer, file)
+        digests = layer_digests(buffer, spec)
+        memory = None if file is not None else buffer
+        return PackedRows(spec, checked.config.rank, checked.modules, checked.layers, digests, memory, file)
 
     def close(self) -> None:
         if self.shared is not None:

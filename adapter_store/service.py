@@ -1,7 +1,8 @@
 """The AdapterStore gRPC servicer: the control plane, and the only place protobuf meets the store.
 
 Handlers raise `loraserve.errors` exceptions; the server's ErrorInterceptor turns them into
-statuses. Validation, file reading and durable writes are CPU / disk work, so they run in a thread
+statuses. Until the store's catalogue is loaded every RPC is refused UNAVAILABLE (`check_loaded`).
+Validation, file reading and durable writes are CPU / disk work, so they run in a thread
 (`asyncio.to_thread`) and the event loop keeps answering while a large adapter is checked or kept.
 """
 
@@ -60,6 +61,7 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
     async def Upload(self, request_iterator, context):
         upload = UploadAssembler(self.store.limits.max_adapter_bytes)
         try:
+            self.store.check_loaded()
             async for request in request_iterator:
                 self._take(upload, request)
         except LoraserveError:
@@ -84,6 +86,7 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
             raise InvalidRequestError("part", "an upload message must carry a header or a chunk")
 
     async def RegisterFromPath(self, request: gateway_pb2.RegisterAdapterFromPathRequest, context):
+        self.store.check_loaded()
         check_name(request.name)
         with _span("adapter_store.register", context, request.name) as span:
             span.set_attribute("loraserve.adapter.path", request.path)
@@ -92,23 +95,28 @@ class AdapterStoreService(adapter_store_pb2_grpc.AdapterStoreServicer):
         return record_to_pb(record)
 
     async def List(self, request: gateway_pb2.ListAdaptersRequest, context):
+        self.store.check_loaded()
         return gateway_pb2.ListAdaptersResponse(adapters=[record_to_pb(r) for r in self.store.list()])
 
     async def Describe(self, request: gateway_pb2.DescribeAdapterRequest, context):
+        self.store.check_loaded()
         check_name(request.name)
         return record_to_pb(self.store.describe(request.name))
 
     async def Delete(self, request: gateway_pb2.DeleteAdapterRequest, context):
+        self.store.check_loaded()
         check_name(request.name)
         version = await asyncio.to_thread(self.store.delete, request.name)  # a durable write: off the event loop
         return gateway_pb2.DeleteAdapterResponse(version=version)
 
     async def GetStoreState(self, request: adapter_store_pb2.GetStoreStateRequest, context):
+        self.store.check_loaded()
         return stats_to_pb(self.store.stats(), self.data_address)
 
     async def Watch(self, request: adapter_store_pb2.WatchAdaptersRequest, context):
         """Every current version, `synced`, then every change: each wake-up sends what differs from
         what this watcher was last told (so a burst of changes costs one pass, and none is missed)."""
+        self.store.check_loaded()
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         unsubscribe = self.store.subscribe(lambda: loop.call_soon_threadsafe(changed.set))

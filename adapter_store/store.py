@@ -17,6 +17,10 @@ storage is `restore.py`. This class adds the locks, the clock, the durable-write
 Thread-safe: one lock guards the table; validation (parsing every tensor), packing rows and
 hashing run outside it, so the data-plane thread is never held up by a registration.
 
+Start-up: a store made `loading` holds the catalogue only in part until its owner says `loaded`;
+meanwhile `check_loaded` refuses the callers from outside (the gRPC service, the data plane)
+UNAVAILABLE, so nobody is answered a partial set as if it were all.
+
 Durability (with a `Catalog`, see catalog.py): a registration or a deletion is written to the
 data dir or object store before it is acknowledged, and before it changes what RAM serves; a
 failed write fails the call (UNAVAILABLE, or RESOURCE_EXHAUSTED for full storage) and changes
@@ -45,7 +49,7 @@ from loraserve.adapter_store.layout import StoredAdapter
 from loraserve.adapter_store.rows import PackedRows, RowsMaker
 from loraserve.adapter_store.validation import AdapterRecord, Validator, check_name
 from loraserve.adapter_store.versions import Held, StoreStats, VersionTable, rows_bytes
-from loraserve.errors import FailedPreconditionError, InvalidRequestError, NotFoundError
+from loraserve.errors import FailedPreconditionError, InvalidRequestError, NotFoundError, UnavailableError
 from loraserve.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class AdapterStore:
         clock: Callable[[], float] = time.monotonic,
         catalog: Catalog | None = None,
         rows: RowsMaker | None = None,
+        loading: bool = False,
     ):
         self.model, self.limits, self.adapter_root = model, limits, adapter_root
         self.catalog = catalog  # None: RAM only
@@ -77,6 +82,9 @@ class AdapterStore:
         self._versions = VersionTable(limits)
         self._validator = Validator(model, limits, self.check_fits)
         self._listeners: list[Callable[[], None]] = []  # told (from any thread) that a current version changed
+        self._loaded = threading.Event()  # clear while the owner loads the catalogue (`loading`, then `loaded`)
+        if not loading:
+            self._loaded.set()
 
     # ---- registering ---------------------------------------------------------------------------
     def register(
@@ -129,6 +137,20 @@ class AdapterStore:
         if self.catalog is None:
             return 0
         return restore.restore(self.catalog, self._validator.stored, self._serve_restored, self._raise_last_versions)
+
+    def loaded(self) -> None:
+        """The catalogue (and the preloads) are loaded: what the store holds is what it serves."""
+        self._loaded.set()
+
+    def check_loaded(self) -> None:
+        """UnavailableError while the catalogue is still being loaded (a store made with `loading`): the
+        adapters held so far are only part of it, so no caller may read them, or write, as if complete."""
+        if not self._loaded.is_set():
+            with self._lock:
+                held = len(self._versions.records())
+            raise UnavailableError(
+                f"the adapter store is still loading its catalogue ({held} adapters so far); retry in a moment"
+            )
 
     def preload(self, name: str, directory: Path) -> AdapterRecord:
         """Register a directory the operator named (anywhere, no root confinement), unless the name's

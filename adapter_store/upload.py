@@ -15,7 +15,7 @@ from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, WEIGHTS_FILES
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB
 from loraserve.adapter_store.files import too_large_message
 from loraserve.adapter_store.validation import check_name
-from loraserve.errors import InvalidRequestError, ResourceExhaustedError
+from loraserve.errors import InvalidRequestError, TooLargeError
 
 MAX_CHUNK_BYTES = 4 * MIB  # as the proto documents
 
@@ -57,7 +57,7 @@ class UploadAssembler:
         if file == CONFIG_FILE and size > MAX_CONFIG_BYTES:
             raise InvalidRequestError(CONFIG_FILE, f"larger than {MAX_CONFIG_BYTES} bytes; an adapter config is small")
         if file in WEIGHTS_FILES and size > self.max_weights_bytes:
-            raise ResourceExhaustedError(too_large_message(size, self.max_weights_bytes) + " (upload refused)")
+            raise TooLargeError(too_large_message(size, self.max_weights_bytes) + " (upload refused)")
         self._parts.setdefault(file, []).append(data)
         self._sizes[file] = size
 

@@ -17,7 +17,7 @@ from loraserve.adapter_format import WEIGHTS_FILES, CheckedAdapter, check_adapte
 from loraserve.adapter_store.config import MAX_CONFIG_BYTES, MIB, StoreLimits
 from loraserve.adapter_store.files import too_large_message
 from loraserve.adapter_store.layout import StoredAdapter
-from loraserve.errors import InvalidRequestError, ResourceExhaustedError
+from loraserve.errors import InvalidRequestError, TooLargeError
 from loraserve.model_config import ModelConfig
 from loraserve.names import STORE_NAME
 
@@ -91,7 +91,7 @@ class Validator:
                 CONFIG_FILE, f"is {len(config_json)} bytes; an adapter config may be at most {MAX_CONFIG_BYTES} bytes"
             )
         if len(weights) > self.limits.max_adapter_bytes:
-            raise ResourceExhaustedError(too_large_message(len(weights), self.limits.max_adapter_bytes))
+            raise TooLargeError(too_large_message(len(weights), self.limits.max_adapter_bytes))
         self.fits(len(config_json) + len(weights))  # cheap refusal before the expensive validation
         max_rank = self.limits.max_lora_rank if max_rank is None else max_rank
         adapter = check_adapter_bytes(config_json, weights, self.model, max_rank, weights_format)

@@ -50,7 +50,7 @@ class Held:
 
 
 def rows_bytes(rows: PackedRows | None) -> int:
-    return rows.buffer.nbytes if rows is not None else 0
+    return rows.spec.nbytes if rows is not None else 0
 
 
 class VersionTable:

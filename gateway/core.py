@@ -1,10 +1,12 @@
 """The generation core: one generation from a call's metadata and its request to a stream of events.
 
 A generation: authenticate (`Admission`) → take one of the tenant's slots (`Quotas`) → validate the
-request in the caller's namespace (INVALID_ARGUMENT naming the field) → resolve the adapter's
+request in the caller's namespace (INVALID_ARGUMENT naming the field) → compile its output constraint,
+if any, in the sandbox processes (`constraints.py`; refused: INVALID_ARGUMENT) → resolve the adapter's
 current version (the store-fed cache, else the store: NOT_FOUND) and hint it to the scheduler →
-tokenize → submit to the scheduler (RESOURCE_EXHAUSTED, UNAVAILABLE) → read tokens from the sink
-and turn them into `Chunk`s (`Output`) → a `Summary`. A generation closed early (the client
+tokenize (in a tokenizer thread, `tokenizing.py`; a text too long to fit is refused first) → submit
+to the scheduler (RESOURCE_EXHAUSTED, UNAVAILABLE) → read tokens from the sink and turn them into
+`Chunk`s (`Output`) → a `Summary`. A generation closed early (the client
 cancelled, its deadline passed, the edge stopped reading) is cancelled downstream at once; a worker
 lost mid-stream is replaced without the client noticing (`FailoverStream`).
 
@@ -33,7 +35,9 @@ from loraserve.gateway import metrics
 from loraserve.gateway.adapter_versions import AdapterVersion
 from loraserve.gateway.admission import Admission
 from loraserve.gateway.auth import Principal
+from loraserve.gateway.client_request import ClientRequest
 from loraserve.gateway.config import GatewayConfig
+from loraserve.gateway.constraints import ConstraintSandbox, TokenizerSpec
 from loraserve.gateway.events import Event, Summary
 from loraserve.gateway.failover import FailoverStream, Streams
 from loraserve.gateway.namespaces import Namespace
@@ -43,6 +47,7 @@ from loraserve.gateway.scheduler_client import SchedulerClient
 from loraserve.gateway.tenant_adapters import TenantAdapters
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.token_sink import TokenSink
+from loraserve.gateway.tokenizing import Tokenizing
 from loraserve.gateway.validation import (
     END_USER_METADATA,
     MAX_END_USER_CHARS,
@@ -64,6 +69,7 @@ class Call:
     metadata: dict[str, str]  # lower-case keys: the API key, the trace context, the client and end-user ids
     deadline_unix: float | None = None  # the client's deadline; None: none
     client_request_id: str = ""  # the caller's id for the request, put on the trace before validation
+    request: ClientRequest | None = None  # the client request of several generations this is one of
 
 
 class GenerationCore:
@@ -78,8 +84,14 @@ class GenerationCore:
         scheduler: SchedulerClient,
         adapters: TenantAdapters,
         admission: Admission,
+        tokenizing: Tokenizing | None = None,
+        constraints: ConstraintSandbox | None = None,
     ):
         self.config, self.limits, self.tokenizer, self.sink = config, limits, tokenizer, sink
+        self.tokenizing = tokenizing or Tokenizing(tokenizer, limits.max_context)  # never on the event loop
+        self.constraints = constraints or ConstraintSandbox(  # structured output, compiled in child processes
+            TokenizerSpec(tokenizer.to_json(), limits.vocab_size, tokenizer.eos_token_ids)
+        )
         self.scheduler, self.adapters, self.admission = scheduler, adapters, admission
         self.streams = Streams(config.failover)  # live generations; the cluster watch reports to it
         self.quotas = Quotas()  # per-tenant generation slots (token quotas: the scheduler's)
@@ -106,6 +118,8 @@ class GenerationCore:
                 yield event
         except BaseException as e:
             code = metrics.outcome(e)
+            if call.request is not None:  # its sibling generations stop waiting for its cost
+                call.request.abandon(e)
             raise
         finally:
             if events is not None:
@@ -133,6 +147,9 @@ class GenerationCore:
             with trace.use_span(span, end_on_exit=False):
                 valid, prompt_ids, version = await self._prepare(validate, principal)
             span.set_attribute("loraserve.adapter", valid.adapter or "")
+            request, request_cost = call.request, 0
+            if request is not None:  # charged once for all its generations: their costs summed
+                request_cost = await request.cost_of_all(len(prompt_ids) + valid.sampling.max_new_tokens)
             submit = partial(
                 self.scheduler.submit,
                 valid=valid,
@@ -142,6 +159,8 @@ class GenerationCore:
                 deadline_unix=call.deadline_unix,
                 tenant=fairness_tenant(principal.tenant, self.admission.open, metadata),
                 tokens_per_minute=principal.limits.tokens_per_minute or 0,  # metered by the scheduler
+                request_key=request.key if request is not None else "",
+                request_cost=request_cost,
             )
             stream = FailoverStream(request_id, self.sink, submit, self.scheduler.cancel, self.config.failover)
             output = Output(self.tokenizer, valid, prompt_ids, arrival)
@@ -170,6 +189,11 @@ class GenerationCore:
         ns = Namespace.of(principal)
         with tracer.start_as_current_span("gateway.validate"):
             valid = validate(lambda name: ns.check(name, "adapter"))
+            if valid.prompt_text is not None:  # a text too long for the context is refused before any lookup
+                self.tokenizing.check_fits(valid.prompt_text, "prompt.text")
+        if valid.constraint is not None:  # compiled and checked in the sandbox, never in this process
+            with tracer.start_as_current_span("gateway.constraint"):
+                valid = valid.with_grammar(await self.constraints.compile(valid.constraint))
         version = AdapterVersion()
         if valid.adapter is not None:  # resolved first: a worker starts fetching it while the prompt is tokenized
             with tracer.start_as_current_span("gateway.adapter_lookup"):
@@ -178,7 +202,10 @@ class GenerationCore:
             self.scheduler.hint(store_name, version, principal.tenant)
             await asyncio.sleep(0)  # the hint's call starts before the prompt is tokenized
         with tracer.start_as_current_span("gateway.tokenize"):
-            prompt_ids = valid.prompt_ids if valid.prompt_ids is not None else self.tokenizer.encode(valid.prompt_text)
+            if valid.prompt_ids is not None:
+                prompt_ids = valid.prompt_ids
+            else:  # in a tokenizer thread: the event loop serves every other call meanwhile
+                prompt_ids = await self.tokenizing.encode(valid.prompt_text, "prompt.text")
             check_context(prompt_ids, valid.sampling, self.limits)
         return valid, prompt_ids, version
 

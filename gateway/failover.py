@@ -24,6 +24,15 @@ A separate id per attempt means a late message from a lost attempt (a stopped wo
 never mix into the stream: the sink drops messages for ids nobody reads. After `max_failovers`
 lost attempts the request ends UNAVAILABLE.
 
+A request may itself be what stops its workers (a constraint that wedges the engine, an input that
+crashes a step): resubmitting it would take down one worker after another, and every request on
+them with it. So an attempt that a worker took (acknowledged) and lost with that worker before the
+stream got a new token counts as *lost without progress* (a migration, the scheduler moving the
+request off a worker that is fine, does not count; any new token resets the count). After
+`max_losses_without_progress` such losses in a row the request is not resubmitted: it ends INTERNAL
+(`NotResubmittedError`), never UNAVAILABLE, which clients retry: the message says why, so whoever
+sent it can look at it before sending it again.
+
 `FailoverStream` is one request's attempts; `Streams` holds the live ones and applies what the
 cluster watch sees to them. Neither does gRPC itself: the service passes `submit` and `cancel`.
 """
@@ -38,7 +47,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from loraserve.config_cli import setting
-from loraserve.errors import InvalidConfigError, UnavailableError, error_for_status
+from loraserve.errors import InvalidConfigError, LoraserveError, UnavailableError, error_for_status
 from loraserve.gateway import metrics
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.wire import Tokens
@@ -68,10 +77,19 @@ class FailoverConfig:
         "seconds a request that lost its worker waits for another one (e.g. a restarted worker) before it fails",
         flag="--failover-wait",
     )
+    max_losses_without_progress: int = setting(
+        2,
+        "a request whose attempts lose their worker this many times in a row before a new token is not "
+        "resubmitted (it may be what stops the workers) and ends INTERNAL; 0: no such limit",
+    )
 
     def __post_init__(self) -> None:
         if self.max_failovers < 0 or self.inactivity_timeout_s <= 0 or self.scheduler_grace_s <= 0:
             raise InvalidConfigError(f"invalid failover config {self}")
+        if self.max_losses_without_progress < 0:
+            raise InvalidConfigError(
+                f"max_losses_without_progress must be >= 0 (0: no limit), not {self.max_losses_without_progress}"
+            )
         if not 0 <= self.failover_wait_s < math.inf:
             raise InvalidConfigError(
                 f"failover_wait_s must be a finite number of seconds >= 0, not {self.failover_wait_s}"
@@ -82,8 +100,21 @@ UNAVAILABLE = "UNAVAILABLE"
 RESUBMIT_BACKOFF_S = (0.1, 1.0)  # first and longest pause between submissions of a waiting successor
 
 
+class NotResubmittedError(LoraserveError):
+    """Attempts of the request kept losing their worker before producing a token: it is not resubmitted.
+
+    INTERNAL, not UNAVAILABLE: clients retry UNAVAILABLE, and this request may be what stops the workers."""
+
+    status = "INTERNAL"
+
+
 class _Lost(Exception):
-    """The current attempt was lost with its worker or scheduler; another may succeed."""
+    """The current attempt was lost with its worker or scheduler; another may succeed. `worker_lost`: a worker
+    had taken it and was lost under it (not a migration, not a scheduler that never placed it)."""
+
+    def __init__(self, reason: str, worker_lost: bool = False):
+        super().__init__(reason)
+        self.worker_lost = worker_lost
 
 
 class FailoverStream:
@@ -99,6 +130,8 @@ class FailoverStream:
         self.placed_at: float | None = None  # monotonic time of that acknowledgement
         self.scheduler_instance = ""  # the scheduler that queued the current attempt
         self.lost_at: float | None = None  # monotonic time the last attempt was lost
+        self.attempt_tokens = 0  # len(output_ids) when the current attempt began
+        self.losses_without_progress = 0  # attempts in a row whose worker was lost before a new token came
         self._queue: asyncio.Queue[Tokens] | None = None
 
     async def messages(self) -> AsyncIterator[Tokens]:
@@ -106,13 +139,14 @@ class FailoverStream:
         while True:
             attempt_id = self.attempt_id
             self._queue = self.sink.open(attempt_id)
+            self.attempt_tokens = len(self.output_ids)
             try:
                 self.scheduler_instance = await self._submit_attempt(attempt_id)
                 async for message in self._attempt(self._queue):
                     yield message
                 return
             except _Lost as e:
-                self._next_attempt(str(e))
+                self._next_attempt(str(e), e.worker_lost)
             finally:
                 self.sink.close(attempt_id)
 
@@ -164,20 +198,34 @@ class FailoverStream:
                 ) from None
             if message.request_id != self.attempt_id:
                 continue  # a lost-attempt notice that arrived after the attempt had moved on
+            taken = self.placed  # a worker had acknowledged the attempt before this message
             if message.worker_id and self.placed_at is None:
                 self.worker_id, self.placed_at = message.worker_id, time.monotonic()
             if message.error_status:
                 if message.retry:
-                    raise _Lost(message.error or "the worker was lost")
+                    raise _Lost(message.error or "the worker was lost", worker_lost=taken and not message.moved)
                 raise error_for_status(message.error_status, message.error or message.error_status)
             self.output_ids += message.token_ids
             yield message
             if message.finished:
                 return
 
-    def _next_attempt(self, reason: str) -> None:
+    def _next_attempt(self, reason: str, worker_lost: bool) -> None:
         lost = self.attempt_id
         self._cancel(lost, "failed over")  # in case it still runs somewhere (a stopped worker resumed)
+        if len(self.output_ids) > self.attempt_tokens:
+            self.losses_without_progress = 0
+        if worker_lost and len(self.output_ids) == self.attempt_tokens:
+            self.losses_without_progress += 1
+            limit = self.config.max_losses_without_progress
+            if limit and self.losses_without_progress >= limit:
+                log.warning("request %s: not resubmitted (%d workers lost under it; last: %s)", lost, limit, reason)
+                raise NotResubmittedError(
+                    f"the request was not resubmitted: {self.losses_without_progress} attempts in a row lost their "
+                    f"worker before producing a token (last: {reason}); the request itself may be what stops the "
+                    "workers (e.g. a structured-output constraint too costly to follow): check it before sending "
+                    "it again"
+                )
         self.failovers += 1
         metrics.FAILOVERS.inc()
         if self.failovers > self.config.max_failovers:

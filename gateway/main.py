@@ -34,6 +34,7 @@ from loraserve.gateway.audit import audited
 from loraserve.gateway.auth import Authenticator
 from loraserve.gateway.bind_rule import check_bind
 from loraserve.gateway.config import GatewayConfig
+from loraserve.gateway.constraints import ConstraintSandbox, TokenizerSpec
 from loraserve.gateway.core import GenerationCore
 from loraserve.gateway.grpc_calls import add_loraserve
 from loraserve.gateway.http.connections import ConnectionLimits
@@ -46,6 +47,7 @@ from loraserve.gateway.tenant_adapters import TenantAdapters
 from loraserve.gateway.tenants import load_auth_file
 from loraserve.gateway.tls import load_server_tls
 from loraserve.gateway.token_sink import TokenSink
+from loraserve.gateway.tokenizing import Tokenizing
 from loraserve.gateway.tool_parsers import parser_named
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
@@ -158,7 +160,14 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
     versions = AdapterVersions()  # kept by the store's Watch
     adapters = TenantAdapters(store.ask, versions)  # names as each tenant sees them
     scheduler_client = SchedulerClient(scheduler, sink.address, config.internal_timeout_s)
-    core = GenerationCore(config, limits, tokenizer, sink, scheduler_client, adapters, admission)
+    tokenizing = Tokenizing(tokenizer, limits.max_context, settings.tokenizing)  # the one pool, off the loop
+    constraints = ConstraintSandbox(  # structured output is compiled in these child processes only
+        TokenizerSpec(tokenizer.to_json(), limits.vocab_size, tokenizer.eos_token_ids), settings.constraints
+    )
+    await constraints.start()
+    core = GenerationCore(
+        config, limits, tokenizer, sink, scheduler_client, adapters, admission, tokenizing, constraints
+    )
     admin = AdapterAdminService(admission, store, adapters, versions, config.upload_timeout_s)
     # the HTTP socket first: a busy port stops here
     http = _http_server(settings, model_dir, core, admin, tls) if settings.http_bind else None
@@ -188,6 +197,8 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         await server.stop(grace=2.0)
         await scheduler_client.close()
         sink.shutdown()
+        tokenizing.close()
+        await constraints.close()
 
 
 def _http_server(settings: GatewaySettings, model_dir: Path, core: GenerationCore, admin: AdapterAdminService, tls):

@@ -22,6 +22,11 @@ REQUESTS = Counter(
     ["code", "tenant"],
 )
 IN_FLIGHT = Gauge("loraserve_gateway_requests_in_flight", "Generation requests being served now")
+TOKENIZER_REQUESTS = Counter(
+    "loraserve_gateway_tokenizer_requests",
+    "Tokenize and detokenize calls (gRPC and HTTP) by operation, outcome (as REQUESTS) and tenant",
+    ["operation", "code", "tenant"],
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "loraserve_gateway_time_to_first_token_seconds",
     "Arrival at the gateway to the first token",

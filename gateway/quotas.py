@@ -1,7 +1,8 @@
 """Per-tenant generation slots (`max_concurrent`), counted by this gateway process. A pure object.
 
-A generation holds one of its tenant's slots from admission until it ends (however it ends); over
-`max_concurrent` a new one is refused RESOURCE_EXHAUSTED with a short retry hint. Each gateway
+A generation (or a tokenize or detokenize call, `gateway/metered.py`) holds one of its tenant's slots
+from admission until it ends (however it ends); over `max_concurrent` a new one is refused
+RESOURCE_EXHAUSTED with a short retry hint. Each gateway
 process counts its own generations, so N gateways admit up to N × `max_concurrent`.
 
 Token quotas (`tokens_per_minute`) are not kept here: the scheduler, which sees every gateway's
@@ -36,7 +37,7 @@ class Quotas:
         in_flight = self._in_flight.get(tenant, 0)
         if limits.max_concurrent is not None and in_flight >= limits.max_concurrent:
             raise QuotaExceededError(
-                f"tenant {tenant!r} has {in_flight} generations in flight, its limit "
+                f"tenant {tenant!r} has {in_flight} requests in flight (generations and tokenizer calls), its limit "
                 f"(max_concurrent = {limits.max_concurrent}); retry when one ends",
                 SLOT_RETRY_S,
             )

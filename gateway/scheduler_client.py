@@ -49,9 +49,14 @@ class SchedulerClient:
         deadline_unix: float | None,
         tenant: str,
         tokens_per_minute: int,
+        request_key: str = "",
+        request_cost: int = 0,
     ) -> str:
         """Queue one attempt of a generation (`output_ids`: the tokens its lost predecessors streamed);
-        returns the instance of the scheduler that took it."""
+        returns the instance of the scheduler that took it. `request_key`: the client request it is a
+        generation of (an HTTP body's; "": its prefill group, if any), which the scheduler counts batch
+        slots by; `request_cost`: that request's whole token cost, charged once (0: this one alone)."""
+        key = request_key or valid.prefill_group
         submit = scheduler_pb2.SubmitRequest(
             request_id=attempt_id,
             prompt_ids=prompt_ids,
@@ -70,6 +75,8 @@ class SchedulerClient:
             cache_salt=f"{len(tenant)}:{tenant}/{valid.cache_salt}",
             ttft_slo_s=valid.ttft_slo_s,
             tokens_per_minute=tokens_per_minute,
+            request_key=f"{tenant}/{key}" if key else "",
+            request_cost=request_cost,
         )
         with telemetry.tracer().start_as_current_span("gateway.submit"):
             submit.trace_context.update(telemetry.carrier())  # the batch has no per-request metadata

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraserve.config_cli import setting
+from loraserve.gateway.constraints import ConstraintConfig
 from loraserve.gateway.failover import FailoverConfig
 from loraserve.gateway.http.connections import ConnectionLimits
 from loraserve.gateway.tls import TlsSettings
+from loraserve.gateway.tokenizing import TokenizingConfig
 from loraserve.gateway.tool_parsers import PARSERS, TOOL_CALL_PARSER_HELP
 from loraserve.gateway.validation import Limits
 from loraserve.model_config import DEFAULT_MAX_LORA_RANK
@@ -53,6 +55,8 @@ class GatewaySettings:
     default_max_new_tokens: int = setting(Limits.default_max_new_tokens, "")
     max_lora_rank: int = setting(DEFAULT_MAX_LORA_RANK, "")
     failover: FailoverConfig = field(default_factory=FailoverConfig)
+    tokenizing: TokenizingConfig = field(default_factory=TokenizingConfig)
+    constraints: ConstraintConfig = field(default_factory=ConstraintConfig)
     drain_timeout: float = setting(
         DRAIN_TIMEOUT_S, "on SIGTERM, seconds to let streams in flight finish before stopping"
     )

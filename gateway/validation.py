@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
-from loraserve.convert import sampling_from_pb
+import msgspec
+
+from loraserve.convert import constraint_from_pb, sampling_from_pb
 from loraserve.errors import InvalidRequestError
 from loraserve.names import PUBLIC_NAME, TENANT_NAME
-from loraserve.params import SamplingParams
-from loraserve.v1 import gateway_pb2
+from loraserve.params import SamplingParams, check_constrainable
+from loraserve.structured import Constraint
+from loraserve.v1 import common_pb2, gateway_pb2
 
 MAX_TTFT_SLO_S = 86400.0
 CLIENT_METADATA = "x-loraserve-client"  # without an auth file: the caller's id, for fair scheduling
@@ -43,10 +46,18 @@ class ValidRequest:
     keep_special_tokens: bool = False  # special tokens' text stays in the text
     prefill_group: str = ""  # shared prefill with the caller's requests of this group and prompt
     cache_salt: str = ""  # prefix caching: shared only with the caller's requests of this salt
+    # structured output as the caller asked for it, not compiled yet: the generation core compiles it in
+    # the gateway's sandbox (`constraints.py`) and puts the grammar into `sampling` (`with_grammar`)
+    constraint: Constraint | None = None
+
+    def with_grammar(self, grammar: str) -> ValidRequest:
+        """This request with its constraint compiled: `grammar` in its sampling parameters."""
+        return replace(self, sampling=msgspec.structs.replace(self.sampling, grammar=grammar), constraint=None)
 
 
 AdapterCheck = Callable[[str], str]  # an adapter name as the caller wrote it -> the name, or InvalidRequestError
 SamplingBuilder = Callable[[int, list[int]], SamplingParams]  # (max_new_tokens, stop_token_ids) -> checked params
+ConstraintBuilder = Callable[[], Constraint | None]  # the request's output constraint (uncompiled), or None
 
 
 def validate_generate(
@@ -60,7 +71,8 @@ def validate_generate(
         adapter=request.adapter,
         prompt_text=request.text if kind == "text" else None,
         prompt_ids=list(request.token_ids.ids) if kind == "token_ids" else None,
-        sampling=partial(sampling_from_pb, request.sampling),
+        sampling=partial(sampling_from_pb, request.sampling, compile_structured=False),
+        constraint=partial(_constraint_of, request.sampling),
         max_new_tokens=request.max_new_tokens,
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),
@@ -81,6 +93,7 @@ def validate_request(
     prompt_text: str | None,
     prompt_ids: list[int] | None,
     sampling: SamplingBuilder,
+    constraint: ConstraintBuilder | None = None,
     max_new_tokens: int = 0,
     stop: tuple[str, ...] = (),
     stop_token_ids: tuple[int, ...] = (),
@@ -94,7 +107,8 @@ def validate_request(
     """A generation's fields, from any edge, checked: the first problem is an InvalidRequestError naming
     the field. Empty values mean defaults, as in the proto (`max_new_tokens` 0: the limits' default).
     `check_adapter(name)` (default: a public name) returns the adapter name or raises; `sampling` builds
-    the sampling parameters once `max_new_tokens` is known."""
+    the sampling parameters once `max_new_tokens` is known, and `constraint` the output constraint, which
+    stays uncompiled (`ValidRequest.constraint`)."""
     adapter_name = adapter or None
     if adapter_name is not None and check_adapter is not None:
         adapter_name = check_adapter(adapter_name)
@@ -134,6 +148,9 @@ def validate_request(
         )
     try:
         params = sampling(max_new, list(stop_token_ids))
+        asked = constraint() if constraint is not None else None
+        if asked is not None:
+            check_constrainable(params)
     except InvalidRequestError as e:
         field = e.field if e.field in ("max_new_tokens", "stop_token_ids") else f"sampling.{e.field}"
         raise InvalidRequestError(field, str(e).split(": ", 1)[1]) from None
@@ -151,7 +168,16 @@ def validate_request(
         keep_special_tokens,
         prefill_group,
         cache_salt,
+        asked,
     )
+
+
+def _constraint_of(sampling: common_pb2.SamplingParameters) -> Constraint | None:
+    """The gRPC request's constraint, named as its other sampling fields are (`sampling.structured_output.KIND`)."""
+    if not sampling.HasField("structured_output"):
+        return None
+    constraint = constraint_from_pb(sampling.structured_output)
+    return replace(constraint, field=f"sampling.{constraint.field}")
 
 
 def fairness_tenant(tenant: str, open_access: bool, metadata: dict[str, str]) -> str:

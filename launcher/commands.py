@@ -182,6 +182,7 @@ def _policy_argv(args: argparse.Namespace) -> list[str]:
     """The flags of the scheduler policy's settings that `up` was given away from their defaults."""
     config = policy_config(args)
     argv = config_to_argv(config.cluster, skip=POLICY_SKIP, changed_only=True)
+    argv += config_to_argv(config.share, changed_only=True)
     return argv + config_to_argv(config.adaptive, skip=POLICY_SKIP, changed_only=True)
 
 

@@ -11,6 +11,10 @@ import msgspec
 
 MAX_ID = 256  # request ids, worker ids, adapter names
 MAX_LIST = 1 << 20  # tokens of one request (prompt + output): a 1M-token prompt
+# One SubmitStream write (SubmitStreamRequest): its requests and hints together, and its encoded size. The
+# gateway splits its outbox under both; the scheduler refuses a batch over either (INVALID_ARGUMENT).
+MAX_SUBMIT_BATCH = 256
+MAX_SUBMIT_BATCH_BYTES = 8 << 20
 
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
 Short = Annotated[str, msgspec.Meta(max_length=64)]  # hashes, tenants, instance ids

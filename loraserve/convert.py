@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams
-from loraserve.structured import KINDS, grammar_for
+from loraserve.structured import KINDS, Constraint, grammar_for
 from loraserve.v1 import common_pb2
 
 FINISH_REASONS = {
@@ -20,9 +20,13 @@ def sampling_from_pb(
     pb: common_pb2.SamplingParameters,
     max_new_tokens: int,
     stop_token_ids: Sequence[int],
+    *,
+    compile_structured: bool = True,
 ) -> SamplingParams:
     """Validated sampling parameters (raises InvalidRequestError naming the field). Zero values mean
-    defaults."""
+    defaults. `structured_output` is compiled here, in this process, unless `compile_structured` is
+    False: the gateway takes it out uncompiled (`constraint_from_pb`) and compiles it in its sandbox."""
+    structured = compile_structured and pb.HasField("structured_output")
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=pb.temperature,
@@ -37,18 +41,27 @@ def sampling_from_pb(
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
-        grammar=grammar_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
+        grammar=grammar_from_pb(pb.structured_output) if structured else None,
     )
 
 
-def grammar_from_pb(pb: common_pb2.StructuredOutput) -> str:
-    """The llguidance grammar of a StructuredOutput (InvalidRequestError naming the field if it is not one)."""
+def constraint_from_pb(pb: common_pb2.StructuredOutput) -> Constraint:
+    """A StructuredOutput as the uncompiled Constraint it asks for, its field `structured_output.KIND`
+    (InvalidRequestError naming the field if it asks for none)."""
     kind = pb.WhichOneof("kind")
     if kind is None:
         raise InvalidRequestError("structured_output", f"set one of its kinds: {', '.join(KINDS)}")
     value = getattr(pb, kind)
+    field = f"structured_output.{kind}"
     if kind == "choice":
         value = list(value.choices)
     elif kind == "json_object" and not value:
-        raise InvalidRequestError("structured_output.json_object", "must be true when set")
-    return grammar_for(kind, value, f"structured_output.{kind}")
+        raise InvalidRequestError(field, "must be true when set")
+    return Constraint(kind, value, field)
+
+
+def grammar_from_pb(pb: common_pb2.StructuredOutput) -> str:
+    """The llguidance grammar of a StructuredOutput, compiled in this process (InvalidRequestError naming
+    the field if it is not one)."""
+    constraint = constraint_from_pb(pb)
+    return grammar_for(constraint.kind, constraint.value, constraint.field)

@@ -2,7 +2,8 @@
 
 Inner code raises these plain exceptions; only the gRPC edges (one interceptor per server)
 turn them into statuses, so the mapping lives in one place: `status` names a
-`grpc.StatusCode` member.
+`grpc.StatusCode` member. An error whose status alone does not say what it is carries a `reason`
+too, which crosses a gRPC hop beside the status (`grpc_utils`) and picks its class again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ class LoraserveError(Exception):
     """Base class: a failure with a message a user can act on."""
 
     status = "INTERNAL"
+    reason = ""  # set where the status alone cannot tell this error from others (e.g. TOO_LARGE)
 
 
 class InvalidRequestError(LoraserveError):
@@ -28,6 +30,14 @@ class InvalidAdapterError(LoraserveError):
     """An adapter's files do not describe a LoRA adapter this base model can serve."""
 
     status = "INVALID_ARGUMENT"
+
+
+class TooLargeError(LoraserveError):
+    """A payload over a size limit the server is configured with (an adapter over the store's
+    --max-adapter-mb): refused as it is, not worth retrying (INVALID_ARGUMENT; HTTP 413)."""
+
+    status = "INVALID_ARGUMENT"
+    reason = "TOO_LARGE"
 
 
 class FailedPreconditionError(LoraserveError):
@@ -113,11 +123,17 @@ _BY_STATUS: dict[str, type[LoraserveError]] = {
 }
 
 
-def error_for_status(status: str, message: str) -> LoraserveError:
-    """The error a failure with gRPC status name `status` is raised as here. Its `status` is kept
-    where no class names it (CANCELLED, ABORTED, ...), so it crosses every hop unchanged; a status
-    that says nothing (UNKNOWN, OK, or a name gRPC does not have) becomes INTERNAL."""
-    cls = _BY_STATUS.get(status, LoraserveError)
+_BY_REASON: dict[str, type[LoraserveError]] = {TooLargeError.reason: TooLargeError}
+
+
+def error_for_status(status: str, message: str, reason: str = "") -> LoraserveError:
+    """The error a failure with gRPC status name `status` (and `reason`, when the other side gave
+    one) is raised as here. Its `status` is kept where no class names it (CANCELLED, ABORTED, ...),
+    so it crosses every hop unchanged; a status that says nothing (UNKNOWN, OK, or a name gRPC does
+    not have) becomes INTERNAL."""
+    cls = _BY_REASON.get(reason) or _BY_STATUS.get(status, LoraserveError)
+    if cls.status != status:  # a reason that does not go with its status is not believed
+        cls = _BY_STATUS.get(status, LoraserveError)
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     if error.status != status and status in _PASSED_ON:

@@ -7,7 +7,9 @@ wraps every request deserializer: a message that is not valid protobuf (corrupt 
 invalid UTF-8 in a string field) is the caller's mistake, so it becomes INVALID_ARGUMENT naming the
 message type, not the UNKNOWN grpc picks for a deserializer that raises.
 Calls to another role go through `internal_call`, which turns that role's status back into the
-same exception (or UNAVAILABLE when it cannot be reached), so a failure crosses hops unchanged.
+same exception (or UNAVAILABLE when it cannot be reached), so a failure crosses hops unchanged: an
+error with a `reason` (one its status alone does not identify) sends it as trailing metadata
+`loraserve-reason`.
 """
 
 from __future__ import annotations
@@ -149,8 +151,9 @@ async def _answer(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         log.debug("call already ended: %r", exc)
         return
     code, message = code_and_message(exc)
+    reason = getattr(exc, "reason", "")  # said beside the status, so `internal_call` picks the same error
     try:
-        await context.abort(code, message)
+        await context.abort(code, message, ((REASON_KEY, reason),) if reason else ())  # (): any set before
     except grpc.aio.AbortError:
         raise
     except Exception as e:  # the client left while the status was being sent: nobody to tell
@@ -195,9 +198,11 @@ async def internal_call(what: str, call: Callable[[], Awaitable[T]]) -> T:
             raise errors.UnavailableError(f"{what} is unreachable") from None
         if code == grpc.StatusCode.UNAVAILABLE:
             raise errors.UnavailableError(f"{what} is unavailable: {e.details()}") from None
-        raise errors.error_for_status(code.name, e.details() or f"{what} failed with {code.name}") from None
+        reason = next((v for k, v in (e.trailing_metadata() or ()) if k == REASON_KEY and isinstance(v, str)), "")
+        raise errors.error_for_status(code.name, e.details() or f"{what} failed with {code.name}", reason) from None
 
 
+REASON_KEY = "loraserve-reason"  # trailing metadata: the `reason` of the error a status came from (TOO_LARGE)
 REFUSED_KEY = "loraserve-refused"  # initial metadata a server sends the moment it refuses a request stream
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata of a RESOURCE_EXHAUSTED quota refusal: when to retry
 REFUSAL_DRAIN_S = 0.5  # how long a refusing server keeps reading, waiting for the client to stop...

@@ -98,8 +98,16 @@ def check_sampling(p: Any) -> None:
     if p.grammar is not None:
         if not isinstance(p.grammar, str) or not p.grammar or len(p.grammar) > MAX_GRAMMAR_BYTES:
             raise InvalidRequestError("grammar", f"must be a grammar of 1 to {MAX_GRAMMAR_BYTES} characters")
-        if p.ignore_eos:
-            bad("ignore_eos", "cannot be combined with structured output (the output ends where its grammar does)")
+        check_constrainable(p)
+
+
+def check_constrainable(p: Any) -> None:
+    """InvalidRequestError unless `p` (a SamplingParams) can take an output constraint (a grammar): the
+    gateway checks it before compiling the constraint, every SamplingParams with a grammar on construction."""
+    if p.ignore_eos:
+        raise InvalidRequestError(
+            "ignore_eos", "cannot be combined with structured output (the output ends where its grammar does), got True"
+        )
 
 
 _ENCODER = msgspec.msgpack.Encoder()

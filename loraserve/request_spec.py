@@ -45,6 +45,7 @@ class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attempt: Count = 0  # 0: the first; n: the gateway's n-th failover of it
     group: Id | None = None  # shared prefill with the group's requests of the same prompt (`step_scheduler`)
     cache_salt: Id = ""  # prefix caching: only requests with the same salt share cached KV
+    request_key: Id = ""  # the client request it is a generation of (batch share, quota); "": its own
 
     def __post_init__(self) -> None:
         """Raises InvalidRequestError naming the field: the scheduler's edge answers INVALID_ARGUMENT, the

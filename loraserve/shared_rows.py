@@ -10,10 +10,12 @@ way is the worker's copy into its pool. Layout of the files:
 
     header: MAGIC (8 bytes) | token (16 bytes) | sha256 of the weights the rows were packed from (32 bytes)
 
-Lifetime: the store writes a file once, when it registers (or restores) a version, keeps it mapped while
-it holds the version, and unlinks it when the version is purged; a worker maps a file once per fetch and
-holds that mapping in its host cache, and a mapping stays valid after the unlink (the kernel frees the
-pages when the last mapping goes). A store that died leaves its directory behind: the next store on the
+Lifetime: the store writes a file once, when it registers (or restores) a version, and unlinks it when the
+version is purged. It keeps no descriptor and no mapping of it meanwhile (a mapping holds a descriptor:
+one per held version would grow without bound as versions are retained): it maps a file only while it
+fills it, or while a reply sends its rows over a socket. A worker maps a file once per fetch and holds
+that mapping in its host cache, and a mapping stays valid after the unlink (the kernel frees the pages
+when the last mapping goes). A store that died leaves its directory behind: the next store on the
 host removes the directories of processes that no longer exist.
 
 Who can read or change the bytes: only the uid that runs the store and the worker (and root). A worker
@@ -65,16 +67,23 @@ def _check_private_dir(path: Path | str | None = None, fd: int | None = None) ->
 
 @dataclass
 class SharedRowsFile:
-    """One rows file the store wrote: its name (relative to the user's directory), token and mapping."""
+    """One rows file the store wrote: its name (relative to the user's directory), token, path and size."""
 
     name: str
     token: str  # hex
     path: Path
-    mapping: mmap.mmap
+    nbytes: int  # of the rows (the file holds HEADER_BYTES more)
 
     @property
     def rows(self) -> memoryview:
-        return memoryview(self.mapping)[HEADER_BYTES:]
+        """The rows, mapped now (shared, writable). The mapping, and the one descriptor it holds, end when
+        the view is released; FileNotFoundError once the file was unlinked."""
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            mapping = mmap.mmap(fd, HEADER_BYTES + self.nbytes)
+        finally:
+            os.close(fd)
+        return memoryview(mapping)[HEADER_BYTES:]
 
     def unlink(self) -> None:
         """Remove the file; mappings (this one until it is collected, workers') stay valid."""
@@ -100,21 +109,20 @@ class SharedRowsDir:
 
     def create(self, nbytes: int, sha256: str) -> SharedRowsFile:
         """A new file of `nbytes` rows (zeros), its header written; the caller fills `rows`. OSError when the
-        file system cannot hold it (ENOSPC)."""
+        file system cannot hold it (ENOSPC). No descriptor stays open."""
         name = f"{self.instance}/{secrets.token_hex(16)}.rows"
         path = self.base / name
         token = secrets.token_hex(16)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:  # allocated now: a full tmpfs (a container's 64 MiB /dev/shm) fails here, not with SIGBUS on a write
             os.posix_fallocate(fd, 0, HEADER_BYTES + nbytes)
-            mapping = mmap.mmap(fd, HEADER_BYTES + nbytes)
+            os.pwrite(fd, MAGIC + bytes.fromhex(token) + bytes.fromhex(sha256), 0)
         except BaseException:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
-        mapping[: len(MAGIC) + 48] = MAGIC + bytes.fromhex(token) + bytes.fromhex(sha256)
-        return SharedRowsFile(name, token, path, mapping)
+        return SharedRowsFile(name, token, path, nbytes)
 
     def close(self) -> None:
         """Remove this store's directory and every file in it (workers' mappings stay valid)."""

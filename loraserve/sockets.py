@@ -35,9 +35,13 @@ def make_socket(
     linger_ms: int = 0,
     hwm: int = 100_000,
     curve: Curve | None = None,
+    rcvhwm: int | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
 ) -> zmq.Socket:
     """A socket that binds to `bind` or connects to `connect` (exactly one), authenticated with
-    `curve` when given (a CURVE server or client: `loraserve/internal_auth.py`).
+    `curve` when given (a CURVE server or client: `loraserve/internal_auth.py`). `hwm`: messages queued
+    per peer each way (`rcvhwm`: inbound, if different); a peer sending a message over `max_message_bytes`
+    is disconnected.
 
     Raises BadEndpointError for a `connect` address that is not a tcp://, ipc:// or inproc://
     endpoint, zmq.ZMQError when binding or connecting fails; no socket is left open either way.
@@ -50,8 +54,8 @@ def make_socket(
     try:
         sock.setsockopt(zmq.LINGER, linger_ms)
         sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, hwm if rcvhwm is None else rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity.encode())
         if kind == zmq.ROUTER:

@@ -48,8 +48,70 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def encode_in_thread(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, letting other threads run meanwhile: `tokenizers` releases the GIL in `encode_batch`
+        (its `encode` holds it throughout). For a thread other than an event loop's."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def decode_in_thread(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`decode`, letting other threads run meanwhile (`decode_batch` releases the GIL, `decode` does not)."""
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def longest_token_bytes(self) -> int | None:
+        """The most bytes of input text one token can stand for, or None where nothing bounds it.
+
+        The longest, in UTF-8, of every token's string and of its text decoded alone (added tokens
+        included), times 3 when a normalizer may compose or case-fold characters first (NFC, NFKC,
+        Lowercase: at most 3 bytes of input become 1). So a text of more than `n` times this many bytes
+        cannot be `n` tokens or fewer. None when one token may stand for any length of text: a model
+        with an unknown token and no byte fallback (one `[UNK]` for a whole word), or a normalizer that
+        may delete characters (accent stripping) or that is not known here. Reads the whole
+        vocabulary: call it once."""
+        spec = json.loads(self._tok.to_str())
+        model = spec.get("model") or {}
+        if model.get("unk_token") is not None and not model.get("byte_fallback", False):
+            return None
+        factor = _normalizer_shrink(spec.get("normalizer"))
+        if factor is None:
+            return None
+        vocab = sorted(self._tok.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+        texts = self._tok.decode_batch([[i] for _, i in vocab], skip_special_tokens=False)
+        longest = max(
+            (max(len(token.encode()), len(text.encode())) for (token, _), text in zip(vocab, texts, strict=True)),
+            default=1,
+        )
+        return longest * factor
+
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self._tok.id_to_token(i) or "" for i in ids]
+
+
+# Normalizers by how many bytes of input may become one byte of what the model tokenizes (None: any).
+_GROWING = frozenset({"Prepend", "Replace", "NFD", "NFKD"})  # keep or add bytes (Replace: the ' '->'▁' rule)
+_COMPOSING = frozenset({"NFC", "NFKC", "Lowercase"})  # 3 bytes of input at most per byte (Hangul jamo, ẞ->ß)
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    """At most how many input bytes `normalizer` (tokenizer.json's) turns into one; None if unbounded or unknown."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", []):
+            shrink = _normalizer_shrink(part)
+            if shrink is None:
+                return None
+            factor *= shrink
+        return factor
+    if kind == "Replace":  # only a rule that maps one character to one or more keeps the bound
+        pattern, content = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        return (
+            1 if pattern is not None and len(pattern) == 1 and len(content.encode()) >= len(pattern.encode()) else None
+        )
+    if kind in _GROWING:
+        return 1
+    return 3 if kind in _COMPOSING else None
 
 
 def _special_ids(model_dir: Path, tok: HFTokenizer) -> tuple[tuple[int, ...], int | None]:

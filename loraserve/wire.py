@@ -44,6 +44,7 @@ __all__ = [  # the messages, their vocabulary, and the bounds re-exported from `
     "Cancel",
     "FetchAdapter",
     "FetchFailed",
+    "Heartbeat",
     "Message",
     "MsgType",
     "Prefetch",
@@ -63,7 +64,7 @@ class WireError(ValueError):
 
 
 class MsgType(enum.IntEnum):
-    WORKER_REPORT = 1  # worker -> scheduler: state after a step, or a heartbeat
+    WORKER_REPORT = 1  # worker -> scheduler: state after a step, and every 0.25 s when idle
     ASSIGN = 2  # scheduler -> worker: run this request
     CANCEL = 3  # scheduler -> worker: stop these requests
     PREFETCH = 4  # scheduler -> worker: adapters it will likely need next
@@ -73,6 +74,7 @@ class MsgType(enum.IntEnum):
     FETCH_FAILED = 8  # adapter store -> worker: could not serve a fetch
     STEP_TOKENS = 9  # worker -> gateway: one step's new tokens for all of this gateway's requests
     ADAPTER_ROWS = 10  # adapter store -> worker: the adapter packed in the pool's row layout (`pool_rows.py`)
+    HEARTBEAT = 11  # worker -> scheduler: alive (from its I/O thread, on its own schedule), and its step's age
 
 
 # ---- the schema vocabulary (more in `loraserve/request_spec.py`) ------------------------------
@@ -88,6 +90,7 @@ MAX_PREFETCH = 1024  # adapters in one prefetch hint
 MAX_STEP_SAMPLES = 64  # measured steps in one report
 MAX_PREFIXES = 4096  # cached prefix fingerprints in one report (its most recently used)
 MAX_ROW_LAYERS = 1024  # layers of an adapter's packed rows (`loraserve/pool_rows.py`)
+MAX_STEP_S = 1e9  # a heartbeat's age of the step under way, in seconds
 
 
 def _str(n: int) -> Any:
@@ -190,6 +193,17 @@ class WorkerReport(Message):
         return [blob[i : i + FINGERPRINT_BYTES] for i in range(0, len(blob), FINGERPRINT_BYTES)]
 
 
+class Heartbeat(Message):
+    """A worker is alive: sent by its I/O thread every 0.25 s whatever its step loop is doing
+    (`worker/io_thread.py`); the scheduler keeps a worker on any message from it. Small and fixed in
+    size, beside the reports the step loop sends after its steps."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    worker_id: Id
+    instance: _str(64) = ""  # as in its reports: a heartbeat of another process under the same id is ignored
+    step_s: _float(0.0, MAX_STEP_S) = 0.0  # how long the step under way has been running (0: none is)
+
+
 class Assign(Message):
     """Run this request: its spec as the scheduler accepted it, and what its time in the queue added."""
 
@@ -232,6 +246,9 @@ class Tokens(Message):
     # With error_status UNAVAILABLE: the request did not fail by itself, its worker was lost (killed,
     # stopped, drained past its timeout); the gateway may resubmit it with the tokens it streamed.
     retry: bool = False
+    # With retry: the scheduler moved the request (migration) from a worker that is fine; the gateway does
+    # not count it as a worker lost under the request (`gateway/failover.py`).
+    moved: bool = False
     # worker-side: queue_s, adapter_load_s, prefill_s, decode_s, ...
     timings: Annotated[dict[Id, Seconds], msgspec.Meta(max_length=32)] = msgspec.field(default_factory=dict)
     # With sampling logprobs: one per token of token_ids. With prompt_logprobs, on the message that
@@ -368,6 +385,7 @@ _TYPES: dict[int, type[Message]] = {
         FetchFailed,
         StepTokens,
         AdapterRows,
+        Heartbeat,
     )
 }
 

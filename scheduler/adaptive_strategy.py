@@ -17,6 +17,7 @@ cluster costs only its likely winners, found from the index without a pass over 
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 
 from loraserve.errors import ResourceExhaustedError
 from loraserve.scheduler.adaptive import AdaptivePlanner
@@ -38,6 +39,7 @@ class AdaptiveStrategy:
     """The default strategy (module docstring), over the policy's cluster view."""
 
     name = "adaptive"
+    tenant_fair = True  # VTC, the flooder cap, and the tenant batch share (`batch_share.py`)
 
     def __init__(self, config: AdaptiveConfig | None, cluster: ClusterView):
         self.config = config = config or AdaptiveConfig()
@@ -130,9 +132,10 @@ class AdaptiveStrategy:
         return self._make(view, now)
 
     # ---- placement -----------------------------------------------------------------------------
-    def choose(self, request: QueuedRequest, now: float) -> WorkerView | None:
+    def choose(self, request: QueuedRequest, now: float, excluded: AbstractSet[str] = frozenset()) -> WorkerView | None:
+        """The cheapest fresh worker with room (none of `excluded`)."""
         self.loads(now)
-        chosen = self._index.choose(self.planner.placement, self.planner.demand(request))
+        chosen = self._index.choose(self.planner.placement, self.planner.demand(request), excluded=excluded)
         return self.cluster.workers[chosen.worker_id] if chosen is not None else None
 
     def fits(self, view: WorkerView, request: QueuedRequest, now: float) -> bool:

@@ -2,16 +2,23 @@
 workers, and adoption of requests a scheduler before this one placed. Pure: time is passed in.
 
     on_report(report, now)      -> (the worker's view or None, decisions, requests it finished)
+    on_heartbeat(heartbeat, now) a registered worker is alive (its step has run `step_s`)
     place(view, request, now)   it was assigned there
     unplace(request_id)         it ended, failed or moved: (worker id, request) or None
     drop(view, reason)          -> decisions: the worker is gone, what it held fails over
-    silent(now)                 -> decisions: workers dropped for not reporting
+    silent(now)                 -> decisions: workers dropped for sending nothing (no heartbeat, no report)
     ready() / fresh(now)        workers that take new requests / of those, the ones placed on now
 
 Every question a decision asks is answered from state kept as reports and assignments come (a worker's
 held requests and reserved pages, the ready and fresh lists, the slots and the largest pool), so a
 decision costs neither a pass over the workers nor one over their requests. `on_change(worker_id)`
 is called whenever anything about a worker changes, so a strategy can keep its own views incremental.
+
+Two clocks per worker: `last_heard` (any message: its I/O thread heartbeats every 0.25 s whatever its step
+does) says whether it is alive, and is what `worker_timeout_s` measures; `last_report` (reports come after
+each step) says whether what it reported is recent enough to place on (`stale_after_s`). A worker in a long
+step (its heartbeats say how long: `step_s`) is alive but not fresh: nothing new goes there until it reports.
+At most `max_workers` are registered; a report from one more worker id is refused (`on_report` returns no view).
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loraserve.scheduler.batch_share import Holdings
 from loraserve.scheduler.config import ClusterConfig
 from loraserve.scheduler.decisions import CancelOn, Decision, Fail, QueuedRequest, WorkerGone
-from loraserve.wire import AdapterKey, WorkerReport
+from loraserve.wire import AdapterKey, Heartbeat, WorkerReport
 
 Placed = tuple[str, "QueuedRequest | None"]  # (worker id, request); None: adopted (placed by an earlier scheduler)
 Reported = tuple["WorkerView | None", list[Decision], list[QueuedRequest]]  # `on_report`'s answer
@@ -48,8 +56,11 @@ class WorkerView:
     prefixes: frozenset[bytes] = frozenset()  # report.cached_prefixes, from the last report that carried them
     held: int = 0  # requests held: reported running/waiting plus assignments not reported yet
     reserved_pages: int = 0  # KV pages that assignments not reported yet will take
+    last_heard: float = field(init=False)  # when any message (report or heartbeat) last came from it
+    step_s: float = 0.0  # how long its step under way has run, as its last heartbeat said (0 after a report)
 
     def __post_init__(self) -> None:
+        self.last_heard = self.last_report
         self.resident = frozenset(map(tuple, self.report.resident or ()))  # type: ignore[arg-type]
         self.running = frozenset(self.report.running)
         self.reported = self.running | frozenset(self.report.waiting)
@@ -57,6 +68,7 @@ class WorkerView:
 
     def update(self, report: WorkerReport, now: float) -> None:
         old, self.report, self.last_report = self.report, report, now
+        self.last_heard, self.step_s = now, 0.0
         if report.cached_prefixes is not None:
             self.prefixes = frozenset(report.prefixes())
         if report.resident is not None:
@@ -88,6 +100,7 @@ class ClusterView:
         self.workers: dict[str, WorkerView] = {}
         self.placed: dict[str, Placed] = {}
         self.in_flight: Counter[str] = Counter()  # tenant -> requests it holds on workers (placed by us)
+        self.holdings = Holdings()  # per worker: the requests placed there by client request and by tenant
         self._zombies: OrderedDict[str, str] = OrderedDict()  # dropped worker -> its instance
         self._ready: list[WorkerView] | None = None
         self._max_tokens = 0  # the most tokens one request may take on some ready worker's pool
@@ -114,13 +127,14 @@ class ClusterView:
         return request.prompt_len + request.max_new_tokens <= self._max_tokens
 
     def fresh(self, now: float) -> list[WorkerView]:
-        """Ready workers whose last report is recent enough to place on. The list is looked at again only
-        when the ready list changes or its oldest member may have gone stale, and is a new list only when
-        its members changed."""
+        """Ready workers whose last report is recent enough to place on, and whose step under way (as its
+        heartbeats say) is not longer than that. The list is looked at again only when the ready list
+        changes, its oldest member may have gone stale, or a heartbeat says a member's step got long; it
+        is a new list only when its members changed."""
         ready = self.ready()
         if now > self._fresh_until or now < self._fresh_at:
             fresh_s = self.config.fresh_s
-            fresh = [w for w in ready if now - w.last_report <= fresh_s]
+            fresh = [w for w in ready if now - w.last_report <= fresh_s and w.step_s <= fresh_s]
             if fresh != self._fresh:  # the same workers: the same list, so views made for it stay
                 self._fresh = fresh
                 self._fresh_ids = frozenset(w.worker_id for w in fresh)
@@ -159,6 +173,8 @@ class ClusterView:
                     return None, [*decisions, CancelOn(report.worker_id, held, "this worker was dropped")], []
                 if report.fatal:
                     return None, decisions, []
+            if len(self.workers) >= self.config.max_workers:  # refused: its requests, if any, are not adopted
+                return None, decisions, []
             self._zombies.pop(report.worker_id, None)
             view = self.workers[report.worker_id] = WorkerView(report.worker_id, now, report)
             for request_id in (*report.running, *report.waiting):  # adopted (this scheduler restarted)
@@ -187,11 +203,26 @@ class ClusterView:
         self._count(view)
         return view, decisions, finished
 
+    def on_heartbeat(self, heartbeat: Heartbeat, now: float) -> bool:
+        """A heartbeat: a registered worker (this process of it) is alive, its step under way has run
+        `step_s`. False (nothing changed) for a worker that is not registered, or another process under
+        its id: only a report registers, or replaces, a worker."""
+        view = self.workers.get(heartbeat.worker_id)
+        if view is None or heartbeat.instance != view.report.instance:
+            return False
+        view.last_heard = now
+        fresh_s = self.config.fresh_s
+        if heartbeat.step_s > fresh_s >= view.step_s and view.worker_id in self._fresh_ids:
+            self._fresh_until = -1.0  # its step got long: look at the fresh list again
+        view.step_s = heartbeat.step_s
+        return True
+
     def place(self, view: WorkerView, request: QueuedRequest, now: float) -> None:
         request.placed_at = now
         view.assigned.add(request.request_id)
         self.placed[request.request_id] = (view.worker_id, request)
         self.in_flight[request.tenant] += 1
+        self.holdings.add(view.worker_id, request)
         view.held += 1
         view.reserved_pages += kv_pages(request, view.report.tokens_per_page)
         self.on_change(view.worker_id)
@@ -221,16 +252,16 @@ class ClusterView:
         return decisions
 
     def silent(self, now: float) -> list[Decision]:
-        """Drop the workers that stopped reporting for `worker_timeout_s` (a pass over them only when the
-        oldest report may be that old)."""
+        """Drop the workers that sent nothing (no heartbeat, no report) for `worker_timeout_s` (a pass over
+        them only when the oldest message may be that old)."""
         timeout = self.config.worker_timeout_s
         if now - self._oldest <= timeout and now >= self._oldest:
             return []
         decisions: list[Decision] = []
         for view in list(self.workers.values()):
-            if now - view.last_report > timeout:
-                decisions += self.drop(view, f"worker {view.worker_id} stopped responding")
-        self._oldest = min((w.last_report for w in self.workers.values()), default=now)
+            if now - view.last_heard > timeout:
+                decisions += self.drop(view, f"worker {view.worker_id} stopped responding (nothing for {timeout:g} s)")
+        self._oldest = min((w.last_heard for w in self.workers.values()), default=now)
         return decisions
 
     def _forget(self, request_id: str) -> Placed | None:
@@ -238,6 +269,7 @@ class ClusterView:
         if placed is not None:
             self.on_change(placed[0])
             if placed[1] is not None:
+                self.holdings.remove(placed[0], placed[1])
                 tenant = placed[1].tenant
                 self.in_flight[tenant] -= 1
                 if self.in_flight[tenant] <= 0:

@@ -1,8 +1,9 @@
 """The scheduler policy's settings: the cluster view's, and each strategy's own.
 
-    ClusterConfig     when a worker counts as stale or dead, and how many dropped ones are remembered
+    ClusterConfig     when a worker counts as stale or dead, how many may register, how many dropped ones are remembered
     FcfsConfig        the `fcfs` strategy: the queue's bound and how far prediction looks ahead
     AdaptiveConfig    the `adaptive` strategy: FCFS's settings and those of the parts in this package
+    BatchShareConfig  the batch slots one client request and one tenant may hold (`batch_share.py`)
     PolicyConfig      which strategy runs (`--policy`), with every config above
 
 Each setting has one default, here, and its help in the field's metadata.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from loraserve.errors import InvalidConfigError
+from loraserve.scheduler.batch_share import BatchShareConfig
 from loraserve.scheduler.cost_model import StepCost
 from loraserve.scheduler.queues import SizeClasses
 
@@ -34,16 +36,26 @@ def _check(ok: bool, config: object) -> None:
 class ClusterConfig:
     """The cluster view's settings (`cluster.py`)."""
 
+    # Liveness is "the process answers", not "its last step was short": a worker's I/O thread sends a heartbeat
+    # every 0.25 s whatever its step loop does, so a CPU-starved worker in a long step stays (a killed one is
+    # seen at once by the socket monitor, `loop.py`). 5 s: a stopped process, or one whose I/O thread cannot
+    # run for that long even on a loaded 2-core machine.
     worker_timeout_s: float = _setting(
-        1.5, "seconds without a report before a worker is dropped (its requests fail over); workers report every 0.25 s"
+        5.0,
+        "seconds without any message from a worker (heartbeat or report) before it is dropped (its requests "
+        "fail over); workers send a heartbeat every 0.25 s from their I/O thread, however long their step",
     )
     stale_after_s: float = _setting(
-        0.75, "seconds without a report after which nothing new is placed on a worker (at most worker_timeout_s)"
+        0.75,
+        "seconds without a report (sent after each step) or in one step after which nothing new is placed on a "
+        "worker (at most worker_timeout_s)",
     )
     max_zombies: int = _setting(1024, "dropped workers remembered, to recognise one that comes back")
+    max_workers: int = _setting(1024, "workers registered at once; a report from one more worker id is refused")
 
     def __post_init__(self) -> None:
         _check(self.worker_timeout_s > 0 and self.stale_after_s > 0 and self.max_zombies >= 0, self)
+        _check(self.max_workers >= 1, self)
 
     @property
     def fresh_s(self) -> float:
@@ -130,6 +142,9 @@ class PolicyConfig:
     adaptive: AdaptiveConfig = field(
         default_factory=AdaptiveConfig, metadata={"help": "the adaptive strategy's settings"}
     )
+    share: BatchShareConfig = field(
+        default_factory=BatchShareConfig, metadata={"help": "batch shares of a client request and a tenant"}
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -140,7 +155,7 @@ class PolicyConfig:
         """`policy` with settings named by field: a cluster setting goes to the cluster view, any other to
         each strategy config that has it (the shared ones, such as max_queue_length, to both)."""
         config = cls(policy)
-        parts = {"cluster": config.cluster, "fcfs": config.fcfs, "adaptive": config.adaptive}
+        parts = {"cluster": config.cluster, "fcfs": config.fcfs, "adaptive": config.adaptive, "share": config.share}
         taken: set[str] = set()
         for name, part in parts.items():
             mine = {k: v for k, v in settings.items() if k in {f.name for f in fields(part)}}

@@ -31,6 +31,11 @@ class QueuedRequest:
     placed_at: float = 0.0  # when it was assigned to a worker (set by the policy)
     group: str | None = None  # shared prefill: placed beside the group's other requests when there is room
     prefix: PrefixProbe | None = None  # prefix caching: its checkpoint fingerprints (adaptive placement)
+    request_key: str = ""  # the client request it belongs to (its batch share is counted per key); "": its id
+
+    def __post_init__(self) -> None:
+        if not self.request_key:  # a request of its own
+            self.request_key = self.request_id
 
 
 # ---- decisions -------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ of them is told to prefetch it, and told again only when what it lacks changes.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 from loraserve.scheduler.cluster import ClusterView, WorkerView
 from loraserve.scheduler.config import FcfsConfig
 from loraserve.scheduler.decisions import Decision, PrefetchOn, QueuedRequest
@@ -21,6 +23,7 @@ class FcfsStrategy:
     """The baseline strategy (module docstring), over the policy's cluster view."""
 
     name = "fcfs"
+    tenant_fair = False  # no fairness between tenants: no tenant batch share either (`batch_share.py`)
 
     def __init__(self, config: FcfsConfig | None, cluster: ClusterView):
         self.config = config or FcfsConfig()
@@ -45,12 +48,13 @@ class FcfsStrategy:
             self._sent.pop(worker_id, None)
 
     # ---- placement -----------------------------------------------------------------------------
-    def choose(self, request: QueuedRequest, now: float) -> WorkerView | None:
-        """The busiest fresh worker with batch and pool room, then one holding the adapter, then the largest id."""
+    def choose(self, request: QueuedRequest, now: float, excluded: AbstractSet[str] = frozenset()) -> WorkerView | None:
+        """The busiest fresh worker with batch and pool room, then one holding the adapter, then the largest id
+        (none of `excluded`)."""
         adapter = request.adapter
         best, best_key = None, None
         for w in self.cluster.fresh(now):
-            if not w.has_room(request):
+            if not w.has_room(request) or w.worker_id in excluded:
                 continue
             key = (w.held, adapter is not None and adapter in w.resident, w.worker_id)
             if best_key is None or key > best_key:

@@ -12,6 +12,7 @@ C-level list moves and O(adapters that changed) in set updates; a placement cost
 from __future__ import annotations
 
 import bisect
+from collections.abc import Set as AbstractSet
 
 from loraserve.scheduler.placement import BY_LOAD, Demand, Placement, WorkerLoad
 from loraserve.wire import AdapterKey
@@ -47,14 +48,19 @@ class LoadIndex:
             for adapter in load.adapters - old.adapters:
                 self._holders.setdefault(adapter, set()).add(worker_id)
 
-    def choose(self, placement: Placement, d: Demand, need_room: bool = True) -> WorkerLoad | None:
-        """`placement.choose` over every worker, costing only the candidates in a large cluster."""
+    def choose(
+        self, placement: Placement, d: Demand, need_room: bool = True, excluded: AbstractSet[str] = frozenset()
+    ) -> WorkerLoad | None:
+        """`placement.choose` over every worker but `excluded`, costing only the candidates in a large cluster."""
         if len(self.loads) <= placement.prune_above:
-            return placement.choose(self.loads, d, need_room)
+            loads = [w for w in self.loads if w.worker_id not in excluded] if excluded else self.loads
+            return placement.choose(loads, d, need_room)
         loads, position, keep = self.loads, self.position, placement.prune_keep
         tokens = d.prompt_len + d.max_new_tokens
 
         def fits(w: WorkerLoad) -> bool:
+            if w.worker_id in excluded:
+                return False
             return not need_room or (
                 w.requests < w.max_batch and -(-tokens // max(1, w.tokens_per_page)) <= w.room_pages
             )

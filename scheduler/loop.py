@@ -6,15 +6,20 @@ workers, tell gateways about failures). A timer runs a round every `tick_s` even
 arrives, so dead workers and expired deadlines are noticed. A monitor on the workers' socket
 turns a disconnect (a killed worker's TCP connection closing) into a probe of every worker, so a
 dead one is dropped at once instead of after `worker_timeout_s` (a stopped one, whose connection
-stays open, is caught by its missing reports). The monitor is drained as fast as events come and
+stays open, is caught by its silence: a live worker's I/O thread sends a heartbeat every 0.25 s,
+however long its step, and any message keeps it). The monitor is drained as fast as events come and
 probes are coalesced, at most one round per `PROBE_INTERVAL_S`: connection churn from strangers
 costs the scheduler a bounded amount of work and never stalls the workers' socket.
 
 Nothing from outside reaches the policy unchecked: a Submit arrives as its `RequestSpec`, built and
 checked by the Submit servicer (`scheduler/submit.py`) against the same limits a worker's decoder
 will apply to the ASSIGN that carries it, and worker messages are checked by `wire.decode`; a bad
-one is logged (rate-limited per peer and kind) and dropped. The receive task and the round task run under
-`loraserve.supervise.run_tasks`: if either dies, `run` raises instead of leaving a zombie.
+one is logged (rate-limited per peer and kind) and dropped. A worker speaks only for itself (its
+worker id is its connection's routing identity), at most `max_workers` register, and a turn of worker
+messages is bounded in count and time (`scheduler/worker_inbox.py`), so a flood of reports cannot stall
+the loop. The
+receive task and the round task run under `loraserve.supervise.run_tasks`: if either dies, `run`
+raises instead of leaving a zombie.
 """
 
 from __future__ import annotations
@@ -54,14 +59,14 @@ from loraserve.scheduler.policy import (
 )
 from loraserve.scheduler.quotas import QuotaExceededError, TokenQuotas
 from loraserve.scheduler.submit import check_hint, queued_from_spec
+from loraserve.scheduler.worker_inbox import MAX_WORKER_MESSAGE_BYTES, WORKER_QUEUE, WorkerInbox
 from loraserve.sockets import PushSockets, make_socket, send, sent_or_raise
 from loraserve.supervise import run_tasks
 from loraserve.v1 import scheduler_pb2
-from loraserve.wire import Assign, Cancel, Prefetch, Tokens, WireError, WorkerReport, decode
+from loraserve.wire import Assign, Cancel, Heartbeat, Prefetch, Tokens, WorkerReport
 
 log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.5  # at most one probe of every worker per this, however many disconnects
-REPORTS_PER_TURN = 256  # worker messages read at once before the event loop's other work gets a turn
 
 
 @dataclass
@@ -85,13 +90,16 @@ class SchedulerLoop:
         self._auth = keys.authenticator(self.ctx) if keys is not None else None
         try:
             self.workers = make_socket(
-                self.ctx, zmq.ROUTER, bind=worker_address, curve=keys.server() if keys is not None else None
+                self.ctx,
+                zmq.ROUTER,
+                bind=worker_address,
+                curve=keys.server() if keys is not None else None,
+                rcvhwm=WORKER_QUEUE,  # a flood waits at its sender
+                max_message_bytes=MAX_WORKER_MESSAGE_BYTES,
             )
         except BaseException:
             self._stop_auth()
             raise
-        # The same socket without asyncio's future per message: what has already arrived is read through it.
-        self._arrived = zmq.Socket.shadow(self.workers.underlying)
         self.gateways = PushSockets(self.ctx, curve=keys.client_of("gateway") if keys is not None else None)
         self.pending: dict[str, _Pending] = {}
         self.quotas = TokenQuotas()  # each tenant's tokens_per_minute, for every gateway at once
@@ -99,9 +107,17 @@ class SchedulerLoop:
         self.tick_s = tick_s
         self.instance = uuid.uuid4().hex  # in ClusterState: gateways tell a restarted scheduler by it
         self._wake = asyncio.Event()
+        self._round_s = 0.0  # how long the last scheduling round took
         self._dropped = RateLimitedLog(log)
         self._disconnects = DisconnectWatch(self.ctx, self.workers)
         self._disconnected = asyncio.Event()
+        self.inbox = WorkerInbox(
+            self.workers,
+            Dispatcher({WorkerReport: self._on_report, Heartbeat: self._on_heartbeat}),
+            registered=policy.workers,
+            max_workers=lambda: policy.cluster.config.max_workers,
+            turn_ended=self._turn_ended,
+        )
         self._decide = Dispatcher(
             {
                 AssignTo: self._assign,
@@ -114,15 +130,17 @@ class SchedulerLoop:
         )
 
     # ---- gRPC entry points (called by service.py) ----------------------------------------------
-    def submit(self, spec: RequestSpec, tokens_per_minute: int, metadata) -> int:
-        """Queue a request the Submit servicer turned into its spec (`scheduler/submit.py`); its position."""
+    def submit(self, spec: RequestSpec, tokens_per_minute: int, metadata, request_cost: int = 0) -> int:
+        """Queue a request the Submit servicer turned into its spec (`scheduler/submit.py`); its position.
+        `request_cost`: its whole client request's token cost, charged once per `spec.request_key` (0: alone)."""
         if spec.request_id in self.pending or spec.request_id in self.policy.placed:
             raise InvalidRequestError("request_id", f"{spec.request_id!r} is already in use")
         now = time.time()
         max_new_tokens = spec.sampling.max_new_tokens
         cost = 0 if spec.attempt else len(spec.prompt_ids) + max_new_tokens  # attempts: charged once
+        group = (spec.request_key, 0 if spec.attempt else request_cost)
         try:
-            self.quotas.charge(spec.tenant, tokens_per_minute, cost, now)
+            charged = self.quotas.charge(spec.tenant, tokens_per_minute, cost, now, group=group)
         except QuotaExceededError:
             metrics.REFUSED.labels("RESOURCE_EXHAUSTED").inc()
             raise
@@ -132,7 +150,7 @@ class SchedulerLoop:
         try:
             position = self.policy.add(queued, now, resumed=spec.attempt > 0)
         except Exception as e:
-            self.quotas.refund(spec.tenant, tokens_per_minute, cost, now)
+            self.quotas.refund(spec.tenant, tokens_per_minute, charged, now, group=group, refusal=e)
             metrics.REFUSED.labels(getattr(e, "status", "INTERNAL")).inc()
             span.record_exception(e)
             span.end()
@@ -175,7 +193,7 @@ class SchedulerLoop:
         """Receive and schedule until `stop` is set (or cancelled); raises RoleFailed if either task dies."""
         try:
             tasks = {
-                "receive worker messages": self._receive(),
+                "receive worker messages": self.inbox.run(),
                 "scheduling rounds": self._rounds(),
                 "watch worker connections": self._watch_connections(),
                 "probe workers after disconnects": self._probe_workers(),
@@ -191,38 +209,28 @@ class SchedulerLoop:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.tick_s)
 
-    async def _receive(self) -> None:
-        """Worker reports: one awaited, then those already waiting (up to REPORTS_PER_TURN) read without
-        waiting, before the loop's other work gets its turn and a round runs on all of them."""
-        while True:
-            self._on_worker_message(await self.workers.recv_multipart())
-            for _ in range(REPORTS_PER_TURN):
-                try:
-                    frames = self._arrived.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_worker_message(frames)
-            self._wake.set()
-            await asyncio.sleep(0)
+    def _turn_ended(self) -> float:
+        """A turn of worker messages was read: the round runs on them next. How long the last round took."""
+        self._wake.set()
+        return self._round_s
 
-    def _on_worker_message(self, frames: list[bytes]) -> None:
-        identity, body = frames[0], frames[1:]
-        try:
-            message = decode(body)
-        except WireError as e:
-            self._dropped.warning(identity, "malformed message", "dropped: %s", e)
+    def _on_report(self, report: WorkerReport) -> None:
+        known = report.worker_id in self.policy.workers
+        self._execute(self.policy.on_report(report, time.time()))
+        if not known and report.worker_id in self.policy.workers:
+            log.info("worker %s registered (ready=%s, %d pages)", report.worker_id, report.ready, report.total_pages)
+
+    def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        """Keep the worker alive; a step that has run past the worker timeout is logged (it would have been
+        taken for a dead worker before heartbeats), and placement avoids it until it reports."""
+        if not self.policy.on_heartbeat(heartbeat, time.time()):
             return
-        if not isinstance(message, WorkerReport) or message.worker_id.encode() != identity:
-            self._dropped.warning(identity, type(message).__name__, "dropped: workers send only their own reports")
-            return
-        known = message.worker_id in self.policy.workers
-        self._execute(self.policy.on_report(message, time.time()))
-        if not known:
-            log.info(
-                "worker %s registered (ready=%s, %d pages)",
-                message.worker_id,
-                message.ready,
-                message.total_pages,
+        if heartbeat.step_s >= self.policy.cluster.config.worker_timeout_s:
+            self._dropped.warning(
+                heartbeat.worker_id,
+                "slow step",
+                "a step of %.1f s so far; kept (it heartbeats), nothing new placed",
+                heartbeat.step_s,
             )
 
     async def _watch_connections(self) -> None:
@@ -246,7 +254,9 @@ class SchedulerLoop:
             await asyncio.sleep(PROBE_INTERVAL_S)
 
     def _run_round(self) -> None:
+        started = time.perf_counter()
         self._execute(self.policy.schedule(time.time()))
+        self._round_s = time.perf_counter() - started
         metrics.QUEUE_LENGTH.set(len(self.policy.queue))
         metrics.READY_WORKERS.set(len(self.policy.ready_workers()))
 
@@ -293,10 +303,18 @@ class SchedulerLoop:
     def _migrate(self, decision: Migrate) -> None:
         """Its gateway submits it again (retry), then its worker drops it: the new attempt has its own id."""
         metrics.MIGRATED.inc()
-        self._fail(decision.request, "UNAVAILABLE", decision.reason, retry=True, count=False)
+        self._fail(decision.request, "UNAVAILABLE", decision.reason, retry=True, count=False, moved=True)
         self._to_worker(decision.worker_id, Cancel([decision.request.request_id], decision.reason))
 
-    def _fail(self, request: QueuedRequest, status: str, message: str, retry: bool = False, count: bool = True) -> None:
+    def _fail(
+        self,
+        request: QueuedRequest,
+        status: str,
+        message: str,
+        retry: bool = False,
+        count: bool = True,
+        moved: bool = False,
+    ) -> None:
         if count:
             metrics.FAILED.labels(status).inc()
         pending = self.pending.pop(request.request_id, None)
@@ -305,7 +323,9 @@ class SchedulerLoop:
             pending.span.end()
         self.policy.forget(request.request_id)
         try:
-            failure = Tokens(request.request_id, [], finished=True, error_status=status, error=message, retry=retry)
+            failure = Tokens(
+                request.request_id, [], finished=True, error_status=status, error=message, retry=retry, moved=moved
+            )
             send(self.gateways.get(request.reply_to), failure, flags=zmq.NOBLOCK)
         except (zmq.ZMQError, BadEndpointError) as e:  # zmq.Again: the gateway is not taking messages
             self._dropped.warning(

@@ -2,7 +2,8 @@
 
     policy.add(request, now)            admit to the bounded queue (or refuse)
     policy.cancel(request_id)           -> decisions
-    policy.on_report(report, now)       a worker's state after a step (or a heartbeat)
+    policy.on_report(report, now)       a worker's state after a step (or when idle)
+    policy.on_heartbeat(heartbeat, now) a worker is alive (sent by its I/O thread, whatever its step does)
     policy.schedule(now)                -> decisions: assignments, prefetch hints, failures
 
 It composes two parts: the cluster view (`cluster.py`: workers, their reports, which worker holds which
@@ -16,13 +17,18 @@ strategy chooses; a request of a prefill group (`QueuedRequest.group`: the n cho
 goes to the worker its group's last request went to while that worker has room, whatever else
 placement would choose: there the prompt is computed once. Between reports the cluster view counts
 the policy's own assignments against a worker's room, so a burst is not piled onto one worker.
+Neither goes to a worker where the request's client request, or (under a strategy fair between tenants,
+while another tenant has requests queued) its tenant, already holds its share of the batch slots
+(`batch_share.py`): such a request stays queued, and the round skips its client request's (or its
+tenant's) other requests instead of passing over them one by one.
 
-Failure: a worker that stops reporting for `worker_timeout_s` is dropped, and every request it
+Failure: a worker that sends nothing (no heartbeat, no report) for `worker_timeout_s` is dropped, and every request it
 held fails with UNAVAILABLE marked `retry` (the gateway fails it over to another worker with the
 tokens already streamed); so is one the loop could not deliver a message to (`unreachable`: the
 loop probes every worker when its socket monitor sees a disconnect), at once, and the request
 whose ASSIGN bounced goes back to the head of the queue (it never started). Placement skips a
-worker whose last report is older than `stale_after_s`, before it is declared dead, and one that
+worker whose last report is older than `stale_after_s` (or whose step under way, as its heartbeats say,
+has run longer: it is alive but slow), before it is declared dead, and one that
 is draining. A report from a new process under a known worker id (its `instance` changed) drops
 the old one the same way before registering the new one.
 
@@ -44,6 +50,7 @@ from collections import OrderedDict
 
 from loraserve.errors import ResourceExhaustedError, UnavailableError
 from loraserve.scheduler.adaptive_strategy import AdaptiveStrategy
+from loraserve.scheduler.batch_share import NOT_FULL, BatchShare, Full
 from loraserve.scheduler.cluster import ClusterView, WorkerView
 from loraserve.scheduler.config import POLICIES, PolicyConfig
 from loraserve.scheduler.decisions import (
@@ -57,7 +64,7 @@ from loraserve.scheduler.decisions import (
     WorkerGone,
 )
 from loraserve.scheduler.fcfs import FcfsStrategy
-from loraserve.wire import WorkerReport
+from loraserve.wire import Heartbeat, WorkerReport
 
 __all__ = [
     "POLICIES",
@@ -74,7 +81,7 @@ __all__ = [
 ]
 
 MAX_GROUPS = 4096  # prefill groups whose worker placement remembers (the most recent)
-MAX_PASSED = 64  # requests a round may pass over (they could not be placed) before it stops
+MAX_PASSED = 64  # requests (or client requests held by their share) a round passes over before it stops
 Strategy = FcfsStrategy | AdaptiveStrategy
 
 
@@ -94,6 +101,7 @@ class SchedulerPolicy:
             else FcfsStrategy(self.config.fcfs, self.cluster)
         )
         self.cluster.on_change = self.strategy.worker_changed
+        self.share = BatchShare(self.config.share, self.cluster.holdings)
         self.queue = self.strategy.queue
         self.workers = self.cluster.workers  # worker id -> its view
         self.placed = self.cluster.placed  # request id -> (worker id, request; None when adopted)
@@ -162,6 +170,10 @@ class SchedulerPolicy:
             decisions += self.cluster.drop(view, f"worker {report.worker_id} {how}: {report.fatal}")
         return decisions
 
+    def on_heartbeat(self, heartbeat: Heartbeat, now: float) -> bool:
+        """A registered worker is alive (False: it is not registered, or not under this instance)."""
+        return self.cluster.on_heartbeat(heartbeat, now)
+
     def unreachable(self, worker_id: str, request_id: str | None = None) -> list[Decision]:
         """A message to `worker_id` could not be delivered: the worker is gone. Drop it (what it held
         fails) and put `request_id`, whose ASSIGN bounced, back at the head of the queue."""
@@ -218,19 +230,23 @@ class SchedulerPolicy:
             return decisions, False
         held = False
         passed: set[str] = set()  # could not be placed this round (adaptive: others may overtake them)
+        at_share: set[str] = set()  # client requests held back by their share this round: skipped
         cap = self.strategy.tenant_cap(now)
         in_flight = self.cluster.in_flight
         capped = {cap[0]} if cap is not None and in_flight[cap[0]] >= cap[1] else set()
-        while len(passed) < MAX_PASSED and (request := self.queue.next_candidate(now, passed, capped)) is not None:
-            worker = self._choose(request, now)
+        while (
+            len(passed) + len(at_share) < MAX_PASSED
+            and (request := self.queue.next_candidate(now, passed, capped, at_share)) is not None
+        ):
+            worker, full = self._within_share(request, now)
             if worker is not None and self.strategy.hold(request, worker, now):
                 passed.add(request.request_id)
                 held = True
                 continue
             if worker is None:
-                passed.add(request.request_id)
                 if not any(w.held < w.report.max_batch_size for w in self.cluster.fresh(now)):
                     break  # no batch room anywhere: nobody can be placed
+                self._pass(request, full, now, passed, at_share, capped)
                 continue
             self.queue.remove(request.request_id)
             self.cluster.place(worker, request, now)
@@ -242,15 +258,39 @@ class SchedulerPolicy:
                 capped.add(request.tenant)
         return decisions, held
 
-    def _choose(self, request: QueuedRequest, now: float) -> WorkerView | None:
-        beside = self._beside_group(request, now)
-        return beside if beside is not None else self.strategy.choose(request, now)
+    def _within_share(self, request: QueuedRequest, now: float) -> tuple[WorkerView | None, Full]:
+        """Where `request` goes now within its shares, and the workers where it is at one. Its tenant's
+        share is looked at across the workers only when the worker chosen without it is at it."""
+        full = self.share.full(request, self.workers, False)
+        worker = self._choose(request, now, full.workers)
+        others_waiting = self.strategy.tenant_fair and self.queue.tenants_waiting() > 1
+        if worker is not None and others_waiting and self.share.tenant_full(request, worker):
+            full = self.share.full(request, self.workers, True)
+            worker = self._choose(request, now, full.workers)
+        return worker, full
 
-    def _beside_group(self, request: QueuedRequest, now: float) -> WorkerView | None:
+    def _pass(
+        self, request: QueuedRequest, full: Full, now: float, passed: set[str], at_share: set[str], capped: set[str]
+    ) -> None:
+        """`request` could not be placed: pass over it; or, where its share held it back from a worker with
+        room, skip its tenant (at its share on every fresh worker) or its client request for the round."""
+        if full is NOT_FULL:
+            passed.add(request.request_id)
+            return
+        at_share.add(request.request_key)
+        if all(w.worker_id in full.by_tenant for w in self.cluster.fresh(now)):
+            capped.add(request.tenant)
+
+    def _choose(self, request: QueuedRequest, now: float, full: frozenset[str] = frozenset()) -> WorkerView | None:
+        """Where `request` goes now (None: nowhere), never to a worker in `full` (at its share there)."""
+        beside = self._beside_group(request, now, full)
+        return beside if beside is not None else self.strategy.choose(request, now, full)
+
+    def _beside_group(self, request: QueuedRequest, now: float, full: frozenset[str]) -> WorkerView | None:
         """The worker the request's prefill group went to, when it is fresh and has room for the request:
         there the prompt is computed once (shared prefill), whatever the strategy would choose."""
         worker_id = self._group_workers.get(request.group) if request.group is not None else None
-        view = self.workers.get(worker_id) if worker_id is not None else None
+        view = self.workers.get(worker_id) if worker_id is not None and worker_id not in full else None
         if view is None or not self.cluster.is_fresh(view, now):
             return None
         return view if self.strategy.fits(view, request, now) else None

@@ -4,15 +4,19 @@ Both hold `QueuedRequest`s by id and answer the same questions:
 
     push(request, front)        queue it (front: a resumed request, admitted before)
     remove(request_id)          -> the request, or None
-    next_candidate(now, passed, capped)
+    next_candidate(now, passed, capped, at_share)
                                 the next request to try to place, given those that could not be
-                                placed this round (`passed`) and the tenants at their share of the
-                                batch slots (`capped`); None: stop placing this round
+                                placed this round (`passed`), the tenants at their share of the
+                                batch slots (`capped`) and the client requests at theirs (`at_share`,
+                                by `request_key`: skipped, never a reason to stop); None: stop
+                                placing this round
+    tenants_waiting()           how many tenants have requests queued
     taken(request)              it was placed (fairness counters are charged here)
     ahead(request, now)         about how many queued requests go before it (for admission)
     iteration                   request ids in dispatch order (prediction, tests)
 
-`FifoQueue` is today's baseline: first come, first served, the head waits and nobody overtakes it.
+`FifoQueue` is today's baseline: first come, first served, the head waits and nobody overtakes it
+(except a head held back by its batch share: skipped, it waits where it is).
 
 `MultiQueue` (Chameleon, Iliakopoulou et al. 2024, §4): a request's *weighted size* is its prompt,
 plus its expected output, plus a term for its adapter's rank (a big adapter costs a load and LoRA
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,23 +69,40 @@ class FifoQueue(_Entries):
 
     def __init__(self) -> None:
         self._entries: OrderedDict[str, QueuedRequest] = OrderedDict()
+        self._tenants: Counter[str] = Counter()  # tenant -> its requests queued
 
     def values(self) -> list[QueuedRequest]:
         return list(self._entries.values())
 
     def push(self, request: QueuedRequest, front: bool = False) -> None:
+        if request.request_id not in self._entries:
+            self._tenants[request.tenant] += 1
         self._entries[request.request_id] = request
         if front:
             self._entries.move_to_end(request.request_id, last=False)
 
     def remove(self, request_id: str) -> QueuedRequest | None:
-        return self._entries.pop(request_id, None)
+        request = self._entries.pop(request_id, None)
+        if request is not None:
+            self._tenants[request.tenant] -= 1
+            if not self._tenants[request.tenant]:
+                del self._tenants[request.tenant]
+        return request
 
     def clear(self) -> None:
         self._entries.clear()
+        self._tenants.clear()
 
-    def next_candidate(self, now: float, passed: set[str], capped: Collection[str] = ()) -> QueuedRequest | None:
-        head = next(iter(self._entries.values()), None)
+    def tenants_waiting(self) -> int:
+        return len(self._tenants)
+
+    def next_candidate(
+        self, now: float, passed: set[str], capped: Collection[str] = (), at_share: Collection[str] = ()
+    ) -> QueuedRequest | None:
+        """The head, past those held back by their share (`capped`, `at_share`); None if it was passed."""
+        head = next(
+            (r for r in self._entries.values() if r.tenant not in capped and r.request_key not in at_share), None
+        )
         return None if head is None or head.request_id in passed else head
 
     def taken(self, request: QueuedRequest) -> None:
@@ -175,35 +196,48 @@ class MultiQueue(_Entries):
         for request_id in list(self._entries):
             self.remove(request_id)
 
-    def _live(self, queue: deque[tuple[int, str]], passed: set[str]) -> QueuedRequest | None:
-        """The first live entry of `queue` not in `passed` (dropping stale entries at its head)."""
+    def _live(
+        self, queue: deque[tuple[int, str]], passed: Collection[str], at_share: Collection[str] = ()
+    ) -> QueuedRequest | None:
+        """The first live entry of `queue` not in `passed` nor of a client request in `at_share` (dropping
+        stale entries at its head)."""
         while queue and not self._is_live(queue[0]):
             queue.popleft()
         for seq, request_id in queue:
             if request_id not in passed and self._is_live((seq, request_id)):
-                return self._entries[request_id][1]
+                request = self._entries[request_id][1]
+                if request.request_key not in at_share:
+                    return request
         return None
 
     def _is_live(self, item: tuple[int, str]) -> bool:
         entry = self._entries.get(item[1])
         return entry is not None and entry[0] == item[0]
 
-    def next_candidate(self, now: float, passed: set[str], capped: Collection[str] = ()) -> QueuedRequest | None:
+    def next_candidate(
+        self, now: float, passed: set[str], capped: Collection[str] = (), at_share: Collection[str] = ()
+    ) -> QueuedRequest | None:
         # resumed ones first, in order; a passed one stops the round (nobody overtakes it)
         while self._resumed and not self._is_live(self._resumed[0]):
             self._resumed.popleft()
         if self._resumed:
-            request = self._entries[self._resumed[0][1]][1]
-            return None if request.request_id in passed else request
+            request = self._live(self._resumed, (), at_share)  # those held back by their share: skipped
+            if request is not None:
+                return None if request.request_id in passed else request
         # then the tenants by VTC counter; a tenant's candidate is its starved one, else its smallest
         for _, tenant in sorted((self.fairness.counter(t), t) for t in self._tenants if t not in capped):
             oldest = self._oldest(tenant)
-            if oldest is not None and now - oldest.enqueued >= self.starvation_s:
+            if oldest is not None and now - oldest.enqueued >= self.starvation_s and oldest.request_key not in at_share:
                 return None if oldest.request_id in passed else oldest
-            request = next((r for q in self._tenants[tenant] if (r := self._live(q, passed)) is not None), None)
+            request = next(
+                (r for q in self._tenants[tenant] if (r := self._live(q, passed, at_share)) is not None), None
+            )
             if request is not None:
                 return request
         return None
+
+    def tenants_waiting(self) -> int:
+        return len(self._counts)
 
     def _oldest(self, tenant: str) -> QueuedRequest | None:
         heads = [(q[0][0], q[0][1]) for q in self._tenants[tenant] if self._live(q, set()) is not None]

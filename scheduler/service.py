@@ -1,8 +1,16 @@
 """The scheduler's gRPC control plane: Submit, Cancel, GetClusterState, PrepareAdapter, and SubmitStream
-(Submits and hints batched on one call: what gateways use)."""
+(Submits and hints batched on one call: what gateways use).
+
+A SubmitStream batch is bounded (`loraserve/bounds.py`: 256 entries, 8 MiB): a larger one ends the call
+INVALID_ARGUMENT before any of it is looked at (`check_batch`). An allowed batch is taken SUBMIT_CHUNK
+entries at a time, the event loop's other work (worker reports, other gateways' calls, health) getting a
+turn between chunks, so a full batch never holds the loop for more than one chunk's worth (~2-4 ms on the
+development CPU).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -15,10 +23,11 @@ from loraserve.grpc_utils import RETRY_AFTER_KEY, code_and_message
 from loraserve.scheduler.cluster_state import cluster_state
 from loraserve.scheduler.loop import SchedulerLoop
 from loraserve.scheduler.quotas import QuotaExceededError
-from loraserve.scheduler.submit import spec_from_submit
+from loraserve.scheduler.submit import check_batch, spec_from_submit
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
+SUBMIT_CHUNK = 32  # a batch's entries taken before the event loop's other work gets a turn
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -41,13 +50,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         async for batch in batches:
             if self.stopping:  # the gateway fails what waits on this call UNAVAILABLE, and submits elsewhere
                 raise UnavailableError("the scheduler is stopping")
+            check_batch(batch)
+            taken = 0
             for hint in batch.hints:
                 self._hint(hint)
-            yield scheduler_pb2.SubmitStreamResponse(outcomes=[self._outcome(r) for r in batch.requests])
+                taken = await _turn(taken)
+            outcomes = []
+            for request in batch.requests:
+                outcomes.append(self._outcome(request))
+                taken = await _turn(taken)
+            yield scheduler_pb2.SubmitStreamResponse(outcomes=outcomes)
 
     def _submit(self, request: scheduler_pb2.SubmitRequest, trace_context) -> scheduler_pb2.SubmitResponse:
         spec = spec_from_submit(request, time.time())  # the request's one record from here on
-        position = self.loop.submit(spec, request.tokens_per_minute, trace_context)
+        position = self.loop.submit(spec, request.tokens_per_minute, trace_context, request.request_cost)
         return scheduler_pb2.SubmitResponse(queue_position=position, instance=self.loop.instance)
 
     def _outcome(self, request: scheduler_pb2.SubmitRequest) -> scheduler_pb2.SubmitOutcome:
@@ -78,6 +94,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def PrepareAdapter(self, request: scheduler_pb2.PrepareAdapterRequest, context: grpc.aio.ServicerContext):
         worker_id = self.loop.prepare_adapter(request, context.invocation_metadata())
         return scheduler_pb2.PrepareAdapterResponse(worker_id=worker_id)
+
+
+async def _turn(taken: int) -> int:
+    """Count one more entry of a batch taken; after every SUBMIT_CHUNK, let the event loop run its other work."""
+    taken += 1
+    if taken % SUBMIT_CHUNK == 0:
+        await asyncio.sleep(0)
+    return taken
 
 
 def _retry_after_ms(refusal: QuotaExceededError) -> int:

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from loraserve.config_cli import add_config_arguments, config_from_args, setting
+from loraserve.scheduler.batch_share import BatchShareConfig
 from loraserve.scheduler.config import POLICIES, AdaptiveConfig, ClusterConfig, FcfsConfig, PolicyConfig
 
 
@@ -18,10 +19,13 @@ class SchedulerSettings:
     worker_address: str = setting("tcp://127.0.0.1:7101", "ZMQ address workers connect to")
     max_queue_length: int = setting(FcfsConfig.max_queue_length, "requests queued at most; more are refused")
     worker_timeout: float = setting(
-        ClusterConfig.worker_timeout_s, "seconds without a report before a worker is dropped (its requests fail over)"
+        ClusterConfig.worker_timeout_s,
+        "seconds without any message from a worker (it heartbeats every 0.25 s) before it is dropped (its requests "
+        "fail over)",
     )
     stale_after: float = setting(
-        ClusterConfig.stale_after_s, "seconds without a report after which nothing new is placed on a worker"
+        ClusterConfig.stale_after_s,
+        "seconds without a report (or in one step) after which nothing new is placed on a worker",
     )
     prefetch_depth: int = setting(FcfsConfig.prefetch_depth, "queued requests used to predict adapters")
     policy: str = setting(
@@ -37,8 +41,10 @@ POLICY_SKIP = frozenset({"max_queue_length", "prefetch_depth", "worker_timeout_s
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Flags for every setting of the cluster view and the adaptive strategy (fcfs has only the common ones)."""
+    """Flags for every setting of the cluster view, the batch shares and the adaptive strategy (fcfs has only
+    the common ones)."""
     add_config_arguments(parser, ClusterConfig, skip=POLICY_SKIP)
+    add_config_arguments(parser, BatchShareConfig)
     add_config_arguments(parser, AdaptiveConfig, skip=POLICY_SKIP)
 
 
@@ -57,6 +63,7 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
         cluster=config_from_args(ClusterConfig, args, **cluster),
         fcfs=FcfsConfig(**common),
         adaptive=config_from_args(AdaptiveConfig, args, **common),
+        share=config_from_args(BatchShareConfig, args),
     )
 
 

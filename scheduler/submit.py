@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from loraserve.bounds import MAX_ID, MAX_LIST
+from loraserve.bounds import MAX_ID, MAX_LIST, MAX_SUBMIT_BATCH, MAX_SUBMIT_BATCH_BYTES
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
 from loraserve.names import SHA256_HEX, TENANT_NAME
@@ -49,6 +49,7 @@ def spec_from_submit(request: scheduler_pb2.SubmitRequest, now: float) -> Reques
         attempt=request.attempt,
         group=request.prefill_group or None,
         cache_salt=request.cache_salt,
+        request_key=request.request_key,
     )
 
 
@@ -67,7 +68,7 @@ def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
         raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
     if len(request.adapter) > MAX_ID:
         raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
-    for name in ("prefill_group", "cache_salt"):
+    for name in ("prefill_group", "cache_salt", "request_key"):
         if len(getattr(request, name)) > MAX_ID:
             raise InvalidRequestError(name, f"must be at most {MAX_ID} characters")
     _check_adapter_and_tenant(request)
@@ -99,6 +100,7 @@ def queued_from_spec(spec: RequestSpec) -> QueuedRequest:
         attempt=spec.attempt,
         group=spec.group,
         prefix=_prefix_probe(spec),
+        request_key=spec.request_key,
     )
 
 
@@ -112,6 +114,24 @@ def _prefix_probe(spec: RequestSpec) -> PrefixProbe | None:
         identity = adapter_identity(spec.adapter, spec.adapter_version, spec.adapter_sha256)
     tokens = spec.prompt_ids + spec.output_ids if spec.output_ids else spec.prompt_ids
     return PrefixProbe(chain_root(spec.cache_salt, identity), tokens)
+
+
+def check_batch(batch: scheduler_pb2.SubmitStreamRequest) -> None:
+    """Refuse a SubmitStream batch over the caps (`loraserve/bounds.py`), before any of it is looked at:
+    the gateway splits its writes under both, so a larger one is a caller's mistake (or an attack on the
+    scheduler's loop), and ends the call."""
+    entries = len(batch.requests) + len(batch.hints)
+    if entries > MAX_SUBMIT_BATCH:
+        raise InvalidRequestError(
+            "SubmitStreamRequest",
+            f"holds {entries} requests and hints; a batch may hold at most {MAX_SUBMIT_BATCH}: split it into writes",
+        )
+    size = batch.ByteSize()
+    if size > MAX_SUBMIT_BATCH_BYTES:
+        raise InvalidRequestError(
+            "SubmitStreamRequest",
+            f"is {size} bytes encoded; a batch may be at most {MAX_SUBMIT_BATCH_BYTES}: split it into writes",
+        )
 
 
 def check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:

@@ -34,10 +34,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from loraserve.errors import InvalidRequestError
+from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.model_config import ModelConfig
 from loraserve.prefix_keys import SequenceFingerprints, chain_root
 from loraserve.request_spec import RequestSpec
@@ -229,6 +230,7 @@ class Engine:
         group: str | None = None,
         cache_salt: str = "",
         spec: RequestSpec | None = None,
+        guide: Any = None,
     ) -> Request:
         """Queue a request for an adapter name (its latest version), an exact (name, version), or None.
 
@@ -239,6 +241,10 @@ class Engine:
         `output_ids` continues a request another worker started (failover): the tokens it already
         generated are recomputed with the prompt, as after a preemption, and count against
         max_new_tokens and the penalties exactly as if generated here.
+
+        `guide`: with a grammar, its matcher built already (`GrammarMatchers.matcher`, at the end of
+        `output_ids`): the worker builds it off its step loop (`worker/guide_builds.py`). None: built here,
+        which may take long for a costly grammar (the offline API).
 
         Raises InvalidRequestError / AdapterNotFoundError / ResourceExhaustedError.
         """
@@ -251,7 +257,10 @@ class Engine:
             prompt_ids + output_ids, sampling, len(output_ids), self.model_config, self.max_model_len, self.layout
         )
         key = self.adapters.resolve(adapter)
-        guide = self.grammars.matcher(sampling.grammar, output_ids) if sampling.grammar is not None else None
+        if sampling.grammar is None:
+            guide = None
+        elif guide is None:
+            guide = self.grammars.matcher(sampling.grammar, output_ids)
         seed = sampling.seed if sampling.seed is not None else next(self._seeds)
         request = Request(
             request_id,
@@ -275,9 +284,12 @@ class Engine:
         self.step_scheduler.add(request)
         return request
 
-    def add_spec(self, spec: RequestSpec) -> Request:
-        """Queue a request the scheduler placed here; its Request holds `spec` unchanged, and the sampler
-        reads the spec's SamplingParams (`add_request` says what it raises)."""
+    def add_spec(self, spec: RequestSpec, guide: Any = None) -> Request:
+        """Queue a request the scheduler placed here, with its grammar's matcher if it has one (built off the
+        step loop); its Request holds `spec` unchanged, and the sampler reads the spec's SamplingParams
+        (`add_request` says what it raises)."""
+        if spec.sampling.grammar is not None and guide is None:
+            raise LoraserveError(f"request {spec.request_id}: its structured-output matcher was not built beforehand")
         return self.add_request(
             spec.prompt_ids,
             spec.sampling,
@@ -287,6 +299,7 @@ class Engine:
             group=spec.group,
             cache_salt=spec.cache_salt,
             spec=spec,
+            guide=guide,
         )
 
     def abort(self, request_id: str, error: str | None = None) -> None:

@@ -7,6 +7,10 @@ sockets to gateways (`PushSockets`) and the monitors that tell when a gateway's 
 - receives and decodes the scheduler's messages (`wire.decode`: a 4k-token ASSIGN costs this thread,
   not a running batch) into `inbox`, and wakes the step loop (`Wakeup`);
 - encodes and sends what the step loop queued with `to_scheduler` / `to_gateway`, in order;
+- sends the scheduler a `Heartbeat` every `heartbeat_s` (0.25 s) on its own schedule, whatever the step
+  loop is doing: the worker's liveness is "its process and this thread answer", not "its last step was
+  short". It carries how long the step under way has run (`step_started`, set by the step loop), so a
+  slow step is seen as slow (the scheduler places nothing new there) and not as a dead worker;
 - turns what went wrong on the way out into `events` for the step loop: `Unsendable` (a gateway
   that cannot take its tokens: those requests stop) and `GatewayGone` (a dropped connection).
 
@@ -29,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from loraserve.internal_auth import Curve
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
-from loraserve.wire import Message, WireError, decode
+from loraserve.wire import MAX_STEP_S, Heartbeat, Message, WireError, decode
 from loraserve.worker.fetch_threads import Wakeup
 
 log = logging.getLogger(__name__)
@@ -64,8 +68,14 @@ class WorkerIO:
         wakeup: Wakeup,
         scheduler_curve: Curve | None = None,
         gateway_curve: Curve | None = None,
+        instance: str = "",
+        heartbeat_s: float = 0.25,
     ):
         self.ctx, self._wakeup = ctx, wakeup
+        self.worker_id, self.instance, self.heartbeat_s = worker_id, instance, heartbeat_s
+        # monotonic time the step under way started, None between steps: written by the step loop only (one
+        # reference swap), read here for the heartbeats
+        self.step_started: float | None = None
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()  # decoded scheduler messages
         self.events: queue.SimpleQueue[Unsendable | GatewayGone] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[tuple[str | None, Message, Sequence[str]]] = queue.SimpleQueue()
@@ -110,7 +120,7 @@ class WorkerIO:
         poller = zmq.Poller()
         poller.register(self._scheduler, zmq.POLLIN)
         poller.register(self._nudge.fd, zmq.POLLIN)
-        watched = time.monotonic()
+        watched = heartbeat = time.monotonic()
         try:
             while True:
                 ready = dict(poller.poll(int(WATCH_INTERVAL_S * 1000)))
@@ -118,6 +128,9 @@ class WorkerIO:
                 self._send_queued()
                 if self._stopping:
                     return
+                if time.monotonic() - heartbeat >= self.heartbeat_s:
+                    heartbeat = time.monotonic()
+                    self._heartbeat(heartbeat)
                 if self._scheduler in ready:
                     self._receive()
                 if time.monotonic() - watched >= WATCH_INTERVAL_S:  # not on every message: the monitors are slow news
@@ -127,6 +140,11 @@ class WorkerIO:
         except Exception:  # a bug here must not leave the worker running deaf: the step loop sees it die
             log.exception("worker I/O thread failed")
             raise
+
+    def _heartbeat(self, now: float) -> None:
+        started = self.step_started
+        step_s = min(max(0.0, now - started), MAX_STEP_S) if started is not None else 0.0
+        send(self._scheduler, Heartbeat(self.worker_id, self.instance, step_s))
 
     def _receive(self) -> None:
         for _ in range(MAX_RECEIVED_PER_TURN):

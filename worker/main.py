@@ -45,6 +45,8 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
         scheduler_address=settings.scheduler_address,
         store_address=settings.store_address,
         report_interval_s=settings.report_interval,
+        heartbeat_interval_s=settings.heartbeat_interval,
+        grammar_threads=settings.grammar_threads,
         drain_timeout_s=settings.drain_timeout,
         fetch_timeout_s=settings.fetch_timeout,
         fetch_threads=settings.fetch_threads,

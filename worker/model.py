@@ -153,7 +153,10 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # `_weight`: no random init (on the meta device it would import torch._dynamo: seconds of start-up CPU)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -169,7 +172,9 @@ class CausalLM(nn.Module):
         )
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
-        self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
+        with torch.device("cpu"):  # computed for real, even while the model is built on the meta device
+            inv_freq = inverse_frequencies(config.rope, config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm. input_ids: [T] -> [T, hidden]."""

@@ -27,6 +27,15 @@ Every ASSIGN is acknowledged to its gateway at once (an empty TOKENS message nam
 so the gateway knows the request left the scheduler. An ASSIGN may continue a request another
 worker started (`output_ids`: failover); the engine recomputes those tokens and goes on.
 
+A request with structured output is parked while its llguidance matcher is built, and its first mask
+computed, on a small thread pool (`worker/guide_builds.py`), then goes on to its adapter as any
+request: a costly grammar never holds the step loop, and one that fails (invalid, or over llguidance's
+limits) ends only its own request, INVALID_ARGUMENT. The llguidance tokenizer is built during the
+warm-up, before the worker reports ready.
+
+Liveness does not depend on the step loop: the I/O thread sends the scheduler a heartbeat every
+`heartbeat_interval_s`, with how long the step under way has run, however long that step is.
+
 Stopping (SIGTERM) drains: the worker reports `draining` (the scheduler places nothing more on it),
 finishes what it holds for up to `drain_timeout_s`, hands what is left back to the gateways to
 fail over (UNAVAILABLE, retry), sends a last report that drops it, and exits.
@@ -48,7 +57,7 @@ import zmq
 
 from loraserve import telemetry
 from loraserve.dispatch import Dispatcher
-from loraserve.errors import LoraserveError
+from loraserve.errors import InvalidConfigError, LoraserveError
 from loraserve.internal_auth import Curve, InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.params import SamplingParams
@@ -63,6 +72,7 @@ from loraserve.wire import (
 from loraserve.worker import metrics
 from loraserve.worker.engine import Cached, Engine, GenerateRequest, StepOutput
 from loraserve.worker.fetch_threads import FetchConfig, Fetched, FetchThreads, Wakeup
+from loraserve.worker.guide_builds import GuideBuilds
 from loraserve.worker.io_thread import GatewayGone, Unsendable, WorkerIO
 from loraserve.worker.parked import ParkedRequests
 from loraserve.worker.replies import end_tokens, ending, step_tokens
@@ -77,7 +87,9 @@ class WorkerConfig:
     worker_id: str
     scheduler_address: str = "tcp://127.0.0.1:7101"
     store_address: str = "tcp://127.0.0.1:7301"
-    report_interval_s: float = 0.25  # heartbeat when idle
+    report_interval_s: float = 0.25  # a report this often when idle (a busy worker reports after every step)
+    heartbeat_interval_s: float = 0.25  # the I/O thread's heartbeats, whatever the step loop does
+    grammar_threads: int = 2  # threads building structured-output matchers off the step loop
     fetch_timeout_s: float = 10.0
     fetch_threads: int = 2
     drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may take to finish here
@@ -85,6 +97,13 @@ class WorkerConfig:
     adapter_rows: bool = True  # fetch adapters in the pool's row layout (`worker/fetch_threads.py`)
     shm_root: Path | None = Path("/dev/shm")  # map rows from a store on this host; None: over the socket only
     verify_shared_memory: bool = False  # hash mapped rows too (`loraserve/shared_rows.py` says why it is off)
+
+    def __post_init__(self) -> None:
+        if not (self.report_interval_s > 0 and self.heartbeat_interval_s > 0 and self.grammar_threads >= 1):
+            raise InvalidConfigError(
+                "the report and heartbeat intervals must be positive and grammar_threads at least 1: "
+                f"{self.report_interval_s}, {self.heartbeat_interval_s}, {self.grammar_threads}"
+            )
 
     def curve_to(self, role: str) -> Curve | None:
         return self.keys.client_of(role) if self.keys is not None else None
@@ -101,11 +120,18 @@ class WorkerConfig:
         )
 
 
-def warm_up(engine: Engine) -> None:
-    """One short generation, so the first real request does not pay for lazy initialization."""
+def warm_up(engine: Engine, guides: GuideBuilds) -> None:
+    """One short generation, and structured output's llguidance tokenizer, a matcher (on the build pool) and
+    a mask (on the mask thread), so the first real request, structured or not, pays for no lazy initialization."""
     token = engine.tokenizer.bos_token_id or 0
     warmup = GenerateRequest(prompt_ids=[token], sampling=SamplingParams(max_new_tokens=2, ignore_eos=True))
     engine.generate([warmup])
+    try:
+        matcher = guides.warm_up()
+    except Exception:  # the worker still serves; each structured request then fails alone, saying why
+        log.exception("structured output could not be prepared (llguidance with this model's tokenizer)")
+        return
+    engine.runner.masks.wait(engine.runner.masks.start([matcher]))
 
 
 class WorkerService:
@@ -120,7 +146,8 @@ class WorkerService:
         self.ctx = zmq.Context()
         self._dropped = RateLimitedLog(log)
         self.tracked: dict[str, Tracked] = {}
-        self._wakeup = Wakeup()  # the I/O and fetch threads wake the loop when a message or an adapter arrives
+        self._wakeup = Wakeup()  # the I/O, fetch and build threads wake the loop when something arrives
+        self.instance = uuid.uuid4().hex  # tells the scheduler a restarted worker from the process it replaced
         self.io = WorkerIO(
             self.ctx,
             config.scheduler_address,
@@ -128,16 +155,18 @@ class WorkerService:
             self._wakeup,
             config.curve_to("scheduler"),
             config.curve_to("gateway"),
+            instance=self.instance,
+            heartbeat_s=config.heartbeat_interval_s,
         )
         self._fetches = FetchThreads(config.fetching(), engine, self._wakeup)
         self.parked = ParkedRequests(engine, self._fetches)  # requests waiting for their adapter's fetch
+        self.guides = GuideBuilds(engine.grammars, self._wakeup, config.grammar_threads)  # ... for their matcher
         self._poller = zmq.Poller()
         self._poller.register(self._wakeup.fd, zmq.POLLIN)
         self.ready = False
         self.draining = False
         self._step_seconds = metrics.STEP_SECONDS.labels(config.worker_id)
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
-        self.instance = uuid.uuid4().hex  # tells the scheduler a restarted worker from the process it replaced
         self.reporter = Reporter(engine, config.worker_id, self.instance)
         self._inbox = Dispatcher({Assign: self._on_assign, Cancel: self._on_cancel, Prefetch: self._on_prefetch})
         self._io_events = Dispatcher(
@@ -146,8 +175,8 @@ class WorkerService:
 
     # ---- main loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        self._report()  # register (not ready yet)
-        warm_up(self.engine)
+        self._report()  # register (not ready yet; the I/O thread's heartbeats keep it while it warms up)
+        warm_up(self.engine, self.guides)
         self.ready = True
         self._report()
         log.info("worker %s ready: %d pool pages", self.config.worker_id, self.engine.layout.num_pages)
@@ -160,10 +189,15 @@ class WorkerService:
                 busy = self.engine.has_unfinished()
                 self._take_messages(block_s=0.0 if busy else min(0.05, self.config.report_interval_s))
                 self._register_fetched()
+                self._admit_built()
                 self._expire_deadlines()
                 if self.engine.has_unfinished():
+                    self.io.step_started = time.monotonic()
                     started = time.perf_counter()
-                    outputs = self.engine.step()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self.io.step_started = None
                     seconds = time.perf_counter() - started
                     self._step_seconds.observe(seconds)
                     self.reporter.sample_step(seconds)
@@ -225,6 +259,15 @@ class WorkerService:
             self._end(spec.request_id, error_status="UNAVAILABLE", error="the worker is draining", retry=True)
             return
         self._send(spec.reply_to, Tokens(spec.request_id, [], self.config.worker_id))  # "it reached a worker"
+        tracked.trace = assign.trace
+        if spec.sampling.grammar is not None:  # parked until its matcher is built off the step loop
+            self.guides.submit(spec.request_id, spec.sampling.grammar, spec.output_ids)
+            return
+        self._to_adapter(tracked)
+
+    def _to_adapter(self, tracked: Tracked) -> None:
+        """Start the request if its adapter is here, else park it on the adapter's fetch."""
+        spec = tracked.spec
         key = spec.adapter_key
         cached = Cached.YES if key is None else self.engine.cached(key, spec.adapter_sha256 or None)
         if key is not None:
@@ -239,11 +282,23 @@ class WorkerService:
             self._end(spec.request_id, error_status="UNAVAILABLE", error=f"{message}; retry shortly")
             return
         tracked.adapter_source = "cold"
-        self.parked.park(spec.request_id, key, assign.trace)
+        self.parked.park(spec.request_id, key, tracked.trace)
+
+    def _admit_built(self) -> None:
+        """Requests whose matcher was built go on to their adapter; those whose build failed end (only they)."""
+        for built in self.guides.take():
+            tracked = self.tracked.get(built.request_id)
+            if tracked is None:
+                continue
+            if built.error is not None:
+                self._end(built.request_id, error_status=built.error.status, error=str(built.error))
+                continue
+            tracked.guide = built.matcher
+            self._to_adapter(tracked)
 
     def _start(self, tracked: Tracked) -> None:
         try:
-            tracked.request = self.engine.add_spec(tracked.spec)
+            tracked.request = self.engine.add_spec(tracked.spec, tracked.guide)
         except LoraserveError as e:
             self._end(tracked.spec.request_id, error_status=e.status, error=str(e))
 
@@ -327,6 +382,7 @@ class WorkerService:
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
             return
+        self.guides.cancel(request_id)  # if it was waiting for its matcher
         self.reporter.finished.append(request_id)
         timings = tracked.timings()
         message = end_tokens(self.config.worker_id, tracked, timings, output, error_status, error, retry)
@@ -340,7 +396,7 @@ class WorkerService:
 
     # ---- reports -------------------------------------------------------------------------------
     def _report(self, fatal: str | None = None) -> None:
-        report = self.reporter.report(self.ready, self.draining, self.parked.parked(), fatal)
+        report = self.reporter.report(self.ready, self.draining, self.parked.parked() + self.guides.pending(), fatal)
         self.io.to_scheduler(report)
         self.last_report = report  # one reference swap: safe for the scrape thread
 
@@ -350,6 +406,7 @@ class WorkerService:
             self._end(request_id, error_status="UNAVAILABLE", error=message, retry=True)
 
     def close(self) -> None:
+        self.guides.close()
         self._fetches.close()
         self.io.close(linger_ms=200)
         self._wakeup.close()

@@ -16,7 +16,7 @@ class WorkerSettings:
     worker_id: str | None = setting(None, "unique name (default: host-pid)")
     scheduler_address: str = setting("tcp://127.0.0.1:7101", "the scheduler's ZMQ worker address")
     store_address: str = setting("tcp://127.0.0.1:7301", "the adapter store's ZMQ data address")
-    report_interval: float = setting(0.25, "heartbeat period when idle, seconds")
+    report_interval: float = setting(0.25, "seconds between state reports when idle (busy: one after every step)")
     drain_timeout: float = setting(
         DRAIN_TIMEOUT_S, "on SIGTERM, seconds to let requests in flight finish before handing them back to fail over"
     )
@@ -40,3 +40,7 @@ class WorkerSettings:
     torch_threads: int | None = setting(
         None, "torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)"
     )
+    heartbeat_interval: float = setting(
+        0.25, "seconds between heartbeats to the scheduler, sent by the I/O thread however long a step takes"
+    )
+    grammar_threads: int = setting(2, "threads building structured-output matchers (and first masks) off the step loop")

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
+from loraserve.worker.grammar import guide_error
 from loraserve.worker.request import FinishReason, Request
 from loraserve.worker.runner import RunnerOutput
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
@@ -122,8 +123,8 @@ class StepResults:
         reason = FinishReason.ERROR if error else self._stop_reason(request, token)
         if reason is None:
             step_output = StepOutput(request.request_id, [token], False)
-        else:
-            step_output = self.finish(request.request_id, reason, error, [token], status="INTERNAL")
+        else:  # an ERROR here is the request's own constraint breaking down (over llguidance's limits)
+            step_output = self.finish(request.request_id, reason, error, [token], status="INVALID_ARGUMENT")
         step_output.logprobs = logprobs
         if first and request.prompt_logprobs is not None:
             step_output.prompt_logprobs = list(request.prompt_logprobs)
@@ -133,10 +134,11 @@ class StepResults:
 
     @staticmethod
     def _advance_guide(request: Request, token: int) -> str | None:
-        """Move a guided request's grammar past its new token; the error if the grammar broke down."""
+        """Move a guided request's grammar past its new token; the error if the grammar broke down (it went
+        over llguidance's limits computing the step's mask or consuming the token)."""
         if request.guide is None or request.guide.consume_token(token):
             return None
-        return f"structured output: the grammar matcher failed: {request.guide.get_error()}"
+        return str(guide_error(request.guide))
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         s = request.sampling

@@ -5,7 +5,8 @@ when the request ends: its timings (the gateway's latency breakdown) and its tra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 
@@ -22,7 +23,9 @@ class Tracked:
     queued_s: float  # time it spent in the scheduler's queue
     received: float  # time.time() at the worker
     context: object  # trace context from the scheduler
-    request: Request | None = None  # None while its adapter is being fetched
+    request: Request | None = None  # None while its matcher is built or its adapter fetched
+    trace: dict[str, str] = field(default_factory=dict)  # the ASSIGN's trace carrier (an adapter fetch joins it)
+    guide: Any = None  # with a grammar: its llguidance matcher, built off the step loop (`guide_builds.py`)
     adapter_source: str = "none"  # none | hit | prefetched | cold
     adapter_transport: str = ""  # a cold one's: shared-memory | rows | files (`worker/fetch_threads.py`)
     fetch_s: float = 0.0

@@ -58,6 +58,8 @@ def _named(e: LoraserveError) -> HttpError:
     first_word = re.match(r"\w*", body["message"]).group()  # "path: ...", "path '...': no such directory"
     if first_word in PARAMS:
         body["param"] = PARAMS[first_word]
+    elif error.status == 413:  # the adapter at the path is over the store's --max-adapter-mb
+        body["param"] = "lora_path"
     elif body["param"] in ("model", "name"):
         body["param"] = "lora_name"
     return error

@@ -1,8 +1,10 @@
 """Answering a completions or chat request: one generation per choice, answered as one response.
 
-Each choice of each prompt (one prompt, or a completions batch; n choices of each) is a request of
-its own downstream: scheduled, quota-counted, traced and cancelled on its own, with the request's
-parameters; a prompt's choices are one prefill group, so the prompt is computed once. The answer has
+Each choice of each prompt (one prompt, or a completions batch; n choices of each) is a generation of
+its own downstream: scheduled, traced and cancelled on its own, with the request's parameters; a
+prompt's choices are one prefill group, so the prompt is computed once. All of them are one client
+request to the scheduler (`gateway/client_request.py`): they share one batch share of a worker, and the
+tenant's token quota admits or refuses them whole, charged once for their summed cost. The answer has
 one choice per generation, `index` = prompt's place × n + the choice's, and the usage summed (each
 prompt's tokens once). With best_of above n, each prompt runs best_of candidates and the n with the
 highest log-probability are answered, likeliest first; the usage counts every candidate's tokens.
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from loraserve.gateway.client_request import ClientRequest
 from loraserve.gateway.core import Call, GenerationCore
 from loraserve.gateway.http.drafts import Draft
 from loraserve.gateway.http.errors import http_error
@@ -39,6 +43,8 @@ from loraserve.gateway.http.generation import (
 )
 from loraserve.gateway.http.responses import CLIENT_CLOSED, DONE, Answers, Final, Piece, sse
 from loraserve.gateway.validation import END_USER_METADATA
+
+T = TypeVar("T")
 
 
 async def answer(
@@ -55,18 +61,19 @@ async def answer(
     best_of's candidates, of which the n likeliest are answered). `prompt_param` is what a prompt
     problem names; `end_user` (OpenAI's `user`) goes on each generation's trace."""
     metadata = http_metadata(request.headers, {END_USER_METADATA: end_user} if end_user else None)
+    whole = ClientRequest(answers.id, len(drafts)) if len(drafts) > 1 else None  # one batch share, one charge
     generations = []
     for index, draft in enumerate(drafts):  # on the request's trace, beside loraserve's own id
         named = replace(draft, client_request_id=answers.id if len(drafts) == 1 else f"{answers.id}-{index}")
-        call = Call(metadata, client_request_id=named.client_request_id)
+        call = Call(metadata, client_request_id=named.client_request_id, request=whole)
         generations.append(Generation(core.generate(call, named.validator(core.limits))))
     try:
         if not stream:
-            results = await until_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
+            results = await until_disconnected(request, _all([g.collect() for g in generations]))
             usage = Final.summed([final for _, final in results], candidates)
             kept = best_of(list(results), candidates, answers.choices_per_prompt)
             return JSONResponse(answers.whole(kept, usage))
-        firsts = await until_disconnected(request, asyncio.gather(*(g.next() for g in generations)))
+        firsts = await until_disconnected(request, _all([g.next() for g in generations]))
     except ClientGone:
         _cancel(generations)
         return Response(status_code=CLIENT_CLOSED)
@@ -88,6 +95,20 @@ def best_of(results: list[tuple[Piece, Final]], candidates: int, n: int) -> list
         ranked = sorted(block, key=lambda result: -sum(e.logprob for e in result[0].logprobs))
         kept += ranked[:n]
     return kept
+
+
+async def _all(reads: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Every read's result, in order. At the first failure (or when cancelled) the other reads are
+    cancelled and awaited before it is raised: none is left waiting on a generation nobody answers,
+    to be collected later while suspended in it (asyncio then logs "aclose(): asynchronous generator
+    is already running" for the generators it was in)."""
+    tasks = [asyncio.ensure_future(read) for read in reads]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _cancel(generations: list[Generation]) -> None:

@@ -8,9 +8,9 @@ name. A request becomes one `Draft` per choice (`drafts.py`), each run by the ge
 are the gRPC API's; this file translates requests in and answers out (`responses.py`), and failures
 into OpenAI's error shape (`errors.py`).
 Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
-token ids. `BodyGuard` (`body_guard.py`) stands in front of every route: a caller without a valid
-key gets 401, and a body over the cap 413, before any byte of the body is read; the routes then
-authenticate again (the principal they act for).
+token ids (both in the tokenizer's threads, `gateway/tokenizing.py`). `BodyGuard` (`body_guard.py`)
+stands in front of every route: a caller without a valid key gets 401, and a body over the cap 413,
+before any byte of the body is read; the routes then authenticate again (the principal they act for).
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.responses import Answers
 from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
-from loraserve.gateway.http.structured import compiled, requested_constraint
+from loraserve.gateway.http.structured import requested_constraint
 from loraserve.gateway.http.tool_calling import tool_choice
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.tool_parsers import ToolCallParser
+from loraserve.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def build_app(
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
-    operations = OperationRoutes(core, chat_template, routes.caller, routes.model)
+    operations = OperationRoutes(core, chat_template, routes.model)
     app.add_api_route("/health", operations.health, methods=["GET"], response_model=None)
     app.add_api_route("/version", operations.version, methods=["GET"])
     app.add_api_route("/tokenize", operations.tokenize, methods=["POST"])
@@ -145,8 +146,10 @@ class OpenAiRoutes:
                 prompted = replace(draft, prompt_ids=tuple(prompt))
             drafts += _choices(prompted, body, f"{answer_id}-{index}")
         keep_special = body.skip_special_tokens is False
-        decode = self.core.tokenizer.decode
-        texts = [p if isinstance(p, str) else decode(p, not keep_special) for p in body.prompt_values()]
+        texts = [  # the prompts given as ids, decoded in a tokenizer thread
+            p if isinstance(p, str) else await self.core.tokenizing.decode(p, not keep_special)
+            for p in (body.prompt_values() if body.echo else ())
+        ]
         answers = Answers(
             answer_id,
             body.model,
@@ -183,12 +186,12 @@ class OpenAiRoutes:
         limits = self.core.limits
         try:
             listed = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
-            text = self.chat_template.render(body.conversation(), listed)
+            text = await self.core.tokenizing.render(self.chat_template, body.conversation(), listed)
             if len(text.encode()) > limits.max_prompt_bytes:
                 raise InvalidRequestError("messages", f"are longer than {limits.max_prompt_bytes} bytes")
+            ids = await self.core.tokenizing.encode(text, "messages", add_special_tokens=False)
         except LoraserveError as e:
             raise http_error(e, "messages") from None
-        ids = self.core.tokenizer.encode(text, add_special_tokens=False)
         draft = replace(draft, prompt_ids=tuple(ids))
         if not body.new_tokens:  # as OpenAI and vLLM: an answer may run to the end of the context
             draft = replace(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
@@ -219,10 +222,11 @@ class OpenAiRoutes:
         return LogprobFormat(self.core.tokenizer, chat, keep_special) if asked else None
 
     def _draft(
-        self, body: CompletionRequest | ChatCompletionRequest, tool_constraint: tuple[str, Any, str] | None = None
+        self, body: CompletionRequest | ChatCompletionRequest, tool_constraint: Constraint | None = None
     ) -> Draft:
         """The request's generation (no prompt yet). `tool_constraint`: the structured output its tool
-        choice needs, which the body may not ask for a constraint of its own beside."""
+        choice needs, which the body may not ask for a constraint of its own beside. The constraint stays
+        uncompiled: the generation core compiles it after validation, in the gateway's sandbox."""
         refused = body.unsupported()
         if refused is not None:
             raise bad_request(*refused)
@@ -231,12 +235,10 @@ class OpenAiRoutes:
             constraint = requested_constraint(body.constraint_fields())
             if constraint is not None and tool_constraint is not None:
                 raise InvalidRequestError(
-                    constraint[2],
+                    constraint.field,
                     "cannot be combined with tool_choice 'required', a named function, or 'auto' with strict tools",
                 )
             constraint = constraint or tool_constraint
-            if constraint is not None:
-                sampling["grammar"] = compiled(constraint)
         except LoraserveError as e:
             raise http_error(e) from None
         return Draft(
@@ -248,6 +250,7 @@ class OpenAiRoutes:
             include_stop=bool(body.include_stop_str_in_output),
             cache_salt=body.cache_salt or "",
             keep_special_tokens=body.skip_special_tokens is False,
+            constraint=constraint,
         )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from loraserve.gateway.core import Validate
 from loraserve.gateway.validation import Limits, validate_request
 from loraserve.params import SamplingParams
+from loraserve.structured import Constraint
 
 FLOAT_FIELDS = frozenset(
     {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
@@ -39,6 +40,7 @@ class Draft:
     prompt_ids: tuple[int, ...] | None = None
     prefill_group: str = ""
     client_request_id: str = ""
+    constraint: Constraint | None = None  # structured output, compiled by the core after validation
 
     def validator(self, limits: Limits) -> Validate:
         """The validation the core runs (with the caller's adapter check) to make this a ValidRequest."""
@@ -49,6 +51,7 @@ class Draft:
             prompt_text=self.prompt_text,
             prompt_ids=None if self.prompt_ids is None else list(self.prompt_ids),
             sampling=partial(sampling_params, self.sampling),
+            constraint=lambda: self.constraint,
             max_new_tokens=self.max_new_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

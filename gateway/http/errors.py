@@ -2,7 +2,8 @@
 
 Every failure leaves as `{"error": {"message", "type", "param", "code"}}` with the HTTP status the
 table gives its gRPC status name (`LoraserveError.status`), so the two edges can never disagree about
-what a failure is. `param` names the OpenAI request parameter at fault: the inner code names its own
+what a failure is; a `TooLargeError` (INVALID_ARGUMENT, e.g. an adapter over the store's
+--max-adapter-mb) is 413. `param` names the OpenAI request parameter at fault: the inner code names its own
 fields (`max_new_tokens`, `sampling.temperature`, `adapter`), and `PARAMS` says which parameter each
 one came from. Anything that is not a LoraserveError is logged with an incident id and leaves as 500.
 """
@@ -66,13 +67,16 @@ def bad_request(param: str, message: str) -> HttpError:
 
 def http_error(exc: BaseException, prompt_param: str = "prompt", retry_after_s: float | None = None) -> HttpError:
     """`exc` as an HTTP failure. `prompt_param` is the parameter a prompt problem names (`messages` for
-    chat); `retry_after_s` becomes a Retry-After header (a quota refusal's hint)."""
+    chat); `retry_after_s` becomes a Retry-After header (a quota refusal's hint), as does the hint a
+    refusal carries itself (`retry_after_ms`) when none is given."""
     if not isinstance(exc, errors.LoraserveError):
         incident = uuid.uuid4().hex[:12]
         log.error("internal error %s", incident, exc_info=exc)
         message = f"internal error (incident {incident}; see the server log)"
         return HttpError(500, error_body(message, "internal_error"))
     status, kind = HTTP_STATUS.get(exc.status, (500, "internal_error"))
+    if isinstance(exc, errors.TooLargeError):  # over a configured size limit: 413, which clients do not retry
+        status = 413
     field = getattr(exc, "field", None)
     param = _param(field, prompt_param)
     message = str(exc) if field is None else f"{param}: {str(exc).split(': ', 1)[-1]}"
@@ -80,6 +84,8 @@ def http_error(exc: BaseException, prompt_param: str = "prompt", retry_after_s: 
         status, kind = HTTP_STATUS["NOT_FOUND"]
     if isinstance(exc, errors.NotFoundError):
         param = "model"
+    if retry_after_s is None and getattr(exc, "retry_after_ms", None) is not None:
+        retry_after_s = exc.retry_after_ms / 1000
     headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else {}
     return HttpError(status, error_body(message, kind, param, CODES.get(status)), headers)
 

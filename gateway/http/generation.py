@@ -5,7 +5,8 @@
 closes in one context) and hands its events over as plain values: text pieces, then a `Final`; a
 refusal's retry hint is kept for a Retry-After header. Cancelling it — the client went away —
 cancels that task, which cancels the request downstream exactly as a gRPC client's cancel does; once
-the summary has come, the task runs the generation to its end (its outcome: OK).
+the summary has come, the task runs the generation to its end (its outcome: OK). A reader of a
+generation cancelled before its end gets `GenerationCancelled`, never waits forever.
 A dropped client is noticed where the request waits: `until_disconnected` watches the
 connection while a non-streaming request is generated; Starlette does the same for a stream.
 """
@@ -31,6 +32,12 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
+class GenerationCancelled(LoraserveError):
+    """What a reader of a generation cancelled before its end gets (instead of waiting forever)."""
+
+    status = "CANCELLED"
+
+
 def http_metadata(headers: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """An HTTP request as call metadata: its headers (lower-case names), and `extra` metadata from its
     body (which replaces headers of the same name)."""
@@ -45,6 +52,12 @@ class Generation:
         self._finished = False  # the summary came: the generation is over, and ends as OK
         self.retry_after_s: float | None = None  # a refusal's hint of when to retry
         self._task = asyncio.get_running_loop().create_task(self._pump(events))
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """Cancelled (even before it ran): whoever still reads it learns so, and is not left waiting forever."""
+        if task.cancelled():
+            self._queue.put_nowait(GenerationCancelled("the generation was cancelled"))
 
     async def _pump(self, events: AsyncIterator[Event]) -> None:
         try:
@@ -71,22 +84,12 @@ class Generation:
             raise item
         return item
 
-    async def pieces(self) -> AsyncIterator[Piece | Final]:
-        """Every event up to and including the `Final`."""
-        while True:
-            item = await self.next()
-            yield item
-            if isinstance(item, Final):
-                return
-
     async def collect(self) -> tuple[Piece, Final]:
         """The whole generation: its pieces joined, and how it ended."""
         pieces = []
-        async for item in self.pieces():
-            if isinstance(item, Final):
-                return Piece.joined(pieces), item
+        while not isinstance(item := await self.next(), Final):
             pieces.append(item)
-        raise AssertionError("unreachable: pieces() ends with a Final")
+        return Piece.joined(pieces), item
 
     def cancel(self) -> None:
         """Stop generating, which cancels the request downstream; a no-op once the summary has come (what

@@ -3,9 +3,12 @@
 `/health` and `/version` need no key (probes and load balancers carry none, as gRPC health needs
 none): `/health` answers 200 with an empty body while at least one worker is ready and the gateway
 is not draining, else 503 with an OpenAI error body saying which. `/tokenize` and `/detokenize` act
-for an authenticated caller (scope `generate`, as the gRPC `Tokenize` and `Detokenize`) and use the
-base model's tokenizer, which every adapter shares; a `model` they are given must be one the caller
-can use. Over gRPC the version is `ModelInfo.server_version`, and `max_model_len` `max_context_length`.
+for an authenticated caller and are metered as the gRPC `Tokenize` and `Detokenize` are
+(`gateway/metered.py`: scope `generate`, one of the tenant's in-flight slots, the request counter);
+they use the base model's tokenizer, which every adapter shares, in its threads
+(`gateway/tokenizing.py`: a text too long to fit the context is refused 400 before it is tokenized);
+a `model` they are given must be one the caller can use. Over gRPC the version is
+`ModelInfo.server_version`, and `max_model_len` `max_context_length`.
 
     POST /tokenize    {"prompt": str} or {"messages": [...]}, "add_special_tokens", "return_token_strs"
                       -> {"count", "max_model_len", "tokens": [ids], "token_strs": [str] | null}
@@ -20,24 +23,24 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from loraserve.errors import InvalidRequestError, LoraserveError
+from loraserve.errors import AdapterNotFoundError, InvalidRequestError
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.core import GenerationCore
-from loraserve.gateway.http.errors import bad_request, error_body, http_error
+from loraserve.gateway.http.errors import HttpError, error_body
+from loraserve.gateway.http.generation import http_metadata
 from loraserve.gateway.http.schemas import DetokenizeRequest, TokenizeRequest, conversation
+from loraserve.gateway.metered import metered
 from loraserve.gateway.model_service import package_version
-from loraserve.gateway.tenants import Scope
 
 OPEN_PATHS = frozenset({"/health", "/version"})  # answered without a key
 
 FindModel = Callable[[str, Principal], Awaitable[Any]]  # raises a 404 HttpError for a model the caller lacks
-Caller = Callable[[Request], Principal]  # the authenticated caller of a request
 
 
 class OperationRoutes:
-    def __init__(self, core: GenerationCore, chat_template: ChatTemplate | None, caller: Caller, find_model: FindModel):
-        self.core, self.chat_template, self.caller, self.find_model = core, chat_template, caller, find_model
+    def __init__(self, core: GenerationCore, chat_template: ChatTemplate | None, find_model: FindModel):
+        self.core, self.chat_template, self.find_model = core, chat_template, find_model
 
     async def health(self) -> Response:
         if self.core.admission.draining:
@@ -50,43 +53,47 @@ class OperationRoutes:
         return {"version": package_version()}
 
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict[str, Any]:
-        await self._caller(request, body.model, "tokenize")
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("prompt", "give either a prompt or messages")
-        limit = self.core.limits.max_prompt_bytes
-        try:
+        async with metered(self.core, http_metadata(request.headers), "tokenize") as principal:
+            await self._check_model(body.model, principal)
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidRequestError("prompt", "give either a prompt or messages")
+            tokenizing = self.core.tokenizing
             if body.prompt is not None:
-                text, special = body.prompt, True if body.add_special_tokens is None else body.add_special_tokens
+                field, text = "prompt", body.prompt
+                special = True if body.add_special_tokens is None else body.add_special_tokens
             else:
                 if self.chat_template is None:
-                    raise bad_request("messages", "the model has no chat template: tokenize a prompt")
-                text, special = self.chat_template.render(conversation(body.messages)), bool(body.add_special_tokens)
-            if len(text.encode()) > limit:
-                raise InvalidRequestError("prompt", f"is longer than {limit} bytes")
-        except LoraserveError as e:
-            raise http_error(e, "prompt" if body.prompt is not None else "messages") from None
-        ids = self.core.tokenizer.encode(text, add_special_tokens=special)
-        return {
-            "count": len(ids),
-            "max_model_len": self.core.limits.max_context,
-            "tokens": ids,
-            "token_strs": self.core.tokenizer.token_strings(ids) if body.return_token_strs else None,
-        }
+                    raise InvalidRequestError("messages", "the model has no chat template: tokenize a prompt")
+                field, special = "messages", bool(body.add_special_tokens)
+                text = await tokenizing.render(self.chat_template, conversation(body.messages))
+            limit = self.core.limits.max_prompt_bytes
+            if len(text) > limit or len(text.encode()) > limit:
+                raise InvalidRequestError(field, f"is longer than {limit} bytes")
+            if body.return_token_strs:
+                ids, strings = await tokenizing.encode_with_strings(text, field, add_special_tokens=special)
+            else:
+                ids, strings = await tokenizing.encode(text, field, add_special_tokens=special), None
+        return {"count": len(ids), "max_model_len": self.core.limits.max_context, "tokens": ids, "token_strs": strings}
 
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict[str, str]:
-        await self._caller(request, body.model, "detokenize")
-        vocab = self.core.limits.vocab_size
-        bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
-        if bad is not None:
-            raise bad_request("tokens", f"tokens[{bad}] = {body.tokens[bad]} is not below the vocabulary size {vocab}")
-        return {"prompt": self.core.tokenizer.decode(list(body.tokens), skip_special_tokens=False)}
+        async with metered(self.core, http_metadata(request.headers), "detokenize") as principal:
+            await self._check_model(body.model, principal)
+            vocab = self.core.limits.vocab_size
+            bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    "tokens", f"tokens[{bad}] = {body.tokens[bad]} is not below the vocabulary size {vocab}"
+                )
+            return {"prompt": await self.core.tokenizing.decode(body.tokens, skip_special_tokens=False)}
 
-    async def _caller(self, request: Request, model: str | None, action: str) -> Principal:
-        principal = self.caller(request)
-        principal.require(Scope.GENERATE, action)
-        if model is not None:
+    async def _check_model(self, model: str | None, principal: Principal) -> None:
+        """A `model` the caller names must be one it can use (AdapterNotFoundError, 404, if not)."""
+        if model is None:
+            return
+        try:
             await self.find_model(model, principal)
-        return principal
+        except HttpError:
+            raise AdapterNotFoundError(model) from None
 
 
 def _unavailable(why: str) -> JSONResponse:

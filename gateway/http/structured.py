@@ -9,8 +9,10 @@
 - vLLM's newer `structured_outputs`: `{"json": ..., "regex": ..., "choice": [...], "grammar": ...,
   "json_object": true}` (its other keys, such as `structural_tag` or `whitespace_pattern`, are refused).
 
-At most one constraint per request. The answer is compiled here (`loraserve/structured.py`), so a bad
-schema or regex is a 400 naming the parameter, and travels downstream as an llguidance grammar.
+At most one constraint per request. It is read here and compiled once the request is validated, by the
+generation core in the gateway's sandbox processes (`gateway/constraints.py`), so a bad schema or regex
+(or one that would crash or wedge the compiler) is a 400 naming the parameter, and travels downstream
+as an llguidance grammar.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from loraserve.errors import InvalidRequestError
-from loraserve.structured import grammar_for
+from loraserve.structured import Constraint
 
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_OUTPUTS = {
@@ -31,8 +33,8 @@ STRUCTURED_OUTPUTS = {
 BACKENDS = ("auto", "llguidance", "guidance")
 
 
-def requested_constraint(fields: dict[str, Any]) -> tuple[str, Any, str] | None:
-    """(kind, value, parameter) of the one constraint among a body's fields, or None.
+def requested_constraint(fields: dict[str, Any]) -> Constraint | None:
+    """The one constraint among a body's fields (its field: the parameter that asked for it), or None.
 
     `fields`: the body's response_format, guided_* and structured_outputs values (unset ones None)."""
     found = []
@@ -40,14 +42,14 @@ def requested_constraint(fields: dict[str, Any]) -> tuple[str, Any, str] | None:
     if response_format is not None:
         kind = response_format.get("type", "text")
         if kind == "json_object":
-            found.append(("json_object", True, "response_format"))
+            found.append(Constraint("json_object", True, "response_format"))
         elif kind == "json_schema":
-            found.append(("json_schema", _schema(response_format), "response_format"))
+            found.append(Constraint("json_schema", _schema(response_format), "response_format"))
         elif kind != "text":
             raise InvalidRequestError(
                 "response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
             )
-    found += [(kind, fields[name], name) for name, kind in GUIDED.items() if fields.get(name) is not None]
+    found += [Constraint(kind, fields[name], name) for name, kind in GUIDED.items() if fields.get(name) is not None]
     outputs = fields.get("structured_outputs")
     if outputs is not None:
         unknown = sorted(set(outputs) - set(STRUCTURED_OUTPUTS))
@@ -56,19 +58,13 @@ def requested_constraint(fields: dict[str, Any]) -> tuple[str, Any, str] | None:
                 "structured_outputs", f"{', '.join(unknown)} not supported (use one of {', '.join(STRUCTURED_OUTPUTS)})"
             )
         asked = {k: v for k, v in outputs.items() if v is not None and not (k == "json_object" and v is False)}
-        found += [(STRUCTURED_OUTPUTS[k], v, "structured_outputs") for k, v in asked.items()]
+        found += [Constraint(STRUCTURED_OUTPUTS[k], v, "structured_outputs") for k, v in asked.items()]
     backend = fields.get("guided_decoding_backend")
     if backend is not None and backend not in BACKENDS:
         raise InvalidRequestError("guided_decoding_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if len(found) > 1:
-        raise InvalidRequestError(found[1][2], f"conflicts with {found[0][2]}: ask for one output constraint")
+        raise InvalidRequestError(found[1].field, f"conflicts with {found[0].field}: ask for one output constraint")
     return found[0] if found else None
-
-
-def compiled(constraint: tuple[str, Any, str]) -> str:
-    """The llguidance grammar of a constraint (InvalidRequestError naming its parameter)."""
-    kind, value, param = constraint
-    return grammar_for(kind, value, param)
 
 
 def _schema(response_format: dict[str, Any]) -> Any:

@@ -28,6 +28,7 @@ from typing import Any
 
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.tool_parsers import ParsedOutput, ToolCall, ToolCallParser, call_id
+from loraserve.structured import Constraint
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,14 @@ class ToolChoice:
     parallel: bool = True  # more than one call per answer
     strict: bool = False  # mode "auto": a tool is `strict`, so calls are held to the parser's grammar
 
-    def constraint(self) -> tuple[str, Any, str] | None:
-        """The structured output this choice needs (`structured.requested_constraint`'s shape), or None."""
+    def constraint(self) -> Constraint | None:
+        """The structured output this choice needs (compiled in the gateway's sandbox, as a body's own), or None."""
         if self.mode == "auto":
-            return (
-                ("grammar", self.parser.strict_grammar(self.functions, self.parallel), "tools") if self.strict else None
-            )
+            if not self.strict:
+                return None
+            return Constraint("grammar", self.parser.strict_grammar(self.functions, self.parallel), "tools")
         if self.mode == "function":
-            return "json_schema", self.functions[self.name], "tool_choice"
+            return Constraint("json_schema", self.functions[self.name], "tool_choice")
         if self.mode == "required":
             calls = [
                 {
@@ -61,7 +62,7 @@ class ToolChoice:
             ]
             items = calls[0] if len(calls) == 1 else {"anyOf": calls}
             schema = {"type": "array", "items": items, "minItems": 1} | ({} if self.parallel else {"maxItems": 1})
-            return "json_schema", schema, "tool_choice"
+            return Constraint("json_schema", schema, "tool_choice")
         return None
 
     def parse(self, text: str) -> ParsedOutput:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loraserve.v1 import common_pb2 as loraserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraserve/v1/scheduler.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\"\xd5\x04\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x04 \x01(\r\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .loraserve.v1.SamplingParameters\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\x12\x10\n\x08reply_to\x18\t \x01(\t\x12\x14\n\x0c\x61rrival_unix\x18\n \x01(\x01\x12\x12\n\noutput_ids\x18\x0b \x03(\r\x12\x16\n\x0e\x61\x64\x61pter_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x61ttempt\x18\r \x01(\r\x12\x0e\n\x06tenant\x18\x0e \x01(\t\x12\x12\n\nttft_slo_s\x18\x0f \x01(\x01\x12\x14\n\x0c\x61\x64\x61pter_rank\x18\x10 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x11 \x01(\r\x12\x15\n\rprefill_group\x18\x12 \x01(\t\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x12\x17\n\x0fsampling_params\x18\x14 \x01(\x0c\x12\x44\n\rtrace_context\x18\x15 \x03(\x0b\x32-.loraserve.v1.SubmitRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x0eSubmitResponse\x12\x16\n\x0equeue_position\x18\x01 \x01(\r\x12\x10\n\x08instance\x18\x02 \x01(\t\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x18\n\x16GetClusterStateRequest\"\xdf\x02\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x12\n\nfree_pages\x18\x06 \x01(\r\x12\x13\n\x0btotal_pages\x18\x07 \x01(\r\x12\x10\n\x08kv_pages\x18\x08 \x01(\r\x12\x15\n\radapter_pages\x18\t \x01(\r\x12\x19\n\x11resident_adapters\x18\n \x03(\t\x12\x19\n\x11last_report_age_s\x18\x0b \x01(\x01\x12\x15\n\rprefetch_hits\x18\x0c \x01(\x04\x12\x17\n\x0fprefetch_misses\x18\r \x01(\x04\x12\r\n\x05steps\x18\x0e \x01(\x04\x12\x1b\n\x13pool_waste_fraction\x18\x0f \x01(\x02\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\"|\n\x0c\x43lusterState\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.WorkerState\x12\x14\n\x0cqueue_length\x18\x02 \x01(\r\x12\x18\n\x10max_queue_length\x18\x03 \x01(\r\x12\x10\n\x08instance\x18\x04 \x01(\t\"\x82\x02\n\x15PrepareAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x02 \x01(\r\x12\x16\n\x0e\x61\x64\x61pter_sha256\x18\x03 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_rank\x18\x04 \x01(\r\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12L\n\rtrace_context\x18\x06 \x03(\x0b\x32\x35.loraserve.v1.PrepareAdapterRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"x\n\x13SubmitStreamRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.loraserve.v1.SubmitRequest\x12\x32\n\x05hints\x18\x02 \x03(\x0b\x32#.loraserve.v1.PrepareAdapterRequest\"E\n\x14SubmitStreamResponse\x12-\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1b.loraserve.v1.SubmitOutcome\"\x8a\x01\n\rSubmitOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12,\n\x06queued\x18\x04 \x01(\x0b\x32\x1c.loraserve.v1.SubmitResponse\x12\x16\n\x0eretry_after_ms\x18\x05 \x01(\r\"+\n\x16PrepareAdapterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t2\xa2\x03\n\tScheduler\x12\x43\n\x06Submit\x12\x1b.loraserve.v1.SubmitRequest\x1a\x1c.loraserve.v1.SubmitResponse\x12\x43\n\x06\x43\x61ncel\x12\x1b.loraserve.v1.CancelRequest\x1a\x1c.loraserve.v1.CancelResponse\x12S\n\x0fGetClusterState\x12$.loraserve.v1.GetClusterStateRequest\x1a\x1a.loraserve.v1.ClusterState\x12[\n\x0ePrepareAdapter\x12#.loraserve.v1.PrepareAdapterRequest\x1a$.loraserve.v1.PrepareAdapterResponse\x12Y\n\x0cSubmitStream\x12!.loraserve.v1.SubmitStreamRequest\x1a\".loraserve.v1.SubmitStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraserve/v1/scheduler.proto\x12\x0cloraserve.v1\x1a\x19loraserve/v1/common.proto\"\x80\x05\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x04 \x01(\r\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .loraserve.v1.SamplingParameters\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x15\n\rdeadline_unix\x18\x08 \x01(\x01\x12\x10\n\x08reply_to\x18\t \x01(\t\x12\x14\n\x0c\x61rrival_unix\x18\n \x01(\x01\x12\x12\n\noutput_ids\x18\x0b \x03(\r\x12\x16\n\x0e\x61\x64\x61pter_sha256\x18\x0c \x01(\t\x12\x0f\n\x07\x61ttempt\x18\r \x01(\r\x12\x0e\n\x06tenant\x18\x0e \x01(\t\x12\x12\n\nttft_slo_s\x18\x0f \x01(\x01\x12\x14\n\x0c\x61\x64\x61pter_rank\x18\x10 \x01(\r\x12\x19\n\x11tokens_per_minute\x18\x11 \x01(\r\x12\x15\n\rprefill_group\x18\x12 \x01(\t\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x12\x17\n\x0fsampling_params\x18\x14 \x01(\x0c\x12\x44\n\rtrace_context\x18\x15 \x03(\x0b\x32-.loraserve.v1.SubmitRequest.TraceContextEntry\x12\x13\n\x0brequest_key\x18\x16 \x01(\t\x12\x14\n\x0crequest_cost\x18\x17 \x01(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x0eSubmitResponse\x12\x16\n\x0equeue_position\x18\x01 \x01(\r\x12\x10\n\x08instance\x18\x02 \x01(\t\"3\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x18\n\x16GetClusterStateRequest\"\xdf\x02\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x12\n\nfree_pages\x18\x06 \x01(\r\x12\x13\n\x0btotal_pages\x18\x07 \x01(\r\x12\x10\n\x08kv_pages\x18\x08 \x01(\r\x12\x15\n\radapter_pages\x18\t \x01(\r\x12\x19\n\x11resident_adapters\x18\n \x03(\t\x12\x19\n\x11last_report_age_s\x18\x0b \x01(\x01\x12\x15\n\rprefetch_hits\x18\x0c \x01(\x04\x12\x17\n\x0fprefetch_misses\x18\r \x01(\x04\x12\r\n\x05steps\x18\x0e \x01(\x04\x12\x1b\n\x13pool_waste_fraction\x18\x0f \x01(\x02\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\"|\n\x0c\x43lusterState\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.loraserve.v1.WorkerState\x12\x14\n\x0cqueue_length\x18\x02 \x01(\r\x12\x18\n\x10max_queue_length\x18\x03 \x01(\r\x12\x10\n\x08instance\x18\x04 \x01(\t\"\x82\x02\n\x15PrepareAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x64\x61pter_version\x18\x02 \x01(\r\x12\x16\n\x0e\x61\x64\x61pter_sha256\x18\x03 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_rank\x18\x04 \x01(\r\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12L\n\rtrace_context\x18\x06 \x03(\x0b\x32\x35.loraserve.v1.PrepareAdapterRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"x\n\x13SubmitStreamRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.loraserve.v1.SubmitRequest\x12\x32\n\x05hints\x18\x02 \x03(\x0b\x32#.loraserve.v1.PrepareAdapterRequest\"E\n\x14SubmitStreamResponse\x12-\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1b.loraserve.v1.SubmitOutcome\"\x8a\x01\n\rSubmitOutcome\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12,\n\x06queued\x18\x04 \x01(\x0b\x32\x1c.loraserve.v1.SubmitResponse\x12\x16\n\x0eretry_after_ms\x18\x05 \x01(\r\"+\n\x16PrepareAdapterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t2\xa2\x03\n\tScheduler\x12\x43\n\x06Submit\x12\x1b.loraserve.v1.SubmitRequest\x1a\x1c.loraserve.v1.SubmitResponse\x12\x43\n\x06\x43\x61ncel\x12\x1b.loraserve.v1.CancelRequest\x1a\x1c.loraserve.v1.CancelResponse\x12S\n\x0fGetClusterState\x12$.loraserve.v1.GetClusterStateRequest\x1a\x1a.loraserve.v1.ClusterState\x12[\n\x0ePrepareAdapter\x12#.loraserve.v1.PrepareAdapterRequest\x1a$.loraserve.v1.PrepareAdapterResponse\x12Y\n\x0cSubmitStream\x12!.loraserve.v1.SubmitStreamRequest\x1a\".loraserve.v1.SubmitStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPAREADAPTERREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_PREPAREADAPTERREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITREQUEST']._serialized_start=74
-  _globals['_SUBMITREQUEST']._serialized_end=671
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=620
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=671
-  _globals['_SUBMITRESPONSE']._serialized_start=673
-  _globals['_SUBMITRESPONSE']._serialized_end=731
-  _globals['_CANCELREQUEST']._serialized_start=733
-  _globals['_CANCELREQUEST']._serialized_end=784
-  _globals['_CANCELRESPONSE']._serialized_start=786
-  _globals['_CANCELRESPONSE']._serialized_end=817
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=819
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=843
-  _globals['_WORKERSTATE']._serialized_start=846
-  _globals['_WORKERSTATE']._serialized_end=1197
-  _globals['_CLUSTERSTATE']._serialized_start=1199
-  _globals['_CLUSTERSTATE']._serialized_end=1323
-  _globals['_PREPAREADAPTERREQUEST']._serialized_start=1326
-  _globals['_PREPAREADAPTERREQUEST']._serialized_end=1584
-  _globals['_PREPAREADAPTERREQUEST_TRACECONTEXTENTRY']._serialized_start=620
-  _globals['_PREPAREADAPTERREQUEST_TRACECONTEXTENTRY']._serialized_end=671
-  _globals['_SUBMITSTREAMREQUEST']._serialized_start=1586
-  _globals['_SUBMITSTREAMREQUEST']._serialized_end=1706
-  _globals['_SUBMITSTREAMRESPONSE']._serialized_start=1708
-  _globals['_SUBMITSTREAMRESPONSE']._serialized_end=1777
-  _globals['_SUBMITOUTCOME']._serialized_start=1780
-  _globals['_SUBMITOUTCOME']._serialized_end=1918
-  _globals['_PREPAREADAPTERRESPONSE']._serialized_start=1920
-  _globals['_PREPAREADAPTERRESPONSE']._serialized_end=1963
-  _globals['_SCHEDULER']._serialized_start=1966
-  _globals['_SCHEDULER']._serialized_end=2384
+  _globals['_SUBMITREQUEST']._serialized_end=714
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=663
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=714
+  _globals['_SUBMITRESPONSE']._serialized_start=716
+  _globals['_SUBMITRESPONSE']._serialized_end=774
+  _globals['_CANCELREQUEST']._serialized_start=776
+  _globals['_CANCELREQUEST']._serialized_end=827
+  _globals['_CANCELRESPONSE']._serialized_start=829
+  _globals['_CANCELRESPONSE']._serialized_end=860
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=862
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=886
+  _globals['_WORKERSTATE']._serialized_start=889
+  _globals['_WORKERSTATE']._serialized_end=1240
+  _globals['_CLUSTERSTATE']._serialized_start=1242
+  _globals['_CLUSTERSTATE']._serialized_end=1366
+  _globals['_PREPAREADAPTERREQUEST']._serialized_start=1369
+  _globals['_PREPAREADAPTERREQUEST']._serialized_end=1627
+  _globals['_PREPAREADAPTERREQUEST_TRACECONTEXTENTRY']._serialized_start=663
+  _globals['_PREPAREADAPTERREQUEST_TRACECONTEXTENTRY']._serialized_end=714
+  _globals['_SUBMITSTREAMREQUEST']._serialized_start=1629
+  _globals['_SUBMITSTREAMREQUEST']._serialized_end=1749
+  _globals['_SUBMITSTREAMRESPONSE']._serialized_start=1751
+  _globals['_SUBMITSTREAMRESPONSE']._serialized_end=1820
+  _globals['_SUBMITOUTCOME']._serialized_start=1823
+  _globals['_SUBMITOUTCOME']._serialized_end=1961
+  _globals['_PREPAREADAPTERRESPONSE']._serialized_start=1963
+  _globals['_PREPAREADAPTERRESPONSE']._serialized_end=2006
+  _globals['_SCHEDULER']._serialized_start=2009
+  _globals['_SCHEDULER']._serialized_end=2427
 # @@protoc_insertion_point(module_scope)

@@ -103,6 +103,8 @@ class SchedulerServicer:
         under load). The scheduler answers every batch with one SubmitStreamResponse, in order: one outcome
         per Submit, each what the unary Submit would have ended with. Hints are answered by nothing.
         A refusal of one request never ends the call; a malformed batch or an unauthenticated caller does.
+        A batch holds at most 256 entries (requests and hints together) and 8 MiB encoded
+        (loraserve/bounds.py): a larger one ends the call INVALID_ARGUMENT, and the gateway never sends one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

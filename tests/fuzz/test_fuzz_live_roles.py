@@ -27,7 +27,17 @@ from loraserve.demo.assets import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR
 from loraserve.params import SamplingParams
 from loraserve.request_spec import RequestSpec
 from loraserve.sockets import make_socket, send
-from loraserve.wire import AdapterPayload, Assign, FetchAdapter, StepTokens, Tokens, WireError, WorkerReport, decode
+from loraserve.wire import (
+    AdapterPayload,
+    Assign,
+    FetchAdapter,
+    Heartbeat,
+    StepTokens,
+    Tokens,
+    WireError,
+    WorkerReport,
+    decode,
+)
 
 pytestmark = pytest.mark.slow
 ADAPTER = "upper"
@@ -88,14 +98,18 @@ class Roles:
         assert self.worker.poll() is None, f"the worker exited with {self.worker.returncode}"
 
     def drain_reports(self, timeout_s: float = 0.0) -> WorkerReport | None:
-        """Read what the worker sent; the last report (None if none came within timeout_s)."""
-        last = None
-        while self.router.poll(int(timeout_s * 1000)):
+        """Read what the worker sent; the last report (None if none came within timeout_s). Heartbeats
+        (the worker's I/O thread sends them between reports) are checked and passed over."""
+        last, deadline = None, time.monotonic() + timeout_s
+        while self.router.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             identity, *frames = self.router.recv_multipart()
             message = decode(frames)
+            if isinstance(message, Heartbeat):
+                assert identity == WORKER_ID.encode() and message.worker_id == WORKER_ID, message
+                continue
             assert identity == WORKER_ID.encode() and isinstance(message, WorkerReport), message
             assert message.fatal is None, message.fatal
-            last, timeout_s = message, 0.0
+            last, deadline = message, 0.0  # a report came: read what is already there, wait no more
             self.reports += 1
         return last
 

@@ -10,6 +10,7 @@ import time
 
 from loraserve.bench import cli as bench_main
 from loraserve.bench.suites.abuse import suite as abuse
+from loraserve.bench.suites.abuse.attacks import CONSTRAINTS, big_lark_regex, chain_grammar, deep_json
 from loraserve.bench.suites.abuse.probes import Outcome, Traffic, big_body, connection_churn, idle_connections
 from loraserve.flags import EnvArgumentParser
 
@@ -43,12 +44,25 @@ def test_window_counts_by_status_and_finds_the_longest_stretch_without_a_success
         Outcome(100.0, 101.0, "http", "OK"),
         Outcome(101.0, 102.0, "http", "UNAVAILABLE"),
         Outcome(102.0, 109.0, "http", "UNAVAILABLE"),
-        Outcome(109.0, 110.0, "http", "OK"),
+        Outcome(109.0, 112.0, "http", "OK"),
         Outcome(200.0, 201.0, "http", "OK"),  # outside the window
     ]
-    window = traffic.window(100.0, 112.0)
-    assert window == {"calls": 4, "ok": 2, "failed": {"UNAVAILABLE": 2}, "longest_without_success_s": 9.0}
+    window = traffic.window(100.0, 115.0)
+    assert window == {
+        "calls": 4,
+        "ok": 2,
+        "failed": {"UNAVAILABLE": 2},
+        "longest_without_success_s": 11.0,
+        "latency_s": {"p50": 1.0, "p99": 3.0, "max": 3.0},  # the successes' only
+    }
     assert traffic.window(150.0, 160.0)["longest_without_success_s"] == 10.0  # no call at all
+
+
+def test_the_attack_constraints_have_the_shapes_that_once_broke_a_role():
+    assert 60_000 < len(chain_grammar().encode()) < 70_000 and chain_grammar().count("\n") == 3001
+    assert 88 * 1024 <= len(big_lark_regex().encode()) < 90 * 1024
+    assert deep_json(1000).count("[") == 0 and deep_json(1000).count("{") == 1001
+    assert set(CONSTRAINTS) >= {"chain_grammar", "nested_repetition", "deep_json", "huge_bounds", "alternatives"}
 
 
 def test_connection_churn_connects_and_closes_every_cycle():

@@ -5,7 +5,8 @@ whose store accepts weights files up to 1 MiB (`LORASERVE_MAX_ADAPTER_MB`, the f
 - requests cycling through three adapters keep giving the same tokens while the worker evicts and
   fetches again, and the worker's metrics endpoint counts those evictions;
 - an upload over the limit, streamed in chunks through the gateway, is refused mid-stream with
-  RESOURCE_EXHAUSTED every time (not INTERNAL, not a hang), and the stack keeps serving.
+  INVALID_ARGUMENT naming --max-adapter-mb every time (not INTERNAL, not a hang, not the
+  RESOURCE_EXHAUSTED clients retry), and the stack keeps serving.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _upload(name: str, files: dict[str, bytes], chunk: int = 64 * 1024):
             yield gateway_pb2.UploadAdapterRequest(chunk=gateway_pb2.FileChunk(file=file, data=data[i : i + chunk]))
 
 
-def test_an_oversized_upload_through_the_gateway_is_resource_exhausted_mid_stream(stack):
+def test_an_oversized_upload_through_the_gateway_is_refused_mid_stream_not_to_be_retried(stack):
     path = demo_adapters()[TOO_LARGE]
     files = {f: (path / f).read_bytes() for f in ("adapter_config.json", WEIGHTS)}
     outcomes = set()
@@ -85,8 +86,9 @@ def test_an_oversized_upload_through_the_gateway_is_resource_exhausted_mid_strea
         with pytest.raises(grpc.RpcError) as refused:
             stack.api.UploadAdapter(_upload("big", files), timeout=20)
         assert time.monotonic() - started < 5
-        outcomes.add((refused.value.code(), "exceed the store's maximum adapter size" in refused.value.details()))
-    assert outcomes == {(grpc.StatusCode.RESOURCE_EXHAUSTED, True)}
+        outcomes.add((refused.value.code(), "maximum adapter size" in refused.value.details()))
+        assert "--max-adapter-mb" in refused.value.details()
+    assert outcomes == {(grpc.StatusCode.INVALID_ARGUMENT, True)}
     listed = stack.api.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=5).adapters
     assert "big" not in [a.name for a in listed]
     assert _tokens(stack, "upper") == _tokens(stack, "upper")

@@ -114,7 +114,7 @@ def test_the_memory_budget_counts_each_versions_rows_beside_its_files(tmp_path):
     packed = store.get_rows("u", 1)[2]
     assert store.stats().used_bytes == files_only + len(packed.buffer)
     store.register("u", config, weights)  # v2 replaces v1 (no retention): one version's files and rows
-    assert store.stats().used_bytes == files_only + len(packed.buffer)
+    assert store.stats().used_bytes == files_only + packed.spec.nbytes  # v1 (and its file) is gone
     tight = AdapterStore(MODEL, StoreLimits(budget_bytes=files_only + 10, max_adapter_bytes=files_only), rows=rows)
     with pytest.raises(ResourceExhaustedError, match="budget exhausted"):
         tight.register("u", config, weights)  # its files fit, its rows do not

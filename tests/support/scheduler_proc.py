@@ -43,7 +43,9 @@ def report(worker_id: str, **changes) -> WorkerReport:
 class SchedulerProcess:
     """`loraserve scheduler` as a child process on free loopback ports."""
 
-    def __init__(self, worker_timeout: float = 1.0, prelude: str = "", base_port: int | None = None):
+    def __init__(
+        self, worker_timeout: float = 1.0, prelude: str = "", base_port: int | None = None, flags: tuple[str, ...] = ()
+    ):
         base = base_port or free_port_block(2)  # a given one: a scheduler restarted where the last one was
         self.base_port = base
         self.grpc_address = f"127.0.0.1:{base}"
@@ -58,6 +60,7 @@ class SchedulerProcess:
             self.worker_address,
             "--worker-timeout",
             str(worker_timeout),
+            *flags,
         ]
         # `prelude` runs first in the child (a test's fault injection), then the real CLI.
         code = f"import sys\n{prelude}\nfrom loraserve.cli import main\nsys.exit(main({args!r}))"

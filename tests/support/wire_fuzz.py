@@ -22,6 +22,7 @@ from loraserve.wire import (
     Cancel,
     FetchAdapter,
     FetchFailed,
+    Heartbeat,
     Message,
     MsgType,
     Prefetch,
@@ -60,6 +61,7 @@ VALID: list[Message] = [
     AdapterRows("x", 1, "ab" * 32, 2, ["q_proj"], [0, 1], "float32", 2, 4, 8, ["cd" * 32] * 2, config_json=b"{}"),
     FetchFailed("x", 1, "NOT_FOUND", "no such adapter"),
     StepTokens("w", ["r", "s"], [[1, 2], []]),
+    Heartbeat("w", "instance-1", step_s=2.5),
 ]
 assert {type(m) for m in VALID} == set(_TYPES.values()), "every message type is fuzzed"
 

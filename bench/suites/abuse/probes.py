@@ -2,9 +2,10 @@
 
 - `Roles` follows the role processes of one `loraserve up` (by process title, `loraserve-ROLE`):
   their resident memory, open file descriptors, and every restart (a role whose pid changed).
-- `Traffic` keeps calls flowing through the public APIs (gRPC unary and stream, HTTP completions)
-  from a few threads and records each call's outcome, so a phase's failures and its longest stretch
-  without a success can be read afterwards.
+- `Traffic` keeps mixed calls flowing through the public APIs (gRPC unary and stream; HTTP
+  completions plain, with a JSON schema, and with n = 2 and log-probabilities) from a few threads and
+  records each call's outcome and latency, so a phase's failures, its latencies and its longest
+  stretch without a success can be read afterwards.
 - The attacks are plain functions over sockets: TCP connect+close churn, an oversized HTTP body,
   and idle or trickling HTTP connections held by child processes (one process cannot hold 20,000).
 """
@@ -29,6 +30,13 @@ from loraserve.client.retry import NO_RETRY
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 ROLES = ("adapter-store", "scheduler", "worker", "gateway")
+STRUCTURED = {  # the bystander's structured-output calls
+    "type": "json_schema",
+    "json_schema": {
+        "name": "pick",
+        "schema": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]},
+    },
+}
 
 
 def _children(pid: int) -> list[int]:
@@ -160,7 +168,7 @@ class Traffic:
 
     def _loop(self, index: int) -> None:
         client = Client(self.grpc_address, api_key=self.api_key, retry=NO_RETRY)
-        calls = (self._unary, self._stream, self._http)
+        calls = (self._unary, self._stream, self._http, self._structured, self._choices)
         n = index
         try:
             while not self._stop.is_set():
@@ -189,15 +197,15 @@ class Traffic:
         except ApiError as e:
             return e.code
 
-    def _http(self, client: Client, adapter: str) -> str:
+    def _http(self, client: Client, adapter: str, **fields) -> str:
         host, port = self.http_address.rsplit(":", 1)
-        body = json.dumps({"model": adapter or self.base_model, "prompt": "the quiet king", "max_tokens": 8})
+        body = {"model": adapter or self.base_model, "prompt": "the quiet king", "max_tokens": 8, **fields}
         connection = http.client.HTTPConnection(host, int(port), timeout=15)
         try:
             connection.request(
                 "POST",
                 "/v1/completions",
-                body,
+                json.dumps(body),
                 {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"},
             )
             response = connection.getresponse()
@@ -208,21 +216,34 @@ class Traffic:
         finally:
             connection.close()
 
+    def _structured(self, client: Client, adapter: str) -> str:
+        return self._http(client, adapter, max_tokens=16, response_format=STRUCTURED)
+
+    def _choices(self, client: Client, adapter: str) -> str:
+        return self._http(client, adapter, n=2, logprobs=2, seed=7, temperature=0.8)
+
     def window(self, start: float, end: float) -> dict:
-        """The calls that started in [start, end): counts by status, and the longest stretch
-        between two successes (or from `start` to the first, or the last to `end`)."""
+        """The calls that started in [start, end): counts by status, the successes' latency
+        percentiles, and the longest stretch between two successes (or from `start` to the first, or
+        the last to `end`)."""
         with self._lock:
             calls = [o for o in self.outcomes if start <= o.started < end]
         statuses = Counter(o.status for o in calls)
         successes = sorted(o.ended for o in calls if o.status == "OK")
         marks = [start, *successes, end]
         longest = max((b - a for a, b in itertools.pairwise(marks)), default=end - start)
+        latencies = sorted(o.ended - o.started for o in calls if o.status == "OK")
         return {
             "calls": len(calls),
             "ok": statuses.pop("OK", 0),
             "failed": dict(statuses),
             "longest_without_success_s": round(longest, 2),
+            "latency_s": {f"p{q}": _percentile(latencies, q) for q in (50, 99)} | {"max": _percentile(latencies, 100)},
         }
+
+
+def _percentile(ordered: list[float], q: int) -> float:
+    return round(ordered[round(q / 100 * (len(ordered) - 1))], 3) if ordered else 0.0
 
 
 # ---- attacks ---------------------------------------------------------------------------------------

@@ -3,9 +3,12 @@
     loraserve bench --suite abuse --out results/abuse            # about 13 minutes (a 10-minute soak)
     loraserve bench --suite abuse --quick --out /tmp/abuse       # about 3 minutes
 
-Starts `loraserve up` (the real supervisor, one worker, the demo model, an auth file with one
-tenant, the HTTP API on) and keeps calls flowing through gRPC and HTTP from a few threads
-(`abuse_probes.Traffic`). Then, one after another, each phase while that traffic flows:
+Starts `loraserve up` (the real supervisor, one worker, the demo model, an auth file with two
+tenants, the HTTP API on). The bystander tenant keeps mixed calls flowing through gRPC and HTTP from a
+few threads (`probes.Traffic`: plain, streamed, structured output, log-probabilities, n > 1); the
+abuser tenant (and, for the control-plane attacks, a holder of the internal keys) attacks. First the
+stack's very first request is a structured one (`first_structured`); then, one after another, each
+phase while the bystander's traffic flows:
 
 1. `calm`: nothing else, the baseline;
 2. `churn`: plain TCP connect+close cycles to the scheduler's worker port (base port + 1), no
@@ -13,12 +16,20 @@ tenant, the HTTP API on) and keeps calls flowing through gRPC and HTTP from a fe
 3. `big_body`: a 2 GiB HTTP body without a key, then with the tenant's key (the gateway must
    answer 401 and 413 without reading it);
 4. `idle`: thousands of idle or trickling HTTP connections with no key, held open;
-5. `soak`: more callers, for the soak's duration.
+5. `constraints`: structured-output constraints that once crashed the gateway or wedged a worker
+   (`attacks.CONSTRAINTS`), each several times over HTTP and gRPC;
+6. `prompts`: four clients sending 1 MiB prompts to /tokenize, completions, chat and gRPC Tokenize,
+   while the health checks are timed;
+7. `control`: one SubmitStream batch of 50,000 entries to the scheduler, and a worker-key holder
+   reporting as 50 worker ids;
+8. `batch_hog`: requests of 64 generations each, back to back;
+9. `soak`: more callers, for the soak's duration.
 
-For each phase `results.json` records the calls (OK and failed, by status), the longest stretch
-without a successful call (an outage shows there), the restarts of every role (the supervisor
-restarts a role that dies or fails its health check), and each role's peak resident memory and
-open file descriptors. The attacks' own figures (seconds, answers) are recorded beside them.
+For each phase `results.json` records the bystander's calls (OK and failed, by status; latency
+percentiles), the longest stretch without a successful call (an outage shows there), the restarts of
+every role (the supervisor restarts a role that dies or fails its health check), and each role's peak
+resident memory and open file descriptors. The attacks' own figures (answers by status, seconds) are
+recorded beside them.
 """
 
 from __future__ import annotations
@@ -37,10 +48,18 @@ from pathlib import Path
 
 from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.common.settings import add_settings
+from loraserve.bench.suites.abuse.attacks import (
+    batch_hog,
+    constraint_attacks,
+    first_structured,
+    prompt_flood,
+    spoofed_workers,
+    submit_flood,
+)
 from loraserve.bench.suites.abuse.probes import Roles, Traffic, big_body, connection_churn, idle_connections
 from loraserve.client import Client
 from loraserve.config_cli import setting
-from loraserve.demo.assets import demo_adapters
+from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.gateway.keys import new_key
 from loraserve.launcher.ports import free_port_block
 
@@ -56,12 +75,18 @@ class AbusePlan:
     idle_hold_s: float
     soak_s: float
     soak_threads: int
+    constraint_repeats: int = 3  # each attack constraint, per edge
+    prompt_flood_s: float = 30.0
+    submit_entries: int = 50_000
+    spoofed_ids: int = 50
+    spoof_s: float = 20.0
+    hog_s: float = 60.0
 
 
 GIB = 1 << 30
 #                 calm_s  churn   body     idle    hold_s  soak_s  threads
 FULL = AbusePlan(20.0, 10_000, 2 * GIB, 20_000, 45.0, 600.0, 4)
-QUICK = AbusePlan(10.0, 3_000, 2 * GIB, 4_000, 20.0, 60.0, 3)
+QUICK = AbusePlan(10.0, 3_000, 2 * GIB, 4_000, 20.0, 60.0, 3, 1, 15.0, 50_000, 50, 10.0, 20.0)
 
 
 @dataclass(frozen=True)
@@ -81,10 +106,16 @@ class _Stack:
     """`loraserve up` as a child process, its log in `workdir`."""
 
     def __init__(self, workdir: Path):
-        key, digest = new_key()
-        self.key = key
+        self.key, digest = new_key()  # the abuser's
+        self.bystander_key, bystander_digest = new_key()
         auth = workdir / "auth.toml"
-        auth.write_text(f'[[tenants]]\nname = "abuser"\napi_key_sha256 = ["{digest}"]\nscopes = ["generate"]\n')
+        auth.write_text(
+            "".join(
+                f'[[tenants]]\nname = "{name}"\napi_key_sha256 = ["{d}"]\nscopes = ["generate"]\n'
+                for name, d in (("abuser", digest), ("bystander", bystander_digest))
+            )
+        )
+        self.internal_keys = workdir / "data.internal-keys"  # where `up` makes them, beside its data dir
         self.base = free_port_block(7)
         self.grpc = f"127.0.0.1:{self.base + 5}"
         self.http = f"127.0.0.1:{self.base + 6}"
@@ -163,9 +194,10 @@ def run(plan: AbusePlan, workdir: Path) -> list[dict]:
         roles = Roles(stack.process.pid)
         roles.start()
         adapters = ["", *sorted(demo_adapters())]
-        traffic = Traffic(stack.grpc, stack.http, stack.key, adapters, threads=2)
+        traffic = Traffic(stack.grpc, stack.http, stack.bystander_key, adapters, threads=2)
         traffic.start()
-        phases = [_phase("calm", traffic, roles, lambda: _then_wait({}, plan.calm_s))]
+        phases = [_phase("first_structured", traffic, roles, lambda: first_structured(stack.grpc, stack.key))]
+        phases.append(_phase("calm", traffic, roles, lambda: _then_wait({}, plan.calm_s)))
 
         def churn() -> dict:
             seconds = connection_churn("127.0.0.1", stack.base + 1, plan.churn_cycles)
@@ -182,8 +214,9 @@ def run(plan: AbusePlan, workdir: Path) -> list[dict]:
         phases.append(_phase("big_body", traffic, roles, bodies))
         hold = plan.idle_connections, plan.idle_hold_s
         phases.append(_phase("idle", traffic, roles, lambda: idle_connections(stack.http, *hold)))
+        phases += _request_attacks(plan, stack, traffic, roles)
         traffic.stop()
-        soak = Traffic(stack.grpc, stack.http, stack.key, adapters, threads=plan.soak_threads)
+        soak = Traffic(stack.grpc, stack.http, stack.bystander_key, adapters, threads=plan.soak_threads)
         soak.start()
         phases.append(_phase("soak", soak, roles, lambda: _then_wait({"threads": plan.soak_threads}, plan.soak_s)))
         soak.stop()
@@ -193,8 +226,38 @@ def run(plan: AbusePlan, workdir: Path) -> list[dict]:
         stack.stop()
 
 
+def _request_attacks(plan: AbusePlan, stack: _Stack, traffic: Traffic, roles: Roles) -> list[dict]:
+    """The phases of attacks carried by requests: constraints, huge prompts, control messages, batches."""
+    model = DEMO_MODEL_DIR.name
+    repeats = plan.constraint_repeats
+    scheduler_grpc, workers = f"127.0.0.1:{stack.base}", f"tcp://127.0.0.1:{stack.base + 1}"
+
+    def control() -> dict:
+        return {
+            "submit_stream": submit_flood(scheduler_grpc, stack.internal_keys, plan.submit_entries),
+            "spoofed_workers": spoofed_workers(workers, stack.internal_keys, plan.spoofed_ids, plan.spoof_s),
+        }
+
+    return [
+        _phase(
+            "constraints",
+            traffic,
+            roles,
+            lambda: constraint_attacks(stack.http, stack.grpc, stack.key, model, repeats),
+        ),
+        _phase(
+            "prompts",
+            traffic,
+            roles,
+            lambda: prompt_flood(stack.http, stack.grpc, stack.key, model, plan.prompt_flood_s),
+        ),
+        _phase("control", traffic, roles, control),
+        _phase("batch_hog", traffic, roles, lambda: batch_hog(stack.http, stack.key, model, plan.hog_s)),
+    ]
+
+
 def print_report(phases: list[dict]) -> None:
-    header = f"{'phase':<9} {'calls':>6} {'ok':>6} {'failed':>7} {'longest gap s':>13}"
+    header = f"{'phase':<16} {'calls':>6} {'ok':>6} {'failed':>7} {'p99 s':>6} {'longest gap s':>13}"
     print(f"{header}  restarts  peak RSS MB (gateway)  attack")
     for p in phases:
         t = p["traffic"]
@@ -202,7 +265,8 @@ def print_report(phases: list[dict]) -> None:
         restarts = sum(p["restarts"].values())
         gateway_rss = p["peak_rss_mb"].get("gateway", 0.0)
         print(
-            f"{p['phase']:<9} {t['calls']:>6} {t['ok']:>6} {failed:>7} {t['longest_without_success_s']:>13}  "
+            f"{p['phase']:<16} {t['calls']:>6} {t['ok']:>6} {failed:>7} {t['latency_s']['p99']:>6} "
+            f"{t['longest_without_success_s']:>13}  "
             f"{restarts:>8}  {gateway_rss:>21}  {json.dumps(p['attack'])}"
         )
 

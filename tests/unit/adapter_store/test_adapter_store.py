@@ -33,6 +33,7 @@ from loraserve.errors import (
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    TooLargeError,
     UnavailableError,
 )
 from loraserve.model_config import ModelConfig
@@ -180,8 +181,9 @@ def test_bin_weights_are_read_safely_and_served_as_bin():
 def test_an_adapter_over_the_size_limit_is_refused_stating_sizes():
     store, _ = make_store(max_adapter_bytes=100_000)
     config, weights = files("reverse")
-    with pytest.raises(ResourceExhaustedError, match=rf"\({len(weights)} bytes\) exceed .* \(100000 bytes\)"):
+    with pytest.raises(TooLargeError, match=rf"\({len(weights)} bytes\) exceed .* \(100000 bytes\)") as refused:
         store.register("r", config, weights)
+    assert refused.value.status == "INVALID_ARGUMENT" and "--max-adapter-mb" in str(refused.value)  # not retried
 
 
 def test_the_memory_budget_counts_retired_versions_until_they_are_purged():
@@ -332,7 +334,7 @@ def test_upload_assembles_interleaved_chunks():
         ([("header", "a"), ("chunk", "adapter_config.json", b" " * (MIB + 1))], InvalidRequestError, "larger than"),
         (
             [("header", "a"), ("chunk", "adapter_model.bin", b"x" * 600), ("chunk", "adapter_model.bin", b"x" * 600)],
-            ResourceExhaustedError,
+            TooLargeError,
             r"\(1200 bytes\) exceed .* \(1000 bytes\)",
         ),
         (

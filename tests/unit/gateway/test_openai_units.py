@@ -21,8 +21,9 @@ from loraserve.gateway.http.errors import HTTP_STATUS, HttpError, http_error
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.responses import Answers, Final, Piece
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
-from loraserve.gateway.http.structured import compiled, requested_constraint
+from loraserve.gateway.http.structured import requested_constraint
 from loraserve.gateway.quotas import QuotaExceededError
+from loraserve.structured import grammar_for
 from loraserve.tokenizer import Tokenizer
 
 # A Llama-3-style template: system prompt hoisted, loop controls, raise_exception, special tokens.
@@ -388,8 +389,8 @@ def test_each_spelling_of_structured_output_is_one_constraint():
     for name, (fields, kind, value) in spellings.items():
         body = CompletionRequest(model="m", prompt="p", **fields)
         found = requested_constraint(body.constraint_fields())
-        assert found is not None and found[:2] == (kind, value), name
-        assert compiled(found)  # each compiles to an llguidance grammar
+        assert found is not None and (found.kind, found.value) == (kind, value), name
+        assert grammar_for(found.kind, found.value, found.field)  # each compiles to an llguidance grammar
     for nothing in ({"response_format": {"type": "text"}}, {"structured_outputs": {"json_object": False}}):
         assert requested_constraint(CompletionRequest(model="m", prompt="p", **nothing).constraint_fields()) is None
     for fields, param in (
@@ -404,7 +405,7 @@ def test_each_spelling_of_structured_output_is_one_constraint():
             requested_constraint(CompletionRequest(model="m", prompt="p", **fields).constraint_fields())
         assert e.value.field == param, fields
     with pytest.raises(InvalidRequestError) as e:
-        compiled(("regex", "[a-", "guided_regex"))
+        grammar_for("regex", "[a-", "guided_regex")
     assert e.value.field == "guided_regex" and "unclosed character class" in str(e.value)
 
 
@@ -449,22 +450,27 @@ def test_tool_choice_modes_and_their_answers():
     assert len(single.parse(text).tool_calls) == 1
     strict = _tools("f", "g")
     strict[1].function.strict = True  # one strict tool: auto is held to the parser's grammar
-    kind, grammar, param = tool_choice(strict, "auto", None, hermes).constraint()
-    assert (kind, param) == ("grammar", "tools") and grammar == hermes.strict_grammar(auto.functions, True)
-    assert compiled((kind, grammar, param))  # llguidance takes it
+    held = tool_choice(strict, "auto", None, hermes).constraint()
+    assert (held.kind, held.field) == ("grammar", "tools") and held.value == hermes.strict_grammar(auto.functions, True)
+    assert grammar_for(held.kind, held.value, held.field)  # llguidance takes it
     plain = answers.whole([(Piece("just text"), Final("stop", 3, 2))])["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": "just text"}
 
     required = tool_choice(_tools("f", "g"), "required", False, hermes)
-    kind, schema, param = required.constraint()
-    assert (kind, param, schema["minItems"], schema["maxItems"]) == ("json_schema", "tool_choice", 1, 1)
+    asked = required.constraint()
+    assert (asked.kind, asked.field, asked.value["minItems"], asked.value["maxItems"]) == (
+        "json_schema",
+        "tool_choice",
+        1,
+        1,
+    )
     parsed = required.parse('[{"name":"g","parameters":{"x":5}}]')
     assert parsed.tool_calls == [ToolCall("g", '{"x": 5}')] and required.finish_reason(parsed, "stop") == "tool_calls"
     cut = required.parse('[{"name":"g","param')  # cut by max_tokens: content, no guessed call
     assert cut.tool_calls == [] and required.finish_reason(cut, "length") == "length"
 
     function = tool_choice(_tools("f", "g"), NamedToolChoice(type="function", function={"name": "f"}), None, None)
-    assert function.constraint()[1]["required"] == ["x"]
+    assert function.constraint().value["required"] == ["x"]
     parsed = function.parse('{"x":3}')
     assert parsed.tool_calls == [ToolCall("f", '{"x": 3}')] and function.finish_reason(parsed, "stop") == "stop"
     chunks = Answers("id", "m", chat=True, tools=function).settled(Piece('{"x":3}'), Final("stop", 3, 4))

@@ -18,10 +18,12 @@ from loraserve.config_cli import add_config_arguments, config_from_args, config_
 from loraserve.demo.build import BuildSettings
 from loraserve.demo.show import ShowSettings
 from loraserve.flags import EnvArgumentParser
+from loraserve.gateway.constraints import ConstraintConfig
 from loraserve.gateway.failover import FailoverConfig
 from loraserve.gateway.keys import KeysSettings
 from loraserve.gateway.settings import GatewaySettings
 from loraserve.gateway.tls import TlsSettings
+from loraserve.gateway.tokenizing import TokenizingConfig
 from loraserve.internal_auth import InternalAuthSettings
 from loraserve.launcher.commands import UpSettings
 from loraserve.metrics import MetricsSettings
@@ -168,6 +170,8 @@ ALL_SETTINGS = [
     SchedulerSettings,
     GatewaySettings,
     FailoverConfig,
+    TokenizingConfig,
+    ConstraintConfig,
     TlsSettings,
     InternalAuthSettings,
     TracingSettings,
@@ -219,6 +223,9 @@ def test_every_setting_changed_round_trips(tmp_path):
         insecure_no_auth=True, tls=TlsSettings(tmp_path / "c", tmp_path / "k", tmp_path / "ca"), scheduler="s:1",
         store="s:2", token_address="tcp://t:3", token_advertise="tcp://t:4", max_context=99,
         default_max_new_tokens=9, max_lora_rank=32, failover=FailoverConfig(1, 2.0, 3.0, 4.0), drain_timeout=5.0,
+        tokenizing=TokenizingConfig(tokenizer_threads=3, tokenizer_queue=7),
+        constraints=ConstraintConfig(constraint_workers=3, constraint_queue=5, constraint_timeout=0.5,
+                                     constraint_memory_mib=512, constraint_cache=9),
     )  # fmt: skip
     _round_trip(gateway, GatewaySettings)
     _round_trip(GenerateSettings("a prompt", "upper", ("x=/y", "z=/w"), 3, 0.5, 4, 0.9, 11), GenerateSettings)

@@ -40,7 +40,8 @@ def test_every_setting_has_help_and_one_default():
     shared = {f.name: f for f in fields(FcfsConfig)}
     assert all(f is shared[f.name] for f in fields(AdaptiveConfig) if f.name in shared)
     cluster, adaptive = ClusterConfig(), AdaptiveConfig()
-    assert (cluster.worker_timeout_s, cluster.stale_after_s, cluster.max_zombies) == (1.5, 0.75, 1024)
+    liveness = (cluster.worker_timeout_s, cluster.stale_after_s, cluster.max_zombies, cluster.max_workers)
+    assert liveness == (5.0, 0.75, 1024, 1024)
     assert (adaptive.max_queue_length, adaptive.prefetch_depth, adaptive.starvation_s) == (1024, 16, 5.0)
     assert (adaptive.flooder_slot_share, adaptive.prefetch_hold_s, adaptive.predict_interval_s) == (0.1, 0.0, 0.02)
 
