@@ -14,7 +14,6 @@ stack overflows this one first (and kills only this process), with room to spare
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -27,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.constraint_check import check_constraint, ll_tokenizer
 from loraserve.gateway.constraint_wire import Compile, Compiled, Ready, Refused, Start, receive, send
+from loraserve.process import die_with_parent, set_title
 
 TITLE = "loraserve-gateway-constraints"
 COMPILE_STACK_BYTES = 4 << 20
-_PR_SET_PDEATHSIG = 1
 _FIELD = "constraint"  # errors name this; the parent puts the request's own field in its place
 
 
@@ -72,15 +71,8 @@ def answer(tokenizer, message: Compile) -> Compiled | Refused:
 
 
 def _become_child() -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(TITLE)
-    except ImportError:  # optional nicety
-        pass
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    set_title(TITLE)
+    die_with_parent(signal.SIGKILL)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash must not leave a core file per attack
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway stops its children itself
 

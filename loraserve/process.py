@@ -47,6 +47,27 @@ def service_argv(args: argparse.Namespace, **chosen: object) -> list[str]:
     return argv
 
 
+def set_title(title: str) -> None:
+    """The process's title, as `ps` and the abuse suite's role watch see it."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    except ImportError:  # optional nicety
+        pass
+
+
+def die_with_parent(signum: int) -> None:
+    """Linux: have the kernel send `signum` to this process when its parent dies (prctl PDEATHSIG), and
+    send it now if the parent died already."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signum)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signum)
+
+
 def become_service(name: str) -> threading.Event:
     """Set the process title, turn SIGTERM/SIGINT into an Event, and die with the parent when asked.
 
@@ -55,17 +76,9 @@ def become_service(name: str) -> threading.Event:
 
     Returns the event that is set when the process should stop.
     """
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"loraserve-{name}")
-    except ImportError:  # optional nicety
-        pass
-    if sys.platform.startswith("linux") and os.environ.get("LORASERVE_DIE_WITH_PARENT") == "1":
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() == 1:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+    set_title(f"loraserve-{name}")
+    if os.environ.get("LORASERVE_DIE_WITH_PARENT") == "1":
+        die_with_parent(signal.SIGTERM)
     stop = threading.Event()
 
     def on_signal(signum, _frame):

@@ -9,10 +9,18 @@ import threading
 import time
 
 from loraserve.bench import cli as bench_main
+from loraserve.bench.suites.abuse import probes
 from loraserve.bench.suites.abuse import suite as abuse
-from loraserve.bench.suites.abuse.attacks import CONSTRAINTS, big_lark_regex, chain_grammar, deep_json
+from loraserve.bench.suites.abuse.attacks import (
+    CONSTRAINTS,
+    big_lark_regex,
+    chain_grammar,
+    deep_json,
+    structured_request,
+)
 from loraserve.bench.suites.abuse.probes import Outcome, Traffic, big_body, connection_churn, idle_connections
 from loraserve.flags import EnvArgumentParser
+from loraserve.v1 import common_pb2
 
 
 class _Server:
@@ -63,6 +71,9 @@ def test_the_attack_constraints_have_the_shapes_that_once_broke_a_role():
     assert 88 * 1024 <= len(big_lark_regex().encode()) < 90 * 1024
     assert deep_json(1000).count("[") == 0 and deep_json(1000).count("{") == 1001
     assert set(CONSTRAINTS) >= {"chain_grammar", "nested_repetition", "deep_json", "huge_bounds", "alternatives"}
+    for _, grpc_fields in CONSTRAINTS.values():  # each a StructuredOutput the gRPC API takes
+        request = structured_request(common_pb2.StructuredOutput(**grpc_fields), 8)
+        assert request.max_new_tokens == 8 and request.sampling.HasField("structured_output")
 
 
 def test_connection_churn_connects_and_closes_every_cycle():
@@ -116,3 +127,18 @@ def test_the_suite_and_its_flags_are_wired_into_the_bench_command():
     abuse.add_arguments(parser)
     args = parser.parse_args(["--abuse-soak-s", "5", "--abuse-idle-connections", "100"])
     assert (args.abuse_soak_s, args.abuse_idle_connections) == (5.0, 100)
+
+
+def test_roles_are_told_by_their_title_s_first_word_and_restarts_count_from_the_start(monkeypatch):
+    """`loraserve-gateway-constraints` is not the gateway, and two compilers at the start are no restart."""
+    titles = {11: "loraserve-gateway", 12: "loraserve-gateway-constraints", 13: "loraserve-gateway-constraints"}
+    titles |= {14: "loraserve-worker worker-0"}
+    monkeypatch.setattr(probes, "_children", lambda _pid: list(titles))
+    monkeypatch.setattr(probes, "_title", titles.get)
+    roles = probes.Roles(up_pid=1)
+    roles.start()
+    roles.stop()
+    assert roles.restarts() == {"gateway": 0, "gateway-constraints": 0, "worker": 0}
+    titles[15] = "loraserve-gateway-constraints"  # one replaced
+    roles.sample()
+    assert roles.restarts() == {"gateway": 0, "gateway-constraints": 1, "worker": 0}

@@ -121,14 +121,17 @@ def constraint_attacks(http_address: str, grpc_address: str, api_key: str, model
     return figures
 
 
+def structured_request(structured: common_pb2.StructuredOutput, max_new_tokens: int) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        text="a", max_new_tokens=max_new_tokens, sampling=common_pb2.SamplingParameters(structured_output=structured)
+    )
+
+
 def structured_generate(
     grpc_address: str, api_key: str, structured: common_pb2.StructuredOutput, max_new_tokens: int = 8
 ) -> tuple[str, float]:
     """One gRPC Generate of "a" under `structured`; (OK or the status's name, seconds)."""
-    request = gateway_pb2.GenerateRequest(
-        text="a",
-        sampling=common_pb2.SamplingParameters(max_new_tokens=max_new_tokens, structured_output=structured),
-    )
+    request = structured_request(structured, max_new_tokens)
     started = time.time()
     with grpc.insecure_channel(grpc_address) as channel:
         try:

@@ -29,7 +29,9 @@ from loraserve.client import ApiError, Client
 from loraserve.client.retry import NO_RETRY
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
-ROLES = ("adapter-store", "scheduler", "worker", "gateway")
+# Process titles' first word, `loraserve-ROLE`; the gateway's constraint compilers are watched apart from
+# it (a constraint that crashes one replaces it: a "restart" there is the sandbox at work).
+ROLES = ("adapter-store", "scheduler", "worker", "gateway", "gateway-constraints")
 STRUCTURED = {  # the bystander's structured-output calls
     "type": "json_schema",
     "json_schema": {
@@ -92,11 +94,14 @@ class Roles:
     pids: dict[str, set[int]] = field(default_factory=dict)  # role -> every pid it has had
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     peak_fds: dict[str, int] = field(default_factory=dict)
+    _first: dict[str, int] = field(default_factory=dict)  # pids per role at `start`
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> None:
         self.sample()
+        with self._lock:
+            self._first = {role: len(pids) for role, pids in self.pids.items()}
         threading.Thread(target=self._run, name="roles", daemon=True).start()
 
     def stop(self) -> None:
@@ -108,7 +113,8 @@ class Roles:
 
     def sample(self) -> None:
         for pid in _children(self.up_pid):
-            role = next((r for r in ROLES if f"loraserve-{r}" in _title(pid)), None)
+            words = _title(pid).split(maxsplit=1)
+            role = next((r for r in ROLES if words and words[0] == f"loraserve-{r}"), None)
             if role is None:
                 continue
             with self._lock:
@@ -117,9 +123,10 @@ class Roles:
                 self.peak_fds[role] = max(self.peak_fds.get(role, 0), _fds(pid))
 
     def restarts(self) -> dict[str, int]:
-        """Per role: pids seen beyond its first (one worker: 1 pid; a restart adds one)."""
+        """Per role: pids seen beyond those it had at `start` (at least one: one worker has 1 pid, two
+        constraint compilers 2; a restart adds one)."""
         with self._lock:
-            return {role: len(pids) - 1 for role, pids in self.pids.items()}
+            return {role: len(pids) - max(1, self._first.get(role, 0)) for role, pids in self.pids.items()}
 
     def reset_peaks(self) -> None:
         with self._lock:

@@ -27,8 +27,9 @@ phase while the bystander's traffic flows:
 
 For each phase `results.json` records the bystander's calls (OK and failed, by status; latency
 percentiles), the longest stretch without a successful call (an outage shows there), the restarts of
-every role (the supervisor restarts a role that dies or fails its health check), and each role's peak
-resident memory and open file descriptors. The attacks' own figures (answers by status, seconds) are
+every role (the supervisor restarts a role that dies or fails its health check; the gateway's
+constraint compilers, `gateway-constraints`, are counted apart: the gateway replaces one that a
+constraint crashed, by design), and each role's peak resident memory and open file descriptors. The attacks' own figures (answers by status, seconds) are
 recorded beside them.
 """
 
@@ -258,16 +259,17 @@ def _request_attacks(plan: AbusePlan, stack: _Stack, traffic: Traffic, roles: Ro
 
 def print_report(phases: list[dict]) -> None:
     header = f"{'phase':<16} {'calls':>6} {'ok':>6} {'failed':>7} {'p99 s':>6} {'longest gap s':>13}"
-    print(f"{header}  restarts  peak RSS MB (gateway)  attack")
+    print(f"{header}  restarts  compilers replaced  peak RSS MB (gateway)  attack")
     for p in phases:
         t = p["traffic"]
         failed = sum(t["failed"].values())
-        restarts = sum(p["restarts"].values())
+        restarts = sum(n for role, n in p["restarts"].items() if role != "gateway-constraints")
+        replaced = p["restarts"].get("gateway-constraints", 0)
         gateway_rss = p["peak_rss_mb"].get("gateway", 0.0)
         print(
             f"{p['phase']:<16} {t['calls']:>6} {t['ok']:>6} {failed:>7} {t['latency_s']['p99']:>6} "
-            f"{t['longest_without_success_s']:>13}  "
-            f"{restarts:>8}  {gateway_rss:>21}  {json.dumps(p['attack'])}"
+            f"{t['longest_without_success_s']:>13}  {restarts:>8}  {replaced:>18}  {gateway_rss:>21}  "
+            f"{json.dumps(p['attack'])}"
         )
 
 
