@@ -41,7 +41,10 @@ PROMPT_TOKENS = Counter("loraserve_gateway_prompt_tokens", "Prompt tokens of com
 OUTPUT_TOKENS = Counter("loraserve_gateway_output_tokens", "Tokens generated for completed requests")
 FAILOVERS = Counter("loraserve_gateway_failovers", "Times a request lost its worker and was continued on another one")
 HTTP_CONNECTIONS_REFUSED = Counter(
-    "loraserve_gateway_http_connections_refused", "HTTP connections closed at once: --http-max-connections were open"
+    "loraserve_gateway_http_connections_refused",
+    "HTTP connections answered 503 and closed at --http-max-connections: a new one when every open one had sent "
+    "a request (full), or the open one longest without a request, to make room for a new one (evicted)",
+    ["why"],
 )
 HTTP_CONNECTIONS_TIMED_OUT = Counter(
     "loraserve_gateway_http_connections_timed_out",

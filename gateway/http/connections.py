@@ -4,8 +4,11 @@ uvicorn alone accepts every connection and waits forever for a request head or b
 trickling clients with no key can hold sockets until the process runs out of file descriptors and
 fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with three bounds:
 
-- **a connection limit**: a connection accepted beyond `max_connections` open ones is answered
-  `503` and closed at once, so the gateway's descriptors stay bounded whatever clients do;
+- **a connection limit**: with `max_connections` open, a new connection takes the place of the one
+  that has waited longest for its first request head (answered `503` and closed): connections that
+  never send a request cannot keep a well-behaved client out, however many there are. Only when every
+  open connection has sent a request is the new one answered `503` and closed at once. Either way the
+  gateway's descriptors stay bounded whatever clients do;
 - **a request-head deadline**: from the moment a connection is ready for a request (accepted, or
   its previous response sent) the whole head must arrive within `header_timeout_s`, however it is
   trickled (uvicorn's keep-alive timer restarts on every byte);
@@ -25,7 +28,7 @@ import asyncio
 import logging
 import resource
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway import metrics
@@ -87,24 +90,43 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
     class GuardedH11Protocol(H11Protocol):
         _limits = limits
+        # Open connections that have not sent a whole request head yet, the longest waiting first.
+        _silent: ClassVar[dict[GuardedH11Protocol, None]] = {}  # one per server (this class is made per call)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._refused = len(self.connections) >= self._limits.max_connections
+            self._refused = len(self.connections) >= self._limits.max_connections and not self._evict_silent()
             self._deadline: asyncio.TimerHandle | None = None
             self._owed: str | None = None  # what the client owes now: "head", "body" or nothing
             if self._refused:
-                metrics.HTTP_CONNECTIONS_REFUSED.inc()
+                metrics.HTTP_CONNECTIONS_REFUSED.labels("full").inc()
                 transport.write(_BUSY)
                 transport.close()
                 return
             super().connection_made(transport)
+            self._silent[self] = None
             self._track()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
                 return
+            self._silent.pop(self, None)
             self._set_deadline(None)
             super().connection_lost(exc)
+
+        def _evict_silent(self) -> bool:
+            """Close the open connection that has waited longest for its first request head, to make room
+            for this one; False when every open connection has sent a request."""
+            while self._silent:
+                other = next(iter(self._silent))
+                del self._silent[other]
+                if other.transport.is_closing():
+                    continue
+                metrics.HTTP_CONNECTIONS_REFUSED.labels("evicted").inc()
+                other._set_deadline(None)
+                other.transport.write(_BUSY)
+                other.transport.close()
+                return True
+            return False
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -121,6 +143,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _track(self) -> None:
             """Arm the deadline for what the client owes in the connection's present state."""
+            if self.conn.their_state is not h11.IDLE or self.conn.our_state is not h11.IDLE:
+                self._silent.pop(self, None)  # a request came: no longer the first to make room
             if self.transport.is_closing():
                 owed = None
             elif self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:

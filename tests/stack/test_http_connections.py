@@ -80,7 +80,9 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_connections_beyond_the_limit_are_answered_503_and_closed_at_once(gateway):
+def test_silent_connections_beyond_the_limit_make_room_oldest_first_and_are_answered_503(gateway):
+    """Connections that send nothing: each one beyond the limit takes the place of the oldest silent one,
+    which is answered 503 and closed at once; the newest MAX_CONNECTIONS stay, and descriptors are bounded."""
     time.sleep(0.2)  # what earlier tests opened is closed
     before = _fds(gateway.process.pid)
     held = _open(gateway.http_port, MAX_CONNECTIONS)
@@ -88,11 +90,46 @@ def test_connections_beyond_the_limit_are_answered_503_and_closed_at_once(gatewa
     try:
         time.sleep(0.2)  # the gateway has accepted them all
         extra = _open(gateway.http_port, 5 * MAX_CONNECTIONS)
-        answers = _answers(extra, within_s=2.0)
-        assert all(a is not None and a.startswith(b"HTTP/1.1 503") for a in answers), answers
+        answers = _answers(held + extra, within_s=DEADLINE_S / 2)  # before any head deadline
+        evicted, kept = answers[: 5 * MAX_CONNECTIONS], answers[5 * MAX_CONNECTIONS :]
+        assert all(a is not None and a.startswith(b"HTTP/1.1 503") for a in evicted), evicted
+        assert kept == [None] * MAX_CONNECTIONS, kept
         assert _fds(gateway.process.pid) <= before + MAX_CONNECTIONS + 5
     finally:
         for sock in held + extra:
+            sock.close()
+
+
+def test_a_client_gets_in_at_once_while_silent_connections_hold_every_slot(gateway):
+    """The flood of connections that never send a request cannot keep a well-behaved client out: its
+    request is answered at once, not after the flood's head deadlines."""
+    time.sleep(0.2)
+    held = _open(gateway.http_port, MAX_CONNECTIONS)
+    try:
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert _app_status(gateway) == 400  # the app's own answer: the request got in
+        assert time.monotonic() - started < DEADLINE_S / 2
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_new_connection_is_refused_when_every_open_one_has_sent_a_request(gateway):
+    """Connections in the middle of a request (a body still owed) are not made to give way."""
+    time.sleep(0.2)
+    busy = _open(gateway.http_port, MAX_CONNECTIONS)
+    extra: list[socket.socket] = []
+    try:
+        for sock in busy:
+            sock.sendall(_head(gateway, "POST", 100))  # a head, and a body that does not come yet
+        time.sleep(0.2)
+        extra = _open(gateway.http_port, 5)
+        answers = _answers(extra, within_s=DEADLINE_S / 2)
+        assert all(a is not None and a.startswith(b"HTTP/1.1 503") for a in answers), answers
+        assert _answers(busy, within_s=0.05) == [None] * MAX_CONNECTIONS  # none of them was closed
+    finally:
+        for sock in busy + extra:
             sock.close()
 
 
