@@ -1,12 +1,14 @@
 """The abuse benchmark's probes (`loraserve bench --suite abuse`) against small real servers: the
 traffic window's figures, connection churn, an oversized body answered early, held connections
-that a server closes; and the suite's flags."""
+that a server closes; the suite's flags, and its targets computed from its phases."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 from loraserve.bench import cli as bench_main
 from loraserve.bench.suites.abuse import probes
@@ -19,6 +21,7 @@ from loraserve.bench.suites.abuse.attacks import (
     structured_request,
 )
 from loraserve.bench.suites.abuse.probes import Outcome, Traffic, big_body, connection_churn, idle_connections
+from loraserve.bench.suites.abuse.targets import targets
 from loraserve.flags import EnvArgumentParser
 from loraserve.v1 import common_pb2
 
@@ -142,3 +145,20 @@ def test_roles_are_told_by_their_title_s_first_word_and_restarts_count_from_the_
     titles[15] = "loraserve-gateway-constraints"  # one replaced
     roles.sample()
     assert roles.restarts() == {"gateway": 0, "gateway-constraints": 1, "worker": 0}
+
+
+def test_the_targets_are_computed_from_the_phases():
+    """Met on the committed full run; a bystander failure, a restart or a slow health check misses."""
+    phases = json.loads((Path(__file__).parents[2] / "docs/abuse/results.json").read_text())["phases"]
+    assert all(t["met"] for t in targets(phases)), targets(phases)
+    phases[-1]["traffic"]["failed"] = {"UNAVAILABLE": 2}
+    phases[0]["restarts"]["worker"] = 1
+    phases[0]["restarts"]["gateway-constraints"] = 3  # replaced compilers are no restart
+    prompts = next(p for p in phases if p["phase"] == "prompts")
+    prompts["attack"]["grpc_health"]["max_s"] = 2.0
+    missed = {t["name"]: t["value"] for t in targets(phases) if not t["met"]}
+    assert missed == {
+        "role restarts": 1,
+        "bystander calls failed": 2,
+        "slowest health check under 1 MiB prompts (s)": 2.0,
+    }

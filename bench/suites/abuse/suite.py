@@ -29,8 +29,9 @@ For each phase `results.json` records the bystander's calls (OK and failed, by s
 percentiles), the longest stretch without a successful call (an outage shows there), the restarts of
 every role (the supervisor restarts a role that dies or fails its health check; the gateway's
 constraint compilers, `gateway-constraints`, are counted apart: the gateway replaces one that a
-constraint crashed, by design), and each role's peak resident memory and open file descriptors. The attacks' own figures (answers by status, seconds) are
-recorded beside them.
+constraint crashed, by design), and each role's peak resident memory and open file descriptors. The
+attacks' own figures (answers by status, seconds) are recorded beside them, and the suite's targets,
+met or missed, as `targets` (`targets.py`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from loraserve.bench.suites.abuse.attacks import (
     submit_flood,
 )
 from loraserve.bench.suites.abuse.probes import Roles, Traffic, big_body, connection_churn, idle_connections
+from loraserve.bench.suites.abuse.targets import targets
 from loraserve.client import Client
 from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
@@ -287,9 +289,18 @@ def main(args: argparse.Namespace) -> int:
                 os.makedirs(args.out, exist_ok=True)
                 shutil.copy(Path(tmp) / "up.log", Path(args.out) / "up.log")
     print_report(phases)
+    verdicts = targets(phases)
+    for t in verdicts:
+        print(f"target {t['name']}: {t['value']} (goal {t['goal']}): {'met' if t['met'] else 'MISSED'}")
     if args.out:
         path = write_results(
-            Path(args.out), "abuse", phases, machine_extra=cpu_fields(), plan=asdict(plan), phases=phases
+            Path(args.out),
+            "abuse",
+            phases,
+            machine_extra=cpu_fields(),
+            plan=asdict(plan),
+            phases=phases,
+            targets=verdicts,
         )
         print(f"results: {path}")
     return 0
