@@ -1,7 +1,7 @@
 """What the gateway checks of one structured-output constraint before admitting it, in its sandbox.
 
 `check_constraint` is what a sandbox process (`constraint_child.py`) runs for each constraint, with
-the model's own tokenizer (`ll_tokenizer`, built as the worker builds its one in `worker/grammar.py`):
+the model's own tokenizer (`loraserve.structured.ll_tokenizer`, as the worker builds its own):
 
 1. `grammar_for` (`loraserve/structured.py`): the kind compiled to an llguidance grammar, its size,
    nesting and numbers bounded, llguidance's grammar check.
@@ -23,13 +23,6 @@ from loraserve.errors import InvalidRequestError
 from loraserve.structured import check_grammar, grammar_for, parser_limits
 
 PROBE_STEPS = 8  # masks computed after the first, each after one more token
-
-
-def ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
-    """The llguidance tokenizer of a model: its tokenizer.json text, vocabulary size and EOS ids."""
-    from llguidance import LLTokenizer
-
-    return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
 
 
 def check_constraint(tokenizer: Any, kind: str, value: Any, field: str) -> str:

@@ -24,9 +24,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from loraserve.errors import InvalidRequestError
-from loraserve.gateway.constraint_check import check_constraint, ll_tokenizer
+from loraserve.gateway.constraint_check import check_constraint
 from loraserve.gateway.constraint_wire import Compile, Compiled, Ready, Refused, Start, receive, send
 from loraserve.process import die_with_parent, set_title
+from loraserve.structured import ll_tokenizer
 
 TITLE = "loraserve-gateway-constraints"
 COMPILE_STACK_BYTES = 4 << 20
@@ -61,7 +62,7 @@ def answer(tokenizer, message: Compile) -> Compiled | Refused:
         value = json.loads(message.text) if message.encoded else message.text
         return Compiled(check_constraint(tokenizer, message.kind, value, _FIELD))
     except InvalidRequestError as e:
-        return Refused(str(e).split(": ", 1)[-1])
+        return Refused(e.reason)
     except RecursionError:
         return Refused("is nested too deeply to compile: flatten it")
     except MemoryError:

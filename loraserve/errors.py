@@ -23,7 +23,7 @@ class InvalidRequestError(LoraserveError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.reason = field, message  # the reason alone, for whoever names the field itself
 
 
 class InvalidAdapterError(LoraserveError):

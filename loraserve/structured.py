@@ -54,6 +54,14 @@ PARSER_LIMITS = {
 }
 
 
+def ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's tokenizer of a model, from its tokenizer.json text, vocabulary size and EOS ids: what the
+    gateway's constraint check and the worker's matchers both build theirs with."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+
+
 def parser_limits():
     """PARSER_LIMITS as llguidance's LLParserLimits (errors without parser state or grammar text)."""
     from llguidance import LLParserLimits

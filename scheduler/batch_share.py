@@ -67,14 +67,19 @@ class Holdings:
 
     by_request: dict[str, Counter[str]] = field(default_factory=dict)  # request key -> worker id -> held
     by_tenant: dict[str, Counter[str]] = field(default_factory=dict)  # tenant -> worker id -> held
+    tenants: Counter[str] = field(default_factory=Counter)  # tenant -> held on every worker (positive only)
 
     def add(self, worker_id: str, request: QueuedRequest) -> None:
         self.by_request.setdefault(request.request_key, Counter())[worker_id] += 1
         self.by_tenant.setdefault(request.tenant, Counter())[worker_id] += 1
+        self.tenants[request.tenant] += 1
 
     def remove(self, worker_id: str, request: QueuedRequest) -> None:
         _take(self.by_request, request.request_key, worker_id)
         _take(self.by_tenant, request.tenant, worker_id)
+        self.tenants[request.tenant] -= 1
+        if self.tenants[request.tenant] <= 0:
+            del self.tenants[request.tenant]
 
 
 def _take(counts: dict[str, Counter[str]], key: str, worker_id: str) -> None:

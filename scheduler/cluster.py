@@ -23,7 +23,7 @@ At most `max_workers` are registered; a report from one more worker id is refuse
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -99,8 +99,8 @@ class ClusterView:
         self.on_change = on_change or (lambda worker_id: None)
         self.workers: dict[str, WorkerView] = {}
         self.placed: dict[str, Placed] = {}
-        self.in_flight: Counter[str] = Counter()  # tenant -> requests it holds on workers (placed by us)
         self.holdings = Holdings()  # per worker: the requests placed there by client request and by tenant
+        self.in_flight = self.holdings.tenants  # tenant -> requests it holds on workers (placed by us)
         self._zombies: OrderedDict[str, str] = OrderedDict()  # dropped worker -> its instance
         self._ready: list[WorkerView] | None = None
         self._max_tokens = 0  # the most tokens one request may take on some ready worker's pool
@@ -221,7 +221,6 @@ class ClusterView:
         request.placed_at = now
         view.assigned.add(request.request_id)
         self.placed[request.request_id] = (view.worker_id, request)
-        self.in_flight[request.tenant] += 1
         self.holdings.add(view.worker_id, request)
         view.held += 1
         view.reserved_pages += kv_pages(request, view.report.tokens_per_page)
@@ -270,10 +269,6 @@ class ClusterView:
             self.on_change(placed[0])
             if placed[1] is not None:
                 self.holdings.remove(placed[0], placed[1])
-                tenant = placed[1].tenant
-                self.in_flight[tenant] -= 1
-                if self.in_flight[tenant] <= 0:
-                    del self.in_flight[tenant]
         return placed
 
     def _count(self, view: WorkerView) -> None:

@@ -30,7 +30,7 @@ import time
 import torch
 
 from loraserve.errors import InvalidRequestError
-from loraserve.structured import parser_limits
+from loraserve.structured import ll_tokenizer, parser_limits
 from loraserve.tokenizer import Tokenizer
 
 FIELD = "structured_output"  # what a matcher's failure names
@@ -85,10 +85,8 @@ class GrammarMatchers:
     def _tokenizer(self):
         with self._lock:
             if self._ll_tokenizer is None:
-                from llguidance import LLTokenizer
-
-                eos = list(self.tokenizer.eos_token_ids) or None
-                self._ll_tokenizer = LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=eos)
+                tokenizer = self.tokenizer
+                self._ll_tokenizer = ll_tokenizer(tokenizer.to_json(), self.vocab_size, list(tokenizer.eos_token_ids))
             return self._ll_tokenizer
 
 

@@ -35,9 +35,8 @@ from hypothesis import strategies as st
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidRequestError
-from loraserve.gateway.constraint_check import ll_tokenizer
 from loraserve.gateway.constraints import ConstraintConfig, ConstraintSandbox, TokenizerSpec
-from loraserve.structured import Constraint, parser_limits
+from loraserve.structured import Constraint, ll_tokenizer, parser_limits
 from loraserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow

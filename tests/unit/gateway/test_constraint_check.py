@@ -21,9 +21,10 @@ from test_tool_parsers import SCHEMAS
 from loraserve.bench.suites.structured.suite import GRAMMARS
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidRequestError
-from loraserve.gateway.constraint_check import check_constraint, ll_tokenizer
+from loraserve.gateway.constraint_check import check_constraint
 from loraserve.gateway.http.tool_calling import ToolChoice
 from loraserve.gateway.tool_parsers import parser_named
+from loraserve.structured import ll_tokenizer
 from loraserve.tokenizer import Tokenizer
 
 BOUND_S = 2.0  # typically 0.2 s at most (the largest choice, the refusals); room for a busy machine
