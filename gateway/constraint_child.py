@@ -62,7 +62,7 @@ def answer(tokenizer, message: Compile) -> Compiled | Refused:
         value = json.loads(message.text) if message.encoded else message.text
         return Compiled(check_constraint(tokenizer, message.kind, value, _FIELD))
     except InvalidRequestError as e:
-        return Refused(e.reason)
+        return Refused(e.problem)
     except RecursionError:
         return Refused("is nested too deeply to compile: flatten it")
     except MemoryError:

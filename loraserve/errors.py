@@ -23,7 +23,7 @@ class InvalidRequestError(LoraserveError):
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
-        self.field, self.reason = field, message  # the reason alone, for whoever names the field itself
+        self.field, self.problem = field, message  # what is wrong, without the field (for whoever names it itself)
 
 
 class InvalidAdapterError(LoraserveError):
