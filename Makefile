@@ -16,7 +16,7 @@ BUF       := node_modules/.bin/buf
 # The release `buf breaking` compares with: the newest baseline in proto/releases (`make proto-release`).
 PROTO_BASELINE = $(shell ls proto/releases/loraserve-*.json 2>/dev/null | sort -V | tail -n 1)
 
-.PHONY: run test test-unit lint setup clean-venv demo-assets protos proto-check proto-release gpu-check
+.PHONY: run test test-unit lint setup clean-venv demo-assets protos proto-check proto-release gpu-check docs-targets
 
 setup: $(STAMP)
 
@@ -53,6 +53,10 @@ gpu-check: $(STAMP)
 # Regenerate the embedded demo model and adapters (minutes of CPU; refuses to overwrite without FORCE=1).
 demo-assets: $(STAMP)
 	$(PY) -m loraserve.demo.build $(if $(FORCE),--force,)
+
+# Regenerate the docs' tables of targets from the committed results they name (a test checks they are current).
+docs-targets: $(STAMP)
+	$(PY) -m loraserve.bench.docs_targets
 
 # Regenerate the committed gRPC stubs in loraserve/v1 from proto/ (a test checks they are current).
 protos: $(STAMP)

@@ -3,7 +3,7 @@
     loraserve bench --quick --out /tmp/bench-quick                  # serving, the default suite
     loraserve bench --suite prefix --quick --out /tmp/prefix
     loraserve bench --suite logprobs --quick --out /tmp/logprobs
-    loraserve bench --suite kernels --dry-run                        # own flags: see --help with it
+    loraserve bench --suite kernels --dry-run --out /tmp/kernels     # own flags: see --help with it
 
 Each suite lives in `bench/suites/<name>/`; its `suite.py` (or the module named below) has
 `main(args) -> int` and, unless it reads only the shared flags, `add_arguments(parser)`, which adds
@@ -12,8 +12,9 @@ the flags of its settings dataclass (`bench/common/settings.py`). Most suites sh
 always were); a suite whose flags clash with that set (`OWN_FLAGS`) is given its own flags alone.
 Which set a command line gets is read from the command line itself: `--suite` is parsed first (or
 LORASERVE_SUITE), then that suite's flags are added and the whole line parsed.
-Every suite that writes `--out/results.json` writes it through `bench/common/results.py`:
-{"suite", "machine", "commit", "records", ...}.
+Every suite writes `--out DIR/results.json` through `bench/common/results.py`:
+{"suite", "machine", "commit", "records", ...}, with its computed "targets" (each {"name", "goal",
+"value", "met"}) where the suite has any.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ SUITES: dict[str, tuple[str, str]] = {
     "structured": ("suites.structured.suite", "what a constrained (structured output) request costs per token"),
     "choices": ("suites.choices.suite", "n choices of one prompt, with shared prefill and without"),
     "prefix": ("suites.prefix.suite", "prefix caching on multi-turn chat, cache on and off"),
-    "runner-profile": ("suites.runner_profile.suite", "calibrate the emulated runner on the real engine"),
+    "runner-profile": (
+        "suites.runner_profile.suite",
+        "calibrate the emulated runner on the real engine, check it out of sample; --roofline: a GPU's, computed",
+    ),
     "cold": ("suites.cold.suite", "what a request whose adapter is resident nowhere pays, and loading's cost"),
     "control-plane": ("suites.control_plane.suite", "one scheduler at 64 emulated workers and 10,000 adapters"),
     "logprobs": ("suites.logprobs.suite", "what asking for log-probabilities costs a step"),
@@ -83,7 +87,7 @@ def add_suite_arguments(parser: argparse.ArgumentParser, suite: str) -> None:
     names = [suite] if suite in OWN_FLAGS else [n for n in SUITES if n not in OWN_FLAGS]
     for name in names:  # serving first: it defines the flags the other shared-flag suites read
         add = getattr(suite_module(name), "add_arguments", None)
-        if add is not None:  # a suite may read only the shared flags (runner-profile)
+        if add is not None:  # a suite may read only the shared flags
             add(parser)
 
 

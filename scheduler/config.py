@@ -134,7 +134,7 @@ class PolicyConfig:
     policy: str = _setting(
         POLICIES[0],
         "scheduling policy: adaptive (cost model, multi-queue, VTC fairness, early refusal, migration, "
-        "scored prefetch) or fcfs (first come first served, busiest worker)",
+        "scored prefetch) or fcfs (first come first served, least-loaded worker with room)",
         choices=POLICIES,
     )
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "the cluster view's settings"})

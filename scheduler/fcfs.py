@@ -1,9 +1,9 @@
-"""The `fcfs` strategy: first come, first served, on the busiest worker with room (Punica §5.1).
+"""The `fcfs` strategy: first come, first served, on the least-loaded worker with room.
 
-The request at the head of the queue goes to the *busiest* fresh worker that still has batch room
-and pool room for the request's whole KV (prompt + max new tokens), consolidating load so that
-lightly loaded workers drain; among equally busy ones, one holding the request's adapter, then the
-largest id. Nobody overtakes the head. Prediction (S-LoRA §5.2): the adapters of the next
+The request at the head of the queue goes to the *least-loaded* fresh worker (fewest requests held)
+that still has batch room and pool room for the request's whole KV (prompt + max new tokens), as a
+load-balancing router places work; among equally loaded ones, one holding the request's adapter, then
+the smallest id. Nobody overtakes the head. Prediction (S-LoRA §5.2): the adapters of the next
 `prefetch_depth` queued requests are what workers will need next; each ready worker that lacks one
 of them is told to prefetch it, and told again only when what it lacks changes.
 """
@@ -49,15 +49,15 @@ class FcfsStrategy:
 
     # ---- placement -----------------------------------------------------------------------------
     def choose(self, request: QueuedRequest, now: float, excluded: AbstractSet[str] = frozenset()) -> WorkerView | None:
-        """The busiest fresh worker with batch and pool room, then one holding the adapter, then the largest id
-        (none of `excluded`)."""
+        """The least-loaded fresh worker with batch and pool room, then one holding the adapter, then the
+        smallest id (none of `excluded`)."""
         adapter = request.adapter
         best, best_key = None, None
         for w in self.cluster.fresh(now):
             if not w.has_room(request) or w.worker_id in excluded:
                 continue
-            key = (w.held, adapter is not None and adapter in w.resident, w.worker_id)
-            if best_key is None or key > best_key:
+            key = (w.held, not (adapter is not None and adapter in w.resident), w.worker_id)
+            if best_key is None or key < best_key:
                 best, best_key = w, key
         return best
 

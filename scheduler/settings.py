@@ -31,7 +31,7 @@ class SchedulerSettings:
     policy: str = setting(
         POLICIES[0],
         "scheduling policy: adaptive (cost model, multi-queue, VTC fairness, early refusal, migration, "
-        "scored prefetch) or fcfs (first come first served, busiest worker); see docs/architecture.md",
+        "scored prefetch) or fcfs (first come first served, least-loaded worker with room); see docs/architecture.md",
         choices=POLICIES,
     )
 

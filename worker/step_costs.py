@@ -37,6 +37,10 @@ class StepFeatures:
     # and G · the longest chunk Q · S (scores).
     key_slots: int  # Σ_groups G · S
     score_slots: int  # Σ_groups G · Q · S
+    # Unpadded, as a GPU's paged attention reads and computes them (the roofline, `worker/step_roofline.py`):
+    context: int = 0  # Σ context_i: the KV entries each sequence's attention reads
+    attended: int = 0  # Σ over computed tokens of the keys each attends (causal): Q·s + Q(Q+1)/2 per chunk
+    adapter_rank: int = 0  # Σ rank over the distinct adapters: their A/B rows read once a step
 
     def vector(self) -> tuple[float, ...]:
         """The features in `FEATURES` order (the constant first)."""
@@ -52,13 +56,17 @@ def step_features(chunks: list[tuple[int, int, int, object]]) -> StepFeatures:
             longest_context = max(c[1] for c in group)
             key_slots += len(group) * longest_context
             score_slots += len(group) * max(c[0] for c in group) * longest_context
+    ranks = {c[3]: c[2] for c in chunks if c[3] is not None}
     return StepFeatures(
         seqs=len(chunks),
         tokens=sum(c[0] for c in chunks),
-        adapters=len({c[3] for c in chunks if c[3] is not None}),
+        adapters=len(ranks),
         token_rank=sum(c[0] * c[2] for c in chunks),
         key_slots=key_slots,
         score_slots=score_slots,
+        context=sum(c[1] for c in chunks),
+        attended=sum(c[0] * (c[1] - c[0]) + c[0] * (c[0] + 1) // 2 for c in chunks),
+        adapter_rank=sum(ranks.values()),
     )
 
 

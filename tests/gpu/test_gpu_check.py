@@ -138,12 +138,12 @@ def test_targets_read_only_parts_that_succeeded():
     ratios = {"high_over_low": 0.95, "lora_overhead": 0.2, "over_peft": None}
     engine = {"ratios": ratios, "graph_speedup": 3.5}
     results = {"parts": {"engine": {"status": "ok", "data": engine}, "stack": {"status": "failed"}}}
-    by_name = {t["target"]: t for t in gpu_report.targets(results)}
+    by_name = {t["name"]: t for t in gpu_report.targets(results)}
     assert by_name["engine throughput n=1000 / n=1"]["met"] is True
     assert by_name["LoRA overhead vs the base model"]["met"] is False
     assert by_name["loraserve / PEFT throughput (same trace)"]["met"] is None
     assert by_name["decode step with CUDA graphs, batch 64, most adapters: eager ms / graph ms"]["met"] is True
-    assert all(t["met"] is None for t in by_name.values() if t["target"].startswith(("stack", "LoRA decode")))
+    assert all(t["met"] is None for t in by_name.values() if t["name"].startswith(("stack", "LoRA decode")))
 
 
 def test_random_checkpoint_loads_in_transformers(tmp_path):

@@ -175,19 +175,22 @@ def test_dry_run_needs_the_interpreter_before_triton(monkeypatch):
 
 def _dry_run_report(tmp_path: Path) -> dict:
     """The CLI's dry run: in this process when the interpreter is on, else in a child that turns it on."""
-    out = tmp_path / "suite.json"
-    argv = ["--dry-run", "--json", str(out)]
+    out = tmp_path / "suite"
+    argv = ["--dry-run", "--out", str(out)]
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert bench.main(bench.parse_args(argv)) == 0
     else:  # CUDA machine: triton is already imported here, compiled
         cmd = [sys.executable, "-m", "loraserve.cli", "bench", "--suite", "kernels", *argv]
         subprocess.run(cmd, check=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
-    return json.loads(out.read_text())
+    return json.loads((out / "results.json").read_text())
 
 
 def test_suite_dry_run(tmp_path):
-    report = _dry_run_report(tmp_path)
-    assert set(report) == {"meta", "lora", "attention", "summary", "markdown"}
+    saved = _dry_run_report(tmp_path)
+    common = {"suite", "machine", "commit", "records", "targets"}
+    assert set(saved) == common | {"meta", "attention", "summary", "markdown"}
+    assert saved["suite"] == "kernels" and saved["machine"]["cores"] >= 1 and "gpu" not in saved["machine"]
+    report = {**saved, "lora": saved["records"]}
     meta = report["meta"]
     assert meta["dry_run"] and meta["roofline_bandwidth_is_placeholder"] and meta["roofline_bandwidth_tbs"] == 1.0
     assert meta["measured_bandwidth_tbs"] is None and meta["torch"] and meta["triton"]
@@ -212,24 +215,43 @@ def test_suite_dry_run(tmp_path):
     assert "### Batched LoRA" in md and "### Paged attention" in md and "| phase | rank |" in md
     assert "| phase | seqs × new |" in md and "within 2× roofline" in md and "faster than gather-then-bmm" in md
     assert "- Paged attention decode 3x1 ctx 20:" in md
+    # a dry run judges correctness only: its times are the interpreter's
+    assert [t["met"] for t in saved["targets"]] == [None, None, True]
+    assert all(set(t) == {"name", "goal", "value", "met"} for t in saved["targets"])
+
+
+def test_targets_from_a_gpu_summary():
+    from loraserve.bench.suites.kernels.results import targets
+
+    summary = {
+        "lora_decode_b64_distinct_r16": {"case": "decode r16 b64 distinct", "x_roofline": 1.5},
+        "within_2x_roofline": True,
+        "faster_than_bmm_everywhere": False,
+        "not_faster_than_bmm": ["decode r16 b1 identical"],
+        "lora_all_correct": True,
+    }
+    got = targets(summary, dry_run=False)
+    assert [(t["value"], t["met"]) for t in got] == [(1.5, True), (["decode r16 b1 identical"], False), (True, True)]
+    assert got[0]["name"] == "LoRA decode r16 b64 distinct, Triton time / roofline" and got[0]["goal"] == "<= 2"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the guard on machines without CUDA")
 def test_refuses_without_cuda(capsys, tmp_path):
-    assert bench.main(bench.parse_args(["--json", str(tmp_path / "out.json")])) == 2
+    assert bench.main(bench.parse_args(["--out", str(tmp_path / "out")])) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
-    assert not (tmp_path / "out.json").exists()
-    assert attention_bench.main(argparse.Namespace(dry_run=False, json=None)) == 2
+    assert not (tmp_path / "out").exists()
+    assert attention_bench.main(argparse.Namespace(dry_run=False, out=None)) == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_small_run_on_gpu(tmp_path):
-    out = tmp_path / "bench.json"
-    argv = ["--ranks", "16", "mixed", "--batch-sizes", "1", "8", "--rep", "5", "--json", str(out)]
+    out = tmp_path / "bench"
+    argv = ["--ranks", "16", "mixed", "--batch-sizes", "1", "8", "--rep", "5", "--out", str(out)]
     assert bench.main(bench.parse_args(argv)) == 0
-    saved = json.loads(out.read_text())
-    assert len(saved["results"]) == 2 * 2 * 2 * 4
-    assert all(r["error"] is None and r["ok"] and r["triton_us"] > 0 for r in saved["results"])
-    assert all(r["triton_graph_us"] > 0 for r in saved["results"])
-    assert saved["meta"]["measured_bandwidth_tbs"] > 0
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["suite"] == "kernels" and saved["machine"]["gpu"] and saved["commit"]
+    assert len(saved["records"]) == 2 * 2 * 2 * 4
+    assert all(r["error"] is None and r["ok"] and r["triton_us"] > 0 for r in saved["records"])
+    assert all(r["triton_graph_us"] > 0 for r in saved["records"])
+    assert saved["meta"]["measured_bandwidth_tbs"] > 0 and saved["targets"]

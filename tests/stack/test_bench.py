@@ -18,6 +18,7 @@ import torch
 from loraserve.bench import cli as bench_cli
 from loraserve.bench.common.metrics import summarize
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.suites.serving import report as bench_report
 from loraserve.bench.suites.serving import suite as bench_main
 from loraserve.bench.suites.serving.plots import plot_results
 from loraserve.bench.systems.base import ReplayLimits, RequestRecord
@@ -314,6 +315,9 @@ def test_bench_command_writes_results(tmp_path, capsys):
     }
     assert all(required <= set(r) for r in rows)
     assert (out / "vs_adapters.png").is_file() and (out / "records.jsonl").is_file()
+    assert results["settings"]["n_adapters"] == [1, 3] and results["run_s"] > 0
+    assert "loraserve / merge-and-swap throughput, n=1" in results["ratios"]
+    assert [t["met"] for t in results["targets"]] == [None, None]  # no n = 100 row: nothing to judge
     assert "loraserve bench" in capsys.readouterr().out
     replay_args = [
         "--trace",
@@ -328,6 +332,18 @@ def test_bench_command_writes_results(tmp_path, capsys):
     ]
     rows = bench_main.run_benchmark(bench_main._resolved(parser.parse_args(replay_args)))
     assert [r["n_adapters"] for r in rows] == [3] and rows[0]["finished"] == rows[0]["requests"]
+
+
+def test_serving_targets_at_100_adapters():
+    def row(system: str, req_per_s: float) -> dict:
+        return {"system": system, "n_adapters": 100, "rate": 60.0, "req_per_s": req_per_s}
+
+    rows = [row("loraserve", 60.0), row("peft", 20.0), row("merge-and-swap", 30.0)]
+    got = bench_report.targets(rows, 60.0)
+    assert [(t["value"], t["met"]) for t in got] == [(3.0, False), (2.0, True)]
+    assert all(set(t) == {"name", "goal", "value", "met"} for t in got)
+    rows[1]["req_per_s"] = 10.0
+    assert bench_report.targets(rows, 60.0)[0]["met"] is True
 
 
 def test_quick_preset_covers_the_required_settings():

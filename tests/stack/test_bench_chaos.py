@@ -23,6 +23,7 @@ from loraserve.bench.suites.chaos.report import (
     AppliedDisruption,
     StreamRecord,
     attribute,
+    chaos_targets,
     max_gap,
     percentiles,
     summarize_chaos,
@@ -175,6 +176,9 @@ def test_summary_counts_failures_failovers_mismatches_and_added_latency():
     assert added["failed_over_by_stop"]["added_total_p50_s"] == pytest.approx(1.0)
     assert s["failed_over_unattributed"] == 0
     assert s["ratios"]["failed_over / not failed over, total p50"] == pytest.approx(2.0)
+    targets = chaos_targets(s)
+    assert [(t["value"], t["met"]) for t in targets] == [(2, False), ("1 of 4", False), (2, True)]
+    assert all(set(t) == {"name", "goal", "value", "met"} for t in targets)
 
 
 # ---- the command ---------------------------------------------------------------------------------

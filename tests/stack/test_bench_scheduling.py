@@ -4,8 +4,10 @@ emulated workers; and the control-plane suite (`--suite control-plane`) at a tin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from loraserve.bench.suites.control_plane import suite as control_plane
 from loraserve.bench.suites.runner_profile.costs import fit_step_model
 from loraserve.bench.suites.scheduling import suite as scheduling
 from loraserve.bench.suites.scheduling.stack import Outcome, StackRun, workload_ids
+from loraserve.bench.suites.scheduling.targets import add_ratios, targets
 from loraserve.bench.workloads import scheduling as traces
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.flags import EnvArgumentParser
@@ -77,7 +80,10 @@ def test_a_conversation_reuses_its_adapter_and_extends_its_prompt_after_a_think_
 # ---- the step-cost model the emulated workers wait by ----------------------------------------------
 def test_step_shape_pads_each_attention_group_to_its_longest_member():
     shape = step_features([(1, 100, 8, "a"), (1, 20, 16, "b"), (50, 60, 0, None), (10, 10, 8, "a")])
-    assert shape == StepFeatures(seqs=4, tokens=62, adapters=2, token_rank=104, key_slots=320, score_slots=6200)
+    assert shape == StepFeatures(
+        seqs=4, tokens=62, adapters=2, token_rank=104, key_slots=320, score_slots=6200,
+        context=190, attended=100 + 20 + (50 * 10 + 50 * 51 // 2) + 10 * 11 // 2, adapter_rank=8 + 16,
+    )  # fmt: skip
 
 
 def test_fit_recovers_known_coefficients():
@@ -111,6 +117,7 @@ def test_a_record_counts_what_the_client_saw_and_what_the_workers_counted():
     assert record["slo_attainment"] == pytest.approx(0.5)  # 5 of 10 within 0.5 s; the refused one misses
     assert record["req_per_s"] == pytest.approx(9 / 10.0)  # the first sent at 0, the last done at 10
     assert record["load_wait_s"] == pytest.approx(0.09) and record["load_wait_mean_s"] == pytest.approx(0.01)
+    assert record["load_wait_first_s"] == pytest.approx(0.01)  # one adapter: its first request's wait
     assert record["prefetch_hit_rate"] == pytest.approx(0.75)
     assert record["loads_ready_before_scheduled"] == pytest.approx(2 / 5)  # ready / (ready + loading + cold)
     assert record["adapter_requests"] == {"resident": 5, "ready": 2, "loading": 1, "cold": 2}
@@ -129,6 +136,7 @@ def test_ratios_and_targets_compare_like_with_like():
             "req_per_s": rps,
             "load_wait_s": wait,
             "prefetch_hit_rate": hit,
+            **{"n_requests": 100, "completed": 100, "refused": 0},
         }
 
     records = [
@@ -142,11 +150,11 @@ def test_ratios_and_targets_compare_like_with_like():
         rec("flood", "fcfs", "baseline", tenant="victim", flood=True, p99=9.0),
         rec("flood", "fcfs", "baseline", tenant="victim", flood=False),
     ]
-    scheduling.add_ratios(records)
+    add_ratios(records)
     assert records[0]["ttft_p99_improvement_vs_fcfs"] == pytest.approx(4.0)
     assert records[0]["req_per_s_vs_fcfs"] == pytest.approx(10 / 10.4, abs=1e-4)
     assert records[4]["load_wait_vs_prefetch"] == pytest.approx(6.0) and "ttft_p50_vs_fcfs" not in records[4]
-    met = {t["name"]: (t["value"], t["met"]) for t in scheduling.targets(records)}
+    met = {t["name"]: (t["value"], t["met"]) for t in targets(records)}
     assert met["heavy-tail p99 TTFT, fcfs / default"] == (4.0, True)
     assert met["heavy-tail req/s, default / fcfs"][1] is True  # 3.8 % lower: within 5 %
     assert met["victim p99 TTFT, flood / calm (default policy)"] == (3.0, False)
@@ -154,9 +162,92 @@ def test_ratios_and_targets_compare_like_with_like():
     assert met["conversations prefetch hit rate (default policy)"] == (0.6, True)
 
 
+def test_the_no_worse_checks_count_every_tenant_the_flooder_included():
+    """A policy that refuses most of a flooder's requests serves the victim well but completes far fewer
+    in all: the comparison with fcfs over every tenant says so."""
+
+    def rec(role, tenant, flood, n, done, refused, p99, rps):
+        policy = "adaptive" if role == "default" else "fcfs"
+        fields = {"scenario": "flood", "policy": policy, "role": role, "prefetch": True, "tenant": tenant}
+        fields |= {"flood": flood, "whole_run": tenant == "all" or not flood, "n_requests": n, "completed": done}
+        return fields | {"refused": refused, "ttft_p50_s": p99 / 2, "ttft_p99_s": p99, "req_per_s": rps}
+
+    records = [
+        rec("default", "victim", True, 231, 231, 0, 0.09, 14.8),
+        rec("default", "flooder", True, 1254, 269, 985, 14.5, 14.2),
+        rec("default", "all", True, 1485, 500, 985, 12.0, 29.0),
+        rec("default", "victim", False, 231, 231, 0, 0.07, 15.1),
+        rec("baseline", "victim", True, 231, 231, 0, 21.8, 5.3),
+        rec("baseline", "flooder", True, 1254, 1254, 0, 21.8, 28.2),
+        rec("baseline", "all", True, 1485, 1485, 0, 21.8, 33.5),
+        rec("baseline", "victim", False, 231, 231, 0, 0.23, 13.6),
+    ]
+    add_ratios(records)
+    met = {t["name"]: (t["value"], t["met"]) for t in targets(records)}
+    assert met["flood (every tenant, flooded) completed, default / fcfs"] == (round(500 / 1485, 4), False)
+    assert met["flood (every tenant, flooded) refused, (default − fcfs) / sent"] == (round(985 / 1485, 4), False)
+    assert met["flood (victim, alone) completed, default / fcfs"] == (1.0, True)  # the whole calm run
+    assert "flood (victim, flooded) completed, default / fcfs" not in met  # one tenant is not the whole run
+    assert not any(name.startswith("flood (flooder") for name in met)  # counted in every tenant's
+    assert records[2]["fcfs_completed"] == 1485 and records[2]["fcfs_refused"] == 0
+    records[0]["slo_attainment"], records[4]["slo_attainment"] = 0.0, 0.0  # both miss every target
+    met = {t["name"]: (t["value"], t["met"]) for t in targets(records)}
+    assert met["flood (victim, flooded) SLO attainment, default − fcfs"] == (0.0, True)
+
+
+def test_a_comparison_the_default_policy_has_no_value_for_is_missed_not_dropped():
+    """The default policy completed nothing (no TTFT, no req/s) and fcfs's flooded victim sent nothing
+    (no SLO attainment): every comparison with fcfs is still a target, and missed."""
+
+    def rec(role, n, done, refused, p99, rps, slo, **tags):
+        fields = {"scenario": "heavy-tail", "policy": "adaptive" if role == "default" else "fcfs", "role": role}
+        fields |= {"prefetch": True, "whole_run": True, "n_requests": n, "completed": done, "refused": refused}
+        p50 = None if p99 is None else p99 / 2
+        return fields | {"ttft_p50_s": p50, "ttft_p99_s": p99, "req_per_s": rps, "slo_attainment": slo} | tags
+
+    records = [
+        rec("default", 100, 0, 100, None, None, 0.0),
+        rec("baseline", 100, 100, 0, 0.4, 10.0, 0.9),
+        rec("default", 50, 50, 0, 0.1, 5.0, 1.0, scenario="flood", tenant="victim", flood=True),
+        rec("baseline", 0, 0, 0, None, None, None, scenario="flood", tenant="victim", flood=True),
+    ]
+    add_ratios(records)
+    met = {t["name"]: (t["value"], t["met"]) for t in targets(records)}
+    for what in ("TTFT p50, default / fcfs", "TTFT p99, default / fcfs", "req/s, default / fcfs"):
+        assert met[f"heavy-tail {what}"] == (None, False)
+        assert met[f"flood (victim, flooded) {what}"] == (None, False)
+    assert met["heavy-tail p99 TTFT, fcfs / default"] == (None, False)
+    assert met["heavy-tail completed, default / fcfs"] == (0.0, False)
+    assert met["flood (victim, flooded) SLO attainment, default − fcfs"] == (None, False)
+
+
+def test_a_flooded_run_gives_a_record_per_tenant_and_one_of_every_tenant():
+    outcomes = [_outcome(i, float(i), 0.1, 1.0 + i, "ok") for i in range(5)]
+    for i, o in enumerate(outcomes):
+        o.request = dataclasses.replace(o.request, tenant="victim" if i < 2 else "flooder")
+    groups = scheduling.record_groups("flood", True, outcomes)
+    assert [(t, len(o)) for t, o in groups] == [("victim", 2), ("flooder", 3), ("all", 5)]
+    assert [(t, len(o)) for t, o in scheduling.record_groups("flood", False, outcomes[:2])] == [("victim", 2)]
+    assert scheduling.record_groups("heavy-tail", None, outcomes) == [(None, outcomes)]
+
+
+def test_results_name_the_runner_profile_used(tmp_path):
+    """A roofline profile's name is its `roofline.about.name`; any other profile's its file name."""
+    named = Path(__file__).resolve().parents[2] / "docs" / "runner_profile" / "gpu-roofline-7b-h100.json"
+    assert RunnerProfile.from_dict(json.loads(named.read_text())).roofline is not None  # a real profile
+    about = scheduling.profile_about(named, calibrated=False, time_scale=1.0)
+    assert about == {"path": str(named), "name": "gpu-roofline-7b-h100", "calibrated_here": False, "time_scale": 1.0}
+    renamed = tmp_path / "h100.json"
+    renamed.write_text(named.read_text())
+    assert scheduling.profile_about(renamed, calibrated=False, time_scale=1.0)["name"] == "gpu-roofline-7b-h100"
+    plain = fixed_profile(tmp_path / "cpu-calibrated.json")  # no roofline
+    assert scheduling.profile_about(plain, calibrated=False, time_scale=6.0)["name"] == "cpu-calibrated"
+    assert scheduling.profile_about(plain, calibrated=True, time_scale=6.0)["calibrated_here"] is True
+
+
 def test_a_scaled_profile_waits_that_many_times_longer():
     profile = RunnerProfile.from_dict(json.loads(fixed_profile_text()))
-    scaled = scheduling.scaled_profile(profile, 6.0)
+    scaled = profile.scaled(6.0)
     assert scaled.runner_coef == tuple(6.0 * c for c in profile.runner_coef)
     assert scaled.costs.step_coef == tuple(6.0 * c for c in profile.costs.step_coef)
     assert scaled.costs.copy_coef == profile.costs.copy_coef and scaled.fidelity["time_scale"] == 6.0
@@ -219,11 +310,21 @@ def test_tiny_stack_suite_through_the_cli(tmp_path, monkeypatch):
     assert off["load_wait_vs_prefetch"] == pytest.approx(off["load_wait_s"] / on["load_wait_s"], rel=1e-2)
     run = json.loads((out / "run.json").read_text())
     assert run["scenarios"]["conversations"]["capacity_req_per_s"] > 0 and run["profile"]["time_scale"] == 6.0
-    assert {t["name"] for t in run["targets"]} >= {
+    assert results["runner_profile"] == {
+        "path": str(profile),
+        "name": "runner_profile",
+        "calibrated_here": False,
+        "time_scale": 6.0,
+    }
+    assert results["targets"] == run["targets"] and {t["name"] for t in results["targets"]} >= {
         "conversations load wait, prefetch off / on",
         "conversations prefetch hit rate (default policy)",
         "conversations TTFT p99, default / fcfs",
+        "conversations completed, default / fcfs",
+        "conversations refused, (default − fcfs) / sent",
     }
+    assert all(set(t) == {"name", "goal", "value", "met"} for t in results["targets"])
+    assert all(r["whole_run"] and r["step_mean_s"] > 0 for r in records)
     plots = {"scheduling-ttft.png", "scheduling-slo.png", "scheduling-prefetch.png"}
     assert {p.name for p in out.glob("*.png")} == plots
 

@@ -1,7 +1,7 @@
 """Adapter fetch latency, store → worker, over loopback ZMQ (the target: ≤ 20 ms at 7B shapes).
 
     loraserve bench --suite adapter-fetch [--iterations 30] [--rank 16] [--modules q_proj k_proj v_proj o_proj]
-        [--transport tcp|ipc] [--torch-threads 1] [--json OUT]
+        [--transport tcp ipc] [--torch-threads 1] [--out DIR]
 
 Writes a temporary model directory holding only a Llama-7B-shaped config.json (32 layers, hidden
 4096) and a synthetic PEFT adapter (random fp16 lora_A [r, 4096] / lora_B [4096, r] per targeted
@@ -12,13 +12,18 @@ with --preload, then fetches the adapter N times with the workers' AdapterFetche
     transfer + parse   fetch() + load_adapter_bytes(): what a worker pays before the adapter can
                        be copied into its pool (safetensors parse, shape and NaN checks)
 
-Reports median / p90 milliseconds and GB/s (10^9 bytes per second) over the adapter's bytes.
+Reports median / p90 milliseconds and GB/s (10^9 bytes per second) over the adapter's bytes, per
+transport (loopback TCP, the default stack's, and a unix socket), each against its own store process.
+
+DIR/results.json (`bench/common/results.py`) is {"suite", "machine", "commit", "records", "targets"}:
+a record per transport and phase (`transport, phase, first_fetch_ms, iterations, megabytes,
+median_ms, p90_ms, min_ms, median_gbps`), and per transport the target, median transfer ≤ --target-ms,
+as {"name", "goal", "value", "met"}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -37,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve.adapter_config import PARENT
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.bench.common.llama7b_files import write_adapter, write_model
+from loraserve.bench.common.results import write_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.config_cli import setting
 from loraserve.worker.adapters import load_adapter_bytes
@@ -164,16 +170,37 @@ def run_benchmark(args: argparse.Namespace, workdir: Path) -> tuple[list[Result]
             process.wait()
 
 
-def print_table(results: list[Result], first_ms: float, target_ms: float) -> None:
-    print(f"{'phase':<16}{'n':>5}{'MB':>8}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'GB/s':>8}")
+def print_table(transport: str, results: list[Result], first_ms: float, target_ms: float) -> None:
+    print(f"{transport}: {'phase':<16}{'n':>5}{'MB':>8}{'median ms':>11}{'p90 ms':>9}{'min ms':>9}{'GB/s':>8}")
     for r in results:
         print(
-            f"{r.phase:<16}{r.iterations:>5}{r.megabytes:>8.1f}{r.median_ms:>11.2f}{r.p90_ms:>9.2f}"
+            f"{transport}: {r.phase:<16}{r.iterations:>5}{r.megabytes:>8.1f}{r.median_ms:>11.2f}{r.p90_ms:>9.2f}"
             f"{r.min_ms:>9.2f}{r.median_gbps:>8.2f}"
         )
-    transfer = results[0]
-    verdict = "meets" if transfer.median_ms <= target_ms else "misses"
-    print(f"first fetch (connect + transfer): {first_ms:.2f} ms; median transfer {verdict} the {target_ms:g} ms target")
+    verdict = "meets" if results[0].median_ms <= target_ms else "misses"
+    print(
+        f"{transport}: first fetch (connect + transfer) {first_ms:.2f} ms; "
+        f"median transfer {verdict} the {target_ms:g} ms target"
+    )
+
+
+def records(transport: str, results: list[Result], first_ms: float) -> list[dict]:
+    """results.json's records for one transport's run."""
+    return [{"transport": transport, "first_fetch_ms": round(first_ms, 3), **asdict(r)} for r in results]
+
+
+def targets(rows: list[dict], target_ms: float) -> list[dict]:
+    """Per transport: the median transfer (fetch alone) within target_ms."""
+    return [
+        {
+            "name": f"median transfer of the 7B-shaped adapter, {r['transport']} (ms)",
+            "goal": f"<= {target_ms:g}",
+            "value": r["median_ms"],
+            "met": r["median_ms"] <= target_ms,
+        }
+        for r in rows
+        if r["phase"] == "transfer"
+    ]
 
 
 @dataclass(frozen=True)
@@ -186,14 +213,16 @@ class AdapterFetchSettings:
     modules: tuple[str, ...] = setting(
         ("q_proj", "k_proj", "v_proj", "o_proj"), "the adapter's target modules", nargs="+", choices=list(PARENT)
     )
-    transport: str = setting("tcp", "loopback TCP (the default stack) or a unix socket", choices=["tcp", "ipc"])
+    transport: tuple[str, ...] = setting(
+        ("tcp", "ipc"), "loopback TCP (the default stack's) and/or a unix socket", nargs="+", choices=["tcp", "ipc"]
+    )
     target_ms: float = setting(20.0, "the target for one fetch, in milliseconds")
     torch_threads: int = setting(
         1,
         "intra-op threads for parsing (a worker parses on one fetch thread; on a shared CPU, more threads "
         "stall in parallel regions)",
     )
-    json: Path | None = setting(None, "also write the results here")
+    out: Path | None = setting(None, "write DIR/results.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,15 +232,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.torch_threads)
-    with tempfile.TemporaryDirectory(prefix="loraserve-bench-") as tmp:
-        results, first_ms = run_benchmark(args, Path(tmp))
-    print_table(results, first_ms, args.target_ms)
-    if args.json is not None:
-        payload = {
-            "transport": args.transport,
-            "first_fetch_ms": first_ms,
-            "target_ms": args.target_ms,
-            "results": [asdict(r) for r in results],
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
+    rows: list[dict] = []
+    for transport in args.transport:
+        run = argparse.Namespace(**{**vars(args), "transport": transport})
+        with tempfile.TemporaryDirectory(prefix="loraserve-bench-") as tmp:
+            results, first_ms = run_benchmark(run, Path(tmp))
+        print_table(transport, results, first_ms, args.target_ms)
+        rows += records(transport, results, first_ms)
+    if args.out is not None:
+        path = write_results(
+            args.out,
+            "adapter-fetch",
+            rows,
+            threads=args.torch_threads,
+            targets=targets(rows, args.target_ms),
+            settings={k: v for k, v in vars(args).items() if k in AdapterFetchSettings.__dataclass_fields__},
+        )
+        print(f"results: {path}")
     return 0

@@ -170,6 +170,27 @@ def summarize_chaos(
     }
 
 
+def chaos_targets(summary: dict) -> list[dict]:
+    """The suite's targets, as `{"name", "goal", "value", "met"}`, from a `summarize_chaos` summary:
+    no stream lost, every output equal to the undisturbed run's, and failover exercised at all."""
+    s = summary
+    return [
+        {"name": "streams that failed", "goal": "0", "value": s["failed"], "met": s["failed"] == 0},
+        {
+            "name": "outputs that differ from the undisturbed run's",
+            "goal": "0",
+            "value": f"{s['mismatches']} of {s['compared']}",
+            "met": s["mismatches"] == 0 and s["compared"] > 0,
+        },
+        {
+            "name": "streams that failed over (the run tested failover)",
+            "goal": ">= 1",
+            "value": s["failed_over_requests"],
+            "met": s["failed_over_requests"] >= 1,
+        },
+    ]
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{1000 * value:.0f}"
 

@@ -50,6 +50,7 @@ from loraserve.bench.suites.chaos.report import (
     OK,
     AppliedDisruption,
     StreamRecord,
+    chaos_targets,
     max_gap,
     print_chaos_report,
     summarize_chaos,
@@ -322,6 +323,7 @@ def main(args: argparse.Namespace) -> int:
             config=asdict(config),
             summary=result["summary"],
             disruptions=result["disruptions"],
+            targets=chaos_targets(result["summary"]),
         )
         with (args.out / "streams.jsonl").open("w") as f:
             f.writelines(json.dumps(s) + "\n" for s in result["streams"])

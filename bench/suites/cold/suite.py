@@ -12,9 +12,10 @@ Two parts (`--cold-parts`):
 - load (`bench/suites/cold/load.py`): fetch + load of a 7B-shaped rank-16 q/k/v/o adapter (33.6 MB), store
   process → pool rows, by each transfer path, against this machine's memcpy bandwidth.
 
-DIR/results.json is {"suite", "machine", "commit", "records", "targets"}; a stack record has `part:
-"stack", model, rank, trials`, cold / warm / penalty p50 and p99 in ms and `cold_over_warm_p50`; a
-load record `part: "load", path`, median and p90 ms, GB/s and `fraction_of_memcpy`.
+DIR/results.json is {"suite", "machine", "commit", "records", "targets", "options"}; a stack record has
+`part: "stack", model, rank, trials`, cold / warm / penalty p50 and p99 in ms and `cold_over_warm_p50`; a
+load record `part: "load", path`, median and p90 ms, GB/s and `fraction_of_memcpy`. The targets, each
+{"name", "goal", "value", "met"}, are computed from the records (`targets.py`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from pathlib import Path
 
 from loraserve.bench.common.results import write_results
 from loraserve.bench.common.settings import add_settings
+from loraserve.bench.suites.cold.targets import targets
 from loraserve.config_cli import setting
 
 log = logging.getLogger(__name__)
 FULL_RANKS = (8, 16, 32, 64, 128)
-TARGET_COLD_OVER_WARM = 1.25  # cold p50 TTFT ≤ 1.25 × warm
-TARGET_FRACTION_OF_MEMCPY = 0.5  # same-host fetch + load ≥ 50 % of memcpy bandwidth
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,11 @@ def main(args: argparse.Namespace) -> int:
                 records.append({"part": "stack", "model": model, **record})
                 print(records[-1])
     if args.out:
-        targets = {"cold_over_warm_p50": TARGET_COLD_OVER_WARM, "fraction_of_memcpy": TARGET_FRACTION_OF_MEMCPY}
+        verdicts = targets(records)
+        for t in verdicts:
+            print(f"{t['name']}: {t['value']} ({t['goal']}): {'met' if t['met'] else 'missed'}")
         path = write_results(
-            args.out, "cold", records, threads=args.threads, targets=targets, options=args.cold_stack_option
+            args.out, "cold", records, threads=args.threads, targets=verdicts, options=args.cold_stack_option
         )
         print(f"results: {path}")
     return 0

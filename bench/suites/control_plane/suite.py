@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import pstats
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ import zmq
 from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.stats import quantile
+from loraserve.bench.suites.control_plane import profile_split
 from loraserve.config_cli import setting
 from loraserve.errors import LoraserveError
 from loraserve.gateway.submit_stream import SubmitStream
@@ -337,6 +339,7 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     runs = []
+    profiles: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="loraserve-cp-") as scratch:
         for policy in chosen:
             for submit in submits:
@@ -344,8 +347,7 @@ def main(args: argparse.Namespace) -> int:
                 phase_s = preset["phase_s"]
                 runs.append(asyncio.run(measure(policy, submit, rates, phase_s, args, Path(scratch), profile)))
                 if profile is not None and profile.exists():
-                    import pstats
-
+                    profiles[f"{policy}-{submit}"] = profile_split.split(profile)
                     print(f"--- the scheduler under {policy}, {submit} Submits: where its time went ({profile})")
                     pstats.Stats(str(profile)).sort_stats("tottime").print_stats(25)
     result = {
@@ -360,6 +362,8 @@ def main(args: argparse.Namespace) -> int:
         "targets": verdict(runs),
         "wall_s": round(time.perf_counter() - started, 1),
     }
+    if profiles:
+        result["profile"] = profiles
     fields = {k: v for k, v in result.items() if k not in ("suite", "machine", "runs")}
     path = write_results(out, "control-plane", runs, machine_extra=result["machine"], runs=runs, **fields)
     for run in runs:

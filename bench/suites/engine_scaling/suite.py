@@ -1,20 +1,24 @@
 """How the in-process engine's throughput changes with the number of adapters.
 
     loraserve bench --suite engine-scaling [--adapters 1 10 100 1000] [--requests 1000]
-        [--prompt-len 16] [--output-len 32] [--max-batch-size 32] [--ranks 64 32 16 8] [--json OUT]
+        [--prompt-len 16] [--output-len 32] [--max-batch-size 32] [--ranks 64 32 16 8] [--out DIR]
 
 The same requests (same prompts, same output lengths, greedy, EOS ignored) run offline — all
 queued at once, continuous batching to the end — once per adapter count n; request i uses
 adapter i mod n, so with n >= the batch size every running request has its own adapter (the
 worst case for batched LoRA). Reported per n: output tokens/s, mean step time and batch size,
 the pool's waste fraction (mean over steps), adapter loads and prefetch hits; then
-throughput(largest n) / throughput(smallest n) — the target is >= 0.9.
+throughput(largest n) / throughput(smallest n) — the target is >= 0.9 — and the same ratio were a
+step to cost only the bytes of weights it reads (`bytes_ratio`).
+
+DIR/results.json (`bench/common/results.py`) is {"suite", "machine", "commit", "records", "ratio",
+"bytes_ratio", "settings", "targets"}: a record per adapter count (the fields printed, and
+`base_mb_per_step`, `adapter_mb_per_step`), the target as {"name", "goal", "value", "met"}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loraserve.bench.common.results import write_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, adapter_stats_since, warm_up
@@ -122,16 +127,14 @@ def run(args: argparse.Namespace) -> dict:
         f"({last['adapter_mb_per_step']:.1f} MB of adapters vs {last['base_mb_per_step']:.1f} MB of base "
         "weights per step)"
     )
-    result = {
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)},
-        "rows": rows,
-        "ratio": ratio,
-        "bytes_ratio": bound,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    settings = {k: v for k, v in vars(args).items() if k in EngineScalingSettings.__dataclass_fields__}
+    return {"rows": rows, "ratio": ratio, "bytes_ratio": bound, "settings": settings, "targets": targets(rows, ratio)}
+
+
+def targets(rows: list[dict], ratio: float) -> list[dict]:
+    """The target: throughput at the largest adapter count over the smallest, >= TARGET."""
+    name = f"throughput(n={rows[-1]['n_adapters']}) / throughput(n={rows[0]['n_adapters']})"
+    return [{"name": name, "goal": f">= {TARGET}", "value": ratio, "met": ratio >= TARGET}]
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class EngineScalingSettings:
     threads: int = setting(1, "torch CPU threads")
     model: Path = setting(DEMO_MODEL_DIR, "base model directory")
     seed: int = setting(0, "")
-    json: Path | None = setting(None, "also write the rows here")
+    out: Path | None = setting(None, "write DIR/results.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,5 +166,8 @@ def main(args: argparse.Namespace) -> int:
     quiet = max(logging.WARNING, logging.getLogger().level)
     for noisy in ("loraserve.worker", "loraserve.kernels"):
         logging.getLogger(noisy).setLevel(quiet)
-    run(args)
+    result = run(args)
+    if args.out is not None:
+        rows = result.pop("rows")
+        print(f"results: {write_results(args.out, 'engine-scaling', rows, threads=args.threads, **result)}")
     return 0

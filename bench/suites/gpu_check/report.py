@@ -74,9 +74,7 @@ def targets(results: dict) -> list[dict]:
     rows = []
     for name, target, path, met in TARGETS:
         value = _lookup(results, path)
-        rows.append(
-            {"target": name, "wanted": target, "value": value, "met": None if value is None else bool(met(value))}
-        )
+        rows.append({"name": name, "goal": target, "value": value, "met": None if value is None else bool(met(value))})
     return rows
 
 
@@ -185,9 +183,9 @@ def markdown(results: dict) -> str:
         "## Targets",
         "",
         _table(
-            ["target", "wanted", "measured", "met"],
+            ["target", "goal", "measured", "met"],
             [
-                [t["target"], t["wanted"], t["value"], {True: "yes", False: "no", None: "–"}[t["met"]]]
+                [t["name"], t["goal"], t["value"], {True: "yes", False: "no", None: "–"}[t["met"]]]
                 for t in targets(results)
             ],
         ),

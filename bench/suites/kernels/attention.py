@@ -1,6 +1,6 @@
 """GPU benchmark of the paged-attention kernel against dense SDPA and the bandwidth roofline.
 
-    loraserve bench --suite attention [--dry-run] [--json OUT]
+    loraserve bench --suite attention [--dry-run] [--out DIR]
 
 Cases (GQA, 32 query heads over 8 KV heads, head_dim 128, fp16, 16 tokens per page): decode steps of
 1, 16, 64, 256 sequences at context 512 and 4096 (one new token each, attending to the whole
@@ -24,12 +24,14 @@ Times as in `loraserve.bench.suites.kernels.lora` (eager do_bench and CUDA-graph
 x_roofline = triton_graph_us / max(roofline_us, compute_us): prefill at these sizes is compute-bound.
 Every case is checked once: Triton's output against SDPA's (max_abs_err; ok when allclose at
 4e-3 abs/rel or relative Frobenius error < 1e-2), so a wrong kernel cannot post a fast time unnoticed.
+
+DIR/results.json (`bench/suites/kernels/results.py`) is {"suite", "machine", "commit", "records",
+"targets", "meta", "summary", "markdown"}: a record per case, the fields of `AttentionResult`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -330,7 +332,7 @@ class AttentionSettings:
     """The attention suite's flags (its own alone)."""
 
     dry_run: bool = setting(False, "tiny shapes on CPU under Triton's interpreter")
-    json: Path | None = setting(None, "also write the results as JSON", metavar="OUT")
+    out: Path | None = setting(None, "write DIR/results.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -344,6 +346,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     report = run(dry_run=args.dry_run)
     print(report["markdown"])
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
+    if args.out is not None:
+        from loraserve.bench.suites.kernels.results import write_report
+
+        print(f"results: {write_report(args.out, 'attention', report, 'attention')}", file=sys.stderr)
     return 0

@@ -2,9 +2,9 @@
 
     loraserve bench --suite kernels [--ranks 16 64 128 mixed] [--batch-sizes 1 8 64 256]
         [--popularity distinct uniform zipf identical] [--phases decode prefill] [--hidden 4096]
-        [--bandwidth TB/s] [--json OUT]
-    loraserve bench --suite kernels --gpu-suite [--json OUT]     LoRA and attention, the GPU suite's part
-    loraserve bench --suite kernels --dry-run [--json OUT]   the same on CPU, tiny shapes, interpreter
+        [--bandwidth TB/s] [--out DIR]
+    loraserve bench --suite kernels --gpu-suite [--out DIR]     LoRA and attention, the GPU suite's part
+    loraserve bench --suite kernels --dry-run [--out DIR]   the same on CPU, tiny shapes, interpreter
 
 For each (phase, rank, batch size, popularity): a batch of requests (one token each when decoding,
 --prefill-len tokens each when prefilling, at most --max-prefill-tokens in all: larger batches get
@@ -39,12 +39,15 @@ once: Triton's output against the torch loop's (max_abs_err, rel_err = ||t - l||
 `run_suite(dry_run)` runs the suite's sweep (LoRA and `attention_bench`) and returns a JSON-able dict
 with the rows, a summary of the targets and markdown tables. Without CUDA, exits with status 2
 (unless --dry-run).
+
+DIR/results.json (`bench/suites/kernels/results.py`) is {"suite", "machine", "commit", "records",
+"targets", "meta", "summary", "markdown"} (and "attention" with --gpu-suite or --dry-run): a record
+per LoRA case, the fields of `Result`; the targets computed from the summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -67,6 +70,7 @@ from loraserve.bench.common.kernel_cases import (
 )
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.tables import markdown_table
+from loraserve.bench.suites.kernels.results import ROOFLINE_FACTOR, write_report
 from loraserve.bench.suites.kernels.timing import (
     Fn,
     Timers,
@@ -191,7 +195,7 @@ class KernelsSettings:
     rep: int = setting(20, "do_bench repetition time, ms")
     gpu_suite: bool = setting(False, "run the GPU suite's sweep (LoRA and attention)")
     dry_run: bool = setting(False, "the suite on CPU: tiny shapes, Triton's interpreter")
-    json: Path | None = setting(None, "also write the results as JSON", metavar="OUT")
+    out: Path | None = setting(None, "write DIR/results.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -520,7 +524,7 @@ def lora_summary(results: list[Result]) -> dict[str, Any]:
     x = headline["x_roofline"] if headline else None
     return {
         "lora_decode_b64_distinct_r16": headline,
-        "within_2x_roofline": x is not None and x <= 2.0,
+        "within_2x_roofline": x is not None and x <= ROOFLINE_FACTOR,
         "faster_than_bmm_everywhere": bool(with_bmm) and not not_faster_bmm,
         "not_faster_than_bmm": not_faster_bmm,
         "faster_than_loop_everywhere": bool(with_loop) and not not_faster_loop,
@@ -686,13 +690,14 @@ def main(args: argparse.Namespace) -> int:
     else:
         report = run_sweep(args)
     print(report["markdown"])
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
+    if args.out is not None:
+        rows = "results" if "results" in report else "lora"
+        print(f"results: {write_report(args.out, 'kernels', report, rows)}", file=sys.stderr)
     return 0
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    """The CLI's LoRA sweep on the GPU: {"meta", "results": [rows], "markdown"}."""
+    """The CLI's LoRA sweep on the GPU: {"meta", "results": [rows], "summary", "markdown"}."""
     device = torch.device("cuda")
     meta = suite_meta(False, device)
     meta.update(dtype=args.dtype, hidden=args.hidden)
@@ -701,4 +706,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     config = replace(LoraConfig.from_args(args), bandwidth_tbs=meta["roofline_bandwidth_tbs"])
     results = benchmark(config, device, cuda_timers(device, rep_ms=args.rep, warmup_ms=args.rep / 2))
     print(f"\n{meta['device']}, {args.dtype}, h={args.hidden}\n\n{format_table(results)}\n", file=sys.stderr)
-    return {"meta": meta, "results": [asdict(r) for r in results], "markdown": lora_markdown(results)}
+    return {
+        "meta": meta,
+        "results": [asdict(r) for r in results],
+        "summary": lora_summary(results),
+        "markdown": lora_markdown(results),
+    }

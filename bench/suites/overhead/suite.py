@@ -25,6 +25,10 @@ tokens_per_s_lora, overhead` (lora time / base time - 1), `steps_base, steps_lor
 step_ms_lora, host_ms_per_step` (the runner's host-side planning per step, in the LoRA run),
 `adapter_mb_per_step`, `adapter_loads` (in the kept LoRA run: 0) and `pool_pages`; a scaling record
 has `kind, model`, the same engine fields, `n_adapters, ranks, batch, tokens_per_s_n1, tokens_per_s_n, ratio`.
+
+With --overhead-breakdown, on the scaling model (`breakdown.py`): a `gather` record (GB/s copying
+random pool rows, random pages and a contiguous slice on this machine) and two `profile` records
+(`side`: base, lora): torch.profiler's top operators by self CPU time per decode step of a full batch.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import random
 import time
 from dataclasses import dataclass
@@ -79,6 +82,7 @@ class Preset:
 
 FULL = Preset(("demo", "random-25m", "random-100m"), 3, (16, 128), 1000, 256, 32)
 QUICK = Preset(("demo", "random-25m"), 2, (16, 64), 200, 128, 16)
+PROFILE_STEPS = 10  # decode steps profiled per side (--overhead-breakdown)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ class OverheadSettings:
     overhead_device: str = setting("cpu", "overhead suite: the engine's device (cpu, cuda)")
     overhead_backend: str = setting(
         "auto", "overhead suite: the engine's kernel backend", choices=["auto", "torch", "triton", "torch-bmm"]
+    )
+    overhead_breakdown: bool = setting(
+        False, "overhead suite: also the pool's gather bandwidth and a profile of base and LoRA decode steps"
     )
 
 
@@ -180,11 +187,24 @@ def _alternated(
     """(engine, runs per side): one engine whose pool holds every adapter and a full batch's KV,
     warmed up with every adapter resident, then the same requests once per side, `repeats` times
     round, so that every side is measured under the same conditions."""
+    engine = _prepared_engine(path, args, adapters, PROMPT_LEN[1] + max(n for _, n in requests), cuda_graphs)
+    try:
+        runs: list[list[dict]] = [[] for _ in sides]
+        for _ in range(repeats):
+            for side, measured in zip(sides, runs, strict=True):
+                measured.append(_run(engine, requests, side))
+    finally:
+        engine.close()
+    return engine, runs
+
+
+def _prepared_engine(path: Path, args: argparse.Namespace, adapters: dict[str, int], longest: int, cuda_graphs: str):
+    """An engine whose pool holds every adapter and a full batch's KV at `longest` tokens, warmed up
+    with every adapter resident."""
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
 
     bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
-    longest = PROMPT_LEN[1] + max(n for _, n in requests)
     pages = pool_pages(path, args.overhead_batch, longest, adapters, bank.adapters.target_modules)
     config = EngineConfig(
         device=args.overhead_device,
@@ -199,13 +219,10 @@ def _alternated(
             engine.add_adapter(name, bank.get(name, rank))
         warm_up(engine, adapters)
         _load_all(engine, list(adapters))
-        runs: list[list[dict]] = [[] for _ in sides]
-        for _ in range(repeats):
-            for side, measured in zip(sides, runs, strict=True):
-                measured.append(_run(engine, requests, side))
-    finally:
+    except BaseException:
         engine.close()
-    return engine, runs
+        raise
+    return engine
 
 
 def _load_all(engine, names: list[str]) -> None:
@@ -290,6 +307,23 @@ def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: Pre
     }
 
 
+def measure_breakdown(name: str, path: Path, args: argparse.Namespace) -> list[dict]:
+    """The gather-bandwidth record for the model's pool rows, and a profile of its decode steps with
+    no adapter and with `overhead_adapters` distinct ones (`breakdown.py`)."""
+    from loraserve.bench.suites.overhead.breakdown import PROMPT_LEN as PROFILE_PROMPT
+    from loraserve.bench.suites.overhead.breakdown import gather_bandwidth, pool_row_bytes, profile_decode
+
+    adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
+    steps = PROFILE_STEPS
+    engine = _prepared_engine(path, args, adapters, PROFILE_PROMPT + 2 * steps + 8, "auto")
+    try:
+        sides = [profile_decode(engine, [], "base", steps), profile_decode(engine, list(adapters), "lora", steps)]
+    finally:
+        engine.close()
+    fields = {"model": name, **_engine_fields(engine, args), "ranks": list(OVERHEAD_RANKS)}
+    return [{**gather_bandwidth(*pool_row_bytes(path)), "model": name}, *({**s, **fields} for s in sides)]
+
+
 def print_report(records: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -310,6 +344,14 @@ def print_report(records: list[dict]) -> None:
                 f"{r['model']}: n={r['n_adapters']} / n=1, saturated: {r['tokens_per_s_n']} / {r['tokens_per_s_n1']}"
                 f" tokens/s = {r['ratio']}"
             )
+        elif r["kind"] == "gather":
+            console.print(
+                f"gather, {r['threads']} thread(s): {r['row_bytes']}-byte rows {r['rows_gbps']} GB/s, "
+                f"{r['page_bytes']}-byte pages {r['pages_gbps']} GB/s, contiguous {r['contiguous_gbps']} GB/s"
+            )
+        elif r["kind"] == "profile":
+            top = ", ".join(f"{o['op']} {o['ms_per_step']}" for o in r["top"][:6])
+            console.print(f"{r['model']} {r['side']} decode step {r['wall_ms_per_step']} ms; profiled ms: {top}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -337,11 +379,12 @@ def main(args: argparse.Namespace) -> int:
             log.info("overhead %s: %s", name, records[-1])
     scaling = "random-25m" if "random-25m" in preset.models else preset.models[0]
     records.append(measure_scaling(scaling, model_dir(scaling, cache), args, preset))
+    if args.overhead_breakdown:
+        records += measure_breakdown(scaling, model_dir(scaling, cache), args)
     print_report(records)
     if args.out:
-        cpu = platform.processor() or platform.machine()
-        machine = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__}
+        machine = None
         if args.overhead_device.startswith("cuda"):
-            machine["gpu"] = torch.cuda.get_device_name(torch.device(args.overhead_device))
+            machine = {"gpu": torch.cuda.get_device_name(torch.device(args.overhead_device))}
         print(f"results: {write_results(args.out, 'overhead', records, args.threads, machine_extra=machine)}")
     return 0

@@ -210,21 +210,21 @@ def time_steps(engine, adapters: dict[str, int], grid: Grid, timer: Callable[[],
                 chosen = {"base": [None] * batch, "one": [names[0]] * batch, "distinct": names[:batch]}[mix]
                 batches.append([(prompt_len, grid.new_tokens, a) for a in chosen])
     times = StepTimes()
-    with _RunnerTimer(engine, timer) as runner:
+    with RunnerTimer(engine, timer) as runner:
         for batch in batches:
             for i, request in enumerate(batch):
-                _add(engine, i, request)
-            _step_all(engine, runner, times)
+                add_request(engine, i, request)
+            step_all(engine, runner, times)
         if grid.mixed:  # two new requests before each step while they last: a full batch and a queue
             for i, request in enumerate(_mixed_batch(adapters, grid.mixed)):
-                _add(engine, i, request)
+                add_request(engine, i, request)
                 if i % 2:
-                    _step_all(engine, runner, times, steps=1)
-            _step_all(engine, runner, times)
+                    step_all(engine, runner, times, steps=1)
+            step_all(engine, runner, times)
     return times
 
 
-class _RunnerTimer:
+class RunnerTimer:
     """Times each call of `engine.runner.execute` while in use, and notes the features of the batch it
     computed (the runner is put back after). The features come from the runner's chunks, as the emulated
     runner reads them: tokens whose KV a prefix cache hit or a shared prefill supplied are not computed."""
@@ -235,7 +235,7 @@ class _RunnerTimer:
         self.engine, self.timer, self.last, self.features = engine, timer, 0.0, None
         self.execute, self.batch_features = engine.runner.execute, batch_features
 
-    def __enter__(self) -> _RunnerTimer:
+    def __enter__(self) -> RunnerTimer:
         self.engine.runner.execute = self._timed
         return self
 
@@ -251,7 +251,7 @@ class _RunnerTimer:
             self.last = self.timer() - start
 
 
-def _add(engine, i: int, request: tuple[int, int, str | None]):
+def add_request(engine, i: int, request: tuple[int, int, str | None]):
     from loraserve.worker.sampling import SamplingParams
 
     prompt_len, new, adapter = request
@@ -259,7 +259,7 @@ def _add(engine, i: int, request: tuple[int, int, str | None]):
     return engine.add_request([5 + (i + j) % 200 for j in range(prompt_len)], sampling, adapter, f"c-{i}")
 
 
-def _step_all(engine, runner: _RunnerTimer, times: StepTimes, steps: int | None = None) -> None:
+def step_all(engine, runner: RunnerTimer, times: StepTimes, steps: int | None = None) -> None:
     """Step until nothing is left (or `steps` times), timing each step that computed something and noting
     its shape."""
     while engine.has_unfinished() and (steps is None or steps > 0):

@@ -13,6 +13,7 @@ COLUMNS = (
     ("flood", "flood"),
     ("prefetch", "prefetch"),
     ("n", "n_requests"),
+    ("done", "completed"),
     ("TTFT p50 (s)", "ttft_p50_s"),
     ("TTFT p99 (s)", "ttft_p99_s"),
     ("queue p99 (s)", "queue_p99_s"),
@@ -23,6 +24,8 @@ COLUMNS = (
     ("ready before", "loads_ready_before_scheduled"),
     ("refused", "refused"),
     ("p99 fcfs/this", "ttft_p99_improvement_vs_fcfs"),
+    ("step (s)", "step_mean_s"),
+    ("CPU busy", "cpu_busy"),
 )
 
 
@@ -66,7 +69,8 @@ def print_report(records: list[dict], run: dict) -> None:
 
 def _label(r: dict) -> str:
     if "tenant" in r:
-        return f"flood: {r['tenant']}" + ("" if r.get("flood") else " (calm)")
+        tenant = "every tenant" if r["tenant"] == "all" else r["tenant"]
+        return f"flood: {tenant}" + ("" if r.get("flood") else " (calm)")
     return r["scenario"] + ("" if r.get("prefetch", True) else " (no prefetch)")
 
 

@@ -18,7 +18,9 @@ Per request the worker's `Timings` come back with the summary: `adapter_load_s` 
 waited for its adapter: a fetch from the store it was parked on, plus the copy into the pool a step
 waited for) and `queue_s`. Per worker, `GetClusterState` gives the pool's prefetch hits and misses,
 and each worker's metrics endpoint how each adapter request found its adapter when it arrived
-(`loraserve_worker_adapter_requests{found=...}`).
+(`loraserve_worker_adapter_requests{found=...}`) and how long its steps took
+(`loraserve_worker_step_seconds`). Per run, the machine's CPU busy share (`/proc/stat`, every process
+on it): near 1, the cores, not the emulated device, set the pace.
 """
 
 from __future__ import annotations
@@ -93,10 +95,10 @@ class Outcome:
 @dataclass
 class StackRun:
     outcomes: list[Outcome]
-    workers: dict[str, dict]  # worker id -> pool counters (ClusterState) and adapter requests by how found
+    workers: dict[str, dict]  # worker id -> pool counters (ClusterState), adapter requests by how found, steps
     wall_s: float
     started_s: float  # the stack's start-up
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # cpu_busy: the machine's CPU busy share during the run
 
 
 def workload_ids(request: SchedRequest, vocab_size: int, seed: int) -> list[int]:
@@ -188,7 +190,7 @@ class StackRunner:
                 await api.Generate(gateway_pb2.GenerateRequest(text="warm up", max_new_tokens=2), timeout=60)
             before = await self._counters(stack, metrics_base)
             for phase in phases:
-                wall = time.perf_counter()
+                wall, cpu = time.perf_counter(), cpu_times()
                 if phase.sequential:
                     outcomes = await self._sequential(api, phase)
                 else:
@@ -196,7 +198,8 @@ class StackRunner:
                 wall_s = time.perf_counter() - wall
                 after = await self._counters(stack, metrics_base)
                 workers = {w: {k: v - before.get(w, {}).get(k, 0) for k, v in c.items()} for w, c in after.items()}
-                runs.append(StackRun(outcomes, workers, round(wall_s, 2), round(up_s, 2)))
+                extra = {"cpu_busy": busy_share(cpu, cpu_times())}
+                runs.append(StackRun(outcomes, workers, round(wall_s, 2), round(up_s, 2), extra))
                 before = after
         return runs
 
@@ -207,9 +210,9 @@ class StackRunner:
                 raise TimeoutError(f"{self.config.workers} workers not ready after {self.config.ready_timeout_s} s")
             await asyncio.sleep(0.2)
 
-    async def _counters(self, stack: LocalStack, metrics_base: int) -> dict[str, dict[str, int]]:
-        """Per worker: the pool's prefetch counters (ClusterState) and its adapter requests by how they
-        found their adapter (its metrics endpoint); cumulative since it started."""
+    async def _counters(self, stack: LocalStack, metrics_base: int) -> dict[str, dict[str, float]]:
+        """Per worker: the pool's prefetch counters (ClusterState), its adapter requests by how they found
+        their adapter and its steps' total time (its metrics endpoint); cumulative since it started."""
         state = await _cluster(stack)
         out = {}
         for w in state.workers:
@@ -304,8 +307,26 @@ async def _cluster(stack: LocalStack) -> scheduler_pb2.ClusterState:
         return await stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=10)
 
 
-def _found(port: int) -> dict[str, int]:
-    """A worker's adapter requests by how each found its adapter when it arrived (worker metrics)."""
+def cpu_times() -> tuple[int, int] | None:
+    """The machine's (busy, total) CPU time in ticks since boot (`/proc/stat`); None where there is none."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = sum(fields[3:5])  # idle, iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # user .. steal; guest time is inside user already
+
+
+def busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time that was busy between two `cpu_times()` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
+
+
+def _found(port: int) -> dict[str, float]:
+    """A worker's adapter requests by how each found its adapter when it arrived, and the total time and
+    count of its steps (worker metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -315,8 +336,11 @@ def _found(port: int) -> dict[str, int]:
         log.warning("could not read worker metrics on port %d: %s", port, e)
         return {}
     counts: Counter[str] = Counter()
+    step = {"loraserve_worker_step_seconds_sum": "step_s", "loraserve_worker_step_seconds_count": "step_n"}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "loraserve_worker_adapter_requests_total":
                 counts[f"found_{sample.labels.get('found', '')}"] += int(sample.value)
+            elif sample.name in step:
+                counts[step[sample.name]] += sample.value
     return dict(counts)

@@ -8,10 +8,12 @@ Every run is a fresh `loraserve up` of real processes (`bench/suites/scheduling/
 store, the scheduler under the policy, `--sched-workers` workers with the emulated runner, the
 gateway, and this process as the client. The emulated runner (`--runner emulated`) is the real
 worker, engine, pool and adapter loading with each step's forward pass replaced by a wait of the
-time a profile measured on the real engine predicts (`bench/suites/runner_profile/suite.py`: calibrated at the
-start of the run unless `--runner-profile` is given), multiplied by `--sched-time-scale`: a device
-that many times slower than this CPU's engine, so that the two cores keep room for the services at
-the loads where scheduling matters (the workers' own step work still runs at full cost).
+time a runner profile predicts (`--runner-profile FILE`, e.g. `docs/runner_profile/*.json`; without it
+one is calibrated on this CPU's engine at the start of the run, `bench/suites/runner_profile/suite.py`),
+multiplied by `--sched-time-scale`: a device that many times slower than the profile's, so that the
+machine's cores keep room for the workers' own step work (not scaled), the gateway, the scheduler and
+the client at the loads where scheduling matters. Each record says how busy the machine's CPUs were
+during its run (`cpu_busy`) and how long its workers' steps took on average (`step_mean_s`).
 
 Scenarios (`bench/workloads/scheduling.py`), each policy on the same seeded trace:
 
@@ -29,10 +31,13 @@ Capacity is measured per scenario on a stack under fcfs: a burst of its requests
 second between the 10th and the 90th percentile completion. A request's TTFT SLO is `SLO_FACTOR` ×
 the median TTFT of its size class unloaded (requests of the scenario sent one at a time on that
 stack); it travels with the request (`ttft_slo_s`), so the default policy may refuse early what it
-predicts will miss. Refused and failed requests miss the SLO. Writes `--out/results.json` (the
-records), `--out/run.json` (the profile used, the machine, the settings, capacities and SLOs, the
-targets), `--out/requests.jsonl` (one line per request of every run) and the plots
-(`bench/suites/scheduling/report.py`).
+predicts will miss. Refused and failed requests miss the SLO. The flood run has a record per tenant
+and one of every tenant (`tenant: "all"`); the comparisons with fcfs count every tenant: completed
+and refused requests of the whole run (`whole_run` records). The comparisons and the targets:
+`bench/suites/scheduling/targets.py`. Writes `--out/results.json` (the records, the targets, the
+runner profile used: its path, name and time scale), `--out/run.json` (the profile's costs and
+fidelity, the machine, the settings, capacities and SLOs, the targets), `--out/requests.jsonl` (one
+line per request of every run) and the plots (`bench/suites/scheduling/report.py`).
 """
 
 from __future__ import annotations
@@ -64,12 +69,13 @@ from loraserve.bench.suites.scheduling.stack import (
     StackRunner,
     upload_adapters,
 )
+from loraserve.bench.suites.scheduling.targets import add_ratios, targets
 from loraserve.bench.workloads import scheduling as traces
 from loraserve.bench.workloads.scheduling import SchedRequest, SchedTrace
 from loraserve.config_cli import setting
 from loraserve.model_config import ModelConfig
 from loraserve.scheduler.policy import POLICIES, PolicyConfig
-from loraserve.worker.runner_profile import RunnerProfile, load_profile
+from loraserve.worker.runner_profile import load_profile
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +87,7 @@ VICTIM_LOAD = 0.45  # the victim's rate (= each tenant's share), × capacity; th
 FLOOD_FACTOR = 5.0
 SLO_FACTOR = 5.0
 WORKERS = 4
-TIME_SCALE = 6.0  # the emulated device: this CPU's engine, this many times slower
+TIME_SCALE = 6.0  # the emulated device: the runner profile's, this many times slower
 
 FULL = {"duration_s": {"heavy-tail": 60.0, "flood": 30.0, "popularity": 60.0, "conversations": 60.0}}
 FULL |= {"burst": 800, "probe": 12, "drain_s": 30.0}  # bursts: several times the batch slots
@@ -179,6 +185,7 @@ def summarize(outcomes: list[Outcome], run: StackRun) -> dict:
         "prefetch_hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
         "loads_ready_before_scheduled": round(found["ready"] / loads, 4) if loads else None,
         "load_wait_s": round(sum(waits), 4),
+        "load_wait_first_s": round(_first_waits(ok), 4),  # of it, the first request of each adapter
         "load_wait_mean_s": round(float(np.mean(waits)), 5) if waits else None,
         "load_wait_p99_s": percentile(waits, 0.99),
         "n_requests": len(outcomes),
@@ -198,7 +205,25 @@ def summarize(outcomes: list[Outcome], run: StackRun) -> dict:
         "refusals": dict(Counter(_kind(o.reason) for o in outcomes if o.status in ("refused", "failed"))),
         "makespan_s": round(makespan, 3),
         "steps": sum(c.get("steps", 0) for c in w),
+        "step_mean_s": _step_mean(run),
+        "cpu_busy": run.extra.get("cpu_busy"),  # the machine's CPU busy share during the run
     }
+
+
+def _first_waits(ok: list[Outcome]) -> float:
+    """The adapter wait of the first request (by send time) of each adapter among `ok`: loads that nothing
+    earlier in the run could have predicted."""
+    first: dict[str, Outcome] = {}
+    for o in sorted(ok, key=lambda o: o.sent_s or 0.0):
+        if o.request.adapter:
+            first.setdefault(o.request.adapter, o)
+    return sum(o.adapter_load_s for o in first.values())
+
+
+def _step_mean(run: StackRun) -> float | None:
+    """The workers' mean step time over the run (their step-seconds histograms), None without steps."""
+    n = sum(c.get("step_n", 0) for c in run.workers.values())
+    return round(sum(c.get("step_s", 0.0) for c in run.workers.values()) / n, 5) if n else None
 
 
 # ---- the suite ---------------------------------------------------------------------------------------
@@ -229,6 +254,18 @@ def request_rows(outcomes: list[Outcome], tags: dict) -> list[dict]:
             | {"adapter_load_s": o.adapter_load_s, "reason": o.reason}
         )
     return rows
+
+
+def record_groups(scenario: str, flood: bool | None, outcomes: list[Outcome]) -> list[tuple[str | None, list[Outcome]]]:
+    """The records a run gives, as (tenant, its outcomes): one for the run; for the flood, one per tenant
+    and, flooded, one of every tenant (`"all"`: what the policy did for everyone, the flooder included)."""
+    if scenario != "flood":
+        return [(None, outcomes)]
+    tenants = ("victim", "flooder") if flood else ("victim",)
+    groups: list[tuple[str | None, list[Outcome]]] = [
+        (t, [o for o in outcomes if o.request.tenant == t]) for t in tenants
+    ]
+    return [*groups, ("all", outcomes)] if flood else groups
 
 
 def run_suite(
@@ -288,14 +325,13 @@ def run_suite(
                 if rows is not None:
                     what = {"scenario": name, "policy": policy, "prefetch": prefetch} | tags
                     rows += request_rows(run.outcomes, what)
-                groups = [(None, run.outcomes)]
-                if name == "flood":
-                    tenants = ("victim", "flooder") if tags["flood"] else ("victim",)
-                    groups = [(t, [o for o in run.outcomes if o.request.tenant == t]) for t in tenants]
-                for tenant, outcomes in groups:
+                for tenant, outcomes in record_groups(name, tags.get("flood"), run.outcomes):
                     record = {"scenario": name, "policy": policy, "role": role, "prefetch": prefetch}
                     if tenant is not None:
                         record |= {"tenant": tenant, **tags}
+                    # every tenant of its run: not run.outcomes' length, which one tenant's matches when
+                    # the other sent nothing
+                    record["whole_run"] = tenant in (None, "all") or not tags.get("flood")
                     record |= summarize(outcomes, run)
                     record |= {
                         "stack": True,
@@ -313,82 +349,6 @@ def run_suite(
     return records, scenarios
 
 
-def _key(record: dict) -> tuple:
-    return (record["scenario"], record.get("tenant"), record.get("flood"))
-
-
-def add_ratios(records: list[dict]) -> None:
-    """On each default-policy record with prefetch on: fcfs p99 / its p99 (improvement), its p50 and p99
-    over fcfs's, its req/s over fcfs's; and on one with prefetch off, its load wait over prefetch on's."""
-    baseline = {_key(r): r for r in records if r["role"] == "baseline"}
-    prefetching = {_key(r): r for r in records if r["role"] == "default" and r["prefetch"]}
-    for r in records:
-        if r["role"] != "default":
-            continue
-        if not r["prefetch"]:
-            on = prefetching.get(_key(r))
-            if on is not None and on["load_wait_s"] > 0:
-                r["load_wait_vs_prefetch"] = round(r["load_wait_s"] / on["load_wait_s"], 3)
-            continue
-        b = baseline.get(_key(r))
-        if b is None:
-            continue
-        if r["ttft_p99_s"] and b["ttft_p99_s"]:
-            r["ttft_p99_improvement_vs_fcfs"] = round(b["ttft_p99_s"] / r["ttft_p99_s"], 3)
-            r["ttft_p99_vs_fcfs"] = round(r["ttft_p99_s"] / b["ttft_p99_s"], 4)
-        if r["ttft_p50_s"] and b["ttft_p50_s"]:
-            r["ttft_p50_vs_fcfs"] = round(r["ttft_p50_s"] / b["ttft_p50_s"], 4)
-        if r["req_per_s"] and b["req_per_s"]:
-            r["req_per_s_vs_fcfs"] = round(r["req_per_s"] / b["req_per_s"], 4)
-
-
-def targets(records: list[dict]) -> list[dict]:
-    """The scheduling targets, each {name, goal, value, met}, for the scenarios the records cover."""
-
-    def find(scenario: str, prefetch: bool = True, **tags) -> dict | None:
-        def matches(r: dict) -> bool:
-            return (
-                r["scenario"] == scenario
-                and r["role"] == "default"
-                and r["prefetch"] == prefetch
-                and all(r.get(k) == v for k, v in tags.items())
-            )
-
-        return next((r for r in records if matches(r)), None)
-
-    def target(name: str, goal: str, value: float | None, met: bool) -> dict:
-        return {"name": name, "goal": goal, "value": value, "met": bool(value is not None and met)}
-
-    out = []
-    if (ht := find("heavy-tail")) is not None:
-        value = ht.get("ttft_p99_improvement_vs_fcfs")
-        out.append(target("heavy-tail p99 TTFT, fcfs / default", ">= 3", value, value is not None and value >= 3))
-    flooded, calm = find("flood", tenant="victim", flood=True), find("flood", tenant="victim", flood=False)
-    if flooded and calm and flooded["ttft_p99_s"] and calm["ttft_p99_s"]:
-        value = round(flooded["ttft_p99_s"] / calm["ttft_p99_s"], 3)
-        out.append(target("victim p99 TTFT, flood / calm (default policy)", "<= 1.5", value, value <= 1.5))
-    for scenario in ("conversations", "popularity"):
-        off = find(scenario, prefetch=False)
-        if off is not None and "load_wait_vs_prefetch" in off:
-            value = off["load_wait_vs_prefetch"]
-            out.append(target(f"{scenario} load wait, prefetch off / on", ">= 5", value, value >= 5))
-    if (conv := find("conversations")) is not None:
-        value = conv["prefetch_hit_rate"]
-        out.append(target("conversations prefetch hit rate (default policy)", ">= 0.5", value, value >= 0.5))
-    for r in records:
-        if r["role"] != "default" or not r["prefetch"] or r.get("tenant") == "flooder":
-            continue
-        tag = f" ({r['tenant']}, flood={r['flood']})" if "tenant" in r else ""
-        for key, what, goal, ok in (
-            ("ttft_p50_vs_fcfs", "TTFT p50", "<= 1.05", lambda v: v <= 1.05),
-            ("ttft_p99_vs_fcfs", "TTFT p99", "<= 1.05", lambda v: v <= 1.05),
-            ("req_per_s_vs_fcfs", "req/s", ">= 0.95", lambda v: v >= 0.95),
-        ):
-            if key in r:
-                out.append(target(f"{r['scenario']}{tag} {what}, default / fcfs", goal, r[key], ok(r[key])))
-    return out
-
-
 # ---- the command -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SchedulingSettings:
@@ -403,13 +363,15 @@ class SchedulingSettings:
     sched_workers: int = setting(WORKERS, "emulated worker processes per stack")
     sched_time_scale: float = setting(
         TIME_SCALE,
-        "emulated step times are the profile's times this many times (a slower device: room for the services)",
+        "emulated step times are the runner profile's times this many times (a slower device than the "
+        "profile's: room on the machine's cores for the workers' own step work and the services)",
     )
     sched_duration_scale: float = setting(1.0, "multiplies each scenario's trace duration (quick: 20/15/20/20 s)")
     runner_profile: Path | None = setting(
         None,
-        "the emulated runner's profile to use (`bench --suite runner-profile`'s runner_profile.json) "
-        "instead of calibrating one at the start",
+        "the emulated runner's profile to use (e.g. docs/runner_profile/cpu-calibrated.json, or "
+        "`bench --suite runner-profile`'s runner_profile.json) instead of calibrating one at the start; "
+        "results.json names it",
     )
 
 
@@ -418,12 +380,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings(parser.add_argument_group("scheduling suite (--suite scheduling)"), SchedulingSettings)
 
 
-def scaled_profile(profile: RunnerProfile, scale: float) -> RunnerProfile:
-    """`profile` with every step taking `scale` times as long (its runner part and its whole-step costs)."""
-    costs = dataclasses.replace(profile.costs, step_coef=tuple(c * scale for c in profile.costs.step_coef))
-    fidelity = {**profile.fidelity, "time_scale": scale}
-    runner = tuple(c * scale for c in profile.runner_coef)
-    return dataclasses.replace(profile, runner_coef=runner, costs=costs, fidelity=fidelity)
+def profile_about(path: Path, calibrated: bool, time_scale: float) -> dict:
+    """What results.json says of the runner profile a run used: its path, a name (a roofline profile's
+    `roofline.about.name`, else its file name without .json) and the time scale applied to it."""
+    if calibrated:
+        name = "calibrated on this machine's engine at the start of the run (runner-profile quick grid)"
+    else:
+        try:
+            named = json.loads(Path(path).read_text())["roofline"]["about"]["name"]
+        except (OSError, ValueError, KeyError, TypeError):
+            named = None
+        name = named if isinstance(named, str) and named else Path(path).stem
+    return {"path": str(path), "name": name, "calibrated_here": calibrated, "time_scale": time_scale}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -455,7 +423,7 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger("loraserve.worker").setLevel(max(logging.WARNING, logging.getLogger().level))
         measured = write_profile(args.model, GRIDS["quick"], out / PROFILE_FILE, args.seed)
     profile_path = out / "runner_profile_scaled.json"
-    scaled_profile(measured, settings.time_scale).write(profile_path)
+    measured.scaled(settings.time_scale).write(profile_path)
     scratch = Path(tempfile.mkdtemp(prefix="loraserve-sched-store-"))
     try:
         data_dir = scratch / "data"
@@ -482,7 +450,19 @@ def main(args: argparse.Namespace) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     scheduling_report.print_report(records, run)
-    write_results(out, "scheduling", records, machine_extra=cpu_fields())
+    write_results(
+        out,
+        "scheduling",
+        records,
+        machine_extra=cpu_fields(),
+        runner_profile=profile_about(
+            args.runner_profile or out / PROFILE_FILE, not args.runner_profile, settings.time_scale
+        ),
+        policies=run["policies"],
+        targets=run["targets"],
+        scenarios=scenarios,
+        wall_s=run["wall_s"],
+    )
     (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
     (out / "requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     for path in scheduling_report.plot(records, out):

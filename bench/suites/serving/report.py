@@ -6,6 +6,8 @@ from loraserve.bench.systems.engine import LORASERVE_VARIANTS
 
 BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
+TARGET_N = 100  # the targets' adapter count: S-LoRA's many-adapter case
+PEFT_GOAL = 5.0  # loraserve's throughput over peft's, at TARGET_N adapters
 
 
 def _row(rows: list[dict], system: str, n: int, rate: float) -> dict | None:
@@ -47,6 +49,21 @@ def ratios(rows: list[dict], rate: float) -> list[tuple[str, float | None]]:
             r = ratio(v, ls)
             out.append((f"{variant} throughput loss vs loraserve, n={n}", None if r is None else round(1 - r, 3)))
             out.append((f"{variant} / loraserve mean latency, n={n}", ratio(v, ls, "latency_mean_s")))
+    return out
+
+
+def targets(rows: list[dict], rate: float) -> list[dict]:
+    """The suite's targets at the adapter sweep's `rate` and TARGET_N adapters, as
+    `{"name", "goal", "value", "met"}`: loraserve's throughput at least PEFT_GOAL times peft's, and
+    above merge-and-swap's. A system that did not run gives value and met None."""
+    ls = _row(rows, "loraserve", TARGET_N, rate)
+    out = []
+    for other, goal, threshold in (("peft", f">= {PEFT_GOAL:g}", PEFT_GOAL), ("merge-and-swap", "> 1", None)):
+        o = _row(rows, other, TARGET_N, rate)
+        value = round(ls["req_per_s"] / o["req_per_s"], 3) if ls and o and o.get("req_per_s") else None
+        met = None if value is None else (value >= threshold if threshold is not None else value > 1)
+        name = f"throughput, loraserve / {other}, n = {TARGET_N}, R = {rate:g} req/s"
+        out.append({"name": name, "goal": goal, "value": value, "met": met})
     return out
 
 

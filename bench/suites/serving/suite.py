@@ -12,8 +12,9 @@ replays it in real time, in this process, on the same base model and the same ad
 baselines (peft, merge-and-swap) are skipped above --baseline-max-adapters adapters.
 
 Writes --out/results.json ({"suite", "machine", "commit", "records": one row per system and
-setting}), records.jsonl (one per request), vs_adapters.png / vs_rate.png, and prints a table and
-the ratios that matter.
+setting, "settings", "run_s", "ratios": what the report prints, "targets": at 100 adapters and the
+first rate, loraserve >= 5x peft's throughput and above merge-and-swap's}), records.jsonl (one per
+request), vs_adapters.png / vs_rate.png, and prints a table and the ratios that matter.
 
 The other suites: `loraserve bench --suite NAME` (bench/cli.py).
 """
@@ -31,7 +32,7 @@ from loraserve.bench.common.metrics import summarize
 from loraserve.bench.common.results import write_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.suites.serving.report import BASELINES, STACK, print_report
+from loraserve.bench.suites.serving.report import BASELINES, STACK, print_report, ratios, targets
 from loraserve.bench.systems.base import ReplayLimits, System
 from loraserve.bench.systems.engine import LORASERVE_VARIANTS, AdapterBank, engine_variant
 from loraserve.bench.workloads.slora import DEFAULT_RANKS, Trace, WorkloadSpec, load_trace, save_trace, synthetic_trace
@@ -208,6 +209,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
         todo = settings(args)
         jobs = [(s, None) for s in todo]
     rows, records, systems = [], [], {}
+    began = time.perf_counter()
     for point, given in jobs:
         trace = given or _trace_for(point, args, len(jobs) > 1)
         for name in args.systems:
@@ -251,15 +253,29 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
                 row["requests"],
             )
     if args.out:
-        _write(args.out, rows, records, args.threads)
+        _write(args, rows, records, round(time.perf_counter() - began, 1))
     return rows
 
 
-def _write(out: Path, rows: list[dict], records: list[dict], threads: int) -> None:
-    """results.json (the rows), records.jsonl (one line per request) and the plots."""
+PRESET_KEYS = ("quick", *FULL, "alpha", "cv", "ranks", "seed", "max_batch_size", "slo", "model", "trace")
+
+
+def _write(args: argparse.Namespace, rows: list[dict], records: list[dict], run_s: float) -> None:
+    """results.json (the rows, the settings, the run's wall time, the ratios the report prints and
+    the targets), records.jsonl (one line per request) and the plots."""
     from loraserve.bench.suites.serving.plots import plot_results
 
-    write_results(out, "serving", rows, threads)
+    out, rate = args.out, rows[0]["rate"] if rows else 0.0
+    write_results(
+        out,
+        "serving",
+        rows,
+        args.threads,
+        settings={key: getattr(args, key) for key in PRESET_KEYS},
+        run_s=run_s,
+        ratios=dict(ratios(rows, rate)),
+        targets=targets(rows, rate),
+    )
     with (out / "records.jsonl").open("w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     for path in plot_results(rows, out):

@@ -67,3 +67,26 @@ def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
     (scaling,) = [r for r in results["records"] if r["kind"] == "scaling"]
     assert scaling["n_adapters"] == 6 and scaling["tokens_per_s_n1"] > 0 and scaling["tokens_per_s_n"] > 0
     assert scaling["ratio"] == pytest.approx(scaling["tokens_per_s_n"] / scaling["tokens_per_s_n1"], abs=2e-3)
+
+
+def test_breakdown_records_gathers_and_a_profile_of_each_side(tmp_path, monkeypatch):
+    from loraserve.bench.suites.overhead import breakdown
+
+    monkeypatch.setattr(breakdown, "SOURCE_MB", 4)
+    monkeypatch.setattr(breakdown, "GATHER_MB", 1)
+    monkeypatch.setattr(breakdown, "REPEATS", 2)
+    monkeypatch.setattr(overhead, "PROFILE_STEPS", 2)
+    argv = ["--suite", "overhead", "--quick", "--overhead-models", "demo", "--overhead-batch", "4"]
+    argv += ["--overhead-adapters", "3", "--overhead-output-len", "2", "3", "--overhead-repeats", "1"]
+    argv += ["--overhead-scaling-n", "4", "--overhead-breakdown", "--out", str(tmp_path / "out")]
+    assert bench_main.run(argv) == 0
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["records"]
+    assert [r["kind"] for r in records] == ["overhead", "scaling", "gather", "profile", "profile"]
+    gather = records[2]
+    assert gather["row_bytes"] == 256 and gather["page_bytes"] == 256 * 32  # the demo's pool: 64 floats a row
+    assert all(gather[k] > 0 for k in ("rows_gbps", "pages_gbps", "contiguous_gbps"))
+    base, lora = records[3:]
+    assert (base["side"], base["n_adapters"], lora["side"], lora["n_adapters"]) == ("base", 0, "lora", 3)
+    for side in (base, lora):
+        assert side["steps"] == 2 and side["batch"] == 4 and side["wall_ms_per_step"] > 0
+        assert side["top"] and side["profiled_self_ms_per_step"] >= side["top"][0]["ms_per_step"] > 0

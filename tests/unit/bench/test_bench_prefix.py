@@ -19,7 +19,6 @@ TINY = prefix.Preset(
     user_tokens=8,
     answer_tokens=4,
     concurrency=2,
-    repeats=1,
     model="demo",
 )
 
@@ -59,3 +58,47 @@ def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
         assert results["ratios"][f"{workload}_throughput_ratio"] == pytest.approx(
             on["tokens_per_s"] / off["tokens_per_s"]
         )
+        assert results["ratios"][f"{workload}_ttft_p99_ratio"] == pytest.approx(on["ttft_p99_s"] / off["ttft_p99_s"])
+    for r in by.values():  # the timeline's figures: the two requests sent at the start, and the tail behind p99
+        assert r["start_requests"] == TINY.concurrency
+        assert r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["latency_p99_s"] <= r["seconds"]
+        assert r["tail"] and r["tail"][0]["ttft_s"] == max(t["ttft_s"] for t in r["tail"]) >= r["ttft_p99_s"]
+        assert r["prefill_steps"] <= r["steps"] and r["mean_batch_size"] <= TINY.concurrency
+    # the first turns find nothing cached: the work ahead of the tail is the same with the cache on and off
+    assert by["unique", "on"]["tokens_ahead_p99"] == by["unique", "off"]["tokens_ahead_p99"]
+    names = {t["name"]: t for t in results["targets"]}
+    p99 = names["multi-turn TTFT p99, cache on / off"]
+    assert p99["goal"] == "<= 1.0" and p99["value"] == round(results["ratios"]["multi-turn_ttft_p99_ratio"], 3)
+    assert p99["met"] == (p99["value"] <= 1.0)
+
+
+def _record(workload: str, cache: str, ttft_p50: float | None, ttft_p99: float | None, tokens_per_s: float) -> dict:
+    return {
+        "workload": workload,
+        "cache": cache,
+        "ttft_p50_s": ttft_p50,
+        "ttft_p99_s": ttft_p99,
+        "tokens_per_s": tokens_per_s,
+        "latency_p50_s": 1.0,
+        "latency_p99_s": 2.0,
+        "tokens_ahead_p99": 100,
+    }
+
+
+def test_targets_from_fixed_records_and_a_side_that_completed_nothing():
+    from loraserve.bench.suites.prefix.targets import ratios, targets
+
+    records = [
+        _record("multi-turn", "on", 0.5, 7.7, 1600.0),
+        _record("multi-turn", "off", 2.0, 7.0, 800.0),
+        _record("unique", "on", None, None, 0.0),  # a side with no completed request
+        _record("unique", "off", 2.0, 11.0, 760.0),
+    ]
+    got = {t["name"]: (t["value"], t["met"]) for t in targets(ratios(records))}
+    assert got == {
+        "multi-turn TTFT p50, cache off / on": (4.0, True),
+        "multi-turn throughput, cache on / off": (2.0, True),
+        "multi-turn TTFT p99, cache on / off": (1.1, False),
+        "unique throughput, cache on / off": (0.0, False),
+        "unique TTFT p99, cache on / off": (None, False),
+    }

@@ -82,16 +82,25 @@ def test_request_larger_than_any_pool_is_refused(kind):
         policy.add(request("huge", prompt=100 * 16, new=16), 0.0)
 
 
-def test_busiest_worker_with_room_wins():
+def test_fcfs_places_on_the_least_loaded_worker_with_room():
     policy = SchedulerPolicy(PolicyConfig(policy="fcfs"))
     policy.on_report(report("light", running=["x"]), 0.0)
     policy.on_report(report("busy", running=["y", "z"]), 0.0)
+    policy.on_report(report("full", free_pages=0), 0.0)  # the least loaded (holds nothing) but no pool room
     policy.add(request("a"), 0.0)
-    assert assigned(policy.schedule(0.0)) == [("busy", "a")]
-    # busy now holds 3 of 4: one more fits there, then it is full and light takes the rest
+    assert assigned(policy.schedule(0.0)) == [("light", "a")]
+    # light and busy now hold 2 each: the tie goes to the smaller id (busy), then light is the less loaded
     for rid in ("b", "c"):
         policy.add(request(rid), 0.0)
     assert assigned(policy.schedule(0.0)) == [("busy", "b"), ("light", "c")]
+
+
+def test_fcfs_breaks_a_load_tie_toward_the_worker_holding_the_adapter():
+    policy = SchedulerPolicy(PolicyConfig(policy="fcfs"))
+    policy.on_report(report("a", running=["x"]), 0.0)
+    policy.on_report(report("b", running=["y"], resident=[("lora", 1)]), 0.0)
+    policy.add(request("r", adapter=("lora", 1)), 0.0)
+    assert assigned(policy.schedule(0.0)) == [("b", "r")]
 
 
 def test_pool_room_is_respected_including_unreported_assignments(kind):
@@ -289,7 +298,7 @@ def test_a_prefill_group_goes_where_its_first_request_went_while_there_is_room(k
     first.group = "tenant/g"
     policy.add(first, 0.0)
     assert assigned(policy.schedule(0.0)) == [("light", "g0")]  # the only worker then
-    policy.on_report(report("busy", running=["y", "z"]), 0.0)  # the busier one, which FCFS prefers
+    policy.on_report(report("busy", running=["y", "z"]), 0.0)  # a busier worker joins
     for i in range(1, 4):
         member = request(f"g{i}")
         member.group = "tenant/g"

@@ -27,6 +27,7 @@ from loraserve.worker.engine import Engine, GenerateRequest
 from loraserve.worker.request import FinishReason
 from loraserve.worker.runner_profile import load_profile
 from loraserve.worker.sampling import SamplingParams
+from loraserve.worker.step_roofline import Roofline
 from loraserve.worker.step_scheduler import SampleSpec, SeqChunk
 
 PROMPTS = ["the quiet king", "a river ran through the old town", "the queen"]
@@ -143,6 +144,9 @@ def test_a_step_sleeps_its_predicted_time_without_spinning(tmp_path):
 
 
 # ---- the profile -----------------------------------------------------------------------------------
+ROOFLINE = {"bandwidth_bytes_s": 1e12, "peak_flops_s": 1e14, "bytes_per": {"const": 1e9}, "flops_per": {"tokens": 1e9}}
+
+
 def _profile_dict(tmp_path: Path) -> dict:
     return json.loads(fixed_profile(tmp_path / "good.json").read_text())
 
@@ -157,6 +161,13 @@ def _profile_dict(tmp_path: Path) -> dict:
         (lambda d: {**d, "runner_coef": {**d["runner_coef"], "tokens": -1.0}}, "non-negative"),
         (lambda d: {k: v for k, v in d.items() if k != "costs"}, "costs"),
         (lambda d: {**d, "model": {**d["model"], "hidden_size": 4096}}, r"different model.*hidden_size"),
+        (lambda d: {**d, "roofline": {**ROOFLINE, "bytes_per": []}}, "bytes_per must be an object"),
+        (
+            lambda d: {**d, "roofline": {**ROOFLINE, "flops_per": {"tokens": "2"}}},
+            r"flops_per\['tokens'\] must be a number",
+        ),
+        (lambda d: {**d, "roofline": {**ROOFLINE, "peak_flops_s": None}}, "peak_flops_s must be a number"),
+        (lambda d: {**d, "roofline": [1, 2]}, "roofline: not an object"),
     ],
 )
 def test_a_bad_profile_is_refused_saying_how_to_write_one(tmp_path, edit, message):
@@ -168,6 +179,42 @@ def test_a_bad_profile_is_refused_saying_how_to_write_one(tmp_path, edit, messag
     assert "bench --suite runner-profile" in str(e.value)
     with pytest.raises(InvalidConfigError, match=message):  # the engine reads it before loading anything
         Engine(DEMO_MODEL_DIR, EngineConfig(runner="emulated", runner_profile=path))
+
+
+def test_a_version_1_profile_still_loads(tmp_path):
+    """Version 2 added the optional roofline; a version 1 file (none) reads as before."""
+    old = {**_profile_dict(tmp_path), "version": 1}
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    profile = load_profile(path, MODEL)
+    assert profile.roofline is None and profile.runner_coef[0] == pytest.approx(0.002)
+
+
+def test_a_profile_without_a_roofline_is_written_as_version_1_one_with_as_version_2(tmp_path):
+    """Readers of version 1 read a measured profile (no roofline); version 2 is for the roofline alone."""
+    plain = load_profile(fixed_profile(tmp_path / "plain.json"), MODEL)
+    assert plain.as_dict()["version"] == 1 and _profile_dict(tmp_path)["version"] == 1
+    with_roofline = dataclasses.replace(plain, roofline=Roofline.from_dict(ROOFLINE))
+    assert with_roofline.as_dict()["version"] == 2
+    with_roofline.write(tmp_path / "roofline.json")
+    assert load_profile(tmp_path / "roofline.json", MODEL).roofline == with_roofline.roofline
+
+
+@pytest.mark.parametrize("scale", [0.0, -2.0, math.nan, math.inf])
+def test_scaling_by_a_non_positive_or_non_finite_scale_is_refused(tmp_path, scale):
+    profile = load_profile(fixed_profile(tmp_path / "p.json"), MODEL)
+    with pytest.raises(ValueError, match="time scale"):
+        profile.scaled(scale)
+    with pytest.raises(ValueError, match="time scale"):
+        Roofline.from_dict(ROOFLINE).scaled(scale)
+
+
+def test_scaling_twice_records_the_product_in_the_fidelity_and_the_roofline(tmp_path):
+    profile = load_profile(fixed_profile(tmp_path / "p.json"), MODEL)
+    profile = dataclasses.replace(profile, roofline=Roofline.from_dict(ROOFLINE))
+    twice = profile.scaled(2.0).scaled(2.0)
+    assert twice.fidelity["time_scale"] == 4.0 and twice.roofline.about["time_scale"] == 4.0
+    assert twice.runner_coef[0] == pytest.approx(4 * profile.runner_coef[0])
 
 
 def test_config_errors_name_the_fix(tmp_path):
@@ -193,9 +240,9 @@ def test_emulated_step_times_are_within_20_percent_of_the_real_engine(tmp_path):
     """The calibration workload through the real engine (thread CPU time) and through an emulated engine
     with the profile fitted to it (wall time): the totals and the median step within 20 %."""
     profile = write_profile(DEMO_MODEL_DIR, dataclasses.replace(TINY_GRID, repeats=3), tmp_path / "profile.json")
-    fidelity = profile.fidelity
+    fidelity = profile.fidelity["in_sample"]
     assert fidelity["steps"] > 50
     assert fidelity["total_ratio"] == pytest.approx(1.0, abs=0.2), fidelity
     assert fidelity["median_step_ratio"] == pytest.approx(1.0, abs=0.2), fidelity
     assert fidelity["within_tolerance"]
-    assert load_profile(tmp_path / "profile.json", MODEL).fidelity == fidelity  # recorded in the file
+    assert load_profile(tmp_path / "profile.json", MODEL).fidelity == {"in_sample": fidelity}  # recorded in the file

@@ -1,0 +1,128 @@
+"""Where the LoRA time goes on a CPU: the overhead suite's `--overhead-breakdown` records.
+
+- `gather` (`gather_bandwidth`): what copying rows out of a pool costs on one thread, the work a
+  LoRA step's gathers do. A float32 source of SOURCE_MB, and GATHER_MB of it copied into a
+  preallocated tensor three ways: random rows of `row_bytes` (`index_select`), random whole pages
+  of `page_bytes` (`index_select` over pages), and one contiguous slice (`copy_`). GB/s is the
+  bytes copied (10^9 per second) over the median of REPEATS timed copies.
+- `profile` (`profile_decode`): torch.profiler over `steps` decode steps of a full batch, once with
+  no adapter (`side: "base"`) and once with `n_adapters` distinct ones (`side: "lora"`), on the
+  same engine: wall ms per step (timed apart from the profiler, which slows the host down), and the
+  operators with the most self CPU time (ms and calls per step), plus the total.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE_MB = 256
+GATHER_MB = 40
+REPEATS = 7
+TOP_OPS = 15
+PROMPT_LEN = 24
+
+
+def _timed(fn, repeats: int = REPEATS) -> float:
+    """Median seconds of `fn` over `repeats` calls, after one untimed call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def gather_bandwidth(row_bytes: int, page_bytes: int, seed: int = 0) -> dict:
+    """GB/s copying GATHER_MB out of a SOURCE_MB float32 pool: random rows, random pages, one slice."""
+    floats = SOURCE_MB * 2**20 // 4
+    source = torch.randn(floats)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, unit in (("rows", row_bytes), ("pages", page_bytes)):
+        width = unit // 4
+        table = source[: floats // width * width].view(-1, width)
+        picks = torch.randint(0, table.shape[0], (GATHER_MB * 2**20 // unit,), generator=g)
+        dest = torch.empty(picks.numel(), width)
+        seconds = _timed(lambda t=table, p=picks, d=dest: torch.index_select(t, 0, p, out=d))
+        out[f"{name}_gbps"] = round(dest.numel() * 4 / seconds / 1e9, 2)
+    dest = torch.empty(GATHER_MB * 2**20 // 4)
+    offset = floats // 2
+    seconds = _timed(lambda: dest.copy_(source[offset : offset + dest.numel()]))
+    out["contiguous_gbps"] = round(dest.numel() * 4 / seconds / 1e9, 2)
+    return {
+        "kind": "gather",
+        "threads": torch.get_num_threads(),
+        "row_bytes": row_bytes,
+        "page_bytes": page_bytes,
+        "megabytes": round(GATHER_MB * 2**20 / 1e6, 2),
+        "source_mb": SOURCE_MB,
+        "repeats": REPEATS,
+        **out,
+    }
+
+
+def _ops(prof, steps: int) -> tuple[list[dict], float]:
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:TOP_OPS]
+    rows = [
+        {
+            "op": e.key[:80],
+            "ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3),
+            "calls_per_step": round(e.count / steps, 1),
+        }
+        for e in top
+    ]
+    return rows, round(total_ms, 3)
+
+
+def profile_decode(engine, adapters: list[str], side: str, steps: int = 10) -> dict:
+    """`steps` decode steps of a full batch (request i on adapters[i mod n], or none), after prefill:
+    wall ms per step, then the same number of steps under torch.profiler."""
+    from loraserve.worker.sampling import SamplingParams
+
+    batch = engine.config.max_batch_size
+    sampling = SamplingParams(max_new_tokens=2 * steps + 8, ignore_eos=True, seed=0)
+    for i in range(batch):
+        prompt = [3 + (7 * i + j) % 1000 for j in range(PROMPT_LEN)]
+        engine.add_request(prompt, sampling, adapters[i % len(adapters)] if adapters else None, f"{side}-{i}")
+    while any(not r.output_ids for r in engine.requests.values()):  # prefill everything
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    top, total = _ops(prof, steps)
+    return {
+        "kind": "profile",
+        "side": side,
+        "n_adapters": len(adapters),
+        "batch": batch,
+        "steps": steps,
+        "wall_ms_per_step": round(1e3 * wall / steps, 3),
+        "profiled_self_ms_per_step": total,
+        "top": top,
+    }
+
+
+def pool_row_bytes(path: Path) -> tuple[int, int]:
+    """(bytes of one pool row, bytes of one page) for the model at `path`, float32 as the suite runs it."""
+    from loraserve.model_config import ModelConfig
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.pool_layout import PoolLayout
+
+    config = ModelConfig.from_dir(path)
+    layout = PoolLayout.for_model(config, EngineConfig().rows_per_page, 1)
+    return layout.row_width * 4, layout.row_width * 4 * layout.rows_per_page

@@ -1,0 +1,133 @@
+"""The scheduling suite's comparisons with fcfs and its targets, computed from its records: what
+`results.json` says was met or missed.
+
+`add_ratios` puts on each default-policy record its figures over fcfs's record of the same scenario,
+tenant and run (None where one side has no value: the comparison is then missed, not dropped);
+`targets` turns them into `{"name", "goal", "value", "met"}`, as the other suites write theirs.
+"""
+
+from __future__ import annotations
+
+NO_WORSE = 0.95  # the default policy's completed requests and req/s, at least this × fcfs's
+NO_WORSE_LATENCY = 1.05  # its TTFT p50 and p99, at most this × fcfs's
+MORE_REFUSED = 0.05  # it may refuse at most this share of the requests sent more than fcfs does
+
+
+def _key(record: dict) -> tuple:
+    return (record["scenario"], record.get("tenant"), record.get("flood"))
+
+
+def _ratio(top: float | None, bottom: float | None, digits: int) -> float | None:
+    """top / bottom, rounded; None when either is missing or bottom is 0."""
+    return None if top is None or not bottom else round(top / bottom, digits)
+
+
+def add_ratios(records: list[dict]) -> None:
+    """On each default-policy record with prefetch on: fcfs p99 / its p99 (improvement), its p50 and p99
+    over fcfs's, its req/s and completed requests over fcfs's, its refused requests beyond fcfs's as a
+    share of those sent; and on one with prefetch off, its load wait over prefetch on's. Where fcfs has a
+    record, the p50, p99 and req/s comparisons are always set: None when a side has no value (e.g. the
+    default policy completed nothing)."""
+    baseline = {_key(r): r for r in records if r["role"] == "baseline"}
+    prefetching = {_key(r): r for r in records if r["role"] == "default" and r["prefetch"]}
+    for r in records:
+        if r["role"] != "default":
+            continue
+        if not r["prefetch"]:
+            on = prefetching.get(_key(r))
+            if on is not None and on["load_wait_s"] > 0:
+                r["load_wait_vs_prefetch"] = round(r["load_wait_s"] / on["load_wait_s"], 3)
+            continue
+        b = baseline.get(_key(r))
+        if b is None:
+            continue
+        if (improvement := _ratio(b["ttft_p99_s"], r["ttft_p99_s"], 3)) is not None:
+            r["ttft_p99_improvement_vs_fcfs"] = improvement
+        r["ttft_p99_vs_fcfs"] = _ratio(r["ttft_p99_s"], b["ttft_p99_s"], 4)
+        r["ttft_p50_vs_fcfs"] = _ratio(r["ttft_p50_s"], b["ttft_p50_s"], 4)
+        r["req_per_s_vs_fcfs"] = _ratio(r["req_per_s"], b["req_per_s"], 4)
+        r["fcfs_completed"], r["fcfs_refused"] = b["completed"], b["refused"]
+        if b["completed"]:
+            r["completed_vs_fcfs"] = round(r["completed"] / b["completed"], 4)
+        if r["n_requests"]:
+            r["refused_beyond_fcfs"] = round((r["refused"] - b["refused"]) / r["n_requests"], 4)
+
+
+def targets(records: list[dict]) -> list[dict]:
+    """The scheduling targets, each {name, goal, value, met}, for the scenarios the records cover."""
+
+    def find(scenario: str, prefetch: bool = True, **tags) -> dict | None:
+        def matches(r: dict) -> bool:
+            return (
+                r["scenario"] == scenario
+                and r["role"] == "default"
+                and r["prefetch"] == prefetch
+                and all(r.get(k) == v for k, v in tags.items())
+            )
+
+        return next((r for r in records if matches(r)), None)
+
+    def target(name: str, goal: str, value: float | None, met: bool) -> dict:
+        return {"name": name, "goal": goal, "value": value, "met": bool(value is not None and met)}
+
+    out = []
+    if (ht := find("heavy-tail")) is not None:
+        value = ht.get("ttft_p99_improvement_vs_fcfs")
+        out.append(target("heavy-tail p99 TTFT, fcfs / default", ">= 3", value, value is not None and value >= 3))
+    flooded, calm = find("flood", tenant="victim", flood=True), find("flood", tenant="victim", flood=False)
+    if flooded is not None and calm is not None:
+        value = _ratio(flooded["ttft_p99_s"], calm["ttft_p99_s"], 3)
+        name = "victim p99 TTFT, flood / calm (default policy)"
+        out.append(target(name, "<= 1.5", value, value is not None and value <= 1.5))
+    for scenario in ("conversations", "popularity"):
+        off = find(scenario, prefetch=False)
+        if off is not None and "load_wait_vs_prefetch" in off:
+            value = off["load_wait_vs_prefetch"]
+            out.append(target(f"{scenario} load wait, prefetch off / on", ">= 5", value, value >= 5))
+    if (conv := find("conversations")) is not None:
+        value = conv["prefetch_hit_rate"]
+        out.append(target("conversations prefetch hit rate (default policy)", ">= 0.5", value, value >= 0.5))
+    if flooded is not None and (b := _baseline_of(records, flooded)) is not None:
+        mine, theirs = flooded.get("slo_attainment"), b.get("slo_attainment")
+        value = None if mine is None or theirs is None else round(mine - theirs, 4)
+        name = "flood (victim, flooded) SLO attainment, default − fcfs"
+        out.append(target(name, ">= 0", value, value is not None and value >= 0))
+    for r in records:
+        if r["role"] != "default" or not r["prefetch"] or r.get("tenant") == "flooder":
+            continue
+        label = _label(r)
+        checks = [
+            ("ttft_p50_vs_fcfs", "TTFT p50, default / fcfs", f"<= {NO_WORSE_LATENCY}", lambda v: v <= NO_WORSE_LATENCY),
+            ("ttft_p99_vs_fcfs", "TTFT p99, default / fcfs", f"<= {NO_WORSE_LATENCY}", lambda v: v <= NO_WORSE_LATENCY),
+            ("req_per_s_vs_fcfs", "req/s, default / fcfs", f">= {NO_WORSE}", lambda v: v >= NO_WORSE),
+        ]
+        if r.get("whole_run"):  # every tenant of the run: what was served and what was turned away
+            checks += [
+                ("completed_vs_fcfs", "completed, default / fcfs", f">= {NO_WORSE}", lambda v: v >= NO_WORSE),
+                (
+                    "refused_beyond_fcfs",
+                    "refused, (default − fcfs) / sent",
+                    f"<= {MORE_REFUSED}",
+                    lambda v: v <= MORE_REFUSED,
+                ),
+            ]
+        for key, what, goal, ok in checks:
+            if key in r:  # set by add_ratios wherever fcfs has a record (None: a side has no value)
+                value = r[key]
+                out.append(target(f"{label} {what}", goal, value, value is not None and ok(value)))
+    return out
+
+
+def _label(r: dict) -> str:
+    """A record's name in the targets: its scenario, and for the flood its tenant and run."""
+    tenant = r.get("tenant")
+    if tenant is None:
+        return r["scenario"]
+    if tenant == "all":
+        return f"{r['scenario']} (every tenant, flooded)"
+    return f"{r['scenario']} ({tenant}, {'flooded' if r.get('flood') else 'alone'})"
+
+
+def _baseline_of(records: list[dict], record: dict) -> dict | None:
+    """fcfs's record of the same scenario, tenant and run as `record`."""
+    return next((r for r in records if r["role"] == "baseline" and _key(r) == _key(record)), None)
