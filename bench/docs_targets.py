@@ -26,7 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.settings import add_settings, config_from_args
 from loraserve.bench.common.tables import markdown_table
+from loraserve.config_cli import setting
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(?P<open><!-- targets: (?P<path>\S+) -->\n)(?P<body>.*?)(?P<close><!-- /targets -->)", re.S)
@@ -136,10 +138,17 @@ def check(root: Path = ROOT) -> list[Stale]:
     return stale
 
 
+@dataclass(frozen=True)
+class DocsTargetsSettings:
+    """The command's one option."""
+
+    check: bool = setting(False, "change nothing; exit 1 naming each stale block")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 naming each stale block")
-    args = parser.parse_args(argv)
+    add_settings(parser, DocsTargetsSettings)
+    args = config_from_args(DocsTargetsSettings, parser.parse_args(argv))
     if args.check:
         stale = check()
         for s in stale:

@@ -62,4 +62,17 @@ def test_a_tokenless_upload_is_refused_without_an_error_logged(how, caplog):
         refused = code == grpc.StatusCode.UNAUTHENTICATED and "internal token is required" in details
         raced = how == "big" and (code, details) == (grpc.StatusCode.INTERNAL, "Internal error from Core")
         assert refused or raced, outcomes
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and not _closed_loop_poll(r)], caplog.text
+
+
+def _closed_loop_poll(record: logging.LogRecord) -> bool:
+    """grpc.aio's completion-queue poller thread, shared by every event loop of the process, can wake
+    a loop an earlier `asyncio.run` of this process already closed; asyncio then logs "Event loop is
+    closed" from `PollerCompletionQueue._handle_events`. That is the test process running several
+    loops one after another, not the refusing server logging an error."""
+    return (
+        record.name == "asyncio"
+        and "PollerCompletionQueue._handle_events" in record.getMessage()
+        and record.exc_info is not None
+        and "Event loop is closed" in str(record.exc_info[1])
+    )
