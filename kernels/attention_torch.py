@@ -8,6 +8,11 @@
 Shapes: q [T, H, D]; k, v [T, H_kv * D]; pool_layer [rows, H_kv * D]; out [T, H, D].
 Sequences are gathered into a padded batch (decode-only sequences and prefill chunks apart, so a
 long prompt does not pad every decode) and run through one scaled_dot_product_attention call.
+A group's K and V rows come out of the pool in one gather. A key slot past its sequence's context
+(padding, or a page's stale rows, which may hold another request's values, NaN included) reads
+the sequence's own first key instead, which the mask then excludes: a masked weight of 0 times a
+NaN would still be NaN. A decode group whose tokens are one span of the step reads and writes
+that span in place.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ class _Group:
 
     query_index: torch.Tensor  # int64 [G, Qmax]: token of each (sequence, query slot)
     query_valid: torch.Tensor  # bool  [G, Qmax]
-    key_rows: torch.Tensor  # int64 [G, Smax]: K row of each key position
-    key_invalid: torch.Tensor  # bool [G, Smax, 1]: past the sequence's context (padding or a page's stale rows)
+    span: slice | None  # decode groups: the group's tokens when they are one span of the step, in order
+    kv_rows: torch.Tensor  # int64 [G, 2 * Smax]: K row of each key slot, then its V row
     mask: torch.Tensor  # bool  [G, 1, Qmax, Smax]: True where a query may attend a key
 
 
@@ -43,6 +48,14 @@ def _groups(batch: AttentionBatch) -> list[_Group]:
     prefill = [b for b, n in enumerate(batch.query_lens) if n > 1]
     batch.cache["groups"] = [_build_group(batch, seqs) for seqs in (decode, prefill) if seqs]
     return batch.cache["groups"]
+
+
+def _decode_span(batch: AttentionBatch, seqs: list[int]) -> slice | None:
+    """The tokens of decode sequences `seqs` as one slice of the step, when they follow each other."""
+    starts = [batch.query_starts[b] for b in seqs]
+    if any(batch.query_lens[b] != 1 for b in seqs) or starts != list(range(starts[0], starts[0] + len(seqs))):
+        return None
+    return slice(starts[0], starts[0] + len(seqs))
 
 
 def _build_group(batch: AttentionBatch, seqs: list[int]) -> _Group:
@@ -61,14 +74,15 @@ def _build_group(batch: AttentionBatch, seqs: list[int]) -> _Group:
     key_pos = torch.arange(s_max, device=device)
     pages = batch.page_table[idx][:, key_pos // tp].to(torch.int64)
     key_rows = pages * (2 * tp) + key_pos % tp
+    key_rows = torch.where(key_pos[None, :] < ctx[:, None], key_rows, key_rows[:, :1])  # see the module docstring
     query_pos = (ctx - q_lens)[:, None] + slot[None, :]  # [G, Qmax]
     mask = key_pos[None, None, :] <= query_pos[:, :, None]
     if batch.sliding_window:
         mask &= key_pos[None, None, :] > query_pos[:, :, None] - batch.sliding_window
     mask &= query_valid[:, :, None]
     mask[:, :, 0] |= ~query_valid  # padded query slots attend key 0 rather than nothing (no NaN)
-    key_invalid = (key_pos[None, :] >= ctx[:, None])[..., None]
-    return _Group(query_index, query_valid, key_rows, key_invalid, mask[:, None])
+    kv_rows = torch.cat((key_rows, key_rows + tp), dim=1)
+    return _Group(query_index, query_valid, _decode_span(batch, seqs), kv_rows, mask[:, None])
 
 
 def attention_torch(
@@ -77,16 +91,20 @@ def attention_torch(
     _, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     for group in _groups(batch):
-        g, s_max = group.key_rows.shape
-        # Rows past a sequence's context hold whatever the page held before (another request's
-        # values, NaN included): zeroed, since a masked weight of 0 times NaN is still NaN.
-        k = pool_layer[group.key_rows].masked_fill(group.key_invalid, 0)
-        v = pool_layer[group.key_rows + batch.tokens_per_page].masked_fill(group.key_invalid, 0)
-        k = k.view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
-        v = v.view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
-        queries = q[group.query_index].transpose(1, 2)  # [G, H, Qmax, D]
+        g, s_max = group.kv_rows.shape[0], group.kv_rows.shape[1] // 2
+        kv = pool_layer.index_select(0, group.kv_rows.view(-1)).view(g, 2 * s_max, -1)  # [G, 2 * Smax, H_kv * D]
+        k = kv[:, :s_max].view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
+        v = kv[:, s_max:].view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
+        span = group.span
+        queries = q[span].unsqueeze(2) if span is not None else q[group.query_index].transpose(1, 2)  # [G, H, Qmax, D]
+        if q.device.type == "cpu" and q.dtype != torch.float32:  # CPU SDPA: half precision is ~3x slower
+            queries, k, v = queries.float(), k.float(), v.float()
         attended = F.scaled_dot_product_attention(
             queries, k, v, attn_mask=group.mask, scale=scale, enable_gqa=num_kv_heads != num_heads
         ).transpose(1, 2)  # [G, Qmax, H, D]
-        out[group.query_index[group.query_valid]] = attended[group.query_valid]
+        attended = attended.to(q.dtype)
+        if span is not None:
+            out[span] = attended[:, 0]
+        else:
+            out[group.query_index[group.query_valid]] = attended[group.query_valid]
     return out

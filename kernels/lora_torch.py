@@ -20,7 +20,8 @@ calls however many adapters it holds, and each adapter's weights are read once, 
 
 The runner orders a step's sequences by adapter (`kernels.batch.lora_order`), so that a bucket's tokens are
 usually one contiguous span of the step: x is then read as a view and y updated in place by
-`baddbmm_`, with no gather or scatter of activations. Any other order works through index tables.
+`baddbmm_` (or a bmm added to y, when y is a column view of a fused projection's output), with no
+gather or scatter of activations. Any other order works through index tables.
 """
 
 from __future__ import annotations
@@ -107,11 +108,13 @@ def lora_apply_torch(
         bw = pool_layer.index_select(0, b.b_rows).view(b.n, -1, w)
         for out in b.outputs:
             bm = bw[:, out.b_rows].reshape(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]
-            y = outputs[out.slot]
-            if b.span is not None:
-                y[b.span].view(b.n, b.t, -1).baddbmm_(v[:, :, out.v_cols], bm)
-            else:
-                y.index_add_(0, b.tokens, torch.bmm(v[:, :, out.v_cols], bm).view(b.n * b.t, -1))
+            y, term = outputs[out.slot], v[:, :, out.v_cols]
+            if b.span is None:
+                y.index_add_(0, b.tokens, torch.bmm(term, bm).view(b.n * b.t, -1))
+            elif y.is_contiguous():
+                y[b.span].view(b.n, b.t, -1).baddbmm_(term, bm)
+            else:  # a column view of a fused GEMM's output, which baddbmm_ would fill batch by batch
+                y[b.span].view(b.n, b.t, -1).add_(torch.bmm(term, bm))
 
 
 def _adapter_tokens(plan: LoraPlan) -> list[np.ndarray]:

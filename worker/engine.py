@@ -159,7 +159,7 @@ class Engine:
         self.steps = 0
         # Bytes a step must read: every weight of the base model once (embeddings aside, unless tied
         # to the output layer), plus the weights of each distinct adapter in the batch.
-        self.base_bytes = base_bytes(self.model, self.model_dir, self.model_config, self.dtype)
+        self.base_bytes = base_bytes(self.model_dir, self.model_config, self.dtype)
         self.adapter_bytes_read = 0
         self.last_step: StepShape | None = None  # the last step's batch composition; None if it computed nothing
         log.info("unified pool: %s", self.layout.describe(self.pool.tensor.element_size()))

@@ -4,7 +4,7 @@ Pure functions of the configuration, the model and the device, called once by `E
 
     pages = pool_pages(config, model_config, dtype, device)
     runner, warm_up_s = model_runner(config, model, pool, layout, model_config, max_model_len, device)
-    read = base_bytes(model, model_dir, model_config, dtype)
+    read = base_bytes(model_dir, model_config, dtype)
     check_prompt(token_ids, sampling, generated, model_config, max_model_len, layout)   # per request
 """
 
@@ -92,18 +92,15 @@ def model_runner(
     return runner, warm_up_s
 
 
-def base_bytes(model: torch.nn.Module | None, model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> int:
-    """The base model's weights a step reads (embeddings aside, unless tied to the output layer); without
-    a model (emulated), from the checkpoint's headers, as the model would hold them."""
+def base_bytes(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> int:
+    """The base model's weights a step reads (embeddings aside, unless tied to the output layer), from the
+    checkpoint's headers: the tensors `load_model` keeps, at the engine's dtype."""
     tied = config.tie_word_embeddings
-    if model is not None:
-        sizes = ((name, p.numel()) for name, p in model.named_parameters())
-    else:  # the tensors `load_model` keeps
-        sizes = (
-            (name, n)
-            for name, n in tensor_sizes(model_dir)
-            if not name.endswith("rotary_emb.inv_freq") and not (tied and name == "lm_head.weight")
-        )
+    sizes = (
+        (name, n)
+        for name, n in tensor_sizes(model_dir)
+        if not name.endswith("rotary_emb.inv_freq") and not (tied and name == "lm_head.weight")
+    )
     return dtype.itemsize * sum(n for name, n in sizes if "embed_tokens" not in name or tied)
 
 

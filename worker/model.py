@@ -22,6 +22,7 @@ from loraserve.errors import InvalidModelError
 from loraserve.kernels.backend import KernelBackend
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES, ModelConfig
+from loraserve.worker.dense import DenseLinear
 from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.rope import inverse_frequencies
 from loraserve.worker.weights import iter_tensors
@@ -73,15 +74,19 @@ class RMSNorm(nn.Module):
 
 
 class Projection(nn.Module):
-    """y = x W^T (+ b) for the whole batch; the LoRA terms are added per group (`ForwardBatch.add_lora`)."""
+    """A projection's checkpoint tensors, under their Hugging Face names, until `pack` fuses them into the
+    `DenseLinear` the forward pass runs (`worker/dense.py`)."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(d_out), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, d_out]
+
+def pack(module: nn.Module, names: tuple[str, ...]) -> DenseLinear:
+    """One DenseLinear for `module`'s projections `names` (which share an input); they are removed."""
+    projections = [module._modules.pop(name) for name in names]
+    return DenseLinear([p.weight for p in projections], [p.bias for p in projections])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -101,9 +106,12 @@ class Attention(nn.Module):
         self.v_proj = Projection(c.hidden_size, c.kv_width, c.qkv_bias)
         self.o_proj = Projection(c.q_width, c.hidden_size, c.o_bias)
 
+    def pack(self) -> None:
+        self.qkv, self.o = pack(self, ("q_proj", "k_proj", "v_proj")), pack(self, ("o_proj",))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # v: [T, H_kv * D]
+        q, k, v = self.qkv(x)  # column views of one GEMM's output; v: [T, H_kv * D]
         batch.add_lora(self.layer, QKV, x, (q, k, v))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -112,7 +120,7 @@ class Attention(nn.Module):
         pool_layer = batch.pool[self.layer]
         batch.backend.write_kv(pool_layer, k.reshape(t, -1), v, batch.attention)
         out = batch.backend.attention(q, pool_layer, batch.attention, self.num_kv_heads, self.scale).reshape(t, -1)
-        y = self.o_proj(out)
+        (y,) = self.o(out)
         batch.add_lora(self.layer, O_PROJ, out, (y,))
         return y
 
@@ -126,11 +134,14 @@ class MLP(nn.Module):
         self.up_proj = Projection(h, i, bias)
         self.down_proj = Projection(i, h, bias)
 
+    def pack(self) -> None:
+        self.gate_up, self.down = pack(self, ("gate_proj", "up_proj")), pack(self, ("down_proj",))
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         batch.add_lora(self.layer, GATE_UP, x, (gate, up))
         hidden = F.silu(gate) * up
-        y = self.down_proj(hidden)
+        (y,) = self.down(hidden)
         batch.add_lora(self.layer, DOWN, hidden, (y,))
         return y
 
@@ -186,10 +197,19 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, batch)
         return self.model.norm(x)
 
+    def pack(self) -> None:
+        """Fuse the loaded projections into the GEMMs the forward pass runs (`worker/dense.py`): q/k/v, o,
+        gate/up and down per layer, and an untied output layer (a tied one stays the embedding table)."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        self.head = None if self.lm_head is None else pack(self, ("lm_head",))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.head(hidden)[0].float()
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -215,6 +235,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
     model.load_state_dict(loaded, strict=False, assign=True)
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
     model.eval()
+    model.pack()
     log.info(
         "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s",
         config.model_type,
