@@ -48,12 +48,13 @@ SUITES: dict[str, tuple[str, str]] = {
     "logprobs": ("suites.logprobs.suite", "what asking for log-probabilities costs a step"),
     "engine-scaling": ("suites.engine_scaling.suite", "the offline engine's throughput against the adapter count"),
     "adapter-fetch": ("suites.adapter_fetch.suite", "adapter fetch latency, store to worker, at 7B shapes"),
+    "peer": ("suites.peer.suite", "loraserve against vLLM's CPU build, same model, adapters and HTTP client"),
     "kernels": ("suites.kernels.lora", "the batched LoRA kernels against torch baselines and the roofline (GPU)"),
     "attention": ("suites.kernels.attention", "the paged-attention kernel against dense SDPA (GPU)"),
     "gpu-check": ("suites.gpu_check.suite", "the GPU suite: tests, kernels, a 7B-shaped engine, the stack"),
 }
 # Suites whose flags clash with the shared set: they get theirs alone.
-OWN_FLAGS = frozenset({"logprobs", "engine-scaling", "adapter-fetch", "kernels", "attention", "gpu-check"})
+OWN_FLAGS = frozenset({"logprobs", "engine-scaling", "adapter-fetch", "peer", "kernels", "attention", "gpu-check"})
 DEFAULT = "serving"
 
 

@@ -15,7 +15,7 @@ calls however many adapters it holds, and each adapter's weights are read once, 
     xs = x[tokens]                           [n, t, d_in]       n tiles of t tokens
     A  = pool_layer[a_rows]                  [n, k*r, d_in]     the stacked A blocks
     v  = bmm(xs, A^T) * weight[layer]        [n, t, k*r]        weight: scale, 0 in layers the adapter skips
-    B  = pool_layer[b_rows]                  [n, r * Σ c_out, W]
+    B  = pool_layer[b_rows]                  [Σ_m n * r * c_out_m, W]   module by module, then tile by tile
     per module m:  y_m[tokens] += bmm(v[..., m's columns], B_m)
 
 The runner orders a step's sequences by adapter (`kernels.batch.lora_order`), so that a bucket's tokens are
@@ -42,7 +42,7 @@ class _Output:
 
     slot: int  # index into the group's outputs
     v_cols: slice  # its r columns of v
-    b_rows: slice  # its r * c_out rows of the gathered B
+    b_rows: slice  # its n * r * c_out rows of the gathered B (the bucket's B blocks of this module, tile by tile)
     c_out: int
     d_out: int
 
@@ -57,7 +57,7 @@ class _Bucket:
     span: slice | None  # the bucket's tokens when they are one contiguous span of the step, in tile order
     tokens: torch.Tensor | None  # int64 [n * t]: else the token of each slot
     a_rows: torch.Tensor  # int64 [n * k * r * c_in]: physical rows of each tile's stacked A
-    b_rows: torch.Tensor  # int64 [n * r * Σ c_out]: physical rows of each tile's B blocks
+    b_rows: torch.Tensor  # int64 [n * r * Σ c_out]: physical rows of the B blocks, module by module, tile by tile
     weight: torch.Tensor  # [L, n, 1, 1]: scale, 0 where the adapter skips the layer
     c_in: int
     d_in: int
@@ -105,9 +105,9 @@ def lora_apply_torch(
         xs = x[b.span] if b.span is not None else x.index_select(0, b.tokens)
         a = pool_layer.index_select(0, b.a_rows).view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
         v = torch.bmm(xs.view(b.n, b.t, -1), a.transpose(1, 2)).mul_(b.weight[layer])  # [n, t, k*r]
-        bw = pool_layer.index_select(0, b.b_rows).view(b.n, -1, w)
+        bw = pool_layer.index_select(0, b.b_rows)
         for out in b.outputs:
-            bm = bw[:, out.b_rows].reshape(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]
+            bm = bw[out.b_rows].view(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]  # a view: no copy
             y, term = outputs[out.slot], v[:, :, out.v_cols]
             if b.span is None:
                 y.index_add_(0, b.tokens, torch.bmm(term, bm).view(b.n * b.t, -1))
@@ -163,11 +163,13 @@ def _group_buckets(
         modules = [group[i] for i in targeted]
         c_in, c_out = plan.c_in[modules[0]], [plan.c_out[m] for m in modules]
         a_rows = rows.blocks(adapters, rows.a_offsets, modules, [r * c_in] * len(modules))
-        b_rows = rows.blocks(adapters, rows.b_offsets, modules, [r * c for c in c_out])
+        n = len(adapters)
+        per_module = zip(modules, c_out, strict=True)
+        b_rows = np.concatenate([rows.blocks(adapters, rows.b_offsets, [m], [r * c]) for m, c in per_module])
         outputs, v_col, b_row = [], 0, 0
         for i, m, co in zip(targeted, modules, c_out, strict=True):
-            outputs.append(_Output(i, slice(v_col, v_col + r), slice(b_row, b_row + r * co), co, plan.d_out[m]))
-            v_col, b_row = v_col + r, b_row + r * co
+            outputs.append(_Output(i, slice(v_col, v_col + r), slice(b_row, b_row + n * r * co), co, plan.d_out[m]))
+            v_col, b_row = v_col + r, b_row + n * r * co
         first = int(tokens[adapters[0]][0])
         buckets.append(
             _Bucket(

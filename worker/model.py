@@ -186,6 +186,7 @@ class CausalLM(nn.Module):
         with torch.device("cpu"):  # computed for real, even while the model is built on the meta device
             inv_freq = inverse_frequencies(config.rope, config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.parameter_count = 0  # the checkpoint's, set by `load_model` (packing leaves no nn.Parameter to count)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states after the final norm. input_ids: [T] -> [T, hidden]."""
@@ -236,6 +237,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
     model.eval()
     model.pack()
+    model.parameter_count = sum(t.numel() for t in loaded.values())
     log.info(
         "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s",
         config.model_type,
@@ -244,7 +246,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
         config.hidden_size,
         config.num_heads,
         config.num_kv_heads,
-        sum(t.numel() for t in loaded.values()) / 1e6,
+        model.parameter_count / 1e6,
         dtype,
         device,
     )

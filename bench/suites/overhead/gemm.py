@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from loraserve.bench.common.results import write_results
+from loraserve.bench.common.settings import add_settings, config_from_args
+from loraserve.config_cli import setting
 from loraserve.worker.dense import DenseLinear
 
 ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
@@ -67,14 +70,22 @@ def measure(shapes: list[tuple[int, int]], rows: int, seed: int = 0) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class GemmSettings:
+    out: Path = setting(Path("results"), "write OUT/results.json")
+    threads: tuple[int, ...] = setting((1, 2), "torch threads, each measured in turn", nargs="+")
+    rows: tuple[int, ...] = setting(ROWS, "row counts (tokens of a step)", nargs="+")
+    hidden: int = setting(768, "the model's hidden size")
+    layers: int = setting(8, "decoder layers")
+    heads: int = setting(12, "attention heads")
+    kv_heads: int = setting(4, "KV heads")
+    intermediate: int = setting(2048, "MLP width")
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    for name, default in (("hidden", 768), ("layers", 8), ("heads", 12), ("kv-heads", 4), ("intermediate", 2048)):
-        p.add_argument(f"--{name}", type=int, default=default)
-    args = p.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_settings(parser, GemmSettings)
+    args = config_from_args(GemmSettings, parser.parse_args(argv))
     shapes = fused_shapes(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
     records = []
     for threads in args.threads:

@@ -257,7 +257,7 @@ def measure_overhead(
     b, lo = min(base, key=lambda r: r["seconds"]), min(lora, key=lambda r: r["seconds"])
     if b["tokens"] != lo["tokens"]:
         raise RuntimeError(f"{name}: base run generated {b['tokens']} tokens, LoRA run {lo['tokens']}")
-    parameters = sum(p.numel() for p in engine.model.parameters())
+    parameters = engine.model.parameter_count
     if lo["adapter_loads"]:
         log.warning("%s: the kept LoRA run loaded %d adapters", name, lo["adapter_loads"])
     return {

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from safetensors import safe_open
 
 from loraserve.bench import cli as bench_main
 from loraserve.bench.suites.overhead import suite as overhead
+from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.flags import EnvArgumentParser
 
 OVERHEAD_FIELDS = (
@@ -51,6 +54,9 @@ def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
     (record,) = [r for r in results["records"] if r["kind"] == "overhead"]
     assert all(record[k] is not None for k in OVERHEAD_FIELDS), record
     assert record["model"] == "demo" and record["n_adapters"] == 4 and record["batch"] == 8
+    with safe_open(DEMO_MODEL_DIR / "model.safetensors", "pt") as f:  # the checkpoint's own count
+        names = f.keys()  # safe_open is not iterable
+        assert record["parameters"] == sum(math.prod(f.get_slice(k).get_shape()) for k in names)
     assert record["ranks"] == [8, 16, 32] and record["backend"] == "torch"
     assert record["device"] == "cpu" and record["cuda_graphs"] is False  # a CPU: one record per model, eager
     assert record["tokens_per_s_base"] > 0 and record["tokens_per_s_lora"] > 0
