@@ -42,7 +42,7 @@ class _Output:
 
     slot: int  # index into the group's outputs
     v_cols: slice  # its r columns of v
-    b_rows: slice  # its n * r * c_out rows of the gathered B (the bucket's B blocks of this module, tile by tile)
+    b_rows: slice  # its n * r * c_out rows of the gathered B (module by module, tile by tile), or of the pool
     c_out: int
     d_out: int
 
@@ -56,8 +56,9 @@ class _Bucket:
     rank: int
     span: slice | None  # the bucket's tokens when they are one contiguous span of the step, in tile order
     tokens: torch.Tensor | None  # int64 [n * t]: else the token of each slot
-    a_rows: torch.Tensor  # int64 [n * k * r * c_in]: physical rows of each tile's stacked A
-    b_rows: torch.Tensor  # int64 [n * r * Σ c_out]: physical rows of the B blocks, module by module, tile by tile
+    a_rows: torch.Tensor | slice  # int64 [n * k * r * c_in]: physical rows of each tile's stacked A; a slice: in place
+    b_rows: torch.Tensor | None  # int64 [n * r * Σ c_out]: rows of the B blocks, module by module, tile by tile;
+    # None: read in place, each output's rows a run of the pool
     weight: torch.Tensor  # [L, n, 1, 1]: scale, 0 where the adapter skips the layer
     c_in: int
     d_in: int
@@ -71,7 +72,8 @@ def prepare_lora_torch(plan: LoraPlan, dtype: torch.dtype) -> list[list[_Bucket]
     device = plan.tables.rank.device
     layers = np.asarray(plan.layers_active, dtype=np.float32).reshape(len(plan.ranks), -1)  # [A, L]
     weights = torch.from_numpy(layers * np.asarray(plan.scales, dtype=np.float32)[:, None]).to(dtype)
-    return [_group_buckets(plan, group, tokens, weights, rows, device) for group in plan.groups]
+    row_bytes = plan.row_width * dtype.itemsize
+    return [_group_buckets(plan, group, tokens, weights, rows, device, row_bytes) for group in plan.groups]
 
 
 class _StepRows:
@@ -103,9 +105,10 @@ def lora_apply_torch(
     w = pool_layer.shape[1]
     for b in plan.prepared[group]:
         xs = x[b.span] if b.span is not None else x.index_select(0, b.tokens)
-        a = pool_layer.index_select(0, b.a_rows).view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
+        a = pool_layer[b.a_rows] if isinstance(b.a_rows, slice) else pool_layer.index_select(0, b.a_rows)
+        a = a.view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
         v = torch.bmm(xs.view(b.n, b.t, -1), a.transpose(1, 2)).mul_(b.weight[layer])  # [n, t, k*r]
-        bw = pool_layer.index_select(0, b.b_rows)
+        bw = pool_layer if b.b_rows is None else pool_layer.index_select(0, b.b_rows)
         for out in b.outputs:
             bm = bw[out.b_rows].view(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]  # a view: no copy
             y, term = outputs[out.slot], v[:, :, out.v_cols]
@@ -150,6 +153,9 @@ def _tiles(plan: LoraPlan, group: tuple[int, ...], tokens: list[np.ndarray]) -> 
     ]
 
 
+DIRECT_MIN_BYTES = 64 * 1024  # see `_direct`
+
+
 def _group_buckets(
     plan: LoraPlan,
     group: tuple[int, ...],
@@ -157,36 +163,86 @@ def _group_buckets(
     weights: torch.Tensor,
     rows: _StepRows,
     device: torch.device,
+    row_bytes: int,
 ) -> list[_Bucket]:
     buckets = []
     for (r, targeted, t, spanned), adapters in _tiles(plan, group, tokens):
-        modules = [group[i] for i in targeted]
-        c_in, c_out = plan.c_in[modules[0]], [plan.c_out[m] for m in modules]
-        a_rows = rows.blocks(adapters, rows.a_offsets, modules, [r * c_in] * len(modules))
-        n = len(adapters)
-        per_module = zip(modules, c_out, strict=True)
-        b_rows = np.concatenate([rows.blocks(adapters, rows.b_offsets, [m], [r * c]) for m, c in per_module])
+        tile = _Tile(plan, group, targeted, r, t, rows)
+        direct = [a for a in adapters if tile.direct(a, row_bytes)]
+        gathered = [a for a in adapters if a not in direct]
+        for a in direct:  # a bucket of its own, its rows read in place
+            buckets.append(tile.bucket([a], tokens, weights, device, gather=False, spanned=spanned))
+        if gathered:  # what is left of a span of tiles may no longer be one span
+            rest = spanned and _contiguous(np.concatenate([tokens[a] for a in gathered]))
+            buckets.append(tile.bucket(gathered, tokens, weights, device, gather=True, spanned=rest))
+    return buckets
+
+
+class _Tile:
+    """One bucket key of a group (rank, targeted modules, tokens per tile): its buckets' rows and outputs."""
+
+    def __init__(
+        self, plan: LoraPlan, group: tuple[int, ...], targeted: tuple[int, ...], r: int, t: int, rows: _StepRows
+    ):
+        self.plan, self.targeted, self.r, self.t, self.rows = plan, targeted, r, t, rows
+        self.modules = [group[i] for i in targeted]
+        self.c_in, self.c_out = plan.c_in[self.modules[0]], [plan.c_out[m] for m in self.modules]
+
+    def a_rows(self, adapters: list[int]) -> np.ndarray:
+        return self.rows.blocks(adapters, self.rows.a_offsets, self.modules, [self.r * self.c_in] * len(self.modules))
+
+    def b_rows(self, adapters: list[int], module: int) -> np.ndarray:
+        return self.rows.blocks(adapters, self.rows.b_offsets, [self.modules[module]], [self.r * self.c_out[module]])
+
+    def direct(self, adapter: int, row_bytes: int) -> bool:
+        """Whether the adapter's rows for the group are read in place: its stacked A rows one run of the pool
+        and each module's B rows another, and enough of them that copying them out (about 7 GB/s on one
+        thread here) costs more than the extra calls of a bucket of its own (a few microseconds each)."""
+        runs = [self.a_rows([adapter])] + [self.b_rows([adapter], i) for i in range(len(self.modules))]
+        return sum(len(x) for x in runs) * row_bytes >= DIRECT_MIN_BYTES and all(_is_run(x) for x in runs)
+
+    def bucket(
+        self,
+        adapters: list[int],
+        tokens: list[np.ndarray],
+        weights: torch.Tensor,
+        device: torch.device,
+        gather: bool,
+        spanned: bool,
+    ) -> _Bucket:
+        n, r, plan = len(adapters), self.r, self.plan
         outputs, v_col, b_row = [], 0, 0
-        for i, m, co in zip(targeted, modules, c_out, strict=True):
-            outputs.append(_Output(i, slice(v_col, v_col + r), slice(b_row, b_row + n * r * co), co, plan.d_out[m]))
+        for i, (slot, m, co) in enumerate(zip(self.targeted, self.modules, self.c_out, strict=True)):
+            # gathered: rows of the bucket's gathered B, module by module; in place: the module's rows of the pool
+            b_rows = slice(b_row, b_row + n * r * co) if gather else _as_slice(self.b_rows(adapters, i))
+            outputs.append(_Output(slot, slice(v_col, v_col + r), b_rows, co, plan.d_out[m]))
             v_col, b_row = v_col + r, b_row + n * r * co
         first = int(tokens[adapters[0]][0])
-        buckets.append(
-            _Bucket(
-                n=len(adapters),
-                t=t,
-                rank=r,
-                span=slice(first, first + len(adapters) * t) if spanned else None,
-                tokens=None if spanned else _tensor(np.concatenate([tokens[a] for a in adapters]), device),
-                a_rows=_tensor(a_rows, device),
-                b_rows=_tensor(b_rows, device),
-                weight=weights[adapters].T[:, :, None, None].to(device),
-                c_in=c_in,
-                d_in=plan.d_in[modules[0]],
-                outputs=tuple(outputs),
-            )
+        return _Bucket(
+            n=n,
+            t=self.t,
+            rank=r,
+            span=slice(first, first + n * self.t) if spanned else None,
+            tokens=None if spanned else _tensor(np.concatenate([tokens[a] for a in adapters]), device),
+            a_rows=_tensor(self.a_rows(adapters), device) if gather else _as_slice(self.a_rows(adapters)),
+            b_rows=(
+                _tensor(np.concatenate([self.b_rows(adapters, i) for i in range(len(self.modules))]), device)
+                if gather
+                else None
+            ),
+            weight=weights[adapters].T[:, :, None, None].to(device),
+            c_in=self.c_in,
+            d_in=plan.d_in[self.modules[0]],
+            outputs=tuple(outputs),
         )
-    return buckets
+
+
+def _is_run(rows: np.ndarray) -> bool:
+    return bool(np.all(np.diff(rows) == 1))
+
+
+def _as_slice(rows: np.ndarray) -> slice:
+    return slice(int(rows[0]), int(rows[-1]) + 1)
 
 
 def _tensor(values: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -54,9 +54,12 @@ class DenseLinear(torch.nn.Module):
         self.onednn = packed is not None
         self.weight = packed if self.onednn else weight
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The one GEMM's output: [T, sum of widths], projection after projection."""
         if self.onednn:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        else:
-            y = F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.fused(x)
         return (y,) if len(self.widths) == 1 else y.split(self.widths, dim=-1)

@@ -89,9 +89,11 @@ def pack(module: nn.Module, names: tuple[str, ...]) -> DenseLinear:
     return DenseLinear([p.weight for p in projections], [p.bias for p in projections])
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotary embedding, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1],
+    written as x * cos + [x2, x1] * [-sin1, sin2] (`sin_signed`): the same products and sums, bit for bit,
+    in four operations. x: [T, heads, D]; cos, sin_signed: [T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -110,13 +112,12 @@ class Attention(nn.Module):
         self.qkv, self.o = pack(self, ("q_proj", "k_proj", "v_proj")), pack(self, ("o_proj",))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(x)  # column views of one GEMM's output; v: [T, H_kv * D]
-        batch.add_lora(self.layer, QKV, x, (q, k, v))
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
-        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        t, heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv.fused(x)  # [T, q | k | v]
+        q, k, v = qkv.split(self.qkv.widths, dim=-1)
+        batch.add_lora(self.layer, QKV, x, (q, k, v))  # into qkv's columns, in place
+        qk = rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)  # q and k at once
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         pool_layer = batch.pool[self.layer]
         batch.backend.write_kv(pool_layer, k.reshape(t, -1), v, batch.attention)
         out = batch.backend.attention(q, pool_layer, batch.attention, self.num_kv_heads, self.scale).reshape(t, -1)
@@ -155,6 +156,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """cos, sin: [T, 1, D], sin with its first half negated (`rope`)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
@@ -192,8 +194,8 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm. input_ids: [T] -> [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 as in HF
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        cos, sin = torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]  # see `rope`
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
         return self.model.norm(x)

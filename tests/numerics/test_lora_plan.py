@@ -22,6 +22,7 @@ from loraserve.bench.common.kernel_cases import (
     make_lora_plan,
     make_lora_pool,
 )
+from loraserve.kernels import lora_torch
 from loraserve.kernels.batch import FUSED_SHRINK_MAX_RANK, ReusePrepared, lora_order
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 from loraserve.kernels.lora_triton import lora_apply_triton_group, prepare_lora_triton
@@ -84,7 +85,11 @@ def _ordered(requests):
 @pytest.mark.parametrize("popularity", ["distinct", "uniform", "zipf", "identical"])
 @pytest.mark.parametrize("lengths", [[1], [1, 2, 3], [1, 1, 12, 1, 30]], ids=["decode", "short", "mixed"])
 @pytest.mark.parametrize("order", ["as-given", "runner"])
-def test_groups_match_dense(pool, popularity, lengths, order):
+@pytest.mark.parametrize("reads", ["gathered", "in-place"])
+def test_groups_match_dense(pool, popularity, lengths, order, reads, monkeypatch):
+    """Gathered: every bucket's rows copied out of the pool; in place: every adapter whose rows for a group lie in
+    runs of the pool gets a bucket of its own that reads them there (`lora_torch._Tile.direct`)."""
+    monkeypatch.setattr(lora_torch, "DIRECT_MIN_BYTES", 0 if reads == "in-place" else 2**62)
     weights, adapters = pool
     n = 24
     assigned = assign_adapters(popularity, n, seed=2)
@@ -98,6 +103,8 @@ def test_groups_match_dense(pool, popularity, lengths, order):
     spans = [b.span is not None for buckets in plan.prepared for b in buckets]
     if order == "runner":
         assert all(spans), "in the runner's order every bucket is a span of the step"
+    in_place = [isinstance(b.a_rows, slice) for buckets in plan.prepared for b in buckets]
+    assert any(in_place) == (reads == "in-place") and (reads == "gathered" or not all(in_place))
     _every_group_matches_dense(lora_apply_torch, weights, adapters, requests, plan, "cpu", seed=1)
 
 
