@@ -26,6 +26,7 @@ gather or scatter of activations. Any other order works through index tables.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,8 @@ class _StepRows:
         self.base = np.cumsum([0] + [len(r) for r in per_adapter[:-1]])  # [A]: where each adapter's rows start
         self.a_offsets = np.asarray(plan.a_offsets, dtype=np.int64)  # [A, M]
         self.b_offsets = np.asarray(plan.b_offsets, dtype=np.int64)
+        # [A]: the adapter's pages follow each other, so each of its blocks is one run of pool rows
+        self.consecutive = [all(b == a + 1 for a, b in itertools.pairwise(p)) for p in plan.pages]
 
     def blocks(self, adapters: list[int], offsets: np.ndarray, modules: list[int], lengths: list[int]) -> np.ndarray:
         """Physical rows of each adapter's blocks of `modules` (module i: lengths[i] rows), adapter by adapter."""
@@ -153,7 +156,7 @@ def _tiles(plan: LoraPlan, group: tuple[int, ...], tokens: list[np.ndarray]) -> 
     ]
 
 
-DIRECT_MIN_BYTES = 64 * 1024  # see `_direct`
+DIRECT_MIN_BYTES = 256 * 1024  # see `_Tile.direct`
 
 
 def _group_buckets(
@@ -195,11 +198,15 @@ class _Tile:
         return self.rows.blocks(adapters, self.rows.b_offsets, [self.modules[module]], [self.r * self.c_out[module]])
 
     def direct(self, adapter: int, row_bytes: int) -> bool:
-        """Whether the adapter's rows for the group are read in place: its stacked A rows one run of the pool
-        and each module's B rows another, and enough of them that copying them out (about 7 GB/s on one
-        thread here) costs more than the extra calls of a bucket of its own (a few microseconds each)."""
-        runs = [self.a_rows([adapter])] + [self.b_rows([adapter], i) for i in range(len(self.modules))]
-        return sum(len(x) for x in runs) * row_bytes >= DIRECT_MIN_BYTES and all(_is_run(x) for x in runs)
+        """Whether the adapter's rows for the group are read in place: its pages consecutive and its A blocks
+        stacked (so they are one run of the pool, and each module's B rows another), and enough rows that
+        copying them out (5-7 GB/s on one thread here) costs more than the dozen extra calls of a bucket of
+        its own."""
+        rows = self.r * (len(self.modules) * self.c_in + sum(self.c_out))
+        if not self.rows.consecutive[adapter] or rows * row_bytes < DIRECT_MIN_BYTES:
+            return False
+        starts = self.rows.a_offsets[adapter][self.modules]  # the group's A blocks, stacked: one after another
+        return bool(np.all(np.diff(starts) == self.r * self.c_in))
 
     def bucket(
         self,
@@ -235,10 +242,6 @@ class _Tile:
             d_in=plan.d_in[self.modules[0]],
             outputs=tuple(outputs),
         )
-
-
-def _is_run(rows: np.ndarray) -> bool:
-    return bool(np.all(np.diff(rows) == 1))
 
 
 def _as_slice(rows: np.ndarray) -> slice:

@@ -208,9 +208,26 @@ class PagePool:
             raise ValueError(f"adapter {key!r} is already resident")
         if num_pages > self.room(for_kv=False):
             return None
-        pages = self._take(num_pages)
+        pages = self._take_run(num_pages) or self._take(num_pages)
         self._adapters[key] = _Adapter(pages, useful_elements)
         return pages
+
+    def _take_run(self, count: int) -> list[int] | None:
+        """The highest `count` consecutive free pages, or None where no such run is free. An adapter on
+        consecutive pages is read where it lies (`kernels/lora_torch.py`) rather than gathered; KV takes
+        the lowest free pages first, so runs from the top stay clear of it."""
+        start, length, previous = None, 0, None
+        for page in sorted(self._free, reverse=True):
+            length = length + 1 if previous is not None and page == previous - 1 else 1
+            previous = page
+            if length == count:
+                start = page
+                break
+        if start is None:
+            return None
+        taken = range(start, start + count)
+        self._free = [p for p in self._free if p not in taken]
+        return list(taken)
 
     def touch(self, key: Hashable) -> None:
         """Mark a resident adapter as just used (moves it to the back of the LRU order)."""

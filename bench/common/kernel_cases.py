@@ -76,8 +76,10 @@ def make_lora_pool(
     inactive_layers: list[tuple[int, ...]] | None = None,
     spare_pages: int = 3,
     stacked: bool = False,
+    consecutive: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, list[SyntheticAdapter]]:
-    """A pool [L, pages * R, W] holding one adapter per rank, in scattered pages; the rest is noise.
+    """A pool [L, pages * R, W] holding one adapter per rank, in scattered pages (those in `consecutive`:
+    on consecutive pages, at the top of the pool); the rest is noise.
 
     modules[i]: module indices adapter i targets; inactive_layers[i]: layers where it has no weights.
     `stacked`: lay each adapter out as the engine's pool does, the A blocks of each group of
@@ -110,10 +112,17 @@ def make_lora_pool(
 
     need = [_ceil_div(rows.shape[1], rpp) for rows, _ in packed]
     num_pages = sum(need) + spare_pages
-    order = torch.randperm(num_pages, generator=g).tolist()  # scattered, in random order
+    top = num_pages - sum(need[i] for i in consecutive)
+    runs = {}
+    for i in consecutive:
+        runs[i], top = list(range(top, top + need[i])), top + need[i]
+    order = torch.randperm(num_pages - sum(len(r) for r in runs.values()), generator=g).tolist()  # scattered
     pool = torch.randn(num_layers, num_pages * rpp, w, generator=g).to(dtype)  # noise where nothing lives
-    for (rows, adapter), n in zip(packed, need, strict=True):
-        adapter.pages, order = order[:n], order[n:]
+    for i, ((rows, adapter), n) in enumerate(zip(packed, need, strict=True)):
+        if i in runs:
+            adapter.pages = runs[i]
+        else:
+            adapter.pages, order = order[:n], order[n:]
         adapter.row_index = page_rows(adapter.pages, rpp)[: rows.shape[1]]
         pool.index_copy_(1, adapter.row_index, rows.to(dtype))
     for _, adapter in packed:

@@ -38,6 +38,7 @@ GEOMETRY = LoraGeometry(
 )
 RANKS = [1, 4, 8, 16, 64, 4, 16, 8, 2, 32, 8, 4]
 ALL = (0, 1, 2, 3, 4, 5, 6)
+CONSECUTIVE = tuple(range(0, len(RANKS), 3))  # adapters on consecutive pages in the test pool
 MODULES = [ALL] * 9 + [(1, 2), (0, 2, 6), (0, 4, 3)]  # the last three target parts of groups
 
 
@@ -70,8 +71,15 @@ def _every_group_matches_dense(apply, weights, adapters, requests, plan, device,
 @pytest.fixture(scope="module", params=[True, False], ids=["stacked", "by-module"])
 def pool(request):
     inactive = [()] * 11 + [(1,)]
-    return make_lora_pool(
-        GEOMETRY, RANKS, MODULES, torch.float32, seed=5, inactive_layers=inactive, stacked=request.param
+    return make_lora_pool(  # every third adapter on consecutive pages: read in place when large enough
+        GEOMETRY,
+        RANKS,
+        MODULES,
+        torch.float32,
+        seed=5,
+        inactive_layers=inactive,
+        stacked=request.param,
+        consecutive=CONSECUTIVE,
     )
 
 
@@ -104,7 +112,8 @@ def test_groups_match_dense(pool, popularity, lengths, order, reads, monkeypatch
     if order == "runner":
         assert all(spans), "in the runner's order every bucket is a span of the step"
     in_place = [isinstance(b.a_rows, slice) for buckets in plan.prepared for b in buckets]
-    assert any(in_place) == (reads == "in-place") and (reads == "gathered" or not all(in_place))
+    uses_consecutive = any(a is not None and a in CONSECUTIVE for a, _ in requests)
+    assert any(in_place) == (reads == "in-place" and uses_consecutive)
     _every_group_matches_dense(lora_apply_torch, weights, adapters, requests, plan, "cpu", seed=1)
 
 

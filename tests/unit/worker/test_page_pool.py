@@ -62,9 +62,13 @@ class PoolMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError):
                 self.pool.allocate_adapter(name, pages, 1)
             return
+        free = set(self.pool._free)
+        run_is_free = any(all(p + i in free for i in range(pages)) for p in free)
         got = self.pool.allocate_adapter(name, pages, pages * 10)
         if pages <= self._room(for_kv=False):
             assert got is not None and len(got) == pages
+            if run_is_free:  # an adapter lies on consecutive pages wherever it can (read in place by LoRA)
+                assert got == list(range(got[0], got[0] + pages))
             self.adapters[name] = pages
             self.pins[name] = 0
             self.lru.append(name)
@@ -198,3 +202,16 @@ def test_kv_pages_and_waste_accounting():
     assert stats.waste_fraction == pytest.approx(1 - 3 / 4)
     assert not pool.grow_kv("t", 100)  # all or nothing
     assert pool.stats().free_pages == 8
+
+
+def test_an_adapter_takes_the_highest_free_run_of_pages_and_kv_the_lowest_pages():
+    layout = PoolLayout(num_layers=1, row_width=8, rows_per_page=4, num_pages=12)
+    pool = PagePool(layout)
+    for seq in range(6):  # KV on pages 0-5, then every other one freed: 0, 2, 4 free among them
+        assert pool.grow_kv(seq, layout.tokens_per_page)
+    for seq in (0, 2, 4):
+        pool.free_kv(seq)
+    assert pool.allocate_adapter("a", 3, 1) == [9, 10, 11]
+    assert pool.allocate_adapter("b", 4, 1) is not None  # no run of 4 is free: any 4 pages
+    assert pool.grow_kv(6, layout.tokens_per_page) and pool.kv_page_table(6)[0] not in (9, 10, 11)
+    pool.check_invariants()
