@@ -7,11 +7,11 @@ projection's output as a column view of that one result, in the order given.
 On CPU with oneDNN (`torch.backends.mkldnn`), float32 and bfloat16 weights are reordered once,
 at load, into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the layout
 inductor's frozen CPU graphs use) and multiplied by `torch.ops.mkldnn._linear_pointwise`. On the
-2-vCPU AMD EPYC (AVX-512) the project benchmarks on, one thread, a 57M Llama's projections took
-2.0-2.5x less time than `F.linear` (MKL) at 3-8 rows, 1.7x at 32 and 1.2-1.3x at 256-1024
-(`python -m loraserve.bench.suites.overhead.gemm`). The reordered weight replaces the original
-(no second copy). Elsewhere (CUDA, float16 on a CPU without AVX512-FP16, no oneDNN) the weight
-stays as it is and `F.linear` runs.
+2-vCPU AMD EPYC (AVX-512) the project benchmarks on, one thread, a 52M Llama's projections ran
+1.7-2.0x faster than with `F.linear` (MKL) at 4-32 rows, 1.4x at 64-1024, and 1.1x slower at one row
+(`python -m loraserve.bench.suites.overhead.gemm`: docs/overhead/gemm/results.json). The reordered
+weight replaces the original (no second copy). Elsewhere (CUDA, float16 on a CPU without
+AVX512-FP16, no oneDNN) the weight stays as it is and `F.linear` runs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python -m loraserve.bench.suites.overhead.gemm --out docs/overhead/gemm     # about a minute
 
 One step's projections of a Llama (`--hidden/--layers/--heads/--kv-heads/--intermediate`; default the
-57M shape the peer suite serves), fused as the engine fuses them (q/k/v, o, gate/up, down per layer),
+52M shape the peer suite serves), fused as the engine fuses them (q/k/v, o, gate/up, down per layer),
 random float32 weights, for each row count in `ROWS` (decode batches to prefill chunks): the median
 milliseconds of all of them with `F.linear` on the fused weights and with `DenseLinear` (oneDNN's
 reordered weights where this machine has oneDNN, `worker/dense.py`), their ratio, and the largest
