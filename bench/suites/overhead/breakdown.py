@@ -26,7 +26,7 @@ TOP_OPS = 15
 PROMPT_LEN = 24
 
 
-def _timed(fn, repeats: int = REPEATS) -> float:
+def median_seconds(fn, repeats: int = REPEATS) -> float:
     """Median seconds of `fn` over `repeats` calls, after one untimed call."""
     fn()
     samples = []
@@ -48,11 +48,11 @@ def gather_bandwidth(row_bytes: int, page_bytes: int, seed: int = 0) -> dict:
         table = source[: floats // width * width].view(-1, width)
         picks = torch.randint(0, table.shape[0], (GATHER_MB * 2**20 // unit,), generator=g)
         dest = torch.empty(picks.numel(), width)
-        seconds = _timed(lambda t=table, p=picks, d=dest: torch.index_select(t, 0, p, out=d))
+        seconds = median_seconds(lambda t=table, p=picks, d=dest: torch.index_select(t, 0, p, out=d))
         out[f"{name}_gbps"] = round(dest.numel() * 4 / seconds / 1e9, 2)
     dest = torch.empty(GATHER_MB * 2**20 // 4)
     offset = floats // 2
-    seconds = _timed(lambda: dest.copy_(source[offset : offset + dest.numel()]))
+    seconds = median_seconds(lambda: dest.copy_(source[offset : offset + dest.numel()]))
     out["contiguous_gbps"] = round(dest.numel() * 4 / seconds / 1e9, 2)
     return {
         "kind": "gather",

@@ -14,8 +14,6 @@ max_abs_diff, onednn`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,21 +22,12 @@ import torch.nn.functional as F
 
 from loraserve.bench.common.results import write_results
 from loraserve.bench.common.settings import add_settings, config_from_args
+from loraserve.bench.suites.overhead.breakdown import median_seconds
 from loraserve.config_cli import setting
 from loraserve.worker.dense import DenseLinear
 
 ROWS = (1, 4, 8, 16, 32, 64, 256, 1024)
 REPEATS = 5
-
-
-def _median_ms(fn, repeats: int = REPEATS) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(samples)
 
 
 def fused_shapes(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> list[tuple[int, int]]:
@@ -53,8 +42,8 @@ def measure(shapes: list[tuple[int, int]], rows: int, seed: int = 0) -> dict:
     weights = [torch.randn(o, i, generator=g) * 0.02 for o, i in shapes]
     dense = [DenseLinear([w], [None]) for w in weights]
     inputs = {i: torch.randn(rows, i, generator=g) for i in {i for _, i in shapes}}
-    plain = _median_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
-    packed = _median_ms(lambda: [d(inputs[w.shape[1]]) for d, w in zip(dense, weights, strict=True)])
+    plain = 1e3 * median_seconds(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], REPEATS)
+    packed = 1e3 * median_seconds(lambda: [d(inputs[w.shape[1]]) for d, w in zip(dense, weights, strict=True)], REPEATS)
     diff = max(
         (F.linear(inputs[w.shape[1]], w) - d(inputs[w.shape[1]])[0]).abs().max().item()
         for d, w in zip(dense[:4], weights[:4], strict=True)

@@ -96,3 +96,18 @@ def test_breakdown_records_gathers_and_a_profile_of_each_side(tmp_path, monkeypa
     for side in (base, lora):
         assert side["steps"] == 2 and side["batch"] == 4 and side["wall_ms_per_step"] > 0
         assert side["top"] and side["profiled_self_ms_per_step"] >= side["top"][0]["ms_per_step"] > 0
+
+
+def test_gemm_comparison_writes_one_record_per_row_count_and_thread_count(tmp_path):
+    from loraserve.bench.suites.overhead import gemm
+
+    shape = ["--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "96"]
+    gemm.main(["--out", str(tmp_path), "--rows", "1", "8", "--threads", "1", *shape])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["suite"] == "overhead-gemm" and results["model"]["hidden"] == 64
+    assert [r["rows"] for r in results["records"]] == [1, 8]
+    for r in results["records"]:
+        assert r["f_linear_ms"] > 0 and r["dense_ms"] > 0 and r["max_abs_diff"] < 1e-4
+        # the ratio of the unrounded times: the milliseconds are rounded to 3 decimals, coarse at this size
+        assert r["speedup"] == pytest.approx(r["f_linear_ms"] / r["dense_ms"], rel=0.2)
+    assert gemm.fused_shapes(64, 1, 2, 1, 96) == [(128, 64), (64, 64), (192, 64), (64, 96)]
