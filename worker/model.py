@@ -238,8 +238,9 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
     model.load_state_dict(loaded, strict=False, assign=True)
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
     model.eval()
-    model.pack()
     model.parameter_count = sum(t.numel() for t in loaded.values())
+    loaded.clear()  # the model holds the tensors now: packing frees each group's as it fuses them (peak: one group)
+    model.pack()
     log.info(
         "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s",
         config.model_type,
