@@ -26,7 +26,6 @@ gather or scatter of activations. Any other order works through index tables.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,7 +86,7 @@ class _StepRows:
         self.a_offsets = np.asarray(plan.a_offsets, dtype=np.int64)  # [A, M]
         self.b_offsets = np.asarray(plan.b_offsets, dtype=np.int64)
         # [A]: the adapter's pages follow each other, so each of its blocks is one run of pool rows
-        self.consecutive = [all(b == a + 1 for a, b in itertools.pairwise(p)) for p in plan.pages]
+        self.consecutive = [bool(np.all(np.diff(p) == 1)) for p in plan.pages]
 
     def blocks(self, adapters: list[int], offsets: np.ndarray, modules: list[int], lengths: list[int]) -> np.ndarray:
         """Physical rows of each adapter's blocks of `modules` (module i: lengths[i] rows), adapter by adapter."""

@@ -1,14 +1,14 @@
 """One OpenAI-compatible streaming client for both systems: POST /v1/completions, stream=true, SSE.
 
-Plain asyncio streams and HTTP/1.1 (one connection per request, `Connection: close`), so the two
-systems get byte-for-byte the same client and no third-party HTTP stack sits in the timings. Each
+httpx over HTTP/1.1, one connection pool per run (as many connections as requests in flight), so
+the two systems get byte-for-byte the same client and the same per-chunk client cost. Each
 request is greedy (temperature 0), `max_tokens` fixed and `ignore_eos` set (both servers take
 vLLM's extension), with `stream_options.include_usage` so the last chunk counts the tokens. The
 agreement check's requests (`check=True`) also ask for `logprobs: 0` (each chunk names its tokens'
 texts) and `return_token_ids` (vLLM's extension: the ids; loraserve ignores it); the timed runs ask
 for neither.
 
-    results = asyncio.run(send_all("127.0.0.1", 8000, requests, concurrency=8, max_tokens=64))
+    results, seconds = asyncio.run(send_all("127.0.0.1", 8000, requests, concurrency=8, max_tokens=64))
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+import httpx
 
 from loraserve.bench.suites.peer.plan import Request
 
@@ -60,12 +63,12 @@ def body(request: Request, max_tokens: int, check: bool = False) -> dict:
     }
 
 
-async def complete(host: str, port: int, request: Request, max_tokens: int, check: bool = False) -> Completion:
+async def complete(http: httpx.AsyncClient, request: Request, max_tokens: int, check: bool = False) -> Completion:
     """Stream one completion; failures (HTTP status, a broken stream, a timeout) end up in `error`."""
     done = Completion(sent_s=time.perf_counter())
     try:
-        await asyncio.wait_for(_stream(host, port, body(request, max_tokens, check), done), TIMEOUT_S)
-    except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as e:
+        await asyncio.wait_for(_stream(http, body(request, max_tokens, check), done), TIMEOUT_S)
+    except (httpx.HTTPError, OSError, TimeoutError, ValueError) as e:
         done.error = done.error or f"{type(e).__name__}: {e}"
     done.done_s = time.perf_counter()
     return done
@@ -77,79 +80,37 @@ async def send_all(
     """Every request, at most `concurrency` in flight (a new one starts as one ends); returns the
     completions in request order and the run's wall time, first send to last end."""
     gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=TIMEOUT_S, limits=limits) as http:
 
-    async def one(request: Request) -> Completion:
-        async with gate:
-            return await complete(host, port, request, max_tokens, check)
+        async def one(request: Request) -> Completion:
+            async with gate:
+                return await complete(http, request, max_tokens, check)
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(r) for r in requests))
-    return list(results), time.perf_counter() - start
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(r) for r in requests))
+        return list(results), time.perf_counter() - start
 
 
-async def _stream(host: str, port: int, payload: dict, done: Completion) -> None:
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        data = json.dumps(payload).encode()
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-        )
-        writer.write(head.encode() + data)
-        await writer.drain()
-        status, headers = await _read_head(reader)
-        chunks = _chunked(reader) if headers.get("transfer-encoding", "").lower() == "chunked" else _plain(reader)
-        if status != 200:
-            text = b"".join([c async for c in chunks]).decode(errors="replace")
-            done.error = f"HTTP {status}: {text[:500]}"
+async def _stream(http: httpx.AsyncClient, payload: dict, done: Completion) -> None:
+    headers = {"Accept": "text/event-stream"}
+    async with http.stream("POST", "/v1/completions", json=payload, headers=headers) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            done.error = f"HTTP {response.status_code}: {text[:500]}"
             return
-        await _read_events(chunks, done)
-    finally:
-        writer.close()
+        await _read_events(response.aiter_lines(), done)
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    status_line = (await reader.readline()).decode("latin-1")
-    parts = status_line.split()
-    if len(parts) < 2 or not parts[1].isdigit():
-        raise ValueError(f"not an HTTP response: {status_line!r}")
-    headers = {}
-    while (line := (await reader.readline()).decode("latin-1").strip()) != "":
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return int(parts[1]), headers
-
-
-async def _chunked(reader: asyncio.StreamReader):
-    """The body of a `Transfer-Encoding: chunked` response, chunk by chunk."""
-    while True:
-        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-        if size == 0:
+async def _read_events(lines: AsyncIterator[str], done: Completion) -> None:
+    """Read SSE `data:` lines until `data: [DONE]`."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
             return
-        yield await reader.readexactly(size)
-        await reader.readexactly(2)  # the chunk's CRLF
-
-
-async def _plain(reader: asyncio.StreamReader):
-    """A body read to the connection's end."""
-    while data := await reader.read(65536):
-        yield data
-
-
-async def _read_events(chunks, done: Completion) -> None:
-    """Read SSE events (`data: {...}` then a blank line) until `data: [DONE]`."""
-    buffer = b""
-    async for data in chunks:
-        buffer += data.replace(b"\r\n", b"\n")
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            for line in event.decode().splitlines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    return
-                _on_event(json.loads(payload), done)
+        _on_event(json.loads(payload), done)
     if done.error is None:
         done.error = "the stream ended before [DONE]"
 

@@ -5,15 +5,17 @@ client's parsing, and vLLM's command line and install marker (nothing is install
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loraserve.bench import cli as bench_main
 from loraserve.bench.common.settings import config_from_args
 from loraserve.bench.suites.peer import client, figures, plan, suite, vllm
 from loraserve.bench.suites.peer.client import Completion
-from loraserve.bench.suites.peer.plan import Run
+from loraserve.bench.suites.peer.plan import Request, Run
 
 
 def test_runs_alternate_between_the_systems():
@@ -163,43 +165,42 @@ def test_presets_fill_what_flags_leave_unset():
         suite.resolve(config_from_args(suite.PeerSettings, bad))
 
 
-def _reader(data: bytes) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    return reader
+def _served(body: bytes, status: int = 200) -> httpx.AsyncClient:
+    """An httpx client whose every POST gets `body` (chunked, as a streaming server sends it), in process."""
+
+    async def chunks():
+        for i in range(0, len(body), 7):  # events split across chunks at odd places
+            yield body[i : i + 7]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/completions" and json.loads(request.content)["stream"] is True
+        return httpx.Response(status, content=chunks(), headers={"Content-Type": "text/event-stream"})
+
+    return httpx.AsyncClient(base_url="http://peer", transport=httpx.MockTransport(handler))
 
 
-def test_the_client_reads_a_chunked_sse_stream():
-    events = [
-        b'data: {"choices": [{"index": 0, "text": "he", "logprobs": {"tokens": ["he"]}, "token_ids": [7]}]}\n\n',
-        b'data: {"choices": [{"index": 0, "text": "llo"}]}\r\n\r\n',
-        b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n',
-    ]
-    body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
-    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+def _complete(body: bytes, status: int = 200) -> Completion:
+    async def run() -> Completion:
+        async with _served(body, status) as http:
+            return await client.complete(http, Request((5, 6), "m"), 2)
 
-    async def read() -> Completion:
-        reader = _reader(head + body)
-        status, headers = await client._read_head(reader)
-        assert status == 200 and headers["transfer-encoding"] == "chunked"
-        done = Completion(sent_s=0.0)
-        await client._read_events(client._chunked(reader), done)
-        return done
+    return asyncio.run(run())
 
-    done = asyncio.run(read())
+
+def test_the_client_reads_an_sse_stream():
+    done = _complete(
+        b'data: {"choices": [{"index": 0, "text": "he", "logprobs": {"tokens": ["he"]}, "token_ids": [7]}]}\n\n'
+        b'data: {"choices": [{"index": 0, "text": "llo"}]}\r\n\r\n'
+        b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+    )
     assert done.text == "hello" and done.tokens == 2 and len(done.chunk_s) == 2 and done.error is None
     assert done.token_texts == ["he"] and done.token_ids == [7]  # only the chunks that named them
 
 
-def test_the_client_notes_a_stream_cut_before_done_and_an_error_event():
-    async def read(data: bytes) -> Completion:
-        done = Completion(sent_s=0.0)
-        await client._read_events(client._plain(_reader(data)), done)
-        return done
-
-    assert asyncio.run(read(b'data: {"choices": [{"text": "a"}]}\n\n')).error == "the stream ended before [DONE]"
-    assert "bad adapter" in asyncio.run(read(b'data: {"error": {"message": "bad adapter"}}\n\n')).error
+def test_the_client_notes_a_stream_cut_before_done_an_error_event_and_an_http_error():
+    assert _complete(b'data: {"choices": [{"text": "a"}]}\n\n').error == "the stream ended before [DONE]"
+    assert "bad adapter" in _complete(b'data: {"error": {"message": "bad adapter"}}\n\n').error
+    assert _complete(b'{"error": "no such model"}', status=404).error == 'HTTP 404: {"error": "no such model"}'
 
 
 def test_a_request_body_is_greedy_streamed_with_ignore_eos():
