@@ -33,12 +33,16 @@ class Logprob:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Text and tokens produced since the previous chunk; the prompt's log-probabilities come with the first."""
+    """Text and tokens produced since the previous chunk; the prompt's log-probabilities come with the
+    first. Every chunk carries the prompt's token count and how many of them were found cached (what a
+    running usage reports)."""
 
     text: str
     token_ids: Sequence[int] = ()
     logprobs: Sequence[Logprob] = ()
     prompt_logprobs: Sequence[Logprob] = ()
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

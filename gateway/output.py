@@ -62,7 +62,9 @@ class Output:
             shown += self._stops.flush()
         chunk = None
         if shown or message.token_ids:
-            chunk = Chunk(shown, list(message.token_ids), logprobs, prompt_logprobs)
+            chunk = Chunk(
+                shown, list(message.token_ids), logprobs, prompt_logprobs, len(self.prompt_ids), self.cached_tokens
+            )
         if stopped or message.finished:
             reason = "stop_sequence" if stopped else message.finish_reason or ""
             return Step(chunk, True, reason, still_running=not message.finished, first_token=first)

@@ -2,7 +2,9 @@
 
 Each model family writes tool calls its own way; `parser_named` picks the parser that the gateway's
 `--tool-call-parser NAME` flag names. Text that does not hold well-formed calls is returned whole as
-plain content, never as a partial guess. Pure functions over strings: no I/O.
+plain content, never as a partial guess — except a call that max_tokens cut short (`cut`): it comes
+back as a call, its arguments as far as they were generated (what OpenAI answers), never as raw call
+text in the content. Pure functions over strings: no I/O.
 
 Each parser also writes its format as a grammar (`strict_grammar`, Lark in llguidance's dialect): free
 text, or calls in the family's format whose arguments match their functions' schemas. That is what
@@ -14,15 +16,20 @@ let text run freely until a call's opening tag).
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from loraserve.closed_schemas import close_objects
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # a JSON object, serialized with json.dumps(..., ensure_ascii=False)
+    # a JSON object, serialized with json.dumps(..., ensure_ascii=False); a cut call's: the text generated
+    arguments: str
 
 
 @dataclass(frozen=True)
@@ -34,19 +41,25 @@ class ParsedOutput:
 class ToolCallParser(Protocol):
     name: str
 
-    def parse(self, text: str) -> ParsedOutput: ...
+    def parse(self, text: str, cut: bool = False, names: Collection[str] = ()) -> ParsedOutput:
+        """The content and calls of `text`; `cut`: max_tokens ended it, so its last call may be cut short
+        (`names`: the functions a call's cut name may complete to)."""
+        ...
 
     def format_call(self, call: ToolCall) -> str: ...
 
-    def strict_grammar(self, functions: dict[str, dict[str, Any]], parallel: bool) -> str: ...
+    def strict_grammar(self, functions: dict[str, dict[str, Any]], max_calls: int) -> str:
+        """The Lark grammar of free text with at most `max_calls` well-formed calls of `functions`."""
+        ...
 
 
 COMPACT = {"whitespace_flexible": False}  # JSON written compactly, as every other constrained JSON
 
 
 def _arguments(schema: dict[str, Any]) -> str:
-    """A function's arguments in Lark: a compact JSON value valid against `schema` (llguidance's %json)."""
-    return "%json " + json.dumps({"x-guidance": COMPACT} | schema)
+    """A function's arguments in Lark: a compact JSON value valid against `schema`, its objects closed
+    (llguidance's %json)."""
+    return "%json " + json.dumps({"x-guidance": COMPACT} | close_objects(schema))
 
 
 def _literal(text: str) -> str:
@@ -72,6 +85,30 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
+_NAME = r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)'  # a call object's opening, up to its name (maybe cut)
+
+
+def cut_call(text: str, keys: tuple[str, ...], names: Collection[str]) -> ToolCall | None:
+    """The call that `text` (a call object, `{"name": N, KEY: ARGS`, cut short by max_tokens) begins: N,
+    and ARGS as far as they were generated (none if the cut came before them). A name cut short is
+    completed when exactly one of `names` begins with it; None when not even that much was written."""
+    keyed = "|".join(re.escape(json.dumps(key)) for key in keys)
+    whole = re.match(_NAME + rf'"\s*,\s*(?:{keyed})\s*:\s*', text)
+    if whole is not None:
+        return ToolCall(json.loads(f'"{whole.group(1)}"'), text[whole.end() :])
+    named = re.match(_NAME + r'("?)\s*(?:,\s*"[^"]*)?$', text)  # the name, or the key after it, cut short
+    if named is None:
+        return None
+    try:
+        prefix = json.loads(f'"{named.group(1)}"')
+    except ValueError:  # cut inside an escape
+        return None
+    if named.group(2):  # the name was written whole
+        return ToolCall(prefix, "")
+    found = [name for name in names if name.startswith(prefix)]
+    return ToolCall(found[0], "") if len(found) == 1 else None
+
+
 def _to_call(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
     """The call a decoded JSON object describes, its arguments under the first of `keys` present; None if malformed."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -93,34 +130,41 @@ class HermesParser:
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, cut: bool = False, names: Collection[str] = ()) -> ParsedOutput:
         pos = text.find(self.START)
         if pos < 0:
             return _plain(text)
-        before = text[:pos].strip()
+        before = text[:pos].strip() or None
         calls: list[ToolCall] = []
         while pos >= 0:
+            start = _skip_space(text, pos + len(self.START))
             try:  # decode the JSON itself, so a "</tool_call>" inside a string value cannot cut it short
-                obj, end = _DECODER.raw_decode(text, _skip_space(text, pos + len(self.START)))
+                obj, end = _DECODER.raw_decode(text, start)
             except ValueError:
-                return _plain(text)
+                if not cut:
+                    return _plain(text)
+                partial = cut_call(text[start:], ("arguments",), names)
+                return ParsedOutput(before, calls + ([partial] if partial else []))
             call = _to_call(obj, ("arguments",))
             end = _skip_space(text, end)
-            if call is None or not (text.startswith(self.END, end) or end == len(text)):  # unclosed only if cut
+            # closed, or unclosed at the very end (cut, or stopped, inside the closing tag)
+            if call is None or not (text.startswith(self.END, end) or self.END.startswith(text[end:])):
                 return _plain(text)
             calls.append(call)
             pos = text.find(self.START, end + len(self.END))
-        return ParsedOutput(content=before or None, tool_calls=calls)
+        return ParsedOutput(content=before, tool_calls=calls)
 
     def format_call(self, call: ToolCall) -> str:
         body = json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}, ensure_ascii=False)
         return f"{self.START}\n{body}\n{self.END}"
 
-    def strict_grammar(self, functions: dict[str, dict[str, Any]], parallel: bool) -> str:
-        """Free text, with calls (at most one unless `parallel`) wherever the model opens `<tool_call>`:
-        `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>`, ARGS valid against N's schema."""
+    def strict_grammar(self, functions: dict[str, dict[str, Any]], max_calls: int) -> str:
+        """Free text, with at most `max_calls` calls wherever the model opens `<tool_call>`:
+        `<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>`, ARGS valid against N's schema. The
+        text after the last call never holds `<tool_call>`: a call is well-formed or not written."""
         calls = " | ".join(f"call_{i}" for i in range(len(functions)))
-        lines = ["%llguidance {}", f"start: ({calls}){'*' if parallel else '?'} TEXT", r"TEXT: /(.|\n)*/"]
+        lines = ["%llguidance {}", f"start: ({calls}){{0,{max_calls}}} REST", r"TEXT: /(.|\n)*/"]
+        lines.append(f"REST: /(.|\\n)*/ & ~/(.|\\n)*{re.escape(self.START)}(.|\\n)*/")
         closing = "}\n" + self.END
         for i, (name, schema) in enumerate(functions.items()):
             opening = "\n" + json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "arguments": '
@@ -137,7 +181,7 @@ class Llama3JsonParser:
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, cut: bool = False, names: Collection[str] = ()) -> ParsedOutput:
         body = text.strip().removeprefix(self.PYTHON_TAG).lstrip()
         if not body.startswith("{"):
             return _plain(text)
@@ -145,9 +189,13 @@ class Llama3JsonParser:
         pos = 0
         while pos < len(body):
             try:
-                obj, pos = _DECODER.raw_decode(body, pos)
+                obj, end = _DECODER.raw_decode(body, pos)
             except ValueError:
-                return _plain(text)
+                if not cut:
+                    return _plain(text)
+                partial = cut_call(body[pos:], ("parameters", "arguments"), names)
+                return ParsedOutput(None, calls + ([partial] if partial else []))
+            pos = end
             call = _to_call(obj, ("parameters", "arguments"))
             if call is None:
                 return _plain(text)
@@ -162,11 +210,11 @@ class Llama3JsonParser:
     def format_call(self, call: ToolCall) -> str:
         return json.dumps({"name": call.name, "parameters": json.loads(call.arguments)}, ensure_ascii=False)
 
-    def strict_grammar(self, functions: dict[str, dict[str, Any]], parallel: bool) -> str:
-        """Text that does not begin with `{`, or calls from the start (several joined by `; ` when
-        `parallel`): `{"name": N, "parameters": ARGS}`, ARGS valid against N's schema."""
+    def strict_grammar(self, functions: dict[str, dict[str, Any]], max_calls: int) -> str:
+        """Text that does not begin with `{`, or 1 to `max_calls` calls from the start, joined by `; `:
+        `{"name": N, "parameters": ARGS}`, ARGS valid against N's schema."""
         calls = " | ".join(f"call_{i}" for i in range(len(functions)))
-        more = ' ("; " call)*' if parallel else ""
+        more = f' ("; " call){{0,{max_calls - 1}}}' if max_calls > 1 else ""
         lines = ["%llguidance {}", f"start: TEXT | SPACE? call{more}", f"call: {calls}"]
         lines += [r"TEXT: /[ \t\r\n]*([^ \t\r\n{](.|\n)*)?/", r"SPACE: /[ \t\r\n]+/"]
         for i, (name, schema) in enumerate(functions.items()):

@@ -13,7 +13,9 @@ sandbox processes (`gateway/constraints.py`) call `grammar_for` and then check t
 the model's tokenizer. The offline engine's users call `grammar_for` in their own process.
 
 JSON is written compactly (no whitespace between tokens: `{"a":1,"b":[2,3]}`) unless the schema's
-own `x-guidance` options say otherwise: free whitespace lets a model pad an answer endlessly.
+own `x-guidance` options say otherwise: free whitespace lets a model pad an answer endlessly. A
+schema's objects are closed (`closed_schemas.py`): an object schema that lists its keys allows no
+others unless it sets `additionalProperties`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from loraserve.closed_schemas import close_objects
 from loraserve.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -120,7 +123,7 @@ def _compile(kind: str, value: Any, field: str) -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(json_schema(value, field), defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(close_objects(json_schema(value, field)), defaults=JSON_OPTIONS)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(_text(value, field))
     if kind == "choice":

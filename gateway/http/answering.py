@@ -120,7 +120,7 @@ async def _events(firsts: list[Piece | Final], generations: list[Generation], an
     """The SSE stream, from the generations' first events on (`GenerationStream` stops them after it)."""
     try:
         for index in range(len(generations)):  # chat: each choice's role
-            opening = answers.opening(index)
+            opening = answers.opening(firsts[index], index)
             if opening is not None:
                 yield sse(opening)
         finals: dict[int, Final] = {}

@@ -155,6 +155,7 @@ class OpenAiRoutes:
             body.model,
             chat=False,
             include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
             logprobs=self._logprob_format(body.logprobs is not None, chat=False, keep_special=keep_special),
             echo=[t for t in texts for _ in range(body.choices)] if body.echo else None,
             choices_per_prompt=body.choices,
@@ -200,6 +201,7 @@ class OpenAiRoutes:
             body.model,
             chat=True,
             include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
             logprobs=self._logprob_format(
                 bool(body.logprobs), chat=True, keep_special=body.skip_special_tokens is False
             ),

@@ -60,11 +60,14 @@ class Generation:
             self._queue.put_nowait(GenerationCancelled("the generation was cancelled"))
 
     async def _pump(self, events: AsyncIterator[Event]) -> None:
+        generated = 0  # tokens so far, shown or not (a piece's usage counts them all)
         try:
             async for event in events:  # to its end, past the summary: closing it early would count CANCELLED
                 if isinstance(event, Chunk):
+                    generated += len(event.token_ids)
                     if event.text or event.logprobs or event.prompt_logprobs:
-                        self._queue.put_nowait(Piece(event.text, event.logprobs, event.prompt_logprobs))
+                        usage = Final("", event.prompt_tokens, generated, event.cached_tokens)
+                        self._queue.put_nowait(Piece(event.text, event.logprobs, event.prompt_logprobs, usage))
                 elif not self._finished:
                     self._finished = True
                     self._queue.put_nowait(_final(event))

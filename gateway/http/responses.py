@@ -3,8 +3,10 @@
 A stream is a sequence of `data: <json>\\n\\n` events: (chat only) a first chunk with the assistant
 role for each choice, one chunk per piece of text, a last chunk with the finish reason, then, with
 `stream_options.include_usage`, a chunk with no choices and the usage (every other chunk then
-carries `"usage": null`), and finally `data: [DONE]`. A failure after the stream has begun is one
-event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts interleaves
+carries `"usage": null`), and finally `data: [DONE]`. With `stream_options.continuous_usage_stats`
+(vLLM's) every chunk carries its choice's usage so far instead: its prompt's tokens and the tokens
+generated up to that chunk (the role chunk: none yet; the finish chunk: all). A failure after the
+stream has begun is one event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts interleaves
 their chunks, each choice carrying its prompt's `index`, and its usage is their sum.
 
 A chat answer with tools in use (`tool_calling.py`) carries its tool calls in the message; streamed,
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loraserve.gateway.events import Logprob
@@ -66,19 +68,22 @@ class Final:
 @dataclass(frozen=True)
 class Piece:
     """Text a generation produced, with the log-probabilities of its tokens when they were asked for
-    (and, on a generation's first piece, its prompt's)."""
+    (and, on a generation's first piece, its prompt's), and the generation's usage so far: its prompt's
+    tokens and the tokens generated up to and including this piece's."""
 
     text: str
     logprobs: Sequence[Logprob] = ()
     prompt_logprobs: Sequence[Logprob] = ()
+    usage: Final = Final("", 0, 0)
 
     @staticmethod
     def joined(pieces: list[Piece]) -> Piece:
-        """A whole generation's pieces as one."""
+        """A whole generation's pieces as one (its usage: the last piece's)."""
         return Piece(
             "".join(p.text for p in pieces),
             [e for p in pieces for e in p.logprobs],
             [e for p in pieces for e in p.prompt_logprobs],
+            pieces[-1].usage if pieces else Final("", 0, 0),
         )
 
 
@@ -94,6 +99,7 @@ class Answers:
     model: str
     chat: bool
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far
     created: int = field(default_factory=lambda: int(time.time()))
     logprobs: LogprobFormat | None = None  # None: not asked for
     echo: Sequence[str] | None = None  # completions with echo: each prompt's text
@@ -130,23 +136,27 @@ class Answers:
             return item
         if isinstance(item, Final):
             return Final("length", item.prompt_tokens, 0, item.cached_tokens)
-        return Piece("", (), item.prompt_logprobs)
+        return Piece("", (), item.prompt_logprobs, self.shown(item.usage))
 
-    def opening(self, index: int = 0) -> dict[str, Any] | None:
-        """The chunk before any text of choice `index` (chat: the assistant's role), or None."""
-        return self._chunk({"role": "assistant", "content": ""}, None, index) if self.chat else None
+    def opening(self, first: Piece | Final, index: int = 0) -> dict[str, Any] | None:
+        """The chunk before any text of choice `index` (chat: the assistant's role), or None; `first`:
+        the choice's first event (its prompt's usage, nothing generated yet)."""
+        if not self.chat:
+            return None
+        usage = first if isinstance(first, Final) else first.usage
+        return self._chunk({"role": "assistant", "content": ""}, None, index, replace(usage, completion_tokens=0))
 
     def piece(self, piece: Piece, index: int = 0, first: bool = False) -> dict[str, Any]:
         """The chunk of a piece of choice `index`'s text; `first`: its first (which an echo begins)."""
         text = self._echo(index) + piece.text if first else piece.text
-        chunk = self._chunk({"content": text} if self.chat else text, None, index)
+        chunk = self._chunk({"content": text} if self.chat else text, None, index, piece.usage)
         chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, first)
         return chunk
 
     def closing(self, final: Final, index: int = 0, first: bool = False) -> dict[str, Any]:
         """The chunk with choice `index`'s finish reason; `first`: no piece of it was sent (which an echo begins)."""
         text = self._echo(index) if first else ""
-        return self._chunk({} if self.chat else text, final.finish_reason, index)
+        return self._chunk({} if self.chat else text, final.finish_reason, index, final)
 
     def settled(self, piece: Piece, final: Final, index: int = 0) -> list[dict[str, Any]]:
         """A buffered stream's last chunks: its whole text as content and tool calls (each call with its
@@ -155,13 +165,13 @@ class Answers:
         delta = {k: v for k, v in message.items() if k != "role" and v is not None}
         for i, call in enumerate(delta.get("tool_calls", ())):
             call["index"] = i
-        chunk = self._chunk(delta, None, index)
+        chunk = self._chunk(delta, None, index, final)
         chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, True)
-        return [chunk, self._chunk({}, reason, index)]
+        return [chunk, self._chunk({}, reason, index, final)]
 
     def _with_tool_calls(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
         """The assistant message of `text` with its tool calls parsed out, and the finish reason."""
-        parsed = self.tools.parse(text)
+        parsed = self.tools.parse(text, cut=reason == "length")
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = tool_calls_json(parsed.tool_calls)
@@ -181,10 +191,15 @@ class Answers:
         entries = [*piece.prompt_logprobs, *piece.logprobs] if first and self.echo is not None else piece.logprobs
         return self.logprobs.format(entries, index)
 
-    def _chunk(self, content: dict[str, Any] | str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    def _chunk(
+        self, content: dict[str, Any] | str, finish_reason: str | None, index: int, usage: Final
+    ) -> dict[str, Any]:
+        """A chunk of choice `index`; `usage`: the choice's so far (sent with `continuous_usage`)."""
         choice = {"index": index, "delta": content} if self.chat else {"index": index, "text": content}
         choice |= {"logprobs": None, "finish_reason": finish_reason}
         chunk = self._object(self.chat and "chat.completion.chunk", [choice])
+        if self.continuous_usage:
+            return chunk | {"usage": usage.usage()}
         return chunk | {"usage": None} if self.include_usage else chunk
 
     def _object(self, chat_kind: str | bool, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -101,8 +101,13 @@ def _printable(text: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk (refused when true)
+    """`stream_options`: every field vLLM accepts. Unknown fields are refused (they would ask for
+    something loraserve cannot know how to do)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False  # a last chunk with the usage (summed over the choices)
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 CONSTRAINT_FIELDS = (
@@ -157,7 +162,11 @@ class _Generation(_Body):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def new_tokens(self) -> int:
@@ -224,11 +233,6 @@ class _Generation(_Body):
             ),
             (bool(self.logit_bias), "logit_bias", NOT_SUPPORTED),
             (stream_options is not None and not self.stream, "stream_options", "needs stream: true"),
-            (
-                stream_options is not None and bool(stream_options.continuous_usage_stats),
-                "stream_options.continuous_usage_stats",
-                "is not supported: the usage comes in the last chunk (include_usage)",
-            ),
         ]
         return next(((name, why) for refused, name, why in refusals if refused), None)
 

@@ -11,13 +11,18 @@ transformers' `apply_chat_template` does):
   the family's format, each naming a given tool with arguments valid against its `parameters`.
 - `"required"`: the output is constrained (structured output) to a JSON list of one or more calls,
   `[{"name": ..., "parameters": {...}}]`, each naming a given tool with arguments valid against its
-  `parameters` schema (one call at most with `parallel_tool_calls: false`).
+  `parameters` schema.
 - `{"type": "function", "function": {"name": N}}`: the output is constrained to the arguments of N
   (a JSON object valid against its `parameters`), answered as one call of N.
 
+Every grammar bounds the calls in one answer: at most MAX_TOOL_CALLS (or the request's own
+`max_calls`, the Responses API's `max_tool_calls`), one with `parallel_tool_calls: false`; so does
+the parsing of unconstrained `auto` output. Schemas are closed (`loraserve/closed_schemas.py`).
+
 The finish reason is `tool_calls` when calls were made under `auto` or `required`, `stop` under a
-named function (OpenAI's answers), and `length` whenever max_tokens cut the output. Output that
-does not hold well-formed calls (cut by max_tokens, or free text under `auto`) is answered as content.
+named function (OpenAI's answers), and `length` whenever max_tokens cut the output. A call that
+max_tokens cut short is still answered as a call, its arguments as far as they were generated (as
+OpenAI does), never as raw call text in the content; free text under `auto` is answered as content.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.errors import InvalidRequestError
-from loraserve.gateway.tool_parsers import ParsedOutput, ToolCall, ToolCallParser, call_id
+from loraserve.gateway.tool_parsers import ParsedOutput, ToolCall, ToolCallParser, call_id, cut_call
 from loraserve.structured import Constraint
+
+MAX_TOOL_CALLS = 16  # calls in one answer, whatever the request: a grammar never allows an endless list
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class ToolChoice:
     functions: dict[str, dict[str, Any]]  # name -> its `parameters` schema
     name: str | None = None  # mode "function": the function
     parser: ToolCallParser | None = None  # mode "auto"
-    parallel: bool = True  # more than one call per answer
+    max_calls: int = MAX_TOOL_CALLS  # calls per answer: 1 without parallel calls
     strict: bool = False  # mode "auto": a tool is `strict`, so calls are held to the parser's grammar
 
     def constraint(self) -> Constraint | None:
@@ -47,7 +54,7 @@ class ToolChoice:
         if self.mode == "auto":
             if not self.strict:
                 return None
-            return Constraint("grammar", self.parser.strict_grammar(self.functions, self.parallel), "tools")
+            return Constraint("grammar", self.parser.strict_grammar(self.functions, self.max_calls), "tools")
         if self.mode == "function":
             return Constraint("json_schema", self.functions[self.name], "tool_choice")
         if self.mode == "required":
@@ -61,22 +68,23 @@ class ToolChoice:
                 for name, schema in self.functions.items()
             ]
             items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-            schema = {"type": "array", "items": items, "minItems": 1} | ({} if self.parallel else {"maxItems": 1})
+            schema = {"type": "array", "items": items, "minItems": 1, "maxItems": self.max_calls}
             return Constraint("json_schema", schema, "tool_choice")
         return None
 
-    def parse(self, text: str) -> ParsedOutput:
-        """The answer's content and tool calls, from the model's text."""
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
+        """The answer's content and tool calls, from the model's text; `cut`: max_tokens ended it, so its
+        last call may be cut short (answered with its arguments as generated)."""
         if self.mode == "auto":
-            parsed = self.parser.parse(text)
-            return parsed if self.parallel else ParsedOutput(parsed.content, parsed.tool_calls[:1])
-        try:
-            value = json.loads(text)
-        except ValueError:  # cut short by max_tokens
-            return ParsedOutput(text or None, [])
+            parsed = self.parser.parse(text, cut, self.functions)
+            return ParsedOutput(parsed.content, parsed.tool_calls[: self.max_calls])
         if self.mode == "function":
-            return ParsedOutput(None, [ToolCall(self.name, json.dumps(value, ensure_ascii=False))])
-        return ParsedOutput(None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value])
+            try:
+                arguments = json.dumps(json.loads(text), ensure_ascii=False)
+            except ValueError:  # cut short: the arguments as generated
+                arguments = text
+            return ParsedOutput(None, [ToolCall(self.name, arguments)])
+        return ParsedOutput(None, _listed_calls(text, self.functions))
 
     def finish_reason(self, parsed: ParsedOutput, reason: str) -> str:
         if parsed.tool_calls and reason == "stop" and self.mode != "function":
@@ -84,11 +92,43 @@ class ToolChoice:
         return reason
 
 
+def _listed_calls(text: str, functions: dict[str, dict[str, Any]]) -> list[ToolCall]:
+    """The calls of `required`'s JSON list, `[{"name": N, "parameters": ARGS}, ...]`, which max_tokens may
+    have cut short: the whole calls, then the cut one (its arguments as generated) if its name was written."""
+    decoder = json.JSONDecoder()
+    calls = []
+    pos = _after(text, 0, "[")
+    while pos < len(text):
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except ValueError:
+            partial = cut_call(text[pos:], ("parameters",), functions)
+            return calls + ([partial] if partial is not None else [])
+        calls.append(ToolCall(value["name"], json.dumps(value["parameters"], ensure_ascii=False)))
+        pos = _after(text, end, ",")
+    return calls
+
+
+def _after(text: str, pos: int, mark: str) -> int:
+    """Where the next value begins: past whitespace, `mark` (if it comes next) and whitespace."""
+    pos += len(text[pos:]) - len(text[pos:].lstrip())
+    if text.startswith(mark, pos):
+        pos += len(mark)
+    return pos + len(text[pos:]) - len(text[pos:].lstrip())
+
+
 def tool_choice(
-    tools: list[Any] | None, choice: Any, parallel: bool | None, parser: ToolCallParser | None
+    tools: list[Any] | None,
+    choice: Any,
+    parallel: bool | None,
+    parser: ToolCallParser | None,
+    max_calls: int | None = None,
 ) -> ToolChoice | None:
-    """The request's use of its tools; None when the model answers in text. InvalidRequestError naming
-    `tools` or `tool_choice` for what cannot be served."""
+    """The request's use of its tools; None when the model answers in text. `max_calls`: the most calls
+    in one answer (1 to MAX_TOOL_CALLS; unset: MAX_TOOL_CALLS), 1 when `parallel` is false.
+    InvalidRequestError naming `tools`, `tool_choice` or `max_tool_calls` for what cannot be served."""
+    if max_calls is not None and not 1 <= max_calls <= MAX_TOOL_CALLS:
+        raise InvalidRequestError("max_tool_calls", f"must be in [1, {MAX_TOOL_CALLS}], got {max_calls}")
     functions = {t.function.name: t.function.schema() for t in tools or ()}
     if len(functions) != len(tools or ()):
         raise InvalidRequestError("tools", "two tools have the same name")
@@ -98,7 +138,7 @@ def tool_choice(
         return None
     if not functions:
         raise InvalidRequestError("tool_choice", "needs tools")
-    parallel = parallel is not False
+    max_calls = 1 if parallel is False else max_calls or MAX_TOOL_CALLS
     if choice == "auto":
         if parser is None:
             raise InvalidRequestError(
@@ -107,9 +147,9 @@ def tool_choice(
                 "'required' or a named function work without it",
             )
         strict = any(t.function.strict for t in tools)
-        return ToolChoice("auto", functions, parser=parser, parallel=parallel, strict=strict)
+        return ToolChoice("auto", functions, parser=parser, max_calls=max_calls, strict=strict)
     if choice == "required":
-        return ToolChoice("required", functions, parallel=parallel)
+        return ToolChoice("required", functions, max_calls=max_calls)
     name = choice.function.name
     if name not in functions:
         raise InvalidRequestError(

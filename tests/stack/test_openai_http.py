@@ -184,6 +184,29 @@ def test_streams_with_the_client_add_up_to_the_whole_answer(stack):
     assert "".join(c.choices[0].text for c in pieces) == expected.text
 
 
+def test_continuous_usage_stats_report_every_chunks_usage_so_far(stack):
+    """guidellm's stream options (include_usage and continuous_usage_stats): every chunk's usage counts the
+    prompt and the tokens so far, rising to the last chunk's total, streamed completions and chat alike."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+    ):
+        body |= {"model": "upper", "max_tokens": 10, "temperature": 0, "stream": True, "stream_options": options}
+        chunks = [json.loads(e) for e in sse_events(post(stack, path, body))[:-1]]
+        total = chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == [] and total["completion_tokens"] == 10, total
+        generated = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+        assert generated == sorted(generated) and generated[-1] == 10, generated
+        assert {c["usage"]["prompt_tokens"] for c in chunks} == {total["prompt_tokens"]}
+        assert all(
+            c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n
+            for c, n in zip(chunks[:-1], generated, strict=True)
+        )
+        if "messages" in body:
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and generated[0] == 0
+
+
 def test_raw_sse_framing(stack):
     body = {"model": "upper", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
     response = post(stack, "/v1/completions", body | {"stream_options": {"include_usage": True}})
@@ -554,7 +577,7 @@ def test_every_accepted_parameter_takes_effect_or_is_refused(stack):
         ({"stop_token_ids": [10**6]}, "stop_token_ids"),  # named as sent, not as `stop`
         ({"use_beam_search": True}, "use_beam_search"),
         ({"add_special_tokens": False}, "add_special_tokens"),
-        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+        ({"stream": True, "stream_options": {"include_usage": True, "every_token": True}}, "stream_options"),
     ):
         response = post(stack, completions, base | extra)
         error = json.loads(response.read())["error"]

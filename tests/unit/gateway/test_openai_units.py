@@ -173,12 +173,13 @@ def test_unsupported_parameters_are_named():
     parts = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}])
     assert parts.unsupported() is None and parts.conversation() == [{"role": "user", "content": "a"}]
     # what loraserve does not do is refused by name, unless the value asks for nothing
-    usage_stats = {"include_usage": True, "continuous_usage_stats": True}
+    usage_stats = {"include_usage": True, "continuous_usage_stats": True}  # what guidellm sends
     stream = {"stream": True, **prompt}
-    assert (
-        refused(CompletionRequest, stream_options=usage_stats, **stream)[0] == "stream_options.continuous_usage_stats"
-    )
-    assert refused(CompletionRequest, stream_options=usage_stats | {"continuous_usage_stats": False}, **stream) is None
+    assert refused(CompletionRequest, stream_options=usage_stats, **stream) is None
+    assert CompletionRequest(model="m", stream_options=usage_stats, **stream).continuous_usage
+    assert not CompletionRequest(model="m", stream_options={"continuous_usage_stats": None}, **stream).continuous_usage
+    with pytest.raises(ValidationError, match="stream_options"):  # a field vLLM does not accept either
+        CompletionRequest(model="m", stream_options={"include_usage": True, "per_token": True}, **stream)
     for fields in (
         {"min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "prompt_logprobs": None},
         {"add_special_tokens": True, "priority": 0, "store": False, "logits_processors": []},
@@ -234,9 +235,32 @@ def test_answers_have_openais_shape():
         "prompt_tokens_details": {"cached_tokens": 0},
     }
     text = Answers("cmpl-1", "upper", chat=False, include_usage=True)
-    assert text.opening() is None and text.piece(Piece("A"))["usage"] is None
+    assert text.opening(Piece("A")) is None and text.piece(Piece("A"))["usage"] is None
     assert text.closing(final)["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
     assert text.usage(final)["choices"] == [] and text.usage(final)["object"] == "text_completion"
+
+
+def test_continuous_usage_puts_each_choices_usage_so_far_in_every_chunk():
+    """vLLM's continuous_usage_stats: the role chunk counts the prompt alone, each piece the tokens up to
+    it, the finish chunk (and a tool answer's settled chunks) all of them; include_usage's last chunk
+    still sums the choices."""
+    final = Final("length", prompt_tokens=4, completion_tokens=3, cached_tokens=2)
+    first = Piece("A", usage=Final("", 4, 1, 2))
+
+    def counts(chunk):
+        usage = chunk["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    chat = Answers("chatcmpl-1", "upper", chat=True, continuous_usage=True)
+    assert counts(chat.opening(first)) == (4, 0, 2) and counts(chat.opening(final)) == (4, 0, 2)
+    assert counts(chat.piece(first)) == (4, 1, 2) and counts(chat.closing(final)) == (4, 3, 2)
+    text = Answers("cmpl-1", "upper", chat=False, include_usage=True, continuous_usage=True)
+    assert counts(text.piece(Piece("B", usage=Final("", 4, 2)), first=True)) == (4, 2, 0)
+    assert text.usage(final)["choices"] == [] and counts(text.usage(final)) == (4, 3, 2)
+    assert Piece.joined([first, Piece("B", usage=Final("", 4, 3, 2))]).usage == Final("", 4, 3, 2)
+    scoring = Answers("cmpl-2", "upper", chat=False, continuous_usage=True, prompt_only=True)
+    assert scoring.shown(first).usage.completion_tokens == 0  # nothing generated is shown
 
 
 def test_logprob_parameters_become_sampling_fields():
@@ -418,8 +442,8 @@ def _tools(*names: str):
 
 def test_tool_choice_modes_and_their_answers():
     from loraserve.gateway.http.schemas import NamedToolChoice
-    from loraserve.gateway.http.tool_calling import tool_choice
-    from loraserve.gateway.tool_parsers import ToolCall, parser_named
+    from loraserve.gateway.http.tool_calling import MAX_TOOL_CALLS, tool_choice
+    from loraserve.gateway.tool_parsers import ParsedOutput, ToolCall, parser_named
 
     hermes = parser_named("hermes")
     assert tool_choice(None, None, None, hermes) is None  # no tools: text
@@ -451,7 +475,8 @@ def test_tool_choice_modes_and_their_answers():
     strict = _tools("f", "g")
     strict[1].function.strict = True  # one strict tool: auto is held to the parser's grammar
     held = tool_choice(strict, "auto", None, hermes).constraint()
-    assert (held.kind, held.field) == ("grammar", "tools") and held.value == hermes.strict_grammar(auto.functions, True)
+    assert (held.kind, held.field) == ("grammar", "tools")
+    assert held.value == hermes.strict_grammar(auto.functions, MAX_TOOL_CALLS)
     assert grammar_for(held.kind, held.value, held.field)  # llguidance takes it
     plain = answers.whole([(Piece("just text"), Final("stop", 3, 2))])["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": "just text"}
@@ -466,13 +491,24 @@ def test_tool_choice_modes_and_their_answers():
     )
     parsed = required.parse('[{"name":"g","parameters":{"x":5}}]')
     assert parsed.tool_calls == [ToolCall("g", '{"x": 5}')] and required.finish_reason(parsed, "stop") == "tool_calls"
-    cut = required.parse('[{"name":"g","param')  # cut by max_tokens: content, no guessed call
-    assert cut.tool_calls == [] and required.finish_reason(cut, "length") == "length"
+    cut = required.parse('[{"name":"g","param', cut=True)  # cut by max_tokens: still a call, never content
+    assert cut == ParsedOutput(None, [ToolCall("g", "")]) and required.finish_reason(cut, "length") == "length"
+    several = tool_choice(_tools("f", "g"), "required", None, hermes)
+    assert several.constraint().value["maxItems"] == MAX_TOOL_CALLS  # a grammar never allows an endless list
+    cut = several.parse('[{"name":"f","parameters":{"x":1}},{"name":"g","parameters":{"x":', cut=True)
+    assert cut.tool_calls == [ToolCall("f", '{"x": 1}'), ToolCall("g", '{"x":')]
+    assert tool_choice(_tools("f"), "required", True, hermes, max_calls=2).constraint().value["maxItems"] == 2
+    with pytest.raises(InvalidRequestError, match="max_tool_calls"):
+        tool_choice(_tools("f"), "required", None, hermes, max_calls=MAX_TOOL_CALLS + 1)
 
     function = tool_choice(_tools("f", "g"), NamedToolChoice(type="function", function={"name": "f"}), None, None)
     assert function.constraint().value["required"] == ["x"]
     parsed = function.parse('{"x":3}')
     assert parsed.tool_calls == [ToolCall("f", '{"x": 3}')] and function.finish_reason(parsed, "stop") == "stop"
+    length = Answers("id", "m", chat=True, tools=function).whole([(Piece('{"x":3'), Final("length", 3, 4))])
+    message = length["choices"][0]["message"]  # cut: the call with its arguments as generated, finish length
+    assert message["content"] is None and message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x":3'}
+    assert length["choices"][0]["finish_reason"] == "length"
     chunks = Answers("id", "m", chat=True, tools=function).settled(Piece('{"x":3}'), Final("stop", 3, 4))
     call = chunks[0]["choices"][0]["delta"]["tool_calls"][0]
     assert (call["index"], call["function"]) == (0, {"name": "f", "arguments": '{"x": 3}'})
@@ -599,7 +635,7 @@ def test_the_readme_lists_every_refusal():
     table = table[: table.index("\n\n")]
     named = set(re.findall(r"`([a-z_.]+)", table))
     refused = {*NOT_IMPLEMENTED, *CHAT_NOT_IMPLEMENTED, *COMPLETION_NOT_IMPLEMENTED}
-    others = {"top_p", "repetition_penalty", "best_of", "top_logprobs", "stream_options", "continuous_usage_stats"}
+    others = {"top_p", "repetition_penalty", "best_of", "top_logprobs", "stream_options"}
     others |= {"logit_bias", "suffix", "guided_decoding_backend", "response_format", "structured_outputs"}
     others |= {"tool_choice", "ignore_eos", "lora_int_id"}
     assert not (refused | others) - named, sorted((refused | others) - named)

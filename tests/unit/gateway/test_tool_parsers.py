@@ -64,7 +64,30 @@ def test_hermes_unclosed_final_call_at_end() -> None:
     text = hermes(WEATHER) + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n'
     assert HermesParser().parse(text).tool_calls == [WEATHER, TIME]
     cut = hermes(WEATHER) + '\n<tool_call>\n{"name": "get_time", "argu'
-    assert HermesParser().parse(cut) == ParsedOutput(content=cut, tool_calls=[])
+    assert HermesParser().parse(cut) == ParsedOutput(content=cut, tool_calls=[])  # not cut by max_tokens: text
+    assert HermesParser().parse(cut, cut=True) == ParsedOutput(None, [WEATHER, ToolCall("get_time", "")])
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "Eur', [ToolCall("get_time", '{"tz": "Eur')]),
+        ('<tool_call>\n{"name": "get_time", "arguments": ', [ToolCall("get_time", "")]),
+        ('<tool_call>\n{"name": "get_ti', [ToolCall("get_time", "")]),  # one tool begins so
+        ('<tool_call>\n{"name": "get_', []),  # get_time or get_weather: no guess
+        ('<tool_call>\n{"na', []),
+        ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "x"}}\n</tool_', [ToolCall("get_time", '{"tz": "x"}')]),
+    ],
+)
+def test_a_call_cut_by_max_tokens_is_a_call_with_its_arguments_as_generated(text, calls) -> None:
+    names = ("get_time", "get_weather")
+    parsed = HermesParser().parse("Checking. " + text, cut=True, names=names)
+    assert parsed == ParsedOutput("Checking.", calls)  # never the call's raw text in the content
+    llama = Llama3JsonParser().parse(
+        LLAMA_CALL + "; " + text.removeprefix("<tool_call>\n").replace('"arguments"', '"parameters"'), True, names
+    )
+    if not text.endswith("</tool_"):
+        assert llama == ParsedOutput(None, [ToolCall("get_time", '{"zone": 2}'), *calls])
 
 
 def test_hermes_closing_tag_inside_a_string_argument() -> None:
@@ -190,7 +213,7 @@ SCHEMAS = {
 }
 
 
-def _allows(parser_name: str, parallel: bool, text: str) -> bool:
+def _allows(parser_name: str, max_calls: int, text: str) -> bool:
     """Whether the parser's strict grammar lets a model write `text` (the demo tokenizer's tokens) and stop."""
     from llguidance import LLMatcher, LLTokenizer
 
@@ -200,7 +223,7 @@ def _allows(parser_name: str, parallel: bool, text: str) -> bool:
 
     tokenizer = Tokenizer.from_model_dir(DEMO_MODEL_DIR)
     ll = LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size, eos_token=list(tokenizer.eos_token_ids))
-    matcher = LLMatcher(ll, grammar_for("grammar", parser_named(parser_name).strict_grammar(SCHEMAS, parallel), "t"))
+    matcher = LLMatcher(ll, grammar_for("grammar", parser_named(parser_name).strict_grammar(SCHEMAS, max_calls), "t"))
     ids = tokenizer.encode(text, add_special_tokens=False)
     return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
 
@@ -210,25 +233,30 @@ LLAMA_CALL = '{"name": "get_time", "parameters": {"zone":2}}'
 
 
 @pytest.mark.parametrize(
-    ("parser_name", "parallel", "text", "allowed"),
+    ("parser_name", "max_calls", "text", "allowed"),
     [
-        ("hermes", True, "plain text, {braces} and all", True),
-        ("hermes", True, "", True),
-        ("hermes", True, "Let me look. " + HERMES_CALL, True),
-        ("hermes", True, HERMES_CALL + "\n" + HERMES_CALL.replace("Paris", "Rome"), True),
-        ("hermes", True, HERMES_CALL.replace('"Paris"', '"Ouagadougou"'), False),  # over maxLength
-        ("hermes", True, HERMES_CALL.replace('"city"', '"town"'), False),  # not its schema
-        ("hermes", True, HERMES_CALL.replace("get_weather", "get_wether"), False),  # no such tool
-        ("hermes", False, HERMES_CALL, True),
-        ("llama3_json", True, "no call here {", True),
-        ("llama3_json", True, LLAMA_CALL, True),
-        ("llama3_json", True, LLAMA_CALL + "; " + LLAMA_CALL, True),
-        ("llama3_json", False, LLAMA_CALL + "; " + LLAMA_CALL, False),  # one call only
-        ("llama3_json", True, LLAMA_CALL.replace("2", '"two"'), False),
-        ("llama3_json", True, '{"x": 1}', False),  # text that opens with "{" is a call
+        ("hermes", 16, "plain text, {braces} and all", True),
+        ("hermes", 16, "", True),
+        ("hermes", 16, "Let me look. " + HERMES_CALL, True),
+        ("hermes", 16, HERMES_CALL + "\n" + HERMES_CALL.replace("Paris", "Rome"), True),
+        ("hermes", 16, HERMES_CALL.replace('"Paris"', '"Ouagadougou"'), False),  # over maxLength
+        ("hermes", 16, HERMES_CALL.replace('"city"', '"town"'), False),  # not its schema
+        ("hermes", 16, HERMES_CALL.replace("get_weather", "get_wether"), False),  # no such tool
+        ("hermes", 1, HERMES_CALL, True),
+        ("hermes", 1, HERMES_CALL + "\n" + HERMES_CALL, False),  # one call only
+        ("hermes", 2, "\n".join([HERMES_CALL] * 2), True),
+        ("hermes", 2, "\n".join([HERMES_CALL] * 3), False),  # the count bound
+        ("llama3_json", 2, "; ".join([LLAMA_CALL] * 2), True),
+        ("llama3_json", 2, "; ".join([LLAMA_CALL] * 3), False),
+        ("llama3_json", 16, "no call here {", True),
+        ("llama3_json", 16, LLAMA_CALL, True),
+        ("llama3_json", 16, LLAMA_CALL + "; " + LLAMA_CALL, True),
+        ("llama3_json", 1, LLAMA_CALL + "; " + LLAMA_CALL, False),  # one call only
+        ("llama3_json", 16, LLAMA_CALL.replace("2", '"two"'), False),
+        ("llama3_json", 16, '{"x": 1}', False),  # text that opens with "{" is a call
     ],
 )
-def test_strict_grammars_let_text_run_and_hold_calls_to_their_schemas(parser_name, parallel, text, allowed):
-    assert _allows(parser_name, parallel, text) is allowed
+def test_strict_grammars_let_text_run_and_hold_calls_to_their_schemas(parser_name, max_calls, text, allowed):
+    assert _allows(parser_name, max_calls, text) is allowed
     if allowed and ("<tool_call>" in text or text.startswith("{")):
         assert parser_named(parser_name).parse(text).tool_calls  # a call the grammar lets through, the parser reads
