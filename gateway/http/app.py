@@ -1,6 +1,6 @@
-"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (and the
-operational routes of `operations.py`: `/health`, `/version`, `/tokenize`, `/detokenize`, and the
-adapter routes of `adapter_routes.py`: `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`
+(and the operational routes of `operations.py`: `/health`, `/version`, `/tokenize`, `/detokenize`, and
+the adapter routes of `adapter_routes.py`: `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
 
 A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
 name. A request becomes one `Draft` per choice (`drafts.py`), each run by the generation core
@@ -8,15 +8,19 @@ name. A request becomes one `Draft` per choice (`drafts.py`), each run by the ge
 are the gRPC API's; this file translates requests in and answers out (`responses.py`), and failures
 into OpenAI's error shape (`errors.py`).
 Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
-token ids (both in the tokenizer's threads, `gateway/tokenizing.py`). `BodyGuard` (`body_guard.py`)
-stands in front of every route: a caller without a valid key gets 401, and a body over the cap 413,
-before any byte of the body is read; the routes then authenticate again (the principal they act for).
+token ids (both in the tokenizer's threads, `gateway/tokenizing.py`). The Responses API takes the same
+path: its request is mapped onto chat's pieces (`responses_api.py`: conversation, tools, output
+constraint), rendered and generated as a chat completion is, and answered in its own shapes
+(`responses_events.py`, `responses_answering.py`). `BodyGuard` (`body_guard.py`) stands in front of
+every route: a caller without a valid key gets 401, and a body over the cap 413, before any byte of
+the body is read; the routes then authenticate again (the principal they act for).
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated, Any
 
@@ -30,6 +34,7 @@ from loraserve.gateway.admin_service import AdapterAdminService
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.core import GenerationCore
+from loraserve.gateway.http import responses_api
 from loraserve.gateway.http.adapter_routes import AdapterRoutes
 from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.body_guard import BodyGuard
@@ -39,9 +44,12 @@ from loraserve.gateway.http.generation import http_metadata
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.responses import Answers
-from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest
+from loraserve.gateway.http.responses_answering import respond
+from loraserve.gateway.http.responses_events import Reply
+from loraserve.gateway.http.responses_schema import ResponsesRequest
+from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest, Tool
 from loraserve.gateway.http.structured import requested_constraint
-from loraserve.gateway.http.tool_calling import tool_choice
+from loraserve.gateway.http.tool_calling import ToolChoice, tool_choice
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.tool_parsers import ToolCallParser
@@ -67,6 +75,7 @@ def build_app(
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/responses", routes.responses, methods=["POST"], response_model=None)
     operations = OperationRoutes(core, chat_template, routes.model)
     app.add_api_route("/health", operations.health, methods=["GET"], response_model=None)
     app.add_api_route("/version", operations.version, methods=["GET"])
@@ -173,29 +182,10 @@ class OpenAiRoutes:
         )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
-        if self.chat_template is None:
-            raise bad_request(
-                "messages",
-                f"model {self.base_model!r} has no chat template (no chat_template in its tokenizer_config.json): "
-                "use /v1/completions with a prompt",
-            )
-        try:
-            tools = tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_parser)
-        except LoraserveError as e:
-            raise http_error(e) from None
+        template = self._template("messages")
+        tools = self._tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls)
         draft = self._draft(body, None if tools is None else tools.constraint())
-        limits = self.core.limits
-        try:
-            listed = None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools]
-            text = await self.core.tokenizing.render(self.chat_template, body.conversation(), listed)
-            if len(text.encode()) > limits.max_prompt_bytes:
-                raise InvalidRequestError("messages", f"are longer than {limits.max_prompt_bytes} bytes")
-            ids = await self.core.tokenizing.encode(text, "messages", add_special_tokens=False)
-        except LoraserveError as e:
-            raise http_error(e, "messages") from None
-        draft = replace(draft, prompt_ids=tuple(ids))
-        if not body.new_tokens:  # as OpenAI and vLLM: an answer may run to the end of the context
-            draft = replace(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
+        draft = await self._chat_prompt(draft, template, body.conversation(), body.tools, "messages")
         answers = Answers(
             f"chatcmpl-{uuid.uuid4().hex}",
             body.model,
@@ -220,6 +210,75 @@ class OpenAiRoutes:
             end_user=body.user,
         )
 
+    async def responses(self, body: ResponsesRequest, request: Request, principal: Caller) -> Response:
+        """OpenAI's Responses API, served by the chat path (`responses_api.py` maps the request onto it);
+        every failure names the Responses API's parameters."""
+        try:
+            template = self._template("input")
+            refused = body.unsupported()
+            if refused is not None:
+                raise bad_request(*refused)
+            listed = responses_api.chat_tools(body)
+            choice = responses_api.chat_tool_choice(body)
+            tools = self._tool_choice(listed, choice, body.parallel_tool_calls, max_calls=body.max_tool_calls)
+            constraint = self._constraint(responses_api.text_constraint, body)
+            draft = Draft(
+                adapter=self._adapter(body.model),
+                sampling=responses_api.sampling(body),
+                max_new_tokens=body.max_output_tokens or 0,
+                constraint=_one_constraint(constraint, None if tools is None else tools.constraint()),
+            )
+            conversation = responses_api.chat_conversation(body)
+            draft = await self._chat_prompt(draft, template, conversation, listed, "input")
+        except HttpError as e:
+            raise responses_api.renamed(e) from None
+        reply = Reply(f"resp_{uuid.uuid4().hex}", body.model, responses_api.echo(body), tools)
+        return await respond(self.core, draft, reply, request, bool(body.stream), end_user=body.user)
+
+    def _template(self, param: str) -> ChatTemplate:
+        """The model's chat template; a 400 naming `param` when it has none."""
+        if self.chat_template is None:
+            raise bad_request(
+                param,
+                f"model {self.base_model!r} has no chat template (no chat_template in its tokenizer_config.json): "
+                "use /v1/completions with a prompt",
+            )
+        return self.chat_template
+
+    def _tool_choice(
+        self, tools: list[Tool] | None, choice: Any, parallel: bool | None, max_calls: int | None = None
+    ) -> ToolChoice | None:
+        """The request's use of its tools (`tool_calling.tool_choice`), or a 400 naming what cannot be served."""
+        try:
+            return tool_choice(tools, choice, parallel, self.tool_parser, max_calls=max_calls)
+        except LoraserveError as e:
+            raise http_error(e) from None
+
+    async def _chat_prompt(
+        self,
+        draft: Draft,
+        template: ChatTemplate,
+        conversation: list[dict[str, Any]],
+        tools: list[Tool] | None,
+        param: str,
+    ) -> Draft:
+        """`draft` with its prompt: `conversation` rendered by the chat template (`tools` listed for it), as
+        token ids, both in the tokenizer's threads; a problem with it is a 400 naming `param`. With no max
+        tokens asked for, the answer may run to the end of the context (as OpenAI and vLLM do)."""
+        limits = self.core.limits
+        try:
+            listed = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+            text = await self.core.tokenizing.render(template, conversation, listed)
+            if len(text.encode()) > limits.max_prompt_bytes:
+                raise InvalidRequestError(param, f"are longer than {limits.max_prompt_bytes} bytes")
+            ids = await self.core.tokenizing.encode(text, param, add_special_tokens=False)
+        except LoraserveError as e:
+            raise http_error(e, param) from None
+        draft = replace(draft, prompt_ids=tuple(ids))
+        if not draft.max_new_tokens:
+            draft = replace(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
+        return draft
+
     def _logprob_format(self, asked: bool, chat: bool, keep_special: bool) -> LogprobFormat | None:
         return LogprobFormat(self.core.tokenizer, chat, keep_special) if asked else None
 
@@ -232,28 +291,41 @@ class OpenAiRoutes:
         refused = body.unsupported()
         if refused is not None:
             raise bad_request(*refused)
-        sampling = body.sampling()
-        try:
-            constraint = requested_constraint(body.constraint_fields())
-            if constraint is not None and tool_constraint is not None:
-                raise InvalidRequestError(
-                    constraint.field,
-                    "cannot be combined with tool_choice 'required', a named function, or 'auto' with strict tools",
-                )
-            constraint = constraint or tool_constraint
-        except LoraserveError as e:
-            raise http_error(e) from None
+        constraint = self._constraint(requested_constraint, body.constraint_fields())
         return Draft(
-            adapter="" if body.model == self.base_model else body.model,
-            sampling=sampling,
+            adapter=self._adapter(body.model),
+            sampling=body.sampling(),
             max_new_tokens=body.new_tokens,
             stop=tuple(body.stops),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             include_stop=bool(body.include_stop_str_in_output),
             cache_salt=body.cache_salt or "",
             keep_special_tokens=body.skip_special_tokens is False,
-            constraint=constraint,
+            constraint=_one_constraint(constraint, tool_constraint),
         )
+
+    def _adapter(self, model: str) -> str:
+        """The adapter a model id names ("": the base model)."""
+        return "" if model == self.base_model else model
+
+    @staticmethod
+    def _constraint(read: Callable[[Any], Constraint | None], fields: Any) -> Constraint | None:
+        """The output constraint `read` finds in `fields`, or a 400 naming the parameter at fault."""
+        try:
+            return read(fields)
+        except LoraserveError as e:
+            raise http_error(e) from None
+
+
+def _one_constraint(constraint: Constraint | None, tool_constraint: Constraint | None) -> Constraint | None:
+    """The request's one output constraint: its own, or the one its tool choice needs; a 400 when it asks
+    for both (one grammar per request)."""
+    if constraint is not None and tool_constraint is not None:
+        raise bad_request(
+            constraint.field,
+            "cannot be combined with tool_choice 'required', a named function, or 'auto' with strict tools",
+        )
+    return constraint or tool_constraint
 
 
 def _choices(draft: Draft, body: CompletionRequest | ChatCompletionRequest, group: str) -> list[Draft]:

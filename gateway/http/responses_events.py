@@ -1,0 +1,211 @@
+"""The Responses API's answers: the `response` object, its output items, and a stream's events. Pure.
+
+A response has `status` "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens"
+when that length cut the output; its `usage` is `input_tokens` (with `input_tokens_details.cached_tokens`,
+the prompt tokens found in the prefix cache), `output_tokens` (`output_tokens_details.reasoning_tokens`:
+always 0) and `total_tokens`. It repeats the request's parameters as they took effect (`echo`, from
+`responses_api.py`): `instructions`, `metadata`, `temperature`, `tools`, ...
+
+Its `output`: without tools in use, one `message` item holding one `output_text` part, the generated text.
+With tools in use (`tool_calling.py`) the text is parsed: what is not a call (if anything) is the message,
+then each call is a `function_call` item (`call_id`, `name`, `arguments` as JSON text). A call that
+max_output_tokens cut short is still a call, its arguments as far as they were generated, and the last
+item of a cut response has status "incomplete".
+
+A stream is SSE events, each `event: TYPE` and `data: JSON` (no `[DONE]`), numbered by `sequence_number`
+from 0: `response.created` and `response.in_progress` (the response, no output yet); for each output item
+`response.output_item.added`, then for a message `response.content_part.added`, `response.output_text.delta`s,
+`response.output_text.done` and `response.content_part.done`, for a call
+`response.function_call_arguments.delta` and `.done`, then `response.output_item.done`; last
+`response.completed` (`response.incomplete` when cut) with the whole response. Text is sent as it comes;
+with tools in use it is sent whole at the end, as chat's is (a call is parsed from all of it). A failure
+after the stream began is one `error` event (`code`, `message`, `param`), and the stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraserve.gateway.http.responses import Final
+from loraserve.gateway.http.tool_calling import ToolChoice
+from loraserve.gateway.tool_parsers import call_id
+
+INCOMPLETE = "length"  # the finish reason that makes a response incomplete (max_output_tokens)
+
+
+def item_id(kind: str) -> str:
+    """A fresh output item id: `msg_` (a message) or `fc_` (a function call) and 32 hex digits."""
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def usage(final: Final) -> dict[str, Any]:
+    return {
+        "input_tokens": final.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        "output_tokens": final.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to one Responses API request. `echo`: the request's parameters as the response repeats
+    them; `tools`: the tool choice in use (the text is parsed into calls), or None."""
+
+    id: str
+    model: str
+    echo: dict[str, Any]
+    tools: ToolChoice | None = None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    message_id: str = field(default_factory=lambda: item_id("msg"))
+
+    @property
+    def buffered(self) -> bool:
+        """A stream whose text is sent whole at its end (calls are parsed from all of it)."""
+        return self.tools is not None
+
+    def response(self, output: list[dict[str, Any]] | None = None, final: Final | None = None) -> dict[str, Any]:
+        """The response object: in progress (no `final` yet), else finished with `output`."""
+        status = "in_progress" if final is None else _status(final)
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model,
+            "output": output or [],
+            "usage": None if final is None else usage(final),
+            **self.echo,
+        }
+
+    def output(self, text: str, final: Final) -> list[dict[str, Any]]:
+        """The output items of the whole generated `text`."""
+        if self.tools is None:
+            items = [self.message(text)]
+        else:
+            parsed = self.tools.parse(text, cut=final.finish_reason == INCOMPLETE)
+            items = [] if parsed.content is None else [self.message(parsed.content)]
+            items += [function_call(c.name, c.arguments) for c in parsed.tool_calls]
+            items = items or [self.message("")]
+        if _status(final) == "incomplete":
+            items[-1] = items[-1] | {"status": "incomplete"}
+        return items
+
+    def message(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [text_part(text)] if status != "in_progress" else []
+        return {"type": "message", "id": self.message_id, "role": "assistant", "status": status, "content": content}
+
+    def whole(self, text: str, final: Final) -> dict[str, Any]:
+        """The non-streamed answer."""
+        return self.response(self.output(text, final), final)
+
+
+def function_call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id("fc"),
+        "call_id": call_id(),
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
+
+
+def _status(final: Final) -> str:
+    return "incomplete" if final.finish_reason == INCOMPLETE else "completed"
+
+
+class ResponseEvents:
+    """The events of one streamed response, numbered in the order they are made."""
+
+    def __init__(self, reply: Reply):
+        self.reply = reply
+        self._sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        numbered = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return numbered
+
+    def opening(self) -> list[dict[str, Any]]:
+        """`response.created` and `response.in_progress`, then (text sent as it comes) the message's first events."""
+        snapshot = self.reply.response()
+        events = [self.event(f"response.{kind}", response=snapshot) for kind in ("created", "in_progress")]
+        return events if self.reply.buffered else events + self.message_opening(0)
+
+    def message_opening(self, index: int) -> list[dict[str, Any]]:
+        """A message's first events (output item `index`), before its text."""
+        place = {"item_id": self.reply.message_id, "output_index": index}
+        return [
+            self.event("response.output_item.added", output_index=index, item=self.reply.message("", "in_progress")),
+            self.event("response.content_part.added", **place, content_index=0, part=text_part("")),
+        ]
+
+    def text_delta(self, index: int, delta: str) -> dict[str, Any]:
+        place = {"item_id": self.reply.message_id, "output_index": index, "content_index": 0}
+        return self.event("response.output_text.delta", **place, delta=delta, logprobs=[])
+
+    def message_closing(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """A message's last events, once its text (`item`'s) is whole."""
+        place = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        text = item["content"][0]["text"]
+        return [
+            self.event("response.output_text.done", **place, text=text, logprobs=[]),
+            self.event("response.content_part.done", **place, part=text_part(text)),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def whole_item(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every event of output item `index`, whose content is known whole (a buffered stream's), in order."""
+        if item["type"] == "message":
+            events = self.message_opening(index)
+            text = item["content"][0]["text"]
+            if text:
+                events.append(self.text_delta(index, text))
+            return events + self.message_closing(index, item)
+        place = {"item_id": item["id"], "output_index": index}
+        opened = item | {"arguments": "", "status": "in_progress"}
+        events = [self.event("response.output_item.added", output_index=index, item=opened)]
+        if item["arguments"]:
+            events.append(self.event("response.function_call_arguments.delta", **place, delta=item["arguments"]))
+        return [
+            *events,
+            self.event(
+                "response.function_call_arguments.done", **place, name=item["name"], arguments=item["arguments"]
+            ),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def settled(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The events once the text is whole: the streamed message's last ones, or every item's (buffered)."""
+        if not self.reply.buffered:
+            return self.message_closing(0, output[0])
+        return [event for index, item in enumerate(output) for event in self.whole_item(index, item)]
+
+    def closing(self, output: list[dict[str, Any]], final: Final) -> dict[str, Any]:
+        """`response.completed` (or `response.incomplete`) with the whole response."""
+        response = self.reply.response(output, final)
+        return self.event(f"response.{response['status']}", response=response)
+
+    def error(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The event of a failure after the stream began; `body`: the failure in OpenAI's error shape."""
+        error = body["error"]
+        return self.event("error", code=error["code"] or error["type"], message=error["message"], param=error["param"])
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """An event as SSE: its type as the event name, then its data."""
+    data = json.dumps(event, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
