@@ -42,8 +42,9 @@ OUTPUT_TOKENS = Counter("loraserve_gateway_output_tokens", "Tokens generated for
 FAILOVERS = Counter("loraserve_gateway_failovers", "Times a request lost its worker and was continued on another one")
 HTTP_CONNECTIONS_REFUSED = Counter(
     "loraserve_gateway_http_connections_refused",
-    "HTTP connections answered 503 and closed at --http-max-connections: a new one when every open one had sent "
-    "a request (full), or the open one longest without a request, to make room for a new one (evicted)",
+    "HTTP connections closed at --http-max-connections: a new one answered 503 when every open one was busy with "
+    "a request (full), or, to make room for a new one, the open one longest without a first request (answered "
+    "503) or else the one idle longest between requests (closed with nothing sent) (evicted)",
     ["why"],
 )
 HTTP_CONNECTIONS_TIMED_OUT = Counter(

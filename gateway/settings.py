@@ -36,7 +36,8 @@ class GatewaySettings:
         "seconds an HTTP client has to send a whole request body after its head (else 408, closed)",
     )
     http_keep_alive: float = setting(
-        ConnectionLimits.keep_alive_s, "seconds an idle HTTP keep-alive connection is kept open"
+        ConnectionLimits.keep_alive_s,
+        "seconds an idle HTTP keep-alive connection is kept open (longer than clients' pools keep theirs)",
     )
     tool_call_parser: str | None = setting(None, TOOL_CALL_PARSER_HELP, choices=tuple(sorted(PARSERS)))
     auth_file: Path | None = setting(

@@ -19,7 +19,8 @@ from loraserve.errors import InvalidRequestError
 from loraserve.structured import MAX_GRAMMAR_BYTES
 
 # Below these the arithmetic stops meaning anything: logits / 1e-45 overflow float32 to infinity.
-# A temperature is 0 (greedy) or at least MIN_TEMPERATURE; a repetition penalty divides or
+# A temperature in (0, MIN_TEMPERATURE) is greedy (SamplingParams stores it as 0): clients send 1e-4 or
+# 1e-6 to mean greedy, and dividing by it would only approach argmax. A repetition penalty divides or
 # multiplies logits, so it stays within [MIN_REPETITION_PENALTY, 10].
 MIN_TEMPERATURE = 1e-3
 MIN_REPETITION_PENALTY = 1e-2
@@ -30,11 +31,13 @@ Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How one request's tokens are chosen. Keyword construction checks every value (`check_sampling`:
-    InvalidRequestError naming the field); `msgspec.structs.replace` makes a changed copy."""
+    """How one request's tokens are chosen. Keyword construction (and decoding) checks every value
+    (`check_sampling`: InvalidRequestError naming the field) after one normalization: a temperature in
+    (0, MIN_TEMPERATURE) becomes 0, greedy, so every edge and the offline engine read it the same way.
+    `msgspec.structs.replace` makes a changed copy."""
 
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] = 64
-    temperature: Finite = 0.0  # 0: greedy
+    temperature: Finite = 0.0  # 0: greedy (and so is anything below MIN_TEMPERATURE: stored as 0)
     top_k: Count = 0  # 0: off
     top_p: Finite = 1.0
     min_p: Finite = 0.0  # drop tokens less likely than min_p times the most likely one; 0: off
@@ -53,6 +56,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grammar: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_BYTES)] | None = None
 
     def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # a tiny temperature means greedy (NaN compares False)
+            msgspec.structs.force_setattr(self, "temperature", 0.0)
         check_sampling(self)
 
     @property
@@ -73,7 +78,7 @@ def check_sampling(p: Any) -> None:
     if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
         bad("max_new_tokens", "must be a positive integer")
     if not (math.isfinite(p.temperature) and (p.temperature == 0.0 or MIN_TEMPERATURE <= p.temperature <= 100.0)):
-        bad("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100]")
+        bad("temperature", f"must be in [0, 100] (below {MIN_TEMPERATURE:g}: greedy)")
     if not isinstance(p.top_k, int) or p.top_k < 0:
         bad("top_k", "must be >= 0 (0 turns it off)")
     if not (math.isfinite(p.top_p) and 0.0 < p.top_p <= 1.0):

@@ -2,24 +2,37 @@
 
 uvicorn alone accepts every connection and waits forever for a request head or body, so idle or
 trickling clients with no key can hold sockets until the process runs out of file descriptors and
-fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with three bounds:
+fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with these bounds:
 
-- **a connection limit**: with `max_connections` open, a new connection takes the place of the one
-  that has waited longest for its first request head (answered `503` and closed): connections that
-  never send a request cannot keep a well-behaved client out, however many there are. Only when every
-  open connection has sent a request is the new one answered `503` and closed at once. Either way the
-  gateway's descriptors stay bounded whatever clients do;
-- **a request-head deadline**: from the moment a connection is ready for a request (accepted, or
-  its previous response sent) the whole head must arrive within `header_timeout_s`, however it is
-  trickled (uvicorn's keep-alive timer restarts on every byte);
+- **a connection limit**: with `max_connections` open, a new connection takes the place of one that
+  is waiting for the client: first the one that has waited longest for its first request head
+  (answered `503` and closed), else the one idle longest between requests (a keep-alive connection
+  whose response is sent and of whose next request nothing has come: closed with no answer, as its
+  keep-alive timeout would, so the client sends its next request on a new connection). Connections
+  that never send a request, or send one and then sit idle, cannot keep a well-behaved client out,
+  however many there are. Only when every open connection is in the middle of a request is the new
+  one answered `503` and closed at once. Either way the gateway's descriptors stay bounded whatever
+  clients do;
+- **a request-head deadline**: from the moment a connection is ready for its first request (accepted),
+  or from the first byte of a later one, the whole head must arrive within `header_timeout_s`, however
+  it is trickled (uvicorn's keep-alive timer stops at the first byte);
 - **a request-body deadline**: once the head is in, the whole body must arrive within
-  `body_timeout_s`.
+  `body_timeout_s`;
+- **a keep-alive timeout**: a connection idle between requests is closed (with no answer) after
+  `keep_alive_s`, by uvicorn's own timer; the head deadline does not run while it is idle.
 
 A client that misses a deadline gets `408` (when no response has begun) and the connection is
 closed. Under TLS the protocol starts once the handshake is done: `server.py` gives the handshake
 `header_timeout_s` (not the loop's 60 s), so a connection in its handshake, which the limit does
 not count yet, is bounded in time. While the gateway answers (a generation, a stream) no deadline runs: the client owes
-nothing then. Idle keep-alive connections are closed after `keep_alive_s` by uvicorn itself.
+nothing then.
+
+`keep_alive_s` is 75 s by default (nginx's and Go's net/http's idle timeouts are 75 s and longer), well
+past the idle expiry of common client pools (httpx, which the openai SDK uses: 5 s; undici/node: 4 s;
+aiohttp: 15 s). A client pool must be the one to drop an idle connection: when the server closes it at
+the moment the client reuses it (equal timeouts race), the request is lost on the wire and the client
+sees "Server disconnected without sending a response". Idle connections cost a descriptor each, and at
+`max_connections` the idle ones make room for new ones (above), so the long timeout cannot starve the port.
 """
 
 from __future__ import annotations
@@ -45,9 +58,9 @@ _TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: c
 @dataclass(frozen=True)
 class ConnectionLimits:
     max_connections: int = 2048  # open HTTP connections; more are answered 503 and closed
-    header_timeout_s: float = 10.0  # to send a whole request head, from connect or the previous response
+    header_timeout_s: float = 10.0  # to send a whole request head, from connect or its first byte
     body_timeout_s: float = 60.0  # to send a whole request body, from the end of its head
-    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    keep_alive_s: float = 75.0  # an idle connection between requests is closed after this (longer than clients' pools)
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
@@ -90,13 +103,16 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
     class GuardedH11Protocol(H11Protocol):
         _limits = limits
-        # Open connections that have not sent a whole request head yet, the longest waiting first.
+        # Open connections that have not sent a whole request head yet, the longest waiting first, and those
+        # idle between requests (response sent, nothing of the next request yet), the longest idle first.
         _silent: ClassVar[dict[GuardedH11Protocol, None]] = {}  # one per server (this class is made per call)
+        _idle: ClassVar[dict[GuardedH11Protocol, None]] = {}
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._refused = len(self.connections) >= self._limits.max_connections and not self._evict_silent()
+            self._refused = len(self.connections) >= self._limits.max_connections and not self._make_room()
             self._deadline: asyncio.TimerHandle | None = None
             self._owed: str | None = None  # what the client owes now: "head", "body" or nothing
+            self._between = False  # idle between requests: a response sent, nothing of the next request yet
             if self._refused:
                 metrics.HTTP_CONNECTIONS_REFUSED.labels("full").inc()
                 transport.write(_BUSY)
@@ -110,12 +126,14 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             if self._refused:
                 return
             self._silent.pop(self, None)
+            self._idle.pop(self, None)
             self._set_deadline(None)
             super().connection_lost(exc)
 
-        def _evict_silent(self) -> bool:
-            """Close the open connection that has waited longest for its first request head, to make room
-            for this one; False when every open connection has sent a request."""
+        def _make_room(self) -> bool:
+            """Close an open connection that waits for its client, to make room for this one: the one that has
+            waited longest for its first request head (answered 503), else the one idle longest between requests
+            (closed with no answer, as at its keep-alive timeout). False when every open one is mid-request."""
             while self._silent:
                 other = next(iter(self._silent))
                 del self._silent[other]
@@ -126,11 +144,22 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
                 other.transport.write(_BUSY)
                 other.transport.close()
                 return True
+            while self._idle:
+                other = next(iter(self._idle))
+                del self._idle[other]
+                if other.transport.is_closing() or not other._between:
+                    continue
+                metrics.HTTP_CONNECTIONS_REFUSED.labels("evicted").inc()
+                other.timeout_keep_alive_handler()  # what uvicorn does at the keep-alive timeout: close, no answer
+                return True
             return False
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
+            if data and self._between:  # the next request has begun: its head deadline runs from now
+                self._between = False
+                self._idle.pop(self, None)
             super().data_received(data)
 
         def handle_events(self) -> None:
@@ -138,7 +167,15 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             self._track()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
+            super().on_response_complete()  # arms uvicorn's keep-alive timer; handles a pipelined request
+            if (
+                not self.transport.is_closing()
+                and self.conn.their_state is h11.IDLE
+                and self.conn.our_state is h11.IDLE
+                and not self.conn.trailing_data[0]
+            ):
+                self._between = True
+                self._idle[self] = None
             self._track()
 
         def _track(self) -> None:
@@ -148,7 +185,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             if self.transport.is_closing():
                 owed = None
             elif self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
-                owed = "head"
+                owed = None if self._between else "head"  # idle between requests: uvicorn's keep-alive timer runs
             elif self.conn.their_state is h11.SEND_BODY:
                 owed = "body"
             else:

@@ -2,7 +2,9 @@
 limits (`--http-max-connections 40`, 1 s head and body deadlines). Connections beyond the limit are
 closed at once, trickling clients are cut off at their deadline, the gateway's open descriptors
 stay bounded, and a well-behaved request and the gRPC health check are answered throughout.
-Without the limits, uvicorn kept every connection open for as long as its client liked."""
+Without the limits, uvicorn kept every connection open for as long as its client liked. A second
+gateway keeps the default `--http-keep-alive`: clients reuse connections idle longer than their
+pools' expiry, and idle keep-alive connections make room for new ones at the limit."""
 
 from __future__ import annotations
 
@@ -266,3 +268,109 @@ def test_a_tls_handshake_that_never_comes_is_cut_off_at_the_head_deadline(tmp_pa
         assert request.getresponse().status == 400  # answered by the app: the body names no model
         for sock in silent:
             sock.close()
+
+
+KEPT_CAP = 8  # the kept_alive gateway's --http-max-connections
+CLIENT_WAIT_S = 6.0  # longer than httpx's and undici's pool expiry (5 s, 4 s): an idle wait real clients make
+KEPT_HEAD_DEADLINE_S = 3.0  # the kept_alive gateway's --http-header-timeout: shorter than CLIENT_WAIT_S
+
+
+@pytest.fixture(scope="module")
+def kept_alive(tmp_path_factory) -> Iterator[LoneGateway]:
+    """A gateway with the default `--http-keep-alive`, a head deadline shorter than CLIENT_WAIT_S and room for
+    KEPT_CAP connections."""
+    flags = ["--http-max-connections", str(KEPT_CAP), "--http-header-timeout", str(KEPT_HEAD_DEADLINE_S)]
+    with lone_gateway(tmp_path_factory.mktemp("kept-alive"), *flags) as started:
+        yield started
+
+
+def test_a_client_reusing_a_connection_idle_longer_than_common_pools_gets_every_answer(kept_alive):
+    """The default keep-alive outlasts clients' pools, so the client, not the server, drops an idle connection.
+    The openai SDK on an httpx pool that keeps connections 15 s (aiohttp's default) and http.client (which never
+    checks a kept connection) each wait CLIENT_WAIT_S between two requests on one connection: both get both
+    answers on the connection they opened. With a 5 s keep-alive (the old default) the gateway had closed it:
+    http.client's second request failed on the closed connection (a broken pipe) and the pool had to
+    open another; the head deadline (KEPT_HEAD_DEADLINE_S), which used to run from the previous response, does
+    not cut an idle connection either."""
+    import httpx
+    import openai
+
+    pool = httpx.Client(limits=httpx.Limits(keepalive_expiry=15.0))
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{kept_alive.http_port}/v1", api_key=kept_alive.key, max_retries=0, http_client=pool
+    )
+    plain = http.client.HTTPConnection("127.0.0.1", kept_alive.http_port, timeout=5)
+    sdk_ports, plain_ports, statuses = [], [], []
+    try:
+        for turn in range(2):
+            if turn:
+                time.sleep(CLIENT_WAIT_S)
+            with pytest.raises(openai.APIStatusError) as answer:  # the gateway's own 503: no store behind it
+                client.completions.create(model="base", prompt="hi", max_tokens=1)
+            assert answer.value.status_code == 503 and "adapter store" in answer.value.message
+            sdk_ports.append(answer.value.response.extensions["network_stream"].get_extra_info("client_addr"))
+            plain.request("POST", "/v1/completions", b"{}", {"Authorization": f"Bearer {kept_alive.key}"})
+            plain_ports.append(plain.sock.getsockname())
+            response = plain.getresponse()
+            response.read()
+            statuses.append(response.status)
+        assert statuses == [400, 400]  # the app's answer (no `model`) both times
+        assert sdk_ports[0] == sdk_ports[1] and plain_ports[0] == plain_ports[1]  # one connection each, reused
+    finally:
+        client.close()
+        plain.close()
+
+
+def _kept(gateway: LoneGateway, count: int) -> list[http.client.HTTPConnection]:
+    """`count` connections that each sent one request and read its whole answer: idle between requests,
+    the first idle longest."""
+    kept = []
+    for _ in range(count):
+        connection = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=5)
+        connection.request("POST", "/v1/completions", b"{}", {"Authorization": f"Bearer {gateway.key}"})
+        with connection.getresponse() as response:
+            assert response.status == 400
+            response.read()
+        kept.append(connection)
+        time.sleep(0.02)  # a distinct idle order
+    return kept
+
+
+def test_connections_idle_between_requests_make_room_at_the_limit_after_silent_ones_oldest_first(kept_alive):
+    """Long keep-alive cannot starve new clients: at the limit a new connection takes the place of one that never
+    sent a request (answered 503), and when none is left, of the one idle longest between requests (closed with
+    no answer, as at its keep-alive timeout: the client sends its next request on a new connection). One whose
+    next request has begun is not idle, and is left alone. Before, only never-used connections made room: the
+    new ones were answered 503 while idle keep-alive connections held the slots."""
+    time.sleep(0.2)  # what earlier tests opened is closed
+    kept = _kept(kept_alive, 5)
+    silent = _open(kept_alive.http_port, KEPT_CAP - len(kept))
+    kept[0].sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")  # its next request has begun: not idle
+    time.sleep(0.1)  # the gateway has accepted them all, and read that
+    newer = _kept(kept_alive, len(silent) + 2)  # each sends a request at once: three take the silent ones' places
+    try:
+        answers = _answers(silent + [c.sock for c in kept + newer], within_s=0.2)  # made room at once
+        silent_answers, kept_answers = answers[: len(silent)], answers[len(silent) : len(silent) + len(kept)]
+        assert all(a is not None and a.startswith(b"HTTP/1.1 503") for a in silent_answers), silent_answers
+        assert kept_answers == [None, b"", b"", None, None], kept_answers  # the two idle longest, closed silently
+        assert answers[len(silent) + len(kept) :] == [None] * len(newer)
+    finally:
+        for connection in kept + newer:
+            connection.close()
+        for sock in silent:
+            sock.close()
+
+
+def test_a_client_gets_in_at_once_while_idle_keep_alive_connections_hold_every_slot(kept_alive):
+    """Connections idle between requests in every slot: a new client's request is answered at once, in the place
+    of the one idle longest."""
+    time.sleep(0.2)
+    kept = _kept(kept_alive, KEPT_CAP)
+    try:
+        started = time.monotonic()
+        assert _app_status(kept_alive) == 400  # the app's own answer: the request got in
+        assert time.monotonic() - started < DEADLINE_S / 2
+        assert _answers([c.sock for c in kept], within_s=0.1) == [b""] + [None] * (KEPT_CAP - 1)
+    finally:
+        for connection in kept:
+            connection.close()

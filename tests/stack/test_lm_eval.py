@@ -1,6 +1,7 @@
-"""lm-evaluation-harness against a real stack: its `local-completions` model over the HTTP API, on
-two small local tasks (no download) — a generate task, and a multiple-choice (loglikelihood) task
-run with `--batch_size 4`, whose requests are batches of token-id prompts with `echo` and
+"""lm-evaluation-harness against a real stack: the README's `lm_eval --model local-completions`
+command line (its `lm_eval` CLI, `add_bos_token=True`) over the HTTP API, on two small local tasks
+(no download) in place of the README's — a generate task, and a multiple-choice (loglikelihood)
+task run with `--batch_size 4`, whose requests are batches of token-id prompts with `echo` and
 `logprobs`.
 
 The references are independent of loraserve: each choice's log-likelihood is transformers + peft's
@@ -11,11 +12,18 @@ target is the text the gRPC API generates greedily (itself token-exact with peft
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import hf_sequence_logits
+from readme import README
 from stack import LocalStack, free_port_block
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
@@ -34,6 +42,8 @@ CHOICES = [  # (context, continuations): lm-eval scores each continuation after 
 ]
 PROMPTS = ["the quiet king", "a small river", "the old road"]
 NEW_TOKENS = 8
+BASH_FENCE = re.compile(r"^```bash\n(.*?)^```", re.MULTILINE | re.DOTALL)
+README_HTTP_ADDRESS = "127.0.0.1:8000"  # where the README's commands find the HTTP API (`loraserve up`'s)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +113,22 @@ def _tasks(folder, generated: list[str]) -> None:
     return rows
 
 
-def test_lm_eval_scores_and_generates_through_the_http_api(stack, tmp_path, monkeypatch):
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
+def _readme_command() -> list[str]:
+    """The README's `lm_eval --model local-completions ...` command line, as a shell would split it."""
+    blocks = [b for b in BASH_FENCE.findall(README.read_text()) if "--model local-completions" in b]
+    assert len(blocks) == 1, f"expected one README bash block with lm_eval's local-completions, found {len(blocks)}"
+    return shlex.split(blocks[0].replace("\\\n", ""))  # a shell drops each backslash-newline
 
-    monkeypatch.setenv("OPENAI_API_KEY", "unused")  # the stack is open; lm-eval sends a key all the same
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+def _flag(command: list[str], name: str) -> int:
+    """Where `name`'s value is in `command`."""
+    return command.index(name) + 1
+
+
+def test_the_readmes_lm_eval_command_scores_and_generates_through_the_http_api(stack, tmp_path):
+    """The README's command line, run as a user would (the `lm_eval` CLI, in a shell's argv), with the
+    stack's port for 8000 and the test's two tasks for the README's: acc 1.0 on the choice task, every
+    choice's log-likelihood the reference's, exact matches on the generate task."""
     generated = [
         stack.api.Generate(
             gateway_pb2.GenerateRequest(adapter=ADAPTER, text=p, max_new_tokens=NEW_TOKENS), timeout=60
@@ -116,24 +136,30 @@ def test_lm_eval_scores_and_generates_through_the_http_api(stack, tmp_path, monk
         for p in PROMPTS
     ]
     rows = _tasks(tmp_path, generated)
-    results = simple_evaluate(
-        model="local-completions",
-        model_args={
-            "model": ADAPTER,
-            "base_url": f"http://127.0.0.1:{stack.http_port}/v1/completions",
-            "tokenizer_backend": "huggingface",
-            "tokenizer": str(DEMO_MODEL_DIR),
-            "add_bos_token": True,
-            "max_length": 512,
-            "max_retries": 1,
-        },
-        tasks=["loraserve_choice", "loraserve_generate"],
-        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
-        batch_size=4,
-        log_samples=True,
+    command = _readme_command()
+    assert command[:3] == ["lm_eval", "--model", "local-completions"], command
+    model_args = dict(arg.split("=", 1) for arg in command[_flag(command, "--model_args")].split(","))
+    assert model_args["add_bos_token"] == "True" and model_args["model"] == ADAPTER, model_args
+    assert model_args["base_url"] == f"http://{README_HTTP_ADDRESS}/v1/completions", model_args
+    command[0] = str(Path(sys.executable).with_name("lm_eval"))
+    command[_flag(command, "--model_args")] = command[_flag(command, "--model_args")].replace(
+        README_HTTP_ADDRESS, f"127.0.0.1:{stack.http_port}"
     )
-    assert results["results"]["loraserve_choice"]["acc,none"] == 1.0
-    assert results["results"]["loraserve_generate"]["exact_match,none"] == 1.0
-    for sample in results["samples"]["loraserve_choice"]:
-        scored = [loglikelihood for loglikelihood, _greedy in (r[0] for r in sample["resps"])]
+    command[_flag(command, "--tasks")] = "loraserve_choice,loraserve_generate"
+    command += ["--include_path", str(tmp_path), "--log_samples", "--output_path", str(tmp_path / "out")]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # no download: local tasks, model
+    # `tokenizer=demo/model`: the README's path, from the directory that holds demo/ (the checkout's root)
+    ran = subprocess.run(
+        command, cwd=DEMO_MODEL_DIR.parents[1], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    [results_file] = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]
+    assert results["loraserve_choice"]["acc,none"] == 1.0
+    assert results["loraserve_generate"]["exact_match,none"] == 1.0
+    [samples_file] = (tmp_path / "out").rglob("samples_loraserve_choice_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert sorted(s["doc_id"] for s in samples) == list(range(len(CHOICES)))
+    for sample in samples:
+        scored = [float(response[0][0]) for response in sample["resps"]]  # (log-likelihood, greedy) per choice
         assert scored == pytest.approx(rows[sample["doc_id"]]["scores"], abs=1e-4)

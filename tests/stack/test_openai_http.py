@@ -1282,3 +1282,14 @@ def test_a_tenants_repeated_prefix_is_cached_and_no_other_tenant_sees_it(stack, 
         time.sleep(0.3)
     assert prefill[0]["attributes"]["loraserve.cached_tokens"] == full_pages
     assert prefill[0]["attributes"]["loraserve.prompt_tokens"] == prompt_tokens
+
+
+def test_a_tiny_temperature_is_greedy_over_http_and_grpc(stack):
+    """Clients send temperature 1e-4 or 1e-6 meaning greedy (lm-eval, SDK examples): it is answered as
+    temperature 0 is, not refused."""
+    greedy = client(stack).completions.create(model="upper", prompt=PROMPT, max_tokens=12, temperature=0)
+    tiny = client(stack).completions.create(model="upper", prompt=PROMPT, max_tokens=12, temperature=1e-4)
+    assert tiny.choices[0].text == greedy.choices[0].text != ""
+    sampling = common_pb2.SamplingParameters(temperature=1e-6)
+    reply = grpc_generate(stack, "upper", text=PROMPT, max_new_tokens=12, sampling=sampling)
+    assert reply.text == greedy.choices[0].text

@@ -178,7 +178,7 @@ def test_the_worker_decoder_refuses_what_would_crash_or_wedge_a_worker():
         {"reply_to": "not-an-endpoint"},
         {"sampling": {"max_new_tokens": 2, "no_such_field": 1}},
         {"sampling": {"max_new_tokens": 0}},
-        {"sampling": {"temperature": 1e-40}},
+        {"sampling": {"temperature": -1e-40}},
         {"prompt_ids": [1, -1]},
         {"prompt_ids": [[1]]},
         {"deadline": float("nan")},

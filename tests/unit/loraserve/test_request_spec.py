@@ -68,7 +68,7 @@ def test_the_spec_travels_unchanged_from_the_scheduler_edge_to_the_engine_reques
 
 def test_the_scheduler_edge_refuses_bad_sampling_naming_the_field():
     with pytest.raises(InvalidRequestError, match="temperature"):
-        spec_from_submit(_submit(sampling=common_pb2.SamplingParameters(temperature=1e-9)), time.time())
+        spec_from_submit(_submit(sampling=common_pb2.SamplingParameters(temperature=-1e-4)), time.time())
     with pytest.raises(InvalidRequestError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
 

@@ -2,6 +2,8 @@
 
 A float32 subnormal temperature (1.4e-45 and anything up to ~1e-38) used to pass validation and
 then overflow logits / temperature to infinity, so torch.multinomial raised and the worker died.
+Every temperature in (0, MIN_TEMPERATURE) is now greedy (stored as 0, what clients mean by 1e-4 or
+1e-6), on every edge; negative, non-finite and over-100 ones are refused.
 """
 
 from __future__ import annotations
@@ -17,10 +19,46 @@ from loraserve.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 from loraserve.worker.sampling import SamplingParams, sample
 
 
-@pytest.mark.parametrize("temperature", [1.4e-45, 1e-38, 1e-10, MIN_TEMPERATURE / 2, -1.0, float("nan"), 101.0])
+@pytest.mark.parametrize("temperature", [-1e-4, -1.4e-45, -1.0, float("nan"), float("inf"), float("-inf"), 101.0])
 def test_meaningless_temperatures_are_refused(temperature: float):
     with pytest.raises(InvalidRequestError, match="temperature"):
         SamplingParams(temperature=temperature)
+
+
+TINY_TEMPERATURES = [1e-4, 1e-6, 1e-9, 1e-38, 1.4e-45, MIN_TEMPERATURE / 2]
+
+
+def _built(edge: str, temperature: float) -> SamplingParams:
+    """The SamplingParams an edge builds from a request asking for `temperature`."""
+    from loraserve.convert import sampling_from_pb
+    from loraserve.gateway.http.drafts import sampling_params
+    from loraserve.params import decode_sampling
+    from loraserve.v1 import common_pb2
+
+    if edge == "engine":  # the offline engine's, and everything else's, keyword construction
+        return SamplingParams(max_new_tokens=4, temperature=temperature)
+    if edge == "http":  # the OpenAI-compatible API's (the value rounded to float32, as the proto holds it)
+        return sampling_params({"temperature": temperature}, max_new_tokens=4, stop_token_ids=[])
+    if edge == "grpc":
+        return sampling_from_pb(common_pb2.SamplingParameters(temperature=temperature), 4, [])
+    return decode_sampling(msgspec.msgpack.encode({"max_new_tokens": 4, "temperature": temperature}))  # scheduler
+
+
+@pytest.mark.parametrize("edge", ["engine", "http", "grpc", "scheduler"])
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_tiny_temperatures_are_greedy_on_every_edge(edge: str, temperature: float):
+    """Clients (lm-eval, SDK examples) send 1e-4 or 1e-6 meaning greedy: it is greedy, not refused."""
+    params = _built(edge, temperature)
+    assert params.temperature == 0.0 and params.greedy
+    assert params == _built(edge, 0.0)
+
+
+@pytest.mark.parametrize("edge", ["engine", "http", "grpc", "scheduler"])
+def test_the_smallest_temperature_and_negative_ones_are_kept_as_they_were(edge: str):
+    assert _built(edge, MIN_TEMPERATURE).temperature == pytest.approx(MIN_TEMPERATURE)
+    with pytest.raises(InvalidRequestError, match="temperature") as caught:
+        _built(edge, -1e-4)
+    assert caught.value.status == "INVALID_ARGUMENT"
 
 
 @pytest.mark.parametrize("penalty", [1.4e-45, 1e-30, MIN_REPETITION_PENALTY / 2, 0.0, 11.0])
@@ -81,16 +119,15 @@ def test_a_non_finite_row_gets_no_token_and_the_others_are_unchanged(poison: flo
     assert tokens[0] == expected[0] and tokens[2] == expected[2]
 
 
-def test_a_subnormal_temperature_from_the_wire_is_invalid_argument():
-    """The gateway's path: the proto's float32 field holds 1.4e-45 exactly; it must not get past conversion."""
+def test_a_subnormal_temperature_from_the_wire_is_greedy():
+    """The gateway's path: the proto's float32 field holds 1.4e-45 exactly; it must not reach the sampler as a
+    divisor: it is greedy."""
     from loraserve.convert import sampling_from_pb
     from loraserve.v1 import common_pb2
 
     pb = common_pb2.SamplingParameters(temperature=1.4e-45)
     assert 0.0 < pb.temperature < 1e-38  # the value really reaches the server as a subnormal
-    with pytest.raises(InvalidRequestError, match="temperature") as caught:
-        sampling_from_pb(pb, max_new_tokens=4, stop_token_ids=[])
-    assert caught.value.status == "INVALID_ARGUMENT"
+    assert sampling_from_pb(pb, max_new_tokens=4, stop_token_ids=[]).temperature == 0.0
 
 
 def _unchecked(params: SamplingParams, **values) -> SamplingParams:
