@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from stack import LocalStack, free_port_block
+from stack import http_stack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
@@ -40,13 +40,9 @@ class OpenCity(City):
 
 @pytest.fixture(scope="module")
 def stack():
-    port = free_port_block(1)
-    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{port}")
-    stack.base_url = f"http://127.0.0.1:{port}/v1"
-    stack.start()
-    stack.wait_workers(1)
-    yield stack
-    stack.stop()
+    with http_stack() as stack:
+        stack.base_url = f"{stack.http_url}/v1"
+        yield stack
 
 
 def chat_model(stack, model: str):

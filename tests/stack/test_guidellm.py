@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack import LocalStack, free_port_block
+from stack import http_stack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
@@ -32,14 +32,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    port = free_port_block(1)
-    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{port}")
-    stack.http_port = port
-    stack.start()
-    stack.wait_workers(1)
-    yield stack
-    stack.stop()
+def stack():
+    with http_stack() as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

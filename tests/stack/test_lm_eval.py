@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import hf_sequence_logits
 from readme import README
-from stack import LocalStack, free_port_block
+from stack import http_stack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.v1 import gateway_pb2
@@ -47,14 +47,9 @@ README_HTTP_ADDRESS = "127.0.0.1:8000"  # where the README's commands find the H
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    port = free_port_block(1)
-    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{port}")
-    stack.http_port = port
-    stack.start()
-    stack.wait_workers(1)
-    yield stack
-    stack.stop()
+def stack():
+    with http_stack() as stack:
+        yield stack
 
 
 def _loglikelihood(context: str, continuation: str) -> float:

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from stack import LocalStack, free_port_block
+from stack import http_stack
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
@@ -39,17 +39,12 @@ class Verdict(BaseModel):
 
 @pytest.fixture(scope="module")
 def stack():
-    port = free_port_block(1)
-    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{port}", tool_call_parser="hermes")
-    stack.base_url = f"http://127.0.0.1:{port}"
-    stack.start()
-    stack.wait_workers(1)
-    yield stack
-    stack.stop()
+    with http_stack(tool_call_parser="hermes") as stack:
+        yield stack
 
 
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def chat_answer(stack, messages: list[dict], max_tokens: int) -> openai.types.chat.ChatCompletion:
@@ -59,7 +54,7 @@ def chat_answer(stack, messages: list[dict], max_tokens: int) -> openai.types.ch
 def tokenized(stack, messages: list[dict]) -> int:
     """The prompt tokens /tokenize counts for `messages`, rendered as chat renders them."""
     body = json.dumps({"model": BASE, "messages": messages}).encode()
-    request = urllib.request.Request(f"{stack.base_url}/tokenize", body, {"Content-Type": "application/json"})
+    request = urllib.request.Request(f"{stack.http_url}/tokenize", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as answer:
         return json.loads(answer.read())["count"]
 
@@ -199,7 +194,7 @@ def chat_model(stack, max_tokens: int):
 
     return ChatOpenAI(
         model=BASE,
-        base_url=f"{stack.base_url}/v1",
+        base_url=f"{stack.http_url}/v1",
         api_key="unused",
         temperature=0,
         max_tokens=max_tokens,

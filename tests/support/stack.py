@@ -24,7 +24,7 @@ from loraserve.launcher.local_stack import LocalStack as _LocalStack
 from loraserve.launcher.ports import free_port_block
 from loraserve.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["Collector", "LocalStack", "LoneGateway", "free_port_block", "lone_gateway"]
+__all__ = ["Collector", "LocalStack", "LoneGateway", "free_port_block", "http_stack", "lone_gateway"]
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -103,6 +103,23 @@ class LocalStack(_LocalStack):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} workers not ready after {timeout_s} s")
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def http_stack(**options) -> Iterator[LocalStack]:
+    """A started one-worker stack of the demo model that serves the HTTP API too, on a free port
+    (`stack.http_port`, `stack.http_url`); stopped on exit. `options`: LocalStack's."""
+    from loraserve.demo.assets import DEMO_MODEL_DIR
+
+    port = free_port_block(1)
+    stack = LocalStack(DEMO_MODEL_DIR, workers=1, http_bind=f"127.0.0.1:{port}", **options)
+    stack.http_port, stack.http_url = port, f"http://127.0.0.1:{port}"
+    stack.start()
+    try:
+        stack.wait_workers(1)
+        yield stack
+    finally:
+        stack.stop()
 
 
 def scrape_metrics(port: int) -> dict[tuple[str, tuple], float]:
