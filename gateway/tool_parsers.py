@@ -79,7 +79,8 @@ def _plain(text: str) -> ParsedOutput:
     return ParsedOutput(content=text if text.strip() else None, tool_calls=[])
 
 
-def _skip_space(text: str, pos: int) -> int:
+def skip_space(text: str, pos: int) -> int:
+    """Where the text after `pos`'s JSON whitespace begins."""
     while pos < len(text) and text[pos] in _WHITESPACE:
         pos += 1
     return pos
@@ -137,7 +138,7 @@ class HermesParser:
         before = text[:pos].strip() or None
         calls: list[ToolCall] = []
         while pos >= 0:
-            start = _skip_space(text, pos + len(self.START))
+            start = skip_space(text, pos + len(self.START))
             try:  # decode the JSON itself, so a "</tool_call>" inside a string value cannot cut it short
                 obj, end = _DECODER.raw_decode(text, start)
             except ValueError:
@@ -146,7 +147,7 @@ class HermesParser:
                 partial = cut_call(text[start:], ("arguments",), names)
                 return ParsedOutput(before, calls + ([partial] if partial else []))
             call = _to_call(obj, ("arguments",))
-            end = _skip_space(text, end)
+            end = skip_space(text, end)
             # closed, or unclosed at the very end (cut, or stopped, inside the closing tag)
             if call is None or not (text.startswith(self.END, end) or self.END.startswith(text[end:])):
                 return _plain(text)
@@ -200,11 +201,11 @@ class Llama3JsonParser:
             if call is None:
                 return _plain(text)
             calls.append(call)
-            pos = _skip_space(body, pos)
+            pos = skip_space(body, pos)
             if pos < len(body):
                 if body[pos] != ";":
                     return _plain(text)
-                pos = _skip_space(body, pos + 1)
+                pos = skip_space(body, pos + 1)
         return ParsedOutput(content=None, tool_calls=calls)
 
     def format_call(self, call: ToolCall) -> str:

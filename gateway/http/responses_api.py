@@ -113,6 +113,7 @@ def echo(body: ResponsesRequest) -> dict[str, Any]:
     """The request's parameters as the response repeats them: as they took effect (defaults filled in)."""
     tools = chat_tools(body) or []
     text_format = body.text_format()
+    fields = sampling(body)
     return {
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
@@ -123,8 +124,8 @@ def echo(body: ResponsesRequest) -> dict[str, Any]:
         "reasoning": None,
         "store": False,
         "background": False,
-        "temperature": sampling(body)["temperature"],
-        "top_p": sampling(body)["top_p"],
+        "temperature": fields["temperature"],
+        "top_p": fields["top_p"],
         "text": {"format": {"type": "text"} if text_format is None else _format_echo(text_format)},
         "tool_choice": _choice_echo(body),
         "tools": [{"type": "function", **t.function.model_dump()} for t in tools],

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.errors import InvalidRequestError
-from loraserve.gateway.tool_parsers import ParsedOutput, ToolCall, ToolCallParser, call_id, cut_call
+from loraserve.gateway.tool_parsers import ParsedOutput, ToolCall, ToolCallParser, call_id, cut_call, skip_space
 from loraserve.structured import Constraint
 
 MAX_TOOL_CALLS = 16  # calls in one answer, whatever the request: a grammar never allows an endless list
@@ -111,10 +111,8 @@ def _listed_calls(text: str, functions: dict[str, dict[str, Any]]) -> list[ToolC
 
 def _after(text: str, pos: int, mark: str) -> int:
     """Where the next value begins: past whitespace, `mark` (if it comes next) and whitespace."""
-    pos += len(text[pos:]) - len(text[pos:].lstrip())
-    if text.startswith(mark, pos):
-        pos += len(mark)
-    return pos + len(text[pos:]) - len(text[pos:].lstrip())
+    pos = skip_space(text, pos)
+    return skip_space(text, pos + len(mark) if text.startswith(mark, pos) else pos)
 
 
 def tool_choice(
