@@ -55,7 +55,8 @@ class CompilerProcess:
         try:
             writer.write(start_frame)
             await writer.drain()
-            ready = await asyncio.wait_for(read_reply(reader), START_TIMEOUT_S)
+            async with asyncio.timeout(START_TIMEOUT_S):
+                ready = await read_reply(reader)
             if not isinstance(ready, Ready):
                 raise ValueError(f"it answered {type(ready).__name__}")
         except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError, msgspec.DecodeError) as e:

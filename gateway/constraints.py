@@ -207,7 +207,8 @@ class ConstraintSandbox:
         timeout = self.config.constraint_timeout
         started = time.monotonic()
         try:
-            reply = await asyncio.wait_for(child.ask(job), timeout)
+            async with asyncio.timeout(timeout):
+                reply = await child.ask(job)
         except TimeoutError:
             child.kill()
             self.stats["timed_out"] += 1

@@ -191,7 +191,8 @@ class FailoverStream:
     async def _attempt(self, queue: asyncio.Queue[Tokens]) -> AsyncIterator[Tokens]:
         while True:
             try:
-                message = await asyncio.wait_for(queue.get(), self.config.inactivity_timeout_s)
+                async with asyncio.timeout(self.config.inactivity_timeout_s):
+                    message = await queue.get()
             except TimeoutError:
                 raise UnavailableError(
                     f"no progress for {self.config.inactivity_timeout_s:.0f} s; the serving stack may be degraded"

@@ -66,7 +66,8 @@ class SubmitStream:
         self._requests.append((request, size))
         self._send()
         try:
-            outcome = await asyncio.wait_for(outcome_of, self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                outcome = await outcome_of
         except TimeoutError:
             raise UnavailableError(f"the scheduler did not answer within {self.timeout_s:g} s") from None
         finally:

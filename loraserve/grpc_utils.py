@@ -220,7 +220,8 @@ async def refuse_stream(requests: AsyncIterator[Any], context: grpc.aio.Servicer
     """
     try:
         await context.send_initial_metadata(((REFUSED_KEY, "1"),))
-        await asyncio.wait_for(_drain(requests, REFUSAL_DRAIN_BYTES), REFUSAL_DRAIN_S)
+        async with asyncio.timeout(REFUSAL_DRAIN_S):
+            await _drain(requests, REFUSAL_DRAIN_BYTES)
     except (TimeoutError, errors.LoraserveError, grpc.aio.AbortError):
         pass  # a client that keeps sending (or sends garbage) gets the status now regardless
     except Exception as e:  # never let the courtesy hide the real error

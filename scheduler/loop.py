@@ -207,7 +207,8 @@ class SchedulerLoop:
             self._run_round()
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+                async with asyncio.timeout(self.tick_s):
+                    await self._wake.wait()
 
     def _turn_ended(self) -> float:
         """A turn of worker messages was read: the round runs on them next. How long the last round took."""

@@ -113,7 +113,8 @@ class HttpServer:
             if self._server.started:
                 self._server.should_exit = self._server.force_exit = True
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._server.shutdown(sockets=[self.socket]), timeout=2.0)
+                    async with asyncio.timeout(2.0):
+                        await self._server.shutdown(sockets=[self.socket])
             raise
         finally:
             self.socket.close()

@@ -67,7 +67,8 @@ async def complete(http: httpx.AsyncClient, request: Request, max_tokens: int, c
     """Stream one completion; failures (HTTP status, a broken stream, a timeout) end up in `error`."""
     done = Completion(sent_s=time.perf_counter())
     try:
-        await asyncio.wait_for(_stream(http, body(request, max_tokens, check), done), TIMEOUT_S)
+        async with asyncio.timeout(TIMEOUT_S):
+            await _stream(http, body(request, max_tokens, check), done)
     except (httpx.HTTPError, OSError, TimeoutError, ValueError) as e:
         done.error = done.error or f"{type(e).__name__}: {e}"
     done.done_s = time.perf_counter()

@@ -170,3 +170,20 @@ async def _no_scheduler(h: Harness) -> None:
     with pytest.raises(Exception, match="has not answered") as info:
         await asyncio.wait_for(task, 5)
     assert info.value.status == "UNAVAILABLE"
+
+
+@with_harness
+async def test_a_reader_cancelled_as_a_message_arrives_is_cancelled(harness):
+    """Cancelling the reader (its client left) must end it whenever a message lands in the same loop
+    turns: the message is never delivered in place of the cancellation. Every interleaving of the
+    arrival and the cancel within a few loop turns is tried."""
+    for ticks in range(6):
+        stream = harness.stream(f"r{ticks}")
+        reading = asyncio.create_task(_collect(stream))
+        await harness.submitted(ticks + 1)
+        harness.sink._deliver(Tokens(f"r{ticks}", [5], worker_id="w0"))  # what the sink's loop does with one
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        reading.cancel()
+        done, _ = await asyncio.wait([reading], timeout=2)
+        assert done and reading.cancelled(), f"{ticks} turns: the cancel was swallowed, the reader reads on"
