@@ -10,7 +10,7 @@ worker never caches weights other than those the store registered under that (na
 `fetch_rows` asks for the adapter already packed in the pool's row layout (`loraserve/pool_rows.py`) and
 takes whichever the store sends: rows, whose every layer is checked against the sha256 the store sent for
 it (DATA_LOSS otherwise), or the files from a store that packs no rows. With `shared_memory` (the directory
-of this user's shared-memory rows, `loraserve/shared_rows.py`) it offers to map the store's file instead of
+of this user's shared-memory rows, `loraserve/shared_memory.py`) it offers to map the store's file instead of
 receiving the bytes; a file that cannot be taken (another host, user or store) is not an error: the rows
 are fetched again over the socket, and shared memory is not offered to that store again.
 """
@@ -30,7 +30,7 @@ from loraserve import errors
 from loraserve.internal_auth import Curve
 from loraserve.log_limit import RateLimitedLog
 from loraserve.pool_rows import ROW_DTYPES, RowsSpec, layer_digests
-from loraserve.shared_rows import SharedMemoryUnavailable, open_rows
+from loraserve.shared_memory import SharedMemoryUnavailable, open_rows
 from loraserve.sockets import make_socket, send
 from loraserve.wire import AdapterPayload, AdapterRows, FetchAdapter, FetchFailed, WireError, decode
 

@@ -16,6 +16,7 @@ from loraserve.config_cli import directory_setting, setting
 from loraserve.errors import InvalidConfigError
 from loraserve.internal_auth import InternalKeys
 from loraserve.model_config import DEFAULT_MAX_LORA_RANK
+from loraserve.shared_defaults import ADAPTER_ROWS, SHARED_MEMORY_ROOT, STORE_ADDRESS, STORE_DATA_ADDRESS
 
 MIB = 2**20
 GIB = 2**30
@@ -116,8 +117,8 @@ class StoreConfig:
 
     model_dir: Path  # only its config.json is read
     limits: StoreLimits = field(default_factory=StoreLimits)
-    bind: str = setting("127.0.0.1:7300", "gRPC control-plane address")
-    data_address: str = setting("tcp://127.0.0.1:7301", "ZMQ address workers fetch from")  # a ROUTER
+    bind: str = setting(STORE_ADDRESS, "gRPC control-plane address")
+    data_address: str = setting(STORE_DATA_ADDRESS, "ZMQ address workers fetch from")  # a ROUTER
     adapter_root: Path | None = setting(
         None, "directory RegisterFromPath may read below (unset: RegisterFromPath is refused)"
     )
@@ -133,12 +134,12 @@ class StoreConfig:
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)  # RAM only unless set (main sets it)
     keys: InternalKeys | None = None  # data port admits workers only; gRPC needs the internal token
     adapter_rows: bool = setting(
-        True,
+        ADAPTER_ROWS,
         "keep each version packed in the workers' pool row layout too (about its size again in RAM), so a "
         "worker copies it into its pool without parsing or packing (--no-adapter-rows: the files only)",
     )
     shm_root: Path | None = directory_setting(
-        Path("/dev/shm"),
+        SHARED_MEMORY_ROOT,
         "a tmpfs where the packed rows live, mapped by workers on this host and user instead of sent over "
         "the socket (a private loraserve-UID directory is made there); empty: sockets only",
         flag="--shared-memory-root",

@@ -9,7 +9,7 @@ ZMQ's I/O thread reads them from there (they stay alive while queued even if pur
 Each reply carries the weights' sha256, which the worker's fetcher checks the bytes against.
 
 A worker may ask for the adapter in its pool's row layout (`FetchAdapter.row_width`): a store that packs
-rows (`adapter_store/rows.py`) for a model of that shape answers `ADAPTER_ROWS` with the rows as a raw frame
+rows (`adapter_store/packing.py`) for a model of that shape answers `ADAPTER_ROWS` with the rows as a raw frame
 (zero-copy, like the files) and each layer's sha256, or — when the worker said it can map this host's shared
 memory and the rows are in a shared-memory file — with that file's name and token and no rows on the
 socket. Otherwise it answers with the files, as to any worker.

@@ -23,18 +23,19 @@ from pathlib import Path
 from loraserve.adapter_store.catalog import Catalog, model_identity
 from loraserve.adapter_store.config import MIB, PersistenceConfig, StoreConfig, default_data_dir
 from loraserve.adapter_store.data_plane import DataPlane
+from loraserve.adapter_store.packing import RowsMaker
 from loraserve.adapter_store.persistence import Backend, DirectoryBackend
-from loraserve.adapter_store.rows import RowsMaker
 from loraserve.adapter_store.service import AdapterStoreService
 from loraserve.adapter_store.store import AdapterStore
-from loraserve.config_cli import add_config_arguments, flags_of, setting
+from loraserve.config_cli import add_config_arguments, setting
 from loraserve.config_cli import config_from_args as parse_config
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+from loraserve.demo.model_settings import ModelSettings
 from loraserve.errors import LoraserveError
 from loraserve.grpc_token import server_interceptors
 from loraserve.grpc_utils import add_health_and_reflection, new_server, set_serving
 from loraserve.internal_auth import check_open_planes, load_optional
-from loraserve.model_config import ModelConfig, ModelSettings
+from loraserve.model_config import ModelConfig
 from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import health_off, supervise
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc
@@ -59,8 +60,7 @@ MODEL_HELP = "base model directory (only config.json is read)"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, ModelSettings, helps={"model": MODEL_HELP})
     add_config_arguments(parser, StoreCommand)
-    data_dir_help = next(f.field.metadata["help"] for f in flags_of(PersistenceConfig) if f.dest == "data_dir")
-    add_config_arguments(parser, StoreConfig, helps={"data_dir": f"{data_dir_help} (default: {default_data_dir()})"})
+    add_config_arguments(parser, StoreConfig, notes={"data_dir": str(default_data_dir())})
     add_service_arguments(parser)
 
 

@@ -20,7 +20,7 @@ from loraserve.adapter_store.upload import UploadAssembler
 from loraserve.adapter_store.validation import AdapterRecord, check_name
 from loraserve.adapter_store.versions import StoreStats
 from loraserve.errors import InvalidRequestError, LoraserveError
-from loraserve.grpc_utils import refuse_stream
+from loraserve.grpc_streams import refuse_stream
 from loraserve.v1 import adapter_store_pb2, adapter_store_pb2_grpc, common_pb2, gateway_pb2
 
 

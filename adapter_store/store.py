@@ -46,7 +46,7 @@ from loraserve.adapter_store.catalog import Catalog
 from loraserve.adapter_store.config import MIB, StoreLimits
 from loraserve.adapter_store.files import AdapterFiles, read_adapter_dir, resolve_under_root
 from loraserve.adapter_store.layout import StoredAdapter
-from loraserve.adapter_store.rows import PackedRows, RowsMaker
+from loraserve.adapter_store.packing import PackedRows, RowsMaker
 from loraserve.adapter_store.validation import AdapterRecord, Validator, check_name
 from loraserve.adapter_store.versions import Held, StoreStats, VersionTable, rows_bytes
 from loraserve.errors import FailedPreconditionError, InvalidRequestError, NotFoundError, UnavailableError

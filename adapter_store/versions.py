@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from loraserve.adapter_store.config import MIB, StoreLimits
 from loraserve.adapter_store.files import AdapterFiles
-from loraserve.adapter_store.rows import PackedRows
+from loraserve.adapter_store.packing import PackedRows
 from loraserve.adapter_store.validation import AdapterRecord
 from loraserve.errors import AdapterNotFoundError, NotFoundError, ResourceExhaustedError
 
@@ -41,7 +41,7 @@ class Held:
     record: AdapterRecord
     files: AdapterFiles
     retired_at: float | None = None  # when it was superseded or deleted
-    rows: PackedRows | None = None  # the weights in the pool's row layout (`rows.py`), with a RowsMaker
+    rows: PackedRows | None = None  # the weights in the pool's row layout (`packing.py`), with a RowsMaker
 
     @property
     def nbytes(self) -> int:

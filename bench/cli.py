@@ -6,15 +6,14 @@
     loraserve bench --suite kernels --dry-run --out /tmp/kernels     # own flags: see --help with it
 
 Each suite lives in `bench/suites/<name>/`; its `suite.py` (or the module named below) has
-`main(args) -> int` and, unless it reads only the shared flags, `add_arguments(parser)`, which adds
-the flags of its settings dataclass (`bench/common/settings.py`). Most suites share one set of flags
+`main(args) -> int` and, unless it reads only the shared flags, `SETTINGS`, its settings dataclass
+(`bench/common/settings.py`; under a heading of its own for the suites in `GROUPED`), or
+`add_arguments(parser)`, which adds its flags itself. Most suites share one set of flags
 (--quick, --out, --threads, --model, ...: every such suite's flags are accepted together, as they
 always were); a suite whose flags clash with that set (`OWN_FLAGS`) is given its own flags alone.
 Which set a command line gets is read from the command line itself: `--suite` is parsed first (or
-LORASERVE_SUITE), then that suite's flags are added and the whole line parsed.
-Every suite writes `--out DIR/results.json` through `bench/common/results.py`:
-{"suite", "machine", "commit", "records", ...}, with its computed "targets" (each {"name", "goal",
-"value", "met"}) where the suite has any.
+LORASERVE_SUITE), then that suite's flags are added and the whole line parsed. Every suite writes
+`--out DIR/results.json` through `bench/common/results.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from loraserve.bench.common.settings import add_settings, config_from_args
 from loraserve.config_cli import setting
 from loraserve.flags import EnvArgumentParser
 
-# name -> (module with add_arguments and main, one line on what it measures)
+# name -> (module with main and its flags, one line on what it measures)
 SUITES: dict[str, tuple[str, str]] = {
     "serving": ("suites.serving.suite", "the systems on S-LoRA's synthetic trace (the default)"),
     "chaos": ("suites.chaos.suite", "failover under killed, stopped and drained workers"),
@@ -48,13 +47,16 @@ SUITES: dict[str, tuple[str, str]] = {
     "logprobs": ("suites.logprobs.suite", "what asking for log-probabilities costs a step"),
     "engine-scaling": ("suites.engine_scaling.suite", "the offline engine's throughput against the adapter count"),
     "adapter-fetch": ("suites.adapter_fetch.suite", "adapter fetch latency, store to worker, at 7B shapes"),
+    "gateway": ("suites.gateway.suite", "the gateway's CPU per token streamed, gRPC and HTTP, at 64 streams"),
     "peer": ("suites.peer.suite", "loraserve against vLLM's CPU build, same model, adapters and HTTP client"),
-    "kernels": ("suites.kernels.lora", "the batched LoRA kernels against torch baselines and the roofline (GPU)"),
+    "kernels": ("suites.kernels.suite", "the batched LoRA kernels against torch baselines and the roofline (GPU)"),
     "attention": ("suites.kernels.attention", "the paged-attention kernel against dense SDPA (GPU)"),
     "gpu-check": ("suites.gpu_check.suite", "the GPU suite: tests, kernels, a 7B-shaped engine, the stack"),
 }
 # Suites whose flags clash with the shared set: they get theirs alone.
 OWN_FLAGS = frozenset({"logprobs", "engine-scaling", "adapter-fetch", "peer", "kernels", "attention", "gpu-check"})
+# Suites whose flags `--help` shows under a heading of their own.
+GROUPED = frozenset({"scheduling", "chaos", "runner-profile", "control-plane"})
 DEFAULT = "serving"
 
 
@@ -87,9 +89,12 @@ def add_suite_arguments(parser: argparse.ArgumentParser, suite: str) -> None:
     """The flags suite `suite` reads: its own alone (`OWN_FLAGS`), else every shared-flag suite's."""
     names = [suite] if suite in OWN_FLAGS else [n for n in SUITES if n not in OWN_FLAGS]
     for name in names:  # serving first: it defines the flags the other shared-flag suites read
-        add = getattr(suite_module(name), "add_arguments", None)
-        if add is not None:  # a suite may read only the shared flags
-            add(parser)
+        module = suite_module(name)
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(parser)
+        elif hasattr(module, "SETTINGS"):  # a suite may read only the shared flags
+            group = parser.add_argument_group(f"{name} suite (--suite {name})") if name in GROUPED else parser
+            add_settings(group, module.SETTINGS)
 
 
 def add_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] = ()) -> None:

@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     for name, path in demo_adapters().items():
         engine.register_adapter(name, path)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens)
-    names = [None, *engine.adapter_names()]
+    names = [None, *engine.registry.names()]
     start = time.perf_counter()
     results = engine.generate([GenerateRequest(prompt=args.prompt, adapter=n, sampling=sampling) for n in names])
     elapsed = time.perf_counter() - start

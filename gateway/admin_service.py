@@ -14,14 +14,15 @@ import grpc
 
 from loraserve.errors import LoraserveError
 from loraserve.gateway.adapter_versions import AdapterVersions
-from loraserve.gateway.admission import Admission
 from loraserve.gateway.audit import AuditRecord, audited
+from loraserve.gateway.gate import Gate
 from loraserve.gateway.grpc_calls import metadata_of
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.store_client import StoreClient
 from loraserve.gateway.tenant_adapters import TenantAdapters, renamed_uploads, shown
 from loraserve.gateway.tenants import Scope
-from loraserve.grpc_utils import internal_call, refuse_stream
+from loraserve.grpc_streams import refuse_stream
+from loraserve.grpc_utils import internal_call
 from loraserve.v1 import common_pb2, gateway_pb2
 
 
@@ -30,22 +31,22 @@ class AdapterAdminService:
 
     def __init__(
         self,
-        admission: Admission,
+        gate: Gate,
         store: StoreClient,
         adapters: TenantAdapters,
         versions: AdapterVersions,
         upload_timeout_s: float,
     ):
-        self.admission, self.store, self.adapters, self.versions = admission, store, adapters, versions
+        self.gate, self.store, self.adapters, self.versions = gate, store, adapters, versions
         self.upload_timeout_s = upload_timeout_s
 
     async def ListAdapters(self, request: gateway_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext):
-        principal = self.admission.authenticate(metadata_of(context))
+        principal = self.gate.authenticate(metadata_of(context))
         principal.require(Scope.GENERATE, "list adapters")
         return await self.adapters.list(Namespace.of(principal))
 
     async def DescribeAdapter(self, request: gateway_pb2.DescribeAdapterRequest, context: grpc.aio.ServicerContext):
-        principal = self.admission.authenticate(metadata_of(context))
+        principal = self.gate.authenticate(metadata_of(context))
         principal.require(Scope.GENERATE, "describe adapters")
         ns = Namespace.of(principal)
         return await self.adapters.describe(ns, ns.check(request.name))
@@ -103,7 +104,7 @@ class AdapterAdminService:
 
     def _namespace(self, metadata: dict[str, str], record: AuditRecord, action: str, name: str = "") -> Namespace:
         """The caller's namespace, if it holds the `adapters` scope; who asked, for what, goes in the audit record."""
-        principal = self.admission.authenticate(metadata)
+        principal = self.gate.authenticate(metadata)
         ns = Namespace.of(principal)
         record.tenant = principal.tenant
         if ns.valid(name):

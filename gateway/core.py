@@ -1,6 +1,6 @@
 """The generation core: one generation from a call's metadata and its request to a stream of events.
 
-A generation: authenticate (`Admission`) → take one of the tenant's slots (`Quotas`) → validate the
+A generation: authenticate (`Gate`) → take one of the tenant's slots (`TenantSlots`) → validate the
 request in the caller's namespace (INVALID_ARGUMENT naming the field) → compile its output constraint,
 if any, in the sandbox processes (`constraints.py`; refused: INVALID_ARGUMENT) → resolve the adapter's
 current version (the store-fed cache, else the store: NOT_FOUND) and hint it to the scheduler →
@@ -16,7 +16,7 @@ validated here, after admission, so every edge refuses in the same order. Failur
 `LoraserveError`s (`RetryLaterError` with a retry hint).
 
 State owned here: the live generations (`streams`, which the cluster watch reports to), the
-tenants' generation slots (`quotas`) and the count of ready workers the cluster watch last saw.
+tenants' generation slots (`slots`) and the count of ready workers the cluster watch last saw.
 """
 
 from __future__ import annotations
@@ -31,19 +31,20 @@ from functools import partial
 from opentelemetry import trace
 
 from loraserve import telemetry
+from loraserve.errors import LoraserveError
 from loraserve.gateway import metrics
 from loraserve.gateway.adapter_versions import AdapterVersion
-from loraserve.gateway.admission import Admission
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.client_request import ClientRequest
 from loraserve.gateway.config import GatewayConfig
 from loraserve.gateway.constraints import ConstraintSandbox, TokenizerSpec
-from loraserve.gateway.events import Event, Summary
-from loraserve.gateway.failover import FailoverStream, Streams
+from loraserve.gateway.events import Chunk, Event, Summary
+from loraserve.gateway.failover import FailoverStream, Streams, Submit
+from loraserve.gateway.gate import Gate
 from loraserve.gateway.namespaces import Namespace
-from loraserve.gateway.output import Output
-from loraserve.gateway.quotas import Quotas
+from loraserve.gateway.output import Output, Step
 from loraserve.gateway.scheduler_client import SchedulerClient
+from loraserve.gateway.slots import TenantSlots
 from loraserve.gateway.tenant_adapters import TenantAdapters
 from loraserve.gateway.tenants import Scope
 from loraserve.gateway.token_sink import TokenSink
@@ -58,6 +59,7 @@ from loraserve.gateway.validation import (
     fairness_tenant,
 )
 from loraserve.tokenizer import Tokenizer
+from loraserve.wire import Tokens
 
 Validate = Callable[[AdapterCheck], ValidRequest]  # the edge's request, validated with this adapter check
 
@@ -83,7 +85,7 @@ class GenerationCore:
         sink: TokenSink,
         scheduler: SchedulerClient,
         adapters: TenantAdapters,
-        admission: Admission,
+        gate: Gate,
         tokenizing: Tokenizing | None = None,
         constraints: ConstraintSandbox | None = None,
     ):
@@ -92,95 +94,140 @@ class GenerationCore:
         self.constraints = constraints or ConstraintSandbox(  # structured output, compiled in child processes
             TokenizerSpec(tokenizer.to_json(), limits.vocab_size, tokenizer.eos_token_ids)
         )
-        self.scheduler, self.adapters, self.admission = scheduler, adapters, admission
+        self.scheduler, self.adapters, self.gate = scheduler, adapters, gate
         self.streams = Streams(config.failover)  # live generations; the cluster watch reports to it
-        self.quotas = Quotas()  # per-tenant generation slots (token quotas: the scheduler's)
+        self.slots = TenantSlots()  # per-tenant generation slots (token quotas: the scheduler's)
         self.ready_workers = 0  # kept current by the cluster watch (main.py)
 
     def authenticate(self, metadata: dict[str, str]) -> Principal:
         """The caller of a call with `metadata`; UNAVAILABLE for everyone while draining."""
-        return self.admission.authenticate(metadata)
+        return self.gate.authenticate(metadata)
 
     async def generate(self, call: Call, validate: Validate) -> AsyncIterator[Event]:
         """The events of one generation: `Chunk`s, then a `Summary`. Close it to stop early (which
         cancels the request downstream); a failure is raised."""
         arrival = time.time()
         metrics.IN_FLIGHT.inc()
-        code, events, tenant, admitted = "OK", None, metrics.UNAUTHENTICATED, None
+        code, tenant, admitted, span, stream_span, stream = "OK", metrics.UNAUTHENTICATED, None, None, None, None
+        finished, reason = False, "the gateway stopped reading"
         try:
             principal = self.authenticate(call.metadata)
             tenant = principal.tenant
             principal.require(Scope.GENERATE, "generate")
-            self.quotas.admit(principal.tenant, principal.limits)
+            self.slots.admit(principal.tenant, principal.limits)
             admitted = principal
-            events = self._traced(call, validate, principal, arrival)
-            async for event in events:
-                yield event
+            request_id = uuid.uuid4().hex
+            span = self._span(call, principal, request_id)
+            with trace.use_span(span, end_on_exit=False):  # current only around the calls that trace
+                valid, prompt_ids, version = await self._prepare(validate, principal)
+            span.set_attribute("loraserve.adapter", valid.adapter or "")
+            stream = FailoverStream(
+                request_id,
+                self.sink,
+                telemetry.within(span, await self._submission(call, principal, valid, prompt_ids, version, arrival)),
+                self.scheduler.cancel,
+                self.config.failover,
+            )
+            self.streams.add(stream)
+            output = Output(self.tokenizer, valid, prompt_ids, arrival)
+            held: list[Chunk] = []  # chunks not sent yet: more messages already wait behind them
+            try:
+                async for message in stream.messages():
+                    step = output.push(message)
+                    if step.first_token:
+                        metrics.TIME_TO_FIRST_TOKEN.observe(output.first_token_at - output.arrival)
+                        stream_span = telemetry.tracer().start_span("gateway.stream", trace.set_span_in_context(span))
+                    if step.chunk is not None:
+                        held.append(step.chunk)
+                    if step.done:
+                        finished = True
+                        if stream_span is not None:
+                            stream_span.end()
+                            stream_span = None
+                        if step.still_running:
+                            self.scheduler.cancel(stream.attempt_id, "stop sequence")
+                        if held:
+                            yield Chunk.joined(held)
+                        yield self._summary(output, step, message, version, stream)
+                        return
+                    if held and not stream.backlog:  # a reader that is behind gets what waits as one chunk
+                        yield Chunk.joined(held)
+                        held = []
+            except LoraserveError:
+                if held:  # what came before the failure still reaches the client
+                    yield Chunk.joined(held)
+                raise
         except BaseException as e:
             code = metrics.outcome(e)
+            if isinstance(e, asyncio.CancelledError):
+                reason = "client cancelled or deadline exceeded"
             if call.request is not None:  # its sibling generations stop waiting for its cost
                 call.request.abandon(e)
             raise
         finally:
-            if events is not None:
-                await events.aclose()  # its clean-up (cancel downstream) now, not at garbage collection
-            if admitted is not None:
-                self.quotas.release(admitted.tenant)
-            metrics.IN_FLIGHT.dec()
-            metrics.REQUESTS.labels(code, tenant).inc()
-
-    async def _traced(
-        self, call: Call, validate: Validate, principal: Principal, arrival: float
-    ) -> AsyncIterator[Event]:
-        request_id = uuid.uuid4().hex
-        metadata = call.metadata
-        span = telemetry.tracer().start_span(
-            "gateway.generate", context=telemetry.context_from(metadata), kind=trace.SpanKind.SERVER
-        )
-        try:  # the span is made current step by step (`current_while_producing`), never across a yield
-            span.set_attribute("loraserve.request_id", request_id)
-            span.set_attribute("loraserve.tenant", principal.tenant)
-            if call.client_request_id:
-                span.set_attribute("loraserve.client_request_id", call.client_request_id[:128])
-            if metadata.get(END_USER_METADATA):
-                span.set_attribute("loraserve.end_user", metadata[END_USER_METADATA][:MAX_END_USER_CHARS])
-            with trace.use_span(span, end_on_exit=False):
-                valid, prompt_ids, version = await self._prepare(validate, principal)
-            span.set_attribute("loraserve.adapter", valid.adapter or "")
-            request, request_cost = call.request, 0
-            if request is not None:  # charged once for all its generations: their costs summed
-                request_cost = await request.cost_of_all(len(prompt_ids) + valid.sampling.max_new_tokens)
-            submit = partial(
-                self.scheduler.submit,
-                valid=valid,
-                prompt_ids=prompt_ids,
-                version=version,
-                arrival_unix=arrival,
-                deadline_unix=call.deadline_unix,
-                tenant=fairness_tenant(principal.tenant, self.admission.open, metadata),
-                tokens_per_minute=principal.limits.tokens_per_minute or 0,  # metered by the scheduler
-                request_key=request.key if request is not None else "",
-                request_cost=request_cost,
-            )
-            stream = FailoverStream(request_id, self.sink, submit, self.scheduler.cancel, self.config.failover)
-            output = Output(self.tokenizer, valid, prompt_ids, arrival)
-            events = telemetry.current_while_producing(span, self._stream(request_id, output, stream, version))
-            self.streams.add(stream)
-            finished, reason = False, "the gateway stopped reading"
-            try:
-                async for event in events:
-                    finished = finished or isinstance(event, Summary)
-                    yield event
-            except asyncio.CancelledError:
-                reason = "client cancelled or deadline exceeded"
-                raise
-            finally:
+            if stream is not None:
                 self.streams.remove(stream)
                 span.set_attribute("loraserve.failovers", stream.failovers)
                 if not finished:  # once, whichever way the stream ended early
                     self.scheduler.cancel(stream.attempt_id, reason)
-        finally:
-            span.end()
+            for opened in (stream_span, span):
+                if opened is not None:
+                    opened.end()
+            if admitted is not None:
+                self.slots.release(admitted.tenant)
+            metrics.IN_FLIGHT.dec()
+            metrics.REQUESTS.labels(code, tenant).inc()
+
+    def _span(self, call: Call, principal: Principal, request_id: str) -> trace.Span:
+        """The generation's span, a child of the caller's trace context."""
+        metadata = call.metadata
+        span = telemetry.tracer().start_span(
+            "gateway.generate", context=telemetry.context_from(metadata), kind=trace.SpanKind.SERVER
+        )
+        span.set_attribute("loraserve.request_id", request_id)
+        span.set_attribute("loraserve.tenant", principal.tenant)
+        if call.client_request_id:
+            span.set_attribute("loraserve.client_request_id", call.client_request_id[:128])
+        if metadata.get(END_USER_METADATA):
+            span.set_attribute("loraserve.end_user", metadata[END_USER_METADATA][:MAX_END_USER_CHARS])
+        return span
+
+    async def _submission(
+        self,
+        call: Call,
+        principal: Principal,
+        valid: ValidRequest,
+        prompt_ids: list[int],
+        version: AdapterVersion,
+        arrival: float,
+    ) -> Submit:
+        """How each attempt of the generation is submitted to the scheduler."""
+        request, request_cost = call.request, 0
+        if request is not None:  # charged once for all its generations: their costs summed
+            request_cost = await request.cost_of_all(len(prompt_ids) + valid.sampling.max_new_tokens)
+        return partial(
+            self.scheduler.submit,
+            valid=valid,
+            prompt_ids=prompt_ids,
+            version=version,
+            arrival_unix=arrival,
+            deadline_unix=call.deadline_unix,
+            tenant=fairness_tenant(principal.tenant, self.gate.open, call.metadata),
+            tokens_per_minute=principal.limits.tokens_per_minute or 0,  # metered by the scheduler
+            request_key=request.key if request is not None else "",
+            request_cost=request_cost,
+        )
+
+    def _summary(
+        self, output: Output, step: Step, message: Tokens, version: AdapterVersion, stream: FailoverStream
+    ) -> Summary:
+        """The generation's last event, its metrics counted."""
+        metrics.REQUEST_DURATION.observe(time.time() - output.arrival)
+        metrics.PROMPT_TOKENS.inc(len(output.prompt_ids))
+        metrics.OUTPUT_TOKENS.inc(output.completion_tokens)
+        return output.summary(
+            stream.request_id, step.finish_reason, message.timings, version, stream.worker_id, stream.failovers
+        )
 
     async def _prepare(
         self, validate: Validate, principal: Principal
@@ -208,27 +255,3 @@ class GenerationCore:
                 prompt_ids = await self.tokenizing.encode(valid.prompt_text, "prompt.text")
             check_context(prompt_ids, valid.sampling, self.limits)
         return valid, prompt_ids, version
-
-    async def _stream(
-        self, request_id: str, output: Output, stream: FailoverStream, version: AdapterVersion
-    ) -> AsyncIterator[Event]:
-        stream_span = None
-        async for message in stream.messages():
-            step = output.push(message)
-            if step.first_token:
-                metrics.TIME_TO_FIRST_TOKEN.observe(output.first_token_at - output.arrival)
-                stream_span = telemetry.tracer().start_span("gateway.stream")
-            if step.chunk is not None:
-                yield step.chunk
-            if step.done:
-                if step.still_running:
-                    self.scheduler.cancel(stream.attempt_id, "stop sequence")
-                if stream_span is not None:
-                    stream_span.end()
-                metrics.REQUEST_DURATION.observe(time.time() - output.arrival)
-                metrics.PROMPT_TOKENS.inc(len(output.prompt_ids))
-                metrics.OUTPUT_TOKENS.inc(output.completion_tokens)
-                yield output.summary(
-                    request_id, step.finish_reason, message.timings, version, stream.worker_id, stream.failovers
-                )
-                return

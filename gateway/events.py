@@ -44,6 +44,21 @@ class Chunk:
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
+    @staticmethod
+    def joined(chunks: list[Chunk]) -> Chunk:
+        """Consecutive chunks as one (the counts: the last one's)."""
+        if len(chunks) == 1:
+            return chunks[0]
+        last = chunks[-1]
+        return Chunk(
+            "".join(c.text for c in chunks),
+            [t for c in chunks for t in c.token_ids],
+            [e for c in chunks for e in c.logprobs],
+            [e for c in chunks for e in c.prompt_logprobs],
+            last.prompt_tokens,
+            last.cached_tokens,
+        )
+
 
 @dataclass(frozen=True)
 class Timings:

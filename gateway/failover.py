@@ -117,6 +117,39 @@ class _Lost(Exception):
         self.worker_lost = worker_lost
 
 
+class _Inactivity:
+    """An attempt's inactivity deadline: one timer per attempt, not one per message. When no message has come
+    for `timeout_s` and none waits to be read, it ends the attempt UNAVAILABLE through its queue."""
+
+    def __init__(self, queue: asyncio.Queue[Tokens], timeout_s: float, attempt_id: str):
+        self.loop = asyncio.get_running_loop()
+        self.queue, self.timeout_s = queue, timeout_s
+        self.notice = Tokens(
+            attempt_id,
+            [],
+            finished=True,
+            error_status=UNAVAILABLE,
+            error=f"no progress for {timeout_s:.0f} s; the serving stack may be degraded",
+        )
+        self.last = self.loop.time()  # when the reader last got a message
+        self.timer = self.loop.call_at(self.last + timeout_s, self._check)
+
+    def progressed(self) -> None:
+        self.last = self.loop.time()
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if not self.queue.empty():  # messages wait for a slow reader: that is progress
+            self.timer = self.loop.call_at(now + self.timeout_s, self._check)
+        elif now - self.last < self.timeout_s:
+            self.timer = self.loop.call_at(self.last + self.timeout_s, self._check)
+        else:
+            self.queue.put_nowait(self.notice)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+
 class FailoverStream:
     """The TOKENS of one request, attempt after attempt, as one stream (see the module docstring)."""
 
@@ -138,16 +171,24 @@ class FailoverStream:
         """Every TOKENS message of the request, the lost attempts' failures left out."""
         while True:
             attempt_id = self.attempt_id
-            self._queue = self.sink.open(attempt_id)
+            self._queue = queue = self.sink.open(attempt_id)
             self.attempt_tokens = len(self.output_ids)
+            inactivity = None
             try:
                 self.scheduler_instance = await self._submit_attempt(attempt_id)
-                async for message in self._attempt(self._queue):
-                    yield message
-                return
+                inactivity = _Inactivity(queue, self.config.inactivity_timeout_s, attempt_id)
+                while True:
+                    message = await queue.get()
+                    inactivity.progressed()
+                    if self._accepted(message):
+                        yield message
+                        if message.finished:
+                            return
             except _Lost as e:
                 self._next_attempt(str(e), e.worker_lost)
             finally:
+                if inactivity is not None:
+                    inactivity.cancel()
                 self.sink.close(attempt_id)
 
     def lose(self, reason: str) -> None:
@@ -161,6 +202,11 @@ class FailoverStream:
     @property
     def placed(self) -> bool:
         return self.placed_at is not None
+
+    @property
+    def backlog(self) -> bool:
+        """Whether messages of the current attempt already wait to be read (its reader is behind)."""
+        return self._queue is not None and not self._queue.empty()
 
     # ---- internals -----------------------------------------------------------------------------
     def _inject(self, status: str, reason: str, retry: bool) -> None:
@@ -188,28 +234,20 @@ class FailoverStream:
                 await asyncio.sleep(min(pause, left))
                 pause = min(2 * pause, longest)
 
-    async def _attempt(self, queue: asyncio.Queue[Tokens]) -> AsyncIterator[Tokens]:
-        while True:
-            try:
-                async with asyncio.timeout(self.config.inactivity_timeout_s):
-                    message = await queue.get()
-            except TimeoutError:
-                raise UnavailableError(
-                    f"no progress for {self.config.inactivity_timeout_s:.0f} s; the serving stack may be degraded"
-                ) from None
-            if message.request_id != self.attempt_id:
-                continue  # a lost-attempt notice that arrived after the attempt had moved on
-            taken = self.placed  # a worker had acknowledged the attempt before this message
-            if message.worker_id and self.placed_at is None:
-                self.worker_id, self.placed_at = message.worker_id, time.monotonic()
-            if message.error_status:
-                if message.retry:
-                    raise _Lost(message.error or "the worker was lost", worker_lost=taken and not message.moved)
-                raise error_for_status(message.error_status, message.error or message.error_status)
-            self.output_ids += message.token_ids
-            yield message
-            if message.finished:
-                return
+    def _accepted(self, message: Tokens) -> bool:
+        """Whether `message` goes to the client (False: a late notice of an attempt that moved on); raises
+        `_Lost` for a lost attempt and the request's own failure as its error."""
+        if message.request_id != self.attempt_id:
+            return False
+        taken = self.placed  # a worker had acknowledged the attempt before this message
+        if message.worker_id and self.placed_at is None:
+            self.worker_id, self.placed_at = message.worker_id, time.monotonic()
+        if message.error_status:
+            if message.retry:
+                raise _Lost(message.error or "the worker was lost", worker_lost=taken and not message.moved)
+            raise error_for_status(message.error_status, message.error or message.error_status)
+        self.output_ids += message.token_ids
+        return True
 
     def _next_attempt(self, reason: str, worker_lost: bool) -> None:
         lost = self.attempt_id

@@ -21,27 +21,27 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 
 from loraserve.config_cli import add_config_arguments, config_from_args
+from loraserve.demo.model_settings import ModelSettings
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.adapter_versions import AdapterVersions, watch_store
 from loraserve.gateway.admin_service import AdapterAdminService
-from loraserve.gateway.admission import Admission
 from loraserve.gateway.audit import audited
 from loraserve.gateway.auth import Authenticator
 from loraserve.gateway.bind_rule import check_bind
-from loraserve.gateway.config import GatewayConfig
+from loraserve.gateway.config import MODEL_HELP, GatewayConfig
 from loraserve.gateway.constraints import ConstraintSandbox, TokenizerSpec
 from loraserve.gateway.core import GenerationCore
+from loraserve.gateway.gate import Gate
 from loraserve.gateway.grpc_calls import add_loraserve
-from loraserve.gateway.http.connections import ConnectionLimits
 from loraserve.gateway.model_service import ModelService
 from loraserve.gateway.scheduler_client import SchedulerClient
 from loraserve.gateway.service import GenerationService
-from loraserve.gateway.settings import MODEL_HELP, GatewaySettings
 from loraserve.gateway.store_client import StoreClient
 from loraserve.gateway.tenant_adapters import TenantAdapters
 from loraserve.gateway.tenants import load_auth_file
@@ -52,7 +52,7 @@ from loraserve.gateway.tool_parsers import parser_named
 from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import add_health_and_reflection, internal_channel, new_server, set_serving
 from loraserve.internal_auth import InternalAuthSettings, check_open_planes, load_optional
-from loraserve.model_config import ModelConfig, ModelSettings
+from loraserve.model_config import ModelConfig
 from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import health_off, supervise
 from loraserve.tokenizer import Tokenizer
@@ -64,7 +64,7 @@ SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"].full_name
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, ModelSettings, helps={"model": MODEL_HELP})
-    add_config_arguments(parser, GatewaySettings)
+    add_config_arguments(parser, GatewayConfig)
     add_service_arguments(parser)
 
 
@@ -100,8 +100,8 @@ async def _watch_cluster(core: GenerationCore, scheduler, health, period_s: floa
         else:
             ready = 0
         core.ready_workers = ready
-        if (ready > 0 and not core.admission.draining) != serving:
-            serving = ready > 0 and not core.admission.draining
+        if (ready > 0 and not core.gate.draining) != serving:
+            serving = ready > 0 and not core.gate.draining
             await set_serving(health, [SERVICE], serving)
             log.info("gateway health: %s (%d ready workers)", "SERVING" if serving else "NOT_SERVING", ready)
         await asyncio.sleep(period_s)
@@ -111,7 +111,7 @@ async def _drain_on_stop(core: GenerationCore, health, stop_event, drained: asyn
     """On the stop signal: NOT_SERVING, refuse new calls, wait for the streams in flight, then set `drained`."""
     while not stop_event.is_set():
         await asyncio.sleep(0.1)
-    core.admission.drain()
+    core.gate.drain()
     await set_serving(health, [SERVICE], False)
     log.info("gateway draining: %d streams in flight (up to %.0f s)", len(core.streams), timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -124,69 +124,62 @@ async def _drain_on_stop(core: GenerationCore, health, stop_event, drained: asyn
 
 
 async def serve(args: argparse.Namespace, stop_event) -> None:
-    settings: GatewaySettings = config_from_args(GatewaySettings, args)
     model_dir = config_from_args(ModelSettings, args).model
     internal = config_from_args(InternalAuthSettings, args)
-    check_bind(settings.bind, settings.auth_file, settings.insecure_no_auth)
-    if settings.http_bind:
-        check_bind(settings.http_bind, settings.auth_file, settings.insecure_no_auth)
-    tls = load_server_tls(settings.tls.tls_cert, settings.tls.tls_key, settings.tls.tls_client_ca)
+    config = config_from_args(GatewayConfig, args)
+    check_bind(config.bind, config.auth_file, config.insecure_no_auth)
+    if config.http_bind:
+        check_bind(config.http_bind, config.auth_file, config.insecure_no_auth)
+    tls = load_server_tls(config.tls.tls_cert, config.tls.tls_key, config.tls.tls_client_ca)
     logging.getLogger("loraserve.audit").setLevel(logging.INFO)  # the audit trail shows at any --log-level
-    auth = Authenticator(load_auth_file(settings.auth_file) if settings.auth_file is not None else None)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_keys, auth, settings.auth_file)
+    auth = Authenticator(load_auth_file(config.auth_file) if config.auth_file is not None else None)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_keys, auth, config.auth_file)
     model = ModelConfig.from_dir(model_dir)
+    config = replace(config, model_name=Path(model_dir).name, model_type=model.model_type)
     tokenizer = Tokenizer.from_model_dir(model_dir)
     limits = Limits(
         vocab_size=model.vocab_size,
-        max_context=settings.max_context or model.max_position_embeddings,
-        default_max_new_tokens=settings.default_max_new_tokens,
+        max_context=config.max_context or model.max_position_embeddings,
+        default_max_new_tokens=config.default_max_new_tokens,
     )
     keys = load_optional(internal.internal_keys, "gateway")
-    check_open_planes("gateway", keys, [settings.token_address], internal.insecure_no_internal_auth)
+    check_open_planes("gateway", keys, [config.token_address], internal.insecure_no_internal_auth)
     token = keys.token if keys is not None else None
-    sink = TokenSink(settings.token_address, keys)
-    if settings.token_advertise:
-        sink.address = settings.token_advertise
-    scheduler = scheduler_pb2_grpc.SchedulerStub(internal_channel(settings.scheduler, token))
-    store_stub = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(settings.store, token))
-    config = GatewayConfig(
-        Path(model_dir).name,
-        model.model_type,
-        settings.max_lora_rank,
-        failover=settings.failover,
-    )
-    admission = Admission(auth)
+    sink = TokenSink(config.token_address, keys)
+    if config.token_advertise:
+        sink.address = config.token_advertise
+    scheduler = scheduler_pb2_grpc.SchedulerStub(internal_channel(config.scheduler, token))
+    store_stub = adapter_store_pb2_grpc.AdapterStoreStub(internal_channel(config.store, token))
+    gate = Gate(auth)
     store = StoreClient(store_stub, config.internal_timeout_s)
     versions = AdapterVersions()  # kept by the store's Watch
     adapters = TenantAdapters(store.ask, versions)  # names as each tenant sees them
     scheduler_client = SchedulerClient(scheduler, sink.address, config.internal_timeout_s)
-    tokenizing = Tokenizing(tokenizer, limits.max_context, settings.tokenizing)  # the one pool, off the loop
+    tokenizing = Tokenizing(tokenizer, limits.max_context, config.tokenizing)  # the one pool, off the loop
     constraints = ConstraintSandbox(  # structured output is compiled in these child processes only
-        TokenizerSpec(tokenizer.to_json(), limits.vocab_size, tokenizer.eos_token_ids), settings.constraints
+        TokenizerSpec(tokenizer.to_json(), limits.vocab_size, tokenizer.eos_token_ids), config.constraints
     )
     await constraints.start()
-    core = GenerationCore(
-        config, limits, tokenizer, sink, scheduler_client, adapters, admission, tokenizing, constraints
-    )
-    admin = AdapterAdminService(admission, store, adapters, versions, config.upload_timeout_s)
+    core = GenerationCore(config, limits, tokenizer, sink, scheduler_client, adapters, gate, tokenizing, constraints)
+    admin = AdapterAdminService(gate, store, adapters, versions, config.upload_timeout_s)
     # the HTTP socket first: a busy port stops here
-    http = _http_server(settings, model_dir, core, admin, tls) if settings.http_bind else None
-    server, port = new_server(settings.bind, credentials=tls.credentials() if tls else None)
+    http = _http_server(config, model_dir, core, admin, tls) if config.http_bind else None
+    server, port = new_server(config.bind, credentials=tls.credentials() if tls else None)
     add_loraserve(server, GenerationService(core), ModelService(core), admin)
     health = add_health_and_reflection(server, [SERVICE])
     await set_serving(health, [SERVICE], False)
     await server.start()
     security = "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS"
-    log.info("gateway: gRPC (%s) on %s (port %d), token sink %s", security, settings.bind, port, sink.address)
+    log.info("gateway: gRPC (%s) on %s (port %d), token sink %s", security, config.bind, port, sink.address)
     if auth.open:
         log.warning("gateway: no --auth-file: every caller is tenant 'default' with every scope")
     else:
-        log.info("gateway: API keys of %d tenants from %s (SIGHUP reloads)", len(auth.tenants), settings.auth_file)
+        log.info("gateway: API keys of %d tenants from %s (SIGHUP reloads)", len(auth.tenants), config.auth_file)
     drained = asyncio.Event()
     tasks = {
         "token sink": sink.run(),
         "cluster watch": _watch_cluster(core, scheduler, health),
-        "drain": _drain_on_stop(core, health, stop_event, drained, settings.drain_timeout),
+        "drain": _drain_on_stop(core, health, stop_event, drained, config.drain_timeout_s),
         "adapter versions": watch_store(store_stub, versions),
     }
     if http is not None:
@@ -201,30 +194,24 @@ async def serve(args: argparse.Namespace, stop_event) -> None:
         await constraints.close()
 
 
-def _http_server(settings: GatewaySettings, model_dir: Path, core: GenerationCore, admin: AdapterAdminService, tls):
+def _http_server(config: GatewayConfig, model_dir: Path, core: GenerationCore, admin: AdapterAdminService, tls):
     """The OpenAI-compatible HTTP API on --http-bind (imported only then: FastAPI is not light)."""
     from loraserve.gateway.http.server import HttpServer
 
-    limits = ConnectionLimits(
-        settings.http_max_connections,
-        settings.http_header_timeout,
-        settings.http_body_timeout,
-        settings.http_keep_alive,
-    )
-    tool_parser = parser_named(settings.tool_call_parser) if settings.tool_call_parser else None
+    tool_parser = parser_named(config.tool_call_parser) if config.tool_call_parser else None
     http = HttpServer(
         core,
         admin,
         model_dir,
-        settings.http_bind,
-        settings.tls.tls_cert,
-        settings.tls.tls_key,
-        settings.tls.tls_client_ca,
-        limits=limits,
+        config.http_bind,
+        config.tls.tls_cert,
+        config.tls.tls_key,
+        config.tls.tls_client_ca,
+        limits=config.http,
         tool_parser=tool_parser,
     )
     security = "HTTP" if tls is None else "HTTPS, mutual TLS" if tls.mutual else "HTTPS"
-    log.info("gateway: OpenAI-compatible API (%s) on %s (port %d)", security, settings.http_bind, http.port)
+    log.info("gateway: OpenAI-compatible API (%s) on %s (port %d)", security, config.http_bind, http.port)
     return http
 
 

@@ -2,7 +2,7 @@
 `/detokenize` (HTTP).
 
 Each call is authenticated (UNAVAILABLE for everyone while draining), needs the scope `generate`,
-holds one of its tenant's in-flight slots while it runs (`Quotas`, the `max_concurrent` that
+holds one of its tenant's in-flight slots while it runs (`TenantSlots`, the `max_concurrent` that
 generations count against: over it, RESOURCE_EXHAUSTED with a retry hint), and is counted in
 `loraserve_gateway_tokenizer_requests_total{operation,code,tenant}` by how it ended.
 
@@ -33,7 +33,7 @@ async def metered(core: GenerationCore, metadata: dict[str, str], operation: str
         principal = core.authenticate(metadata)
         tenant = principal.tenant
         principal.require(Scope.GENERATE, operation)
-        core.quotas.admit(tenant, principal.limits)
+        core.slots.admit(tenant, principal.limits)
         admitted = True
         yield principal
     except BaseException as e:
@@ -41,5 +41,5 @@ async def metered(core: GenerationCore, metadata: dict[str, str], operation: str
         raise
     finally:
         if admitted:
-            core.quotas.release(tenant)
+            core.slots.release(tenant)
         metrics.TOKENIZER_REQUESTS.labels(operation, code, tenant).inc()

@@ -31,14 +31,21 @@ class GenerationService:
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         text, tokens, logprobs, prompt_logprobs, summary = [], [], [], [], None
-        async for event in self._events(request, context):
-            if isinstance(event, Chunk):
-                text.append(event.text)
-                tokens += event.token_ids
-                logprobs += event.logprobs
-                prompt_logprobs += event.prompt_logprobs
-            else:
-                summary = event
+        events = self._events(request, context)
+        try:
+            async for event in events:
+                if isinstance(event, Chunk):
+                    text.append(event.text)
+                    tokens += event.token_ids
+                    logprobs += event.logprobs
+                    prompt_logprobs += event.prompt_logprobs
+                else:
+                    summary = event
+        except RetryLaterError as e:
+            _retry_after(context, e)
+            raise
+        finally:
+            await events.aclose()
         response = summary_to_pb(summary)
         response.text = "".join(text)
         response.token_ids.extend(tokens)
@@ -47,25 +54,28 @@ class GenerationService:
         return response
 
     async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        async for event in self._events(request, context):
-            if isinstance(event, Chunk):
-                yield gateway_pb2.GenerateStreamResponse(chunk=chunk_to_pb(event))
-            else:
-                yield gateway_pb2.GenerateStreamResponse(summary=summary_to_pb(event))
-
-    async def _events(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Event]:
-        call = Call(metadata_of(context), deadline_of(context), request.client_request_id)
-        events = self.core.generate(call, partial(validate_generate, request, self.core.limits))
+        events = self._events(request, context)
         try:
             async for event in events:
-                yield event
+                if isinstance(event, Chunk):
+                    yield gateway_pb2.GenerateStreamResponse(chunk=chunk_to_pb(event))
+                else:
+                    yield gateway_pb2.GenerateStreamResponse(summary=summary_to_pb(event))
         except RetryLaterError as e:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
+            _retry_after(context, e)
             raise
         finally:
             await events.aclose()
+
+    def _events(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Event]:
+        """The core's generation of `request` (the caller closes it)."""
+        call = Call(metadata_of(context), deadline_of(context), request.client_request_id)
+        return self.core.generate(call, partial(validate_generate, request, self.core.limits))
+
+
+def _retry_after(context: grpc.aio.ServicerContext, refusal: RetryLaterError) -> None:
+    """The refusal's retry hint, as trailing metadata sent before its status."""
+    context.set_trailing_metadata(((RETRY_AFTER_KEY, str(refusal.retry_after_ms)),))
 
 
 def chunk_to_pb(chunk: Chunk) -> gateway_pb2.TokenChunk:

@@ -11,7 +11,8 @@ import grpc
 
 from loraserve import telemetry
 from loraserve.errors import UnavailableError
-from loraserve.grpc_utils import forward_stream, internal_call
+from loraserve.grpc_streams import forward_stream
+from loraserve.grpc_utils import internal_call
 from loraserve.v1 import adapter_store_pb2_grpc, common_pb2, gateway_pb2
 from loraserve.v1.adapter_store_pb2 import GetStoreStateRequest
 

@@ -6,11 +6,17 @@ docstring); the torch one is the reference and what runs on CPU. LoRA is planned
 (`lora_apply`), which only launches kernels or multiplies. Only the Triton backend can be captured
 in a CUDA graph: its launches can be made independent of the step (`prepare_lora_graph`), where the
 torch path's bucketing is host work from each step's values.
+
+The Triton backend's kernels are imported only when it is chosen: on CUDA they are compiled; on CPU
+they run only under Triton's interpreter, which must be switched on (TRITON_INTERPRET=1) before triton
+is first imported: it is chosen when `@triton.jit` decorates each kernel, so setting it later has no
+effect.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,8 +65,44 @@ def select_backend(name: str, device: torch.device) -> KernelBackend:
     elif name == "torch-bmm":
         backend = TORCH_BMM
     else:
-        from loraserve.kernels.triton_backend import triton_backend
-
         backend = triton_backend(device)
     log.info("kernel backend: %s on %s", backend.name, device)
     return backend
+
+
+def triton_backend(device: torch.device | str) -> KernelBackend:
+    """The Triton kernels (`lora_triton`, `attention_triton`) as a KernelBackend for `device`."""
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise RuntimeError(f"the triton kernel backend runs on cuda (or cpu, interpreted), not on {device}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "triton on CPU needs TRITON_INTERPRET=1 set before triton is imported; "
+            "set it in the environment, or use the torch kernel backend"
+        )
+    try:
+        from loraserve.kernels.attention_triton import attention_triton, write_kv_triton
+        from loraserve.kernels.lora_triton import (
+            _shrink_token_kernel,
+            lora_apply_triton_group,
+            prepare_lora_triton,
+            prepare_lora_triton_graph,
+        )
+    except ImportError as e:
+        raise RuntimeError(f"the triton kernel backend needs the triton package: {e}") from e
+    if device.type == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(_shrink_token_kernel, InterpretedFunction):
+            raise RuntimeError(
+                "triton on CPU needs TRITON_INTERPRET=1 set before triton is imported; the kernels were "
+                "compiled for the GPU because triton was imported before it was set"
+            )
+    return KernelBackend(
+        "triton",
+        prepare_lora_triton,
+        lora_apply_triton_group,
+        write_kv_triton,
+        attention_triton,
+        prepare_lora_graph=prepare_lora_triton_graph,
+    )

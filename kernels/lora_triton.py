@@ -13,7 +13,7 @@ Shapes: x [T, d_in], y [T, d_out] (updated in place), pool_layer [rows, W]; meta
 `LoraPlan` (its device `tables`).
 
 Projections that share an input (a group: q/k/v, gate/up) share one shrink when the step's adapters
-stack their A blocks of the group (as the engine's pool does, `worker/pool_layout.py`): the k
+stack their A blocks of the group (as the engine's pool does, `loraserve/pool_rows.py`): the k
 blocks an adapter has are then one [k*r_a, d_in] matrix, read as a rank-k*r_a A from the first
 one's offset (`shrink_a_offset`, `shrink_rank`, keyed by the group's first module), and x is read
 once for the group. Module m's expand reads its r_a values of v from column v_col[a, m]. Otherwise

@@ -1,11 +1,11 @@
 """`loraserve up`'s settings, and each role's command line made from them.
 
-`up` has its own settings (`UpSettings`) and those of every role that are not the stack's to choose
-(addresses, worker names, key and data directories): the engine's and the worker's, the store's,
-the scheduler's, the gateway's, tracing. Each role's configuration is built from the same parsed
-flags (`config_cli.config_from_args`, a flag shared by two roles sets both, e.g. --max-lora-rank
-or --adapter-rows) with the stack's own values on top, and handed to the role as the flags that
-rebuild it (`config_cli.config_to_argv`).
+`up` has its own settings (`UpSettings`) and those of every role (`ROLES`: each role's configuration,
+less what the stack chooses itself: addresses, worker names and devices, the store's preloads), with
+their help as the roles give it. A setting two roles have (--max-lora-rank, --adapter-rows,
+--drain-timeout, ...) is one flag that sets both (`config_cli.add_roles_arguments`). Each role's
+configuration is built from the parsed flags (`config_cli.config_from_args`) with the stack's own values
+on top, and handed to the role as the flags that rebuild it (`config_cli.config_to_argv`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loraserve.adapter_store.config import PersistenceConfig, StoreConfig, parse_preload, stack_data_dir
-from loraserve.config_cli import add_config_arguments, config_from_args, config_to_argv, setting
-from loraserve.gateway.settings import GatewaySettings
+from loraserve.config_cli import (
+    RoleFlags,
+    add_config_arguments,
+    add_roles_arguments,
+    config_from_args,
+    config_to_argv,
+    setting,
+)
+from loraserve.demo.model_settings import ModelSettings
+from loraserve.gateway.config import GatewayConfig
 from loraserve.launcher.ports import Ports
-from loraserve.model_config import ModelSettings
+from loraserve.metrics import METRICS_OFF
 from loraserve.process import service_argv
-from loraserve.scheduler.settings import POLICY_SKIP, SchedulerSettings, add_policy_arguments, policy_config
+from loraserve.scheduler.config import SchedulerConfig
 from loraserve.telemetry import TracingSettings
 from loraserve.worker.cli import WORKER_ENGINE_DEFAULTS
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.settings import WorkerSettings
+from loraserve.worker.config import EngineConfig, WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,8 @@ class UpSettings:
     show_demo: bool = setting(False, "stream a few demo generations once up")
     exit_after_demo: bool = setting(False, "stop after --show-demo (for scripts)")
     metrics_port: int = setting(
-        0, "Prometheus endpoints from this port on: gateway, scheduler, adapter store, then one per worker (0: off)"
+        METRICS_OFF,
+        "Prometheus endpoints from this port on: gateway, scheduler, adapter store, then one per worker (0: off)",
     )
     tls_server_name: str = setting(
         "localhost", "a name --tls-cert is valid for: up's own calls to the gateway (health, demo) expect it"
@@ -64,43 +72,33 @@ class UpSettings:
     tls_client_key: Path | None = setting(None, "PEM private key of --tls-client-cert")
 
 
-# The stack chooses these (addresses, names, directories), or another role's flag of the same name sets them.
-_GATEWAY_SKIP = {"scheduler", "store", "token_address", "token_advertise", "max_lora_rank"}
-_ENGINE_SKIP = {"device", "prefetch_depth"}  # --device is per worker; --prefetch-depth is the scheduler's too
-_WORKER_SKIP = {"worker_id", "scheduler_address", "store_address", "drain_timeout", "torch_threads", "adapter_rows"}
-_STORE_SKIP = {"bind", "data_address", "max_lora_rank", "preload", "shm_root"}
-_SCHEDULER_SKIP = {"bind", "worker_address"}
-
-_HELPS = {
-    "model": "model directory (default: the demo model)",
-    "bind": "the gateway's public gRPC address",
-    "http_bind": "the gateway's OpenAI-compatible HTTP address (e.g. 127.0.0.1:8000); unset: off",
-    "auth_file": "the gateway's tenants and API keys (TOML; see README)",
-    "insecure_no_auth": "let the gateway serve a non-loopback --bind without --auth-file (something else guards "
-    "the port)",
-    "drain_timeout": "on SIGTERM, seconds the gateway and each worker let streams finish (the stack drains in order)",
-    "adapter_rows": "the store keeps adapters packed in the workers' pool row layout and workers fetch those "
-    "(--no-adapter-rows: workers fetch the files and parse, validate and pack them)",
-    "shm_root": "where the store's rows live in shared memory, mapped by workers on this host; empty: sockets only",
-    "data_dir": "the adapter store's data dir (default: one per stack: ~/.local/share/loraserve/stacks/PORT-MODELID)",
-    "adapter_root": "directory RegisterAdapterFromPath may read from",
-    "worker_timeout": "seconds before a silent worker is dropped (requests fail over)",
+# Each role's configurations, less the settings the stack chooses (`role_commands` sets them).
+ROLES = {
+    "gateway": RoleFlags(
+        "gateway", (GatewayConfig,), frozenset({"scheduler", "store", "token_address", "token_advertise"})
+    ),
+    "worker": RoleFlags(
+        "workers",
+        (EngineConfig, WorkerConfig),
+        frozenset({"device", "worker_id", "scheduler_address", "store_address", "torch_threads"}),
+        defaults=WORKER_ENGINE_DEFAULTS,
+        description="each worker's engine and fetches",
+    ),
+    "adapter-store": RoleFlags(
+        "adapter store",
+        (StoreConfig,),
+        frozenset({"bind", "data_address", "preload"}),
+        notes={"data_dir": "one per stack: ~/.local/share/loraserve/stacks/PORT-MODELID"},
+    ),
+    "scheduler": RoleFlags("scheduler", (SchedulerConfig,), frozenset({"bind", "worker_address"})),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`up`'s flags: its own, then each role's that the stack does not choose."""
-    add_config_arguments(parser, ModelSettings, helps=_HELPS)
+    add_config_arguments(parser, ModelSettings)
     add_config_arguments(parser, UpSettings)
-    add_config_arguments(parser, GatewaySettings, skip=_GATEWAY_SKIP, helps=_HELPS)
-    workers = parser.add_argument_group("workers (each worker's engine and fetches)")
-    add_config_arguments(workers, EngineConfig, skip=_ENGINE_SKIP, defaults=WORKER_ENGINE_DEFAULTS)
-    add_config_arguments(workers, WorkerSettings, skip=_WORKER_SKIP, helps=_HELPS)
-    store = parser.add_argument_group("adapter store")
-    add_config_arguments(store, StoreConfig, skip=_STORE_SKIP, helps=_HELPS)
-    scheduler = parser.add_argument_group("scheduler")
-    add_config_arguments(scheduler, SchedulerSettings, skip=_SCHEDULER_SKIP, helps=_HELPS)
-    add_policy_arguments(scheduler)
+    add_roles_arguments(parser, list(ROLES.values()))
     add_config_arguments(parser.add_argument_group("tracing"), TracingSettings)
 
 
@@ -152,22 +150,22 @@ def role_commands(args: argparse.Namespace) -> dict[str, list[str]]:
         "adapter-store": command(
             "adapter-store", "adapter-store", model, _argv(StoreConfig, args, model_dir=Path(args.model), **store)
         ),
-        "scheduler": command("scheduler", "scheduler", _argv(SchedulerSettings, args, **scheduler), _policy_argv(args)),
+        "scheduler": command("scheduler", "scheduler", _argv(SchedulerConfig, args, **scheduler)),
     }
     devices = args.device.split(",")
     profile = Path(args.runner_profile).resolve() if args.runner_profile is not None else None
     for i in range(args.workers):
         device = devices[i % len(devices)]
-        engine = _argv(EngineConfig, args, WORKER_ENGINE_DEFAULTS, device=device, runner_profile=profile)
+        engine = _argv(EngineConfig, args, ROLES["worker"].defaults, device=device, runner_profile=profile)
         worker = {
             "worker_id": f"worker-{i}",
             "scheduler_address": ports.scheduler_workers,
             "store_address": ports.store_data,
             "torch_threads": (args.torch_threads or _default_cpu_threads(args.workers)) if device == "cpu" else None,
         }
-        commands[f"worker-{i}"] = command("worker", f"worker-{i}", model, engine, _argv(WorkerSettings, args, **worker))
+        commands[f"worker-{i}"] = command("worker", f"worker-{i}", model, engine, _argv(WorkerConfig, args, **worker))
     gateway = {"bind": args.bind, "scheduler": ports.scheduler, "store": ports.store, "token_address": ports.tokens}
-    commands["gateway"] = command("gateway", "gateway", model, _argv(GatewaySettings, args, **gateway))
+    commands["gateway"] = command("gateway", "gateway", model, _argv(GatewayConfig, args, **gateway))
     return commands
 
 
@@ -176,14 +174,6 @@ def _argv(cls: type, args: argparse.Namespace, defaults: dict | None = None, **c
     those, and every setting not at its default."""
     config = config_from_args(cls, args, **chosen)
     return config_to_argv(config, changed_only=True, always=set(chosen), defaults=defaults)
-
-
-def _policy_argv(args: argparse.Namespace) -> list[str]:
-    """The flags of the scheduler policy's settings that `up` was given away from their defaults."""
-    config = policy_config(args)
-    argv = config_to_argv(config.cluster, skip=POLICY_SKIP, changed_only=True)
-    argv += config_to_argv(config.share, changed_only=True)
-    return argv + config_to_argv(config.adaptive, skip=POLICY_SKIP, changed_only=True)
 
 
 def _default_cpu_threads(workers: int) -> int:

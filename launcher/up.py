@@ -187,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 1
     finally:
-        stack.stop(timeout_s=args.drain_timeout + 5.0)
+        stack.stop(timeout_s=args.drain_timeout_s + 5.0)
 
 
 HOW_TO_CALL = """

@@ -17,7 +17,9 @@ a second flag that sets the field to one value (`--enforce-eager` sets `cuda_gra
 `(flag, value, help)`.
 
 The default is the dataclass's, or the one `add_config_arguments` is given for a role whose default
-differs (`defaults`). Environment twins (`LORASERVE_*`) come from the parser (`flags.py`), as for
+differs (`defaults`). A setting that two nested configurations have (the same field name) is one flag
+that sets both (`settings_of`); across roles, `add_roles_arguments` does the same for a command that
+starts several (`loraserve up`). Environment twins (`LORASERVE_*`) come from the parser (`flags.py`), as for
 every flag. `config_to_argv` writes a configuration back as the flags that rebuild it, which is how
 `loraserve up` hands every role its configuration (`changed_only`: the settings it chose, and every
 one not at its default).
@@ -76,6 +78,10 @@ class Flag:
         return self.field.metadata.get("flag", "--" + self.field.name.replace("_", "-"))
 
     @property
+    def help(self) -> str:
+        return self.field.metadata["help"]
+
+    @property
     def positional(self) -> bool:
         return not self.name.startswith("-")
 
@@ -96,9 +102,10 @@ class Flag:
         return _UNSET
 
     def parse(self, value: Any) -> Any:
-        """The flag's value as the field's."""
-        if self.repeated and value is None and self.default not in (_UNSET, None):
-            return self.default  # not given: the field's default (its flag's argparse default is None)
+        """The flag's value as the field's; None (a repeatable flag not given, or a caller such as a test stack
+        leaving a setting unset) is the field's default."""
+        if value is None:
+            return None if self.default is _UNSET else self.default
         if self.repeated and value is not None:
             value = tuple(value)
         convert = self.field.metadata.get("parse")
@@ -134,6 +141,24 @@ def _strip_optional(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
+def settings_of(cls: type, skip: frozenset[str] | set[str] = frozenset()) -> list[Flag]:
+    """Every setting of `cls` and of the dataclasses it nests, flattened in field order, except the fields in
+    `skip`. A setting two nested configurations share (the same field name, as the fcfs and adaptive
+    strategies' max_queue_length) is one flag that sets both: it comes once, and must have one default."""
+    seen: dict[str, Flag] = {}
+    for flag in flags_of(cls):
+        if flag.dest in skip:
+            continue
+        for leaf in settings_of(flag.nested, skip) if flag.nested is not None else [flag]:
+            _check_shared(seen.setdefault(leaf.dest, leaf), leaf, leaf.default)
+    return list(seen.values())
+
+
+def _check_shared(first: Flag, other: Flag, default: Any) -> None:
+    if first.name != other.name or first.default != default:
+        raise ValueError(f"setting {other.dest!r} is {first.name} and {other.name}, or has two defaults")
+
+
 def add_config_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
@@ -141,35 +166,74 @@ def add_config_arguments(
     skip: frozenset[str] | set[str] = frozenset(),
     defaults: dict[str, Any] | None = None,
     helps: dict[str, str] | None = None,
+    notes: dict[str, str] | None = None,
 ) -> None:
     """Add a flag for every setting of `cls` (and of the dataclasses it nests), except the fields in
     `skip`. `defaults` and `helps` replace a field's default (as the field's value) or help text for a
-    command where they differ."""
-    defaults, helps = defaults or {}, helps or {}
-    for flag in flags_of(cls):
-        if flag.dest in skip:
-            continue
-        if flag.nested is not None:
-            add_config_arguments(parser, flag.nested, skip=skip, defaults=defaults, helps=helps)
-            continue
-        default = defaults.get(flag.dest, flag.default)
-        kwargs = _argument(flag, flag.show(None if default is _UNSET else default), helps.get(flag.dest))
-        switch = flag.field.metadata.get("switch")
-        if switch is not None:  # before the flag itself: its environment twin's value then wins over the flag's
-            name, value, switch_help = switch
-            parser.add_argument(
-                name, dest=flag.dest, action="store_const", const=flag.show(value), default=argparse.SUPPRESS,
-                help=switch_help,
-            )  # fmt: skip
-        if flag.positional:
-            parser.add_argument(flag.name, **kwargs)
-        else:
-            parser.add_argument(flag.name, dest=flag.dest, **kwargs)
+    command where they differ; `notes` says what a default the command works out itself will be."""
+    defaults, helps, notes = defaults or {}, helps or {}, notes or {}
+    for flag in settings_of(cls, skip):
+        help_text = helps.get(flag.dest, flag.help)
+        if flag.dest in notes:
+            help_text += f" (default: {notes[flag.dest]})"
+        _add_flag(parser, flag, defaults.get(flag.dest, flag.default), help_text)
 
 
-def _argument(flag: Flag, default: Any, help_text: str | None) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class RoleFlags:
+    """One role's configurations on the parser of a command that starts the role (`loraserve up`): a flag
+    for each of their settings but those in `chosen`, which that command decides itself."""
+
+    title: str  # the role's group of flags
+    configs: tuple[type, ...]
+    chosen: frozenset[str] = frozenset()
+    description: str | None = None  # the group's
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # as `add_config_arguments`'s
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)  # as `add_config_arguments`'s
+
+
+def add_roles_arguments(parser: argparse.ArgumentParser, roles: list[RoleFlags]) -> None:
+    """A group of flags per role. A setting several roles have (the same field name, as max_lora_rank) is one
+    flag, in the first one's group, that sets it in each: its default must be the same in all, and its help
+    gives each role's, named by the role's title where they differ."""
+    holders: dict[str, list[tuple[RoleFlags, Flag]]] = {}
+    for role in roles:
+        for cls in role.configs:
+            for flag in settings_of(cls, role.chosen):
+                holders.setdefault(flag.dest, []).append((role, flag))
+    groups = {role.title: parser.add_argument_group(role.title, role.description) for role in roles}
+    for held in holders.values():
+        role, flag = held[0]
+        default = role.defaults.get(flag.dest, flag.default)
+        for other_role, other in held[1:]:
+            _check_shared(flag, other, other_role.defaults.get(other.dest, other.default))
+        helps = {other_role.title: other.help for other_role, other in held if other.help}
+        help_text = "; ".join(f"{title}: {text}" for title, text in helps.items())
+        if len(set(helps.values())) == 1:
+            help_text = next(iter(helps.values()))
+        if flag.dest in role.notes:
+            help_text += f" (default: {role.notes[flag.dest]})"
+        _add_flag(groups[role.title], flag, default, help_text)
+
+
+def _add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: Flag, default: Any, help_text: str):
+    kwargs = _argument(flag, flag.show(None if default is _UNSET else default), help_text)
+    switch = flag.field.metadata.get("switch")
+    if switch is not None:  # before the flag itself: its environment twin's value then wins over the flag's
+        name, value, switch_help = switch
+        parser.add_argument(
+            name, dest=flag.dest, action="store_const", const=flag.show(value), default=argparse.SUPPRESS,
+            help=switch_help,
+        )  # fmt: skip
+    if flag.positional:
+        parser.add_argument(flag.name, **kwargs)
+    else:
+        parser.add_argument(flag.name, dest=flag.dest, **kwargs)
+
+
+def _argument(flag: Flag, default: Any, help_text: str) -> dict[str, Any]:
     meta = flag.field.metadata
-    kwargs: dict[str, Any] = {"help": meta["help"] if help_text is None else help_text}
+    kwargs: dict[str, Any] = {"help": help_text}
     if flag.positional:
         return {**kwargs, "choices": meta["choices"]} if "choices" in meta else kwargs
     if flag.kind is bool:
@@ -195,27 +259,36 @@ def _argument(flag: Flag, default: Any, help_text: str | None) -> dict[str, Any]
 
 def config_from_args(cls: type, args: argparse.Namespace, **values: Any) -> Any:
     """An instance of `cls` from the parsed flags of its settings; `values` give the fields that are
-    not settings (or replace parsed ones). A setting absent from `args` keeps the field's default."""
+    not settings (or replace parsed ones), a nested configuration's among them. A setting absent from
+    `args` keeps the field's default."""
+    own = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for flag in flags_of(cls):
         if flag.dest in values:
             continue
         if flag.nested is not None:
-            kwargs[flag.dest] = config_from_args(flag.nested, args)
+            inner = {k: v for k, v in values.items() if k not in own and k in _tree_fields(flag.nested)}
+            kwargs[flag.dest] = config_from_args(flag.nested, args, **inner)
         elif hasattr(args, flag.dest):
             kwargs[flag.dest] = flag.parse(getattr(args, flag.dest))
-    return cls(**kwargs, **values)
+    rest = {k: v for k, v in values.items() if k in own or k not in _tree_fields(cls)}  # unknown: TypeError
+    return cls(**kwargs, **rest)
+
+
+def _tree_fields(cls: type) -> set[str]:
+    """The names of the fields of `cls` and of the configurations it nests."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return names.union(*(_tree_fields(flag.nested) for flag in flags_of(cls) if flag.nested is not None))
 
 
 def config_to_argv(
     config: Any,
     *,
-    skip: frozenset[str] | set[str] = frozenset(),
     changed_only: bool = False,
     always: frozenset[str] | set[str] = frozenset(),
     defaults: dict[str, Any] | None = None,
 ) -> list[str]:
-    """The flags that rebuild `config` (its settings outside `skip`, nested ones included) in a process
+    """The flags that rebuild `config` (its settings, nested ones included, a shared one once) in a process
     whose parser `add_config_arguments` built (with the same `defaults`). A setting that is None is left
     out, its flag having no way to say None.
 
@@ -224,13 +297,7 @@ def config_to_argv(
     defaults and environment twins, as if it were not in between."""
     defaults = defaults or {}
     argv: list[str] = []
-    for flag in flags_of(type(config)):
-        if flag.dest in skip:
-            continue
-        value = getattr(config, flag.dest)
-        if flag.nested is not None:
-            argv += config_to_argv(value, skip=skip, changed_only=changed_only, always=always, defaults=defaults)
-            continue
+    for flag, value in _settings_with_values(config).items():
         if changed_only and flag.dest not in always and value == defaults.get(flag.dest, flag.default):
             continue
         shown = flag.show(value)
@@ -246,6 +313,19 @@ def config_to_argv(
         else:
             argv += [flag.name, _text(shown)]
     return argv
+
+
+def _settings_with_values(config: Any) -> dict[Flag, Any]:
+    """Each setting of `config` (as `settings_of` flattens them) with its value there (a shared one's first)."""
+    values: dict[Flag, Any] = {}
+    seen: set[str] = set()
+    for flag in flags_of(type(config)):
+        value = getattr(config, flag.dest)
+        for leaf, leaf_value in _settings_with_values(value).items() if flag.nested is not None else [(flag, value)]:
+            if leaf.dest not in seen:
+                seen.add(leaf.dest)
+                values[leaf] = leaf_value
+    return values
 
 
 def _text(value: Any) -> str:

@@ -12,6 +12,8 @@ import hmac
 
 import grpc
 
+from loraserve.grpc_streams import refuse_stream
+
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 
@@ -39,8 +41,6 @@ async def _refuse(request, context) -> None:
 async def _refuse_stream(requests, context) -> None:
     """Refuse a client-streaming call the way every refusal mid-upload is made (`refuse_stream`: say
     so first, let the client stop writing), so the caller sees UNAUTHENTICATED and not a write race."""
-    from loraserve.grpc_utils import refuse_stream  # here: grpc_utils imports this module
-
     await refuse_stream(requests, context)
     await _refuse(None, context)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from loraserve.config_cli import setting
 
+METRICS_OFF = 0  # a metrics port of 0: no Prometheus endpoint (a role's, or `loraserve up`'s for every role)
+
 log = logging.getLogger(__name__)
 
 
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 class MetricsSettings:
     """Where a role serves its Prometheus metrics."""
 
-    metrics_port: int = setting(0, "serve Prometheus metrics on this port at /metrics (0: off)")
+    metrics_port: int = setting(METRICS_OFF, "serve Prometheus metrics on this port at /metrics (0: off)")
     metrics_host: str = setting("127.0.0.1", "address the metrics endpoint binds")
 
 

@@ -10,8 +10,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraserve.config_cli import setting
-from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -22,7 +20,7 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 MODULE_INDEX = {m: i for i, m in enumerate(LORA_MODULES)}
 ATTENTION_MODULES = LORA_MODULES[:4]  # under self_attn; the other three under mlp
 # Projections that read the same input, as module indices: q/k/v, o, gate/up, down. One LoRA shrink
-# serves a whole group (its adapters' A blocks are stacked in the pool, see worker/pool_layout.py).
+# serves a whole group (its adapters' A blocks are stacked in the pool, see loraserve/pool_rows.py).
 LORA_GROUPS = ((0, 1, 2), (3,), (4, 5), (6,))
 
 
@@ -171,10 +169,3 @@ def _rope_from_hf(raw: dict, source: str) -> RopeConfig:
 
 
 DEFAULT_MAX_LORA_RANK = 128  # the largest LoRA rank a stack serves unless told: engine, store and gateway alike
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """`--model`: the model directory a role reads (each role's help says which of its files)."""
-
-    model: Path = setting(DEMO_MODEL_DIR, "Hugging Face model directory (default: the embedded demo model)")

@@ -1,9 +1,25 @@
-"""An adapter's weights in the unified pool's row layout, packed without torch (the adapter store does it).
+"""The adapter rows contract: how an adapter's A and B live in the unified pool's rows, shared by the
+adapter store (which packs them, without torch) and the worker (whose pool holds them).
 
-A worker's pool keeps an adapter as logical rows of `row_width` = the model's KV width, the same rows in
-every layer (`worker/pool_layout.py` has the layout rule). The rows depend only on the model's shape and
-the adapter, not on a worker's pool size, so the store packs them once per registered version and sends
-them as they are; a worker copies them into its pool pages without repacking:
+A worker's pool keeps every layer as rows of `row_width` W = the model's KV width (num_kv_heads × head_dim;
+`worker/pool_layout.py` has the pool's pages and its KV cache). S-LoRA stores a rank-r weight as r vectors;
+here each rank vector is split into row-sized chunks. For a target module with in/out widths (d_in, d_out),
+c_in = ceil(d_in / W), c_out = ceil(d_out / W):
+
+    A block: r × c_in rows,  row j*c_in + c  = lora_A[j, c*W : (c+1)*W]     (lora_A: [r, d_in])
+    B block: r × c_out rows, row j*c_out + c = lora_B[c*W : (c+1)*W, j]     (lora_B: [d_out, r])
+
+Blocks of the adapter's modules follow each other group by group (`LORA_GROUPS`: q/k/v, o, gate/up, down)
+in the adapter's *logical* row space: first the A blocks of the group's targeted modules (in `LORA_MODULES`
+order), then their B blocks. The A blocks of projections that share an input are thus one stacked
+[k*r, d_in] matrix, read by one shrink. A pool of R rows per page keeps logical row ℓ at physical row
+pages[ℓ // R] * R + ℓ % R; every layer uses the same logical layout, so one page list per adapter serves all
+layers. Widths that are multiples of W (hidden size, KV width and, in most models, the MLP width: 14336 =
+14 × 1024 in Llama-3-8B) waste nothing; otherwise only the last chunk of each rank vector is padded.
+
+The rows depend only on the model's shape and the adapter, not on a worker's pool size, so the store packs
+them once per registered version and sends them as they are; a worker copies them into its pool pages
+without repacking:
 
     rows: [num_layers, num_rows, row_width] in `dtype`, little-endian, C order; layers without weights zero
 
@@ -19,14 +35,111 @@ within the validation's bounds; a worker checks that rows it receives fit its ow
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from loraserve.adapter_format import CheckedAdapter, StoredTensor
-from loraserve.model_config import ModelConfig
-from loraserve.worker.pool_layout import AdapterLayout, PoolLayout
+from loraserve.model_config import LORA_GROUPS, LORA_MODULES, MODULE_INDEX, ModelConfig
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_offsets(
+    targeted: Collection[int],
+    rank: int,
+    c_in: Sequence[int],
+    c_out: Sequence[int],
+    groups: tuple[tuple[int, ...], ...] = LORA_GROUPS,
+) -> tuple[dict[int, tuple[int, int]], int]:
+    """The layout rule (module docstring), on module indices: {module: (first row of its A block, of
+    its B block)} for the `targeted` modules of a rank-`rank` adapter, and the rows they take. Group
+    by group, the targeted modules' A blocks follow each other, then their B blocks. `c_in`, `c_out`:
+    row chunks per rank vector of every module."""
+    offsets: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for group in groups:
+        present = [m for m in group if m in targeted]
+        b_offset = offset + rank * sum(c_in[m] for m in present)
+        for m in present:
+            offsets[m] = (offset, b_offset)
+            offset, b_offset = offset + rank * c_in[m], b_offset + rank * c_out[m]
+        offset = b_offset
+    return offsets, offset
+
+
+@dataclass(frozen=True)
+class ModuleBlock:
+    """Where one target module's A and B live in an adapter's logical rows."""
+
+    module: str
+    d_in: int
+    d_out: int
+    c_in: int  # row chunks per A rank vector
+    c_out: int  # row chunks per B rank vector
+    a_offset: int  # first logical row of the A block
+    b_offset: int  # first logical row of the B block
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """The logical row layout of one adapter (rank r, some target modules)."""
+
+    rank: int
+    blocks: tuple[ModuleBlock, ...]
+    num_rows: int
+    num_pages: int
+    useful_elements: int  # weights actually stored, summed over layers (for waste accounting)
+
+    def block(self, module: str) -> ModuleBlock | None:
+        return next((b for b in self.blocks if b.module == module), None)
+
+    @functools.cached_property  # read for every step's batch metadata
+    def a_offsets(self) -> tuple[int, ...]:
+        """First logical row of each module's A block, in LORA_MODULES order; -1 where not targeted."""
+        return tuple(b.a_offset if b else -1 for b in map(self.block, LORA_MODULES))
+
+    @functools.cached_property
+    def b_offsets(self) -> tuple[int, ...]:
+        return tuple(b.b_offset if b else -1 for b in map(self.block, LORA_MODULES))
+
+
+def adapter_layout(
+    model: ModelConfig,
+    rank: int,
+    modules: tuple[str, ...],
+    row_width: int,
+    rows_per_page: int,
+    active_layers: int | None = None,
+) -> AdapterLayout:
+    """Lay out an adapter of rank `rank` on `modules` (any order; stored in LORA_MODULES order) in rows of
+    `row_width`, counted in pages of `rows_per_page` rows; `active_layers`: the layers it has weights in."""
+    unknown = set(modules) - set(LORA_MODULES)
+    if unknown:
+        raise ValueError(f"unknown LoRA modules {sorted(unknown)}")
+    shapes = [model.module_shape(m) for m in LORA_MODULES]
+    c_in = [ceil_div(d_in, row_width) for d_in, _ in shapes]
+    c_out = [ceil_div(d_out, row_width) for _, d_out in shapes]
+    targeted = {MODULE_INDEX[m] for m in modules}
+    offsets, rows = block_offsets(targeted, rank, c_in, c_out)
+    blocks = [
+        ModuleBlock(LORA_MODULES[m], *shapes[m], c_in[m], c_out[m], a, b) for m, (a, b) in sorted(offsets.items())
+    ]
+    useful = sum(rank * (b.d_in + b.d_out) for b in blocks)
+    layers = model.num_layers if active_layers is None else active_layers
+    return AdapterLayout(
+        rank=rank,
+        blocks=tuple(blocks),
+        num_rows=rows,
+        num_pages=ceil_div(rows, rows_per_page),
+        useful_elements=useful * layers,
+    )
+
 
 # rows dtype name -> numpy type of its stored values (bfloat16 as bits)
 ROW_DTYPES = {
@@ -61,10 +174,9 @@ class RowsSpec:
 
 
 def adapter_rows_layout(model: ModelConfig, rank: int, modules: tuple[str, ...]) -> AdapterLayout:
-    """The logical row layout of a rank-`rank` adapter on `modules`, as every pool of `model` lays it out."""
-    return PoolLayout(model.num_layers, model.kv_width, rows_per_page=2, num_pages=1).adapter_layout(
-        model, rank, modules
-    )
+    """The logical row layout of a rank-`rank` adapter on `modules`, as every pool of `model` lays it out
+    (rows of the model's KV width; counted in pages of one row: a worker's pool pages them itself)."""
+    return adapter_layout(model, rank, modules, model.kv_width, rows_per_page=1)
 
 
 def rows_dtype(checked: CheckedAdapter) -> str:

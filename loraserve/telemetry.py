@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -87,17 +87,15 @@ def context_from(source: Mapping[str, str] | Iterable[tuple[str, str]] | None) -
     return extract(dict(source))
 
 
-async def current_while_producing(span: trace.Span, items: AsyncIterator[T]) -> AsyncIterator[T]:
-    """Yield what `items` yields, with `span` current while each item is produced.
+def within(span: trace.Span, call: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """`call`, with `span` current while it runs: attached and detached inside one call, in the caller's task.
 
-    A span made current across a generator's `yield` is detached wherever the generator is closed,
-    and a client that cancels a stream closes it in another context ("Failed to detach context").
-    Here the span is attached and detached within each step, never across a `yield`."""
-    iterator = aiter(items)
-    while True:
+    A generation's span is made current only around the calls that trace (its submissions), never per
+    token and never across a generator's `yield`: a client that cancels a stream closes the generator in
+    another context, where a span attached across the `yield` could not be detached."""
+
+    async def traced(*args, **kwargs) -> T:
         with trace.use_span(span, end_on_exit=False):
-            try:
-                item = await anext(iterator)
-            except StopAsyncIteration:
-                return
-        yield item
+            return await call(*args, **kwargs)
+
+    return traced

@@ -6,6 +6,9 @@ port scan, a TCP liveness probe, a flapping network) makes one event each; read 
 the asyncio loop, they backed up and stalled the workers' socket for minutes. Here a thread does
 nothing but read them from an unbounded inproc queue, and wakes the loop at most once per burst:
 `on_disconnect` runs on the loop, and not again until the loop has taken the previous wake-up.
+
+`WorkerProbes` turns those disconnects into probes of every worker (a send that ROUTER_MANDATORY refuses
+for a peer that is gone), coalesced: at most one probe round per `PROBE_INTERVAL_S`.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import zmq
 
+from loraserve.scheduler import metrics
+
 POLL_MS = 100  # how soon the thread notices `stop`
+PROBE_INTERVAL_S = 0.5  # at most one probe of every worker per this, however many disconnects
 
 
 class DisconnectWatch:
@@ -78,3 +84,27 @@ class DisconnectWatch:
             self._finished.wait(2 * POLL_MS / 1000)
         else:
             self._events.close(linger=0)
+
+
+class WorkerProbes:
+    """After disconnects on the workers' socket (`disconnected`, from a `DisconnectWatch`), `probe` every
+    worker: ROUTER_MANDATORY refuses a send to a peer that is gone. However many disconnects arrive, at most
+    one probe round runs per `PROBE_INTERVAL_S`, so the cost of churn is bounded by the number of workers."""
+
+    def __init__(self, workers: Callable[[], Iterable[str]], probe: Callable[[str], object]):
+        self._workers, self._probe = workers, probe
+        self._disconnected = asyncio.Event()
+
+    def disconnected(self, count: int) -> None:
+        metrics.WORKER_DISCONNECTS.inc(count)
+        self._disconnected.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._disconnected.wait()
+            self._disconnected.clear()
+            for delay in (0.0, 0.1):  # the ROUTER may forget the peer a moment after the event
+                await asyncio.sleep(delay)
+                for worker_id in list(self._workers()):
+                    self._probe(worker_id)
+            await asyncio.sleep(PROBE_INTERVAL_S)

@@ -8,8 +8,8 @@ turns a disconnect (a killed worker's TCP connection closing) into a probe of ev
 dead one is dropped at once instead of after `worker_timeout_s` (a stopped one, whose connection
 stays open, is caught by its silence: a live worker's I/O thread sends a heartbeat every 0.25 s,
 however long its step, and any message keeps it). The monitor is drained as fast as events come and
-probes are coalesced, at most one round per `PROBE_INTERVAL_S`: connection churn from strangers
-costs the scheduler a bounded amount of work and never stalls the workers' socket.
+probes are coalesced, at most one round per `PROBE_INTERVAL_S` (`scheduler/disconnects.py`): connection
+churn from strangers costs the scheduler a bounded amount of work and never stalls the workers' socket.
 
 Nothing from outside reaches the policy unchecked: a Submit arrives as its `RequestSpec`, built and
 checked by the Submit servicer (`scheduler/submit.py`) against the same limits a worker's decoder
@@ -44,7 +44,7 @@ from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
 from loraserve.request_spec import RequestSpec
 from loraserve.scheduler import metrics
-from loraserve.scheduler.disconnects import DisconnectWatch
+from loraserve.scheduler.disconnects import DisconnectWatch, WorkerProbes
 from loraserve.scheduler.hints import AdapterHints
 from loraserve.scheduler.policy import (
     AssignTo,
@@ -66,7 +66,6 @@ from loraserve.v1 import scheduler_pb2
 from loraserve.wire import Assign, Cancel, Heartbeat, Prefetch, Tokens, WorkerReport
 
 log = logging.getLogger(__name__)
-PROBE_INTERVAL_S = 0.5  # at most one probe of every worker per this, however many disconnects
 
 
 @dataclass
@@ -110,7 +109,7 @@ class SchedulerLoop:
         self._round_s = 0.0  # how long the last scheduling round took
         self._dropped = RateLimitedLog(log)
         self._disconnects = DisconnectWatch(self.ctx, self.workers)
-        self._disconnected = asyncio.Event()
+        self._probes = WorkerProbes(lambda: policy.workers, lambda worker: self._to_worker(worker, Cancel([], "probe")))
         self.inbox = WorkerInbox(
             self.workers,
             Dispatcher({WorkerReport: self._on_report, Heartbeat: self._on_heartbeat}),
@@ -195,8 +194,8 @@ class SchedulerLoop:
             tasks = {
                 "receive worker messages": self.inbox.run(),
                 "scheduling rounds": self._rounds(),
-                "watch worker connections": self._watch_connections(),
-                "probe workers after disconnects": self._probe_workers(),
+                "watch worker connections": self._disconnects.run(self._probes.disconnected),
+                "probe workers after disconnects": self._probes.run(),
             }
             await run_tasks(tasks, stop)
         finally:
@@ -233,26 +232,6 @@ class SchedulerLoop:
                 "a step of %.1f s so far; kept (it heartbeats), nothing new placed",
                 heartbeat.step_s,
             )
-
-    async def _watch_connections(self) -> None:
-        await self._disconnects.run(self._on_disconnects)
-
-    def _on_disconnects(self, count: int) -> None:
-        metrics.WORKER_DISCONNECTS.inc(count)
-        self._disconnected.set()
-
-    async def _probe_workers(self) -> None:
-        """After disconnects, probe every worker: ROUTER_MANDATORY refuses a send to a peer that is
-        gone. However many disconnects arrive, at most one probe round runs per
-        `PROBE_INTERVAL_S`, so the cost of churn is bounded by the number of workers."""
-        while True:
-            await self._disconnected.wait()
-            self._disconnected.clear()
-            for delay in (0.0, 0.1):  # the ROUTER may forget the peer a moment after the event
-                await asyncio.sleep(delay)
-                for worker_id in list(self.policy.workers):
-                    self._to_worker(worker_id, Cancel([], "probe"))
-            await asyncio.sleep(PROBE_INTERVAL_S)
 
     def _run_round(self) -> None:
         started = time.perf_counter()

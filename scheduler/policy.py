@@ -9,7 +9,7 @@
 It composes two parts: the cluster view (`cluster.py`: workers, their reports, which worker holds which
 request, failures and adoption) and one strategy, which owns the queue and decides the order,
 placement and prediction: `FcfsStrategy` (`fcfs.py`, the baseline) or `AdaptiveStrategy`
-(`adaptive_strategy.py`, the default). `PolicyConfig.policy` (`--policy`) picks which is built;
+(`adaptive/strategy.py`, the default). `PolicyConfig.policy` (`--policy`) picks which is built;
 nothing else asks which it is. What is the same under both lives here:
 
 Placement, round by round: the next candidate of the strategy's queue goes to the worker the
@@ -49,7 +49,7 @@ import heapq
 from collections import OrderedDict
 
 from loraserve.errors import ResourceExhaustedError, UnavailableError
-from loraserve.scheduler.adaptive_strategy import AdaptiveStrategy
+from loraserve.scheduler.adaptive.strategy import AdaptiveStrategy
 from loraserve.scheduler.batch_share import NOT_FULL, BatchShare, Full
 from loraserve.scheduler.cluster import ClusterView, WorkerView
 from loraserve.scheduler.config import POLICIES, PolicyConfig

@@ -21,7 +21,8 @@ from loraserve.adapter_config import CONFIG_FILE, lora_scale
 from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, CheckedAdapter, StoredTensor, check_adapter_bytes
 from loraserve.errors import InvalidAdapterError
 from loraserve.model_config import ModelConfig
-from loraserve.worker.pool_layout import AdapterLayout, PoolLayout
+from loraserve.pool_rows import AdapterLayout
+from loraserve.worker.pool_layout import PoolLayout
 
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 

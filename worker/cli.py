@@ -9,8 +9,8 @@ from pathlib import Path
 
 from loraserve.config_cli import add_config_arguments, config_from_args, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
+from loraserve.demo.model_settings import ModelSettings
 from loraserve.errors import LoraserveError
-from loraserve.model_config import ModelSettings
 from loraserve.params import SamplingParams
 from loraserve.tokenizer import IncrementalDetokenizer
 from loraserve.worker.config import EngineConfig

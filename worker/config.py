@@ -1,15 +1,26 @@
-"""Engine configuration: one frozen dataclass, validated on construction (torch is imported only when
-a method needs it, so `loraserve up` reads the engine's settings without loading it)."""
+"""The worker's configuration: the engine's (`EngineConfig`, which `loraserve generate` runs alone too) and
+the worker process's around it (`WorkerConfig`, its adapter fetches' `FetchConfig` nested). Frozen dataclasses
+validated on construction, whose fields are the flags (`config_cli.py`); torch is imported only when a method
+needs it, so `loraserve up` reads these settings without loading it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loraserve.config_cli import setting
+from loraserve.config_cli import directory_setting, setting
 from loraserve.errors import InvalidConfigError
+from loraserve.internal_auth import Curve, InternalKeys
 from loraserve.model_config import DEFAULT_MAX_LORA_RANK
+from loraserve.process import DRAIN_TIMEOUT_S
+from loraserve.shared_defaults import (
+    ADAPTER_ROWS,
+    PREFETCH_DEPTH,
+    SCHEDULER_WORKER_ADDRESS,
+    SHARED_MEMORY_ROOT,
+    STORE_DATA_ADDRESS,
+)
 from loraserve.wire import MAX_BATCH
 
 if TYPE_CHECKING:
@@ -51,7 +62,7 @@ class EngineConfig:
         "keep full KV pages for later requests with the same prefix, adapter and tenant "
         "(--no-prefix-cache: compute every prompt from its first token)",
     )
-    prefetch_depth: int = setting(16, "waiting requests looked at when predicting adapters")
+    prefetch_depth: int = setting(PREFETCH_DEPTH, "waiting requests looked at when predicting adapters")
     prefetch_reserve: float = setting(0.10, "share of pages prefetch leaves free for KV growth")
     seed: int = setting(0, "seeds requests that carry no seed of their own, in arrival order", flag="--engine-seed")
     adapter_cache_bytes: int | None = setting(
@@ -86,7 +97,7 @@ class EngineConfig:
     warm_up: str = setting(
         "auto", "compile every kernel variant (and capture the graphs) before serving; auto: on CUDA", choices=WARM_UP
     )
-    # "real" runs the model; "emulated" (a benchmark and test tool, `worker/emulated_runner.py`) loads
+    # "real" runs the model; "emulated" (a benchmark and test tool, `worker/emulated/runner.py`) loads
     # no weights and waits each step's time as `runner_profile` predicts, on the CPU, with
     # deterministic tokens; kernels, graphs and warm-up do not apply to it.
     runner: str = setting(
@@ -171,3 +182,76 @@ class EngineConfig:
         if device.type != "cuda":
             return torch.float32
         return dtypes.get(checkpoint_dtype, torch.bfloat16) if checkpoint_dtype != "float32" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How a worker fetches adapters from the store (`worker/fetch_threads.py`)."""
+
+    store_address: str = setting(STORE_DATA_ADDRESS, "the adapter store's ZMQ data address")
+    fetch_timeout_s: float = setting(10.0, "seconds to wait for an adapter from the store", flag="--fetch-timeout")
+    fetch_threads: int = setting(2, "threads fetching adapters from the store")
+    adapter_rows: bool = setting(
+        ADAPTER_ROWS,
+        "fetch adapters already packed in the pool's row layout when the store has them, instead of their "
+        "files to parse, validate and pack here (--no-adapter-rows: the files)",
+    )
+    shm_root: Path | None = directory_setting(
+        SHARED_MEMORY_ROOT,
+        "the store's --shared-memory-root: rows of a store on this host and user are mapped from there, "
+        "not received over the socket; empty: the socket only",
+        flag="--shared-memory-root",
+    )
+    verify_shared_memory: bool = setting(
+        False,
+        "hash rows mapped from shared memory against the store's digests too (rows over the socket always are)",
+    )  # `loraserve/shared_memory.py` says why it is off
+    curve: Curve | None = None  # CURVE client options for the store's data port
+
+    def __post_init__(self) -> None:
+        if self.fetch_timeout_s <= 0 or self.fetch_threads < 1:
+            raise InvalidConfigError(
+                f"fetch_timeout_s must be positive and fetch_threads at least 1: {self.fetch_timeout_s}, "
+                f"{self.fetch_threads}"
+            )
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """`loraserve worker`'s own settings (the engine's are EngineConfig's), and the keys it talks with."""
+
+    worker_id: str | None = setting(None, "unique name (default: host-pid)")  # `main` sets it
+    scheduler_address: str = setting(SCHEDULER_WORKER_ADDRESS, "the scheduler's ZMQ worker address")
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+    report_interval_s: float = setting(
+        0.25, "seconds between state reports when idle (busy: one after every step)", flag="--report-interval"
+    )
+    drain_timeout_s: float = setting(
+        DRAIN_TIMEOUT_S,
+        "on SIGTERM, seconds to let requests in flight finish before handing them back to fail over",
+        flag="--drain-timeout",
+    )
+    torch_threads: int | None = setting(
+        None, "torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)"
+    )
+    heartbeat_interval_s: float = setting(
+        0.25,
+        "seconds between heartbeats to the scheduler, sent by the I/O thread however long a step takes",
+        flag="--heartbeat-interval",
+    )
+    grammar_threads: int = setting(2, "threads building structured-output matchers (and first masks) off the step loop")
+    keys: InternalKeys | None = None  # CURVE keys: talk to the scheduler, store and gateways as a worker
+
+    def __post_init__(self) -> None:
+        if not (self.report_interval_s > 0 and self.heartbeat_interval_s > 0 and self.grammar_threads >= 1):
+            raise InvalidConfigError(
+                "the report and heartbeat intervals must be positive and grammar_threads at least 1: "
+                f"{self.report_interval_s}, {self.heartbeat_interval_s}, {self.grammar_threads}"
+            )
+
+    def curve_to(self, role: str) -> Curve | None:
+        return self.keys.client_of(role) if self.keys is not None else None
+
+    def fetching(self) -> FetchConfig:
+        """The fetches' configuration, with the CURVE options for the store's data port."""
+        return replace(self.fetch, curve=self.curve_to("store"))

@@ -12,7 +12,7 @@ Each `step()` is three calls on plain data, as in nano-vllm and vLLM v1:
 
 With `EngineConfig(runner="emulated")` (a benchmark and test tool) the runner is an `EmulatedRunner`:
 no weights, each step sleeps the time a measured profile predicts and emits deterministic tokens
-(`emulated_runner.py`); everything else here is the same.
+(`emulated/runner.py`); everything else here is the same.
 
 The step scheduler also makes each request's adapter resident through the unified pool (copying it
 in unless a prefetch did) and preempts when the pool is full; `StepResults.apply` appends tokens,
@@ -31,7 +31,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,18 +44,17 @@ from loraserve.request_spec import RequestSpec
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
-from loraserve.worker.adapters import LoraAdapter
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.emulated_runner import EmulatedRunner
+from loraserve.worker.emulated.runner import EmulatedRunner
 from loraserve.worker.engine_adapters import EngineAdapters
 from loraserve.worker.engine_setup import base_bytes, check_prompt, model_runner, pool_pages
 from loraserve.worker.grammar import GrammarMatchers
 from loraserve.worker.model import load_model
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.request import FinishReason, Request
-from loraserve.worker.runner import ModelRunner
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.step_results import StepOutput, StepResults, StepShape
+from loraserve.worker.step_runner import Runner
 from loraserve.worker.step_scheduler import StepScheduler
 from loraserve.worker.unified_pool import UnifiedPool
 
@@ -122,7 +120,7 @@ class Engine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size)  # structured output
-        # The emulated runner (a benchmark and test tool, `emulated_runner.py`): no weights, steps wait. Its
+        # The emulated runner (a benchmark and test tool, `emulated/runner.py`): no weights, steps wait. Its
         # profile is read, and checked against the model, before anything is allocated.
         emulated = config.runner == "emulated"
         runner = None
@@ -149,7 +147,7 @@ class Engine:
         if runner is None:
             args = (self.model, self.pool, self.layout, self.model_config, self.max_model_len, self.device)
             runner, self.warm_up_seconds = model_runner(config, *args)
-        self.runner: ModelRunner | EmulatedRunner = runner
+        self.runner: Runner = runner
         self.requests: dict[str, Request] = {}
         self.results = StepResults(
             self.requests, self.step_scheduler, self.pool, self.registry, self.tokenizer, self.max_model_len
@@ -164,7 +162,7 @@ class Engine:
         self.last_step: StepShape | None = None  # the last step's batch composition; None if it computed nothing
         log.info("unified pool: %s", self.layout.describe(self.pool.tensor.element_size()))
 
-    # ---- adapters (engine_adapters.py) -------------------------------------------------------------
+    # ---- adapters (the rest: `engine.adapters`, engine_adapters.py) ------------------------------
     def register_adapter(
         self,
         name: str,
@@ -181,16 +179,6 @@ class Engine:
         """
         return self.adapters.add(name, self.adapters.load(path, config_json, weights, weights_format), version)
 
-    def add_adapter(self, name: str, adapter: LoraAdapter, version: int | None = None) -> AdapterKey:
-        """Register an adapter that is already validated."""
-        return self.adapters.add(name, adapter, version)
-
-    def unregister_adapter(self, name: str) -> None:
-        self.adapters.unregister(name)
-
-    def adapter_names(self) -> list[str]:
-        return self.registry.names()
-
     def cached(self, key: AdapterKey, sha256: str | None = None) -> Cached:
         """Does the engine hold `key` with weights hashing to `sha256` (None: any weights)? A copy with
         other weights (the store lost its data and gave the number out again) is dropped from host
@@ -201,23 +189,6 @@ class Engine:
             return Cached.STALE_IN_USE
         self.pool.discard_stale(key)
         return Cached.NO
-
-    def prepare_adapter(self, adapter: LoraAdapter) -> LoraAdapter:
-        """Pack `adapter` for this engine's pool ahead of its load (any thread: the worker's fetch threads)."""
-        return self.pool.prepare(adapter)
-
-    def prefetch(
-        self, adapters: Sequence[str | AdapterKey], scores: Sequence[float] | None = None, *, demand: bool = False
-    ) -> list[AdapterKey]:
-        """Start copying these adapters (names mean their latest version) into the pool in the background.
-
-        `scores`: the predicted likelihood that each is needed here soon, remembered per adapter
-        (also for adapters not registered yet); a prefetch evicts only idle adapters with a lower
-        score (`UnifiedPool`). Does nothing when the engine's `prefetch` is off, unless `demand`:
-        the adapters were just fetched for requests that wait on them (a cold load, not a prediction,
-        copied in the background all the same).
-        """
-        return self.adapters.prefetch(adapters, scores, demand)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -357,7 +328,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {
-            "pool": self.pool.page_stats().as_dict(),
+            "pool": self.pool.pages.stats().as_dict(),
             "adapters": vars(self.pool.stats).copy(),
             "base_bytes": self.base_bytes,
             "adapter_bytes_read": self.adapter_bytes_read,
@@ -367,5 +338,5 @@ class Engine:
         }
 
     def close(self) -> None:
-        self.pool.close()
+        self.pool.copier.close()
         self.runner.masks.close()

@@ -1,8 +1,9 @@
 """The engine's adapters: registration and versions (in host RAM, `AdapterRegistry`), each version's
 weights identity for prefix caching, and prefetches into the pool.
 
-`Engine` holds one `EngineAdapters` as `engine.adapters` and keeps its public adapter methods
-(`register_adapter`, `add_adapter`, `prefetch`, ...) as one-line calls into it.
+`Engine` holds one `EngineAdapters` as `engine.adapters`: callers register validated adapters
+(`engine.adapters.add`), unregister them and prefetch them here; `Engine.register_adapter` validates one
+from a PEFT directory or its files' bytes first.
 """
 
 from __future__ import annotations
@@ -87,7 +88,15 @@ class EngineAdapters:
     def prefetch(
         self, adapters: Sequence[str | AdapterKey], scores: Sequence[float] | None = None, demand: bool = False
     ) -> list[AdapterKey]:
-        """`Engine.prefetch`: names mean their latest version; unknown ones are skipped."""
+        """Start copying these adapters (names mean their latest version; unknown ones are skipped) into the
+        pool in the background.
+
+        `scores`: the predicted likelihood that each is needed here soon, remembered per adapter
+        (also for adapters not registered yet); a prefetch evicts only idle adapters with a lower
+        score (`UnifiedPool`). Does nothing when the engine's `prefetch` is off, unless `demand`:
+        the adapters were just fetched for requests that wait on them (a cold load, not a prediction,
+        copied in the background all the same).
+        """
         if not (self.config.prefetch or demand):
             return []
         keys: list[AdapterKey | None] = []

@@ -19,30 +19,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from loraserve.adapter_store.client import AdapterFetcher, FetchedRows
 from loraserve.errors import LoraserveError
-from loraserve.internal_auth import Curve
-from loraserve.shared_rows import user_dir
+from loraserve.shared_memory import user_dir
 from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_rows import rows_adapter
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
+from loraserve.worker.config import FetchConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.fetch_queue import FetchQueue
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FetchConfig:
-    store_address: str = "tcp://127.0.0.1:7301"
-    timeout_s: float = 10.0
-    threads: int = 2
-    curve: Curve | None = None  # CURVE client options for the store's data port
-    adapter_rows: bool = True  # ask for the pool's row layout (the store packed it), not the files
-    shm_root: Path | None = Path("/dev/shm")  # map rows from a store on this host; None: sockets only
-    verify_shared: bool = False  # hash mapped rows against the store's digests too (they crossed no socket)
 
 
 @dataclass
@@ -95,7 +83,7 @@ class FetchThreads:
         self.results: queue.Queue[Fetched] = queue.Queue()
         self.queue = FetchQueue()
         self._local = threading.local()
-        for i in range(config.threads):
+        for i in range(config.fetch_threads):
             threading.Thread(target=self._run, name=f"adapter-fetch-{i}", daemon=True).start()
 
     def submit(self, key: AdapterKey, for_prefetch: bool, trace: dict | None) -> None:
@@ -118,7 +106,11 @@ class FetchThreads:
             c = self.config
             shared = user_dir(c.shm_root) if c.adapter_rows and c.shm_root is not None else None
             fetcher = AdapterFetcher(
-                c.store_address, c.timeout_s, curve=c.curve, shared_memory=shared, verify_shared=c.verify_shared
+                c.store_address,
+                c.fetch_timeout_s,
+                curve=c.curve,
+                shared_memory=shared,
+                verify_shared=c.verify_shared_memory,
             )
             self._local.fetcher = fetcher
         return fetcher
@@ -146,6 +138,6 @@ class FetchThreads:
         else:
             got = fetcher.fetch_adapter(key[0], key[1], trace=trace)  # weights checked against got.sha256
         if isinstance(got, FetchedRows):
-            return e.prepare_adapter(rows_adapter(got, model, max_rank)), "shared-memory" if got.shared else "rows"
+            return e.pool.copier.prepare(rows_adapter(got, model, max_rank)), "shared-memory" if got.shared else "rows"
         adapter = load_adapter_bytes(got.config_json, got.weights, model, max_rank, got.weights_format, got.sha256)
-        return e.prepare_adapter(adapter), "files"  # packed here, so that loading it is only a copy
+        return e.pool.copier.prepare(adapter), "files"  # packed here, so that loading it is only a copy

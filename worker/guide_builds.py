@@ -26,7 +26,7 @@ from typing import Any
 
 from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.worker.fetch_threads import Wakeup
-from loraserve.worker.grammar import FIELD, GrammarMatchers
+from loraserve.worker.grammar import FIELD, GrammarMatchers, MaskComputer
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,6 @@ class GuideBuilds:
     def submit(self, request_id: str, grammar: str, output_ids: list[int]) -> None:
         self._building[request_id] = self._pool.submit(self._build, request_id, grammar, list(output_ids))
 
-    def pending(self) -> list[str]:
-        """Requests whose matcher is being built (they count as waiting in the worker's reports)."""
-        return list(self._building)
-
     def cancel(self, request_id: str) -> None:
         """Forget the request's build (a build under way runs out on its thread; its result is dropped)."""
         future = self._building.pop(request_id, None)
@@ -77,11 +73,15 @@ class GuideBuilds:
             if self._building.pop(result.request_id, None) is not None:
                 built.append(result)
 
-    def warm_up(self) -> Any:
-        """Build the llguidance tokenizer and one small matcher with its mask on the pool, so the first
-        structured request pays for no lazy initialization; returns that matcher (to warm the step's mask
-        computer with)."""
-        return self._pool.submit(self._warm).result()
+    def warm_up(self, masks: MaskComputer) -> None:
+        """Build the llguidance tokenizer and one small matcher with its mask on the pool, then a mask on the
+        step's mask computer (`masks`), so the first structured request pays for no lazy initialization."""
+        try:
+            matcher = self._pool.submit(self._warm).result()
+        except Exception:  # the worker still serves; each structured request then fails alone, saying why
+            log.exception("structured output could not be prepared (llguidance with this model's tokenizer)")
+            return
+        masks.wait(masks.start([matcher]))
 
     def close(self) -> None:
         with self._lock:

@@ -11,8 +11,8 @@ sockets to gateways (`PushSockets`) and the monitors that tell when a gateway's 
   loop is doing: the worker's liveness is "its process and this thread answer", not "its last step was
   short". It carries how long the step under way has run (`step_started`, set by the step loop), so a
   slow step is seen as slow (the scheduler places nothing new there) and not as a dead worker;
-- turns what went wrong on the way out into `events` for the step loop: `Unsendable` (a gateway
-  that cannot take its tokens: those requests stop) and `GatewayGone` (a dropped connection).
+- turns what went wrong on the way out into `events` for the step loop (`worker/effects.py`): `Unsendable`
+  (a gateway that cannot take its tokens: those requests stop) and `GatewayGone` (a dropped connection).
 
 The step loop hands over Python objects through thread-safe queues and a one-byte inproc nudge; no
 socket is used by two threads. Malformed scheduler messages are logged (rate-limited) and dropped here.
@@ -25,7 +25,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -34,27 +33,12 @@ from loraserve.internal_auth import Curve
 from loraserve.log_limit import RateLimitedLog
 from loraserve.sockets import BadEndpointError, PushSockets, make_socket, send
 from loraserve.wire import MAX_STEP_S, Heartbeat, Message, WireError, decode
+from loraserve.worker.effects import GatewayGone, Unsendable
 from loraserve.worker.fetch_threads import Wakeup
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.02  # the gateways' connection monitors are read at most this often (and when idle)
 MAX_RECEIVED_PER_TURN = 64  # scheduler messages decoded before the outbox is looked at again
-
-
-@dataclass(frozen=True)
-class Unsendable:
-    """Tokens for these requests could not be handed to their gateway (gone, stuck or unreachable)."""
-
-    address: str
-    request_ids: Sequence[str]
-    error: str
-
-
-@dataclass(frozen=True)
-class GatewayGone:
-    """The connection to the gateway at `address` dropped."""
-
-    address: str
 
 
 class WorkerIO:

@@ -13,16 +13,16 @@ from loraserve.internal_auth import check_open_planes, load_optional
 from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import RoleFailed
 from loraserve.worker.cli import add_engine_arguments, engine_config_from_args
+from loraserve.worker.config import WorkerConfig
 from loraserve.worker.engine import Engine
-from loraserve.worker.service import WorkerConfig, WorkerService
-from loraserve.worker.settings import WorkerSettings
+from loraserve.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    add_config_arguments(parser, WorkerSettings)
+    add_config_arguments(parser, WorkerConfig)
     add_service_arguments(parser)
 
 
@@ -33,28 +33,13 @@ def main(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> None:
     """Load the engine and run the worker's step loop until `stop` (then drain)."""
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)
     keys = load_optional(args.internal_keys, "worker")
     check_open_planes("worker", keys, [], args.insecure_no_internal_auth)  # it listens nowhere: a warning
-    settings = config_from_args(WorkerSettings, args)
-    config = WorkerConfig(
-        worker_id=worker_id,
-        scheduler_address=settings.scheduler_address,
-        store_address=settings.store_address,
-        report_interval_s=settings.report_interval,
-        heartbeat_interval_s=settings.heartbeat_interval,
-        grammar_threads=settings.grammar_threads,
-        drain_timeout_s=settings.drain_timeout,
-        fetch_timeout_s=settings.fetch_timeout,
-        fetch_threads=settings.fetch_threads,
-        keys=keys,
-        adapter_rows=settings.adapter_rows,
-        shm_root=settings.shm_root,
-        verify_shared_memory=settings.verify_shared_memory,
-    )
+    config = config_from_args(WorkerConfig, args, worker_id=worker_id, keys=keys)
+    if config.torch_threads:
+        import torch
+
+        torch.set_num_threads(config.torch_threads)
     service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
     if args.metrics_port:
         from prometheus_client import REGISTRY

@@ -128,7 +128,7 @@ class WorkerCollector(Collector):
             (
                 "loraserve_worker_prefix_cache_evictions",
                 "Idle cached KV pages reclaimed for other use",
-                pool.cached_kv_evictions,
+                pool.pages.prefixes.evictions,
             ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["worker"])
@@ -139,5 +139,5 @@ class WorkerCollector(Collector):
             "KV pages registered in the prefix cache (held or idle)",
             labels=["worker"],
         )
-        gauge.add_metric(worker, pool.cached_kv_pages())
+        gauge.add_metric(worker, pool.pages.prefixes.registered_count())
         yield gauge

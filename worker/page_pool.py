@@ -1,7 +1,7 @@
 """Who owns which page of the unified pool: sequences' KV cache and resident adapters.
 
-A pure bookkeeping object (no tensors), private to `UnifiedPool` (unified_pool.py), whose copier
-owns the tensor and copies the data. There is no static split between KV and adapters — both draw from one
+A pure bookkeeping object (no tensors), held by `UnifiedPool` as its `pages` (unified_pool.py), whose
+copier owns the tensor and copies the data. There is no static split between KV and adapters — both draw from one
 free list. Adapters stay resident while unused and are evicted only when someone needs their
 pages, in the order an `EvictionPolicy` chooses (least recently used by default); an adapter
 pinned by a running request or an in-flight copy is never evicted.
@@ -9,7 +9,7 @@ pinned by a running request or an in-flight copy is never evicted.
 KV pages are reference-counted (prefix caching): a full page whose KV is known to hold a given
 block of tokens (`register_kv_page`, under its block hash: `loraserve/prefix_keys.py`; the
 `PrefixIndex` remembers which) can be attached to other sequences with the same prefix
-(`match_kv`, `attach_kv`), which only read it. When no
+(`prefixes.lookup`, `attach_kv`), which only read it. When no
 sequence holds a registered page any more it stays cached, idle, in least-recently-released order,
 and is reclaimed only when pages are needed: free pages first, then idle cached pages (oldest
 first), and only then idle adapters. So a cold cached KV page is always given up before an idle
@@ -78,17 +78,9 @@ class PagePool:
         self._kv_tokens: dict[Hashable, int] = {}  # sequence -> tokens it holds room for
         self._adapters: OrderedDict[Hashable, _Adapter] = OrderedDict()  # least recently used first
         self._refs: dict[int, int] = {}  # KV page a sequence holds -> how many hold it
-        self.prefixes = PrefixIndex()  # registered KV pages: their blocks, the idle ones, fingerprints
-
-    @property
-    def prefix_epoch(self) -> int:
-        """Counts changes to the set of cached prefix fingerprints (the worker reports them when it moves)."""
-        return self.prefixes.epoch
-
-    @property
-    def cached_evictions(self) -> int:
-        """Idle cached pages reclaimed for other use."""
-        return self.prefixes.evictions
+        self.prefixes = (
+            PrefixIndex()
+        )  # registered KV pages: their blocks, the idle ones, fingerprints (epoch, evictions)
 
     # ---- queries ------------------------------------------------------------------------------
     def kv_page_table(self, seq: Hashable) -> list[int]:
@@ -171,12 +163,8 @@ class PagePool:
         return len(pages)
 
     # ---- prefix caching ------------------------------------------------------------------------
-    def match_kv(self, hashes: list[bytes]) -> list[int]:
-        """The pages holding the longest run of leading blocks among `hashes` (a prefix's block hashes)."""
-        return self.prefixes.lookup(hashes)
-
     def attach_kv(self, seq: Hashable, pages: list[int]) -> None:
-        """Start `seq`, which holds no page yet, with `pages` (from `match_kv`), read-only: its own KV
+        """Start `seq`, which holds no page yet, with `pages` (from `prefixes.lookup`), read-only: its own KV
         goes in pages it grows after them."""
         if seq in self._kv:
             raise ValueError(f"sequence {seq!r} already holds pages")
@@ -191,15 +179,6 @@ class PagePool:
         with that prefix may attach it. A block already registered keeps its page. `fingerprint`: the
         page ends a checkpoint prefix (`loraserve/prefix_keys.py`), reported to the scheduler."""
         self.prefixes.register(self._kv[seq][index], block, fingerprint)
-
-    def cached_prefixes(self, limit: int) -> list[bytes]:
-        """Fingerprints of the checkpoint prefixes whose last page is cached, most recently used first;
-        at most `limit`."""
-        return self.prefixes.fingerprints(limit)
-
-    def cached_kv_pages(self) -> int:
-        """Registered pages, held or idle."""
-        return self.prefixes.registered_count()
 
     # ---- adapters ------------------------------------------------------------------------------
     def allocate_adapter(self, key: Hashable, num_pages: int, useful_elements: int) -> list[int] | None:
@@ -229,13 +208,11 @@ class PagePool:
         self._free = [p for p in self._free if p not in taken]
         return list(taken)
 
-    def touch(self, key: Hashable) -> None:
-        """Mark a resident adapter as just used (moves it to the back of the LRU order)."""
-        self._adapters.move_to_end(key)
-
     def pin(self, key: Hashable) -> None:
+        """A running request (or a copy in flight) uses a resident adapter: it cannot be evicted until
+        `unpin`, and it is now the most recently used."""
         self._adapters[key].pins += 1
-        self.touch(key)
+        self._adapters.move_to_end(key)
 
     def unpin(self, key: Hashable) -> None:
         entry = self._adapters[key]

@@ -1,38 +1,35 @@
-"""Requests parked on their adapter: the fetches from the store in flight for this worker.
+"""Requests parked on their adapter: the fetches from the store in flight for this worker (pure bookkeeping).
 
 A request whose adapter is in neither the engine's host cache nor its pool waits here while a fetch
 thread (`fetch_threads.py`) brings the adapter from the store; a PREFETCH starts fetches no request
-waits on yet. When a fetch lands (`land`), the adapter is registered with the engine and the parked
-requests start — or, if the fetch failed, end with its error — and the adapter is copied into the pool
-in the background.
+waits on yet. Parking decides the fetch to start (or the queued prefetch to hurry); when a fetch lands,
+`land` hands back the requests that waited on it. The worker's core (`core.py`) owns one.
 """
 
 from __future__ import annotations
 
-import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from loraserve.errors import LoraserveError
-from loraserve.wire import AdapterKey, Prefetch
-from loraserve.worker.engine import Engine
-from loraserve.worker.fetch_threads import Fetched, FetchThreads
+from loraserve.wire import AdapterKey
+from loraserve.worker.effects import Fetch, Promote
 
 
 class ParkedRequests:
     """Adapters being fetched, each with the requests waiting for it (none: a prefetch)."""
 
-    def __init__(self, engine: Engine, fetches: FetchThreads) -> None:
-        self.engine, self.fetches = engine, fetches
+    def __init__(self) -> None:
         self.awaiting: dict[AdapterKey, list[str]] = {}  # adapter being fetched -> requests parked on it
 
-    def park(self, request_id: str, key: AdapterKey, trace: dict | None) -> None:
+    def park(self, request_id: str, key: AdapterKey, trace: dict | None) -> Fetch | Promote | None:
         """`request_id` waits for `key`: fetch it, or join (and hurry) the fetch under way."""
+        effect: Fetch | Promote | None = None
         if key not in self.awaiting:
             self.awaiting[key] = []
-            self.fetches.submit(key, False, trace)
+            effect = Fetch(key, False, trace)
         elif not self.awaiting[key]:  # only a prefetch of it is queued or under way: it waits for it now
-            self.fetches.promote(key)
+            effect = Promote(key)
         self.awaiting[key].append(request_id)
+        return effect
 
     def unpark(self, request_id: str) -> None:
         for waiting in self.awaiting.values():
@@ -42,45 +39,20 @@ class ParkedRequests:
     def parked(self) -> list[str]:
         return [rid for waiting in self.awaiting.values() for rid in waiting]
 
-    def prefetch(self, prefetch: Prefetch) -> None:
-        """Copy the predicted adapters the engine holds into the pool, and fetch the others."""
-        keys: list[AdapterKey] = list(prefetch.adapters)
-        self.engine.prefetch(keys, prefetch.scores or None)  # remembers the scores, copies what is here
+    def prefetch(
+        self, keys: Iterable[AdapterKey], trace: dict | None, held: Callable[[AdapterKey], bool]
+    ) -> list[Fetch]:
+        """Fetch the predicted adapters the engine does not hold (`held`) and nobody fetches yet."""
+        fetches = []
         for key in keys:
-            if not self.engine.registry.has(key) and key not in self.awaiting:
+            if not held(key) and key not in self.awaiting:
                 self.awaiting[key] = []
-                self.fetches.submit(key, True, prefetch.trace or None)  # a hint's request trace
+                fetches.append(Fetch(key, True, trace))  # a hint's request trace
+        return fetches
 
-    def found(self, key: AdapterKey) -> str:
-        """How a request's adapter stood when the request arrived (`metrics.ADAPTER_REQUESTS`): resident
-        (in the pool, no load for it), ready (a prefetch had loaded it: the load finished before the
-        request was scheduled), loading (a fetch or copy was under way), cold (its load starts now)."""
-        pool = self.engine.pool
-        if pool.is_resident(key):
-            slot = pool.slot(key)
-            if slot.ready is None:  # no background copy a step has not waited for yet
-                return "resident"
-            if not slot.copied:
-                return "loading"
-            return "resident" if slot.demand else "ready"
-        return "loading" if key in self.awaiting else "cold"
+    def fetching(self, key: AdapterKey) -> bool:
+        return key in self.awaiting
 
-    def land(self, start: Callable[[str, Fetched], None], fail: Callable[[str, LoraserveError], None]) -> None:
-        """Take the fetches that finished: register each adapter and `start` its parked requests, or `fail`
-        them with the fetch's error."""
-        while True:
-            try:
-                result = self.fetches.results.get_nowait()
-            except queue.Empty:
-                return
-            waiting = self.awaiting.pop(result.key, [])
-            if result.error is not None:
-                for request_id in waiting:
-                    fail(request_id, result.error)
-                continue
-            if not self.engine.registry.has(result.key, result.adapter.sha256 or None):
-                self.engine.add_adapter(result.key[0], result.adapter, version=result.key[1])
-            for request_id in waiting:
-                start(request_id, result)
-            if result.for_prefetch or waiting:  # queued requests make it NEEDED: it may evict any idle one
-                self.engine.prefetch([result.key], demand=bool(waiting))
+    def land(self, key: AdapterKey) -> list[str]:
+        """The fetch of `key` finished: the requests that waited on it."""
+        return self.awaiting.pop(key, [])

@@ -2,12 +2,14 @@
 step samples (for the scheduler's step-cost fit) and cached-prefix fingerprints, in one `WorkerReport`.
 The resident adapters and the fingerprints go out when they changed, and every few seconds in any case.
 
-Pure bookkeeping between reports — the service sends what `report` builds (through its I/O thread).
+Pure bookkeeping between reports: the worker's core decides when to report and what of its requests it
+carries (`effects.Report`); the service sends what `report` builds (through its I/O thread).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from loraserve.wire import MAX_PREFIXES, MAX_RESIDENT, MAX_STEP_SAMPLES, ResidentNews, WorkerReport
 from loraserve.worker.engine import Engine
@@ -17,15 +19,13 @@ PREFIXES_RESEND_S = 2.0  # ... and this often when they do not
 
 
 class Reporter:
-    """What the next report carries besides the engine's state: requests ended and steps taken since the
+    """What the next report carries besides the engine's state and the core's requests: steps taken since the
     last one, and when the prefix fingerprints last went out."""
 
     def __init__(self, engine: Engine, worker_id: str, instance: str) -> None:
         self.engine, self.worker_id, self.instance = engine, worker_id, instance
-        self.finished: list[str] = []  # requests ended since the last report
         self.step_samples: list[tuple[int, int, int, int, float]] = []  # (StepShape..., seconds) since then
-        self.last_sent = 0.0  # monotonic time of the last report
-        self._prefixes_sent = (-1, 0.0)  # (pool.prefix_epoch, monotonic time) of the last report that carried them
+        self._prefixes_sent = (-1, 0.0)  # (prefix epoch, monotonic time) of the last report that carried them
         self._resident = ResidentNews()  # the resident adapters go out when the set changed
         self.resident_count = 0  # adapters in the pool at the last report (read by the metrics endpoint's thread)
 
@@ -37,12 +37,15 @@ class Reporter:
             self.step_samples.append((*shape, min(seconds, 3600.0)))
             del self.step_samples[:-MAX_STEP_SAMPLES]
 
-    def report(self, ready: bool, draining: bool, parked: list[str], fatal: str | None = None) -> WorkerReport:
-        """The report to send now (`parked`: requests waiting for their adapter's fetch); starts the next."""
+    def report(
+        self, ready: bool, draining: bool, waiting: list[str], fatal: str | None = None, finished: Sequence[str] = ()
+    ) -> WorkerReport:
+        """The report to send now (`waiting`: requests waiting for their adapter's fetch or matcher's build,
+        `finished`: those ended since the last report, as the worker's core says: `effects.Report`)."""
         e = self.engine
-        resident = e.pool.resident_adapters()
+        resident = e.pool.pages.resident_adapters()
         self.resident_count = len(resident)
-        pool = e.pool.page_stats()
+        pool = e.pool.pages.stats()
         stats = e.pool.stats
         report = WorkerReport(
             worker_id=self.worker_id,
@@ -53,10 +56,10 @@ class Reporter:
             kv_pages=pool.kv_pages,
             adapter_pages=pool.adapter_pages,
             running=[r.request_id for r in e.step_scheduler.running],
-            waiting=[r.request_id for r in e.step_scheduler.waiting] + parked,
+            waiting=[r.request_id for r in e.step_scheduler.waiting] + waiting,
             resident=self._resident.news(resident[-MAX_RESIDENT:], time.monotonic()),
-            finished=self.finished,
-            evictable_pages=e.pool.evictable_pages() + pool.cached_pages,
+            finished=list(finished),
+            evictable_pages=e.pool.pages.evictable_pages() + pool.cached_pages,
             cached_pages=pool.cached_pages,
             tokens_per_page=e.layout.tokens_per_page,
             steps=e.steps,
@@ -69,16 +72,15 @@ class Reporter:
             step_samples=self.step_samples,
             cached_prefixes=self._cached_prefixes(),
         )
-        self.finished, self.step_samples = [], []
-        self.last_sent = time.monotonic()
+        self.step_samples = []
         return report
 
     def _cached_prefixes(self) -> bytes | None:
         """The pool's cached-prefix fingerprints when they changed (at most every PREFIXES_MIN_S), and
         every PREFIXES_RESEND_S in any case (a scheduler that restarted learns them); else None."""
-        epoch, now = self.engine.pool.prefix_epoch, time.monotonic()
+        epoch, now = self.engine.pool.pages.prefixes.epoch, time.monotonic()
         sent_epoch, sent_at = self._prefixes_sent
         if now - sent_at < (PREFIXES_MIN_S if epoch != sent_epoch else PREFIXES_RESEND_S):
             return None
         self._prefixes_sent = epoch, now
-        return b"".join(self.engine.pool.cached_prefixes(MAX_PREFIXES))
+        return b"".join(self.engine.pool.pages.prefixes.fingerprints(MAX_PREFIXES))

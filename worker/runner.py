@@ -17,7 +17,7 @@ stages its tables at the graph's fixed widths instead and replays the graph.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +35,7 @@ from loraserve.worker.logprobs import logprobs_from_logits, score_rows
 from loraserve.worker.model import CausalLM, ForwardBatch
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.sampling import TokenMask, sample
+from loraserve.worker.step_runner import RunnerOutput
 from loraserve.worker.step_scheduler import SeqChunk
 
 
@@ -47,17 +48,6 @@ class _Staged:
     last: torch.Tensor  # int64 [sampled sequences]: the token whose logits each uses
     attention: AttentionBatch
     lora: LoraPlan | None
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    """The token sampled for each sequence whose chunk asked for one (None: non-finite logits, see `sample`),
-    with its log-probabilities when its sampling asked for them, and the log-probabilities of the prompt
-    tokens each scoring chunk predicts (`worker/logprobs.py`)."""
-
-    sampled: dict[str, int | None]
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 def step_capacity(config: EngineConfig, layout: PoolLayout, model: ModelConfig, max_model_len: int) -> StepCapacity:
@@ -104,7 +94,8 @@ def _copies_in_flight(batch: list[SeqChunk]) -> tuple[LayerProgress, ...]:
 
 
 class ModelRunner:
-    """The forward pass of one step over plain data, its metadata staged in buffers allocated once.
+    """The forward pass of one step over plain data, its metadata staged in buffers allocated once (a
+    `step_runner.Runner`).
 
     `capacity` should come from `step_capacity(engine_config, ...)`; without it the buffers are
     sized for `EngineConfig()`'s defaults and the model's full context.

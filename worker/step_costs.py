@@ -12,7 +12,7 @@ The model (fitted by `bench/suites/runner_profile/costs.py` on the real engine) 
 
 where attention's two groups (decoding sequences, prefill chunks) are each padded to their longest
 member: G sequences, S the longest context, Q the longest chunk (`kernels/attention_torch.py`).
-The emulated runner waits what it predicts (`worker/emulated_runner.py`; the scheduling benchmark's
+The emulated runner waits what it predicts (`worker/emulated/runner.py`; the scheduling benchmark's
 workers are emulated), so it lives here, where the worker can read it without bench/.
 """
 

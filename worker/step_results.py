@@ -18,7 +18,7 @@ from loraserve.wire import AdapterKey, TokenLogprob
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.grammar import guide_error
 from loraserve.worker.request import FinishReason, Request
-from loraserve.worker.runner import RunnerOutput
+from loraserve.worker.step_runner import RunnerOutput
 from loraserve.worker.step_scheduler import StepPlan, StepScheduler
 from loraserve.worker.unified_pool import UnifiedPool
 

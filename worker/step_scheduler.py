@@ -119,9 +119,9 @@ class StepScheduler:
         request.status, request.finish_reason, request.error = Status.FINISHED, reason, error
 
     def _release(self, request: Request) -> None:
-        self.pool.free_kv(request.request_id)
+        self.pool.pages.free_kv(request.request_id)
         if request.adapter is not None:
-            self.pool.unpin(request.adapter)
+            self.pool.pages.unpin(request.adapter)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
@@ -157,14 +157,14 @@ class StepScheduler:
         if start + n == request.num_tokens:
             sample = SampleSpec(request.sampling, request.seed, request.prompt_ids, request.output_ids, request.guide)
         adapter = self.pool.slot(request.adapter) if request.adapter is not None else None
-        kv_pages = self.pool.kv_page_table(request.request_id)
+        kv_pages = self.pool.pages.kv_page_table(request.request_id)
         tokens = request.token_ids(start, start + n)
         return SeqChunk(request.request_id, tokens, start, kv_pages, adapter, sample, _scoring(request, start, n))
 
     def _room_for_running(self, request: Request, n: int, plan: StepPlan) -> bool:
         target = request.num_computed + n
-        while not self.pool.grow_kv(request.request_id, target):
-            need = self.pool.kv_pages_to_grow(request.request_id, target)
+        while not self.pool.pages.grow_kv(request.request_id, target):
+            need = self.pool.pages.kv_pages_to_grow(request.request_id, target)
             if self.pool.make_room(need, for_kv=True):
                 continue
             victim = self.running[-1]
@@ -190,13 +190,13 @@ class StepScheduler:
             start = max(cached, shared)
             n = min(request.num_tokens - start, budget)
             target = start + n
-            need = self.pool.kv_pages_to_grow(request.request_id, target)
+            need = self.pool.pages.kv_pages_to_grow(request.request_id, target)
             keep_with_own = keep | ({request.adapter} if request.adapter else set())
             if not (
                 self.pool.make_room(need, keep=frozenset(keep_with_own), for_kv=True)
-                and self.pool.grow_kv(request.request_id, target)
+                and self.pool.pages.grow_kv(request.request_id, target)
             ):
-                self.pool.free_kv(request.request_id)  # the cached pages it attached go back
+                self.pool.pages.free_kv(request.request_id)  # the cached pages it attached go back
                 return
             self.waiting.popleft()
             request.num_computed = cached
@@ -208,7 +208,7 @@ class StepScheduler:
             if shared > cached:
                 self._share_prefill(donor, request, shared, plan)
             if request.adapter is not None:
-                self.pool.pin(request.adapter)
+                self.pool.pages.pin(request.adapter)
             request.status = Status.RUNNING
             self.running.append(request)
             plan.scheduled.append((request, n))
@@ -235,8 +235,8 @@ class StepScheduler:
         per_page = self.pool.layout.tokens_per_page
         first, pages = request.num_computed // per_page, -(-shared // per_page)
         plan.kv_copies += zip(
-            self.pool.kv_page_table(donor.request_id)[first:pages],
-            self.pool.kv_page_table(request.request_id)[first:pages],
+            self.pool.pages.kv_page_table(donor.request_id)[first:pages],
+            self.pool.pages.kv_page_table(request.request_id)[first:pages],
             strict=True,
         )
         copied = shared - request.num_computed  # the tokens past the pages found cached
@@ -256,9 +256,9 @@ class StepScheduler:
         usable = (request.num_tokens - 1) // per_page
         hashed = len(request.block_hashes) * per_page
         extend_chain(request.block_hashes, request.chain_root, request.token_ids(hashed, usable * per_page), per_page)
-        pages = self.pool.match_kv(request.block_hashes[:usable])
+        pages = self.pool.pages.prefixes.lookup(request.block_hashes[:usable])
         if pages:
-            self.pool.attach_kv(request.request_id, pages)
+            self.pool.pages.attach_kv(request.request_id, pages)
         request.registered_pages = len(pages)
         return len(pages) * per_page
 
@@ -276,7 +276,7 @@ class StepScheduler:
         for index in range(request.registered_pages, full):
             blocks = index + 1  # a checkpoint prefix's last page carries its fingerprint, for the scheduler
             mark = request.fingerprints.at(blocks, request.token_ids, per_page) if is_checkpoint(blocks) else None
-            self.pool.register_kv_page(request.request_id, index, request.block_hashes[index], mark)
+            self.pool.pages.register_kv_page(request.request_id, index, request.block_hashes[index], mark)
         request.registered_pages = full
 
 

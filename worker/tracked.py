@@ -1,4 +1,4 @@
-"""What the worker service keeps per request besides the engine's `Request`, and what it reports of it
+"""What the worker's core (`core.py`) keeps per request besides the engine's `Request`, and what it reports of it
 when the request ends: its timings (the gateway's latency breakdown) and its trace spans.
 """
 
@@ -31,17 +31,18 @@ class Tracked:
     fetch_s: float = 0.0
     expired: bool = False
 
-    def timings(self) -> dict[str, float]:
-        """Where its time went, in seconds (and the first token's and first step's wall-clock time)."""
+    def timings(self, wall: float, mono: float) -> dict[str, float]:
+        """Where its time went, in seconds (and the first token's and first step's wall-clock time), at the
+        time `wall` (time.time()) = `mono` (time.monotonic())."""
         r = self.request
-        to_wall = time.time() - time.monotonic()
+        to_wall = wall - mono
         timings = {"queue_s": self.queued_s, "adapter_load_s": self.fetch_s}
         if r is not None and r.first_scheduled is not None:
             timings["queue_s"] += r.first_scheduled + to_wall - self.received
             timings["adapter_load_s"] += r.adapter_wait_s
             if r.first_token is not None:
                 timings["prefill_s"] = r.first_token - r.first_scheduled
-                timings["decode_s"] = (r.finished_at or time.monotonic()) - r.first_token
+                timings["decode_s"] = (r.finished_at or mono) - r.first_token
                 timings["first_token_unix"] = r.first_token + to_wall
                 timings["first_scheduled_unix"] = r.first_scheduled + to_wall
         return timings

@@ -1,10 +1,11 @@
 """The unified pool: one tensor for KV cache and adapter weights, and the one object that owns it.
 
-`UnifiedPool` owns everything about the pool: which page belongs to which sequence or adapter (a
-private `PagePool`), where each resident adapter's rows are (its `AdapterSlot`, the form the
-kernels index), pins, scores and the copies in flight. It decides; its `PoolCopier`
-(`pool_copier.py`) holds the tensor and makes the copies. The step scheduler asks it for room; the
-engine asks it to prefetch and to drop stale versions; the runner reads slots and page tables.
+`UnifiedPool` owns the pool's adapters: where each resident adapter's rows are (its `AdapterSlot`, the
+form the kernels index), scores and the copies in flight. Which page belongs to which sequence or adapter,
+pins and the prefix index are its `pages` (`PagePool`), exposed once: the step scheduler grows, attaches
+and frees KV pages and pins adapters there, and the reports read it. It decides; its `copier`
+(`PoolCopier`, `pool_copier.py`) holds the tensor and makes the copies. The step scheduler asks it for
+room; the engine asks it to prefetch and to drop stale versions; the runner reads slots and page tables.
 Nothing else keeps a copy of any of this, so nothing has to be kept in step by hand: evicting an
 adapter frees its pages, forgets its slot and settles its copy in one call.
 
@@ -16,7 +17,7 @@ adapter frees its pages, forgets its slot and settles its copy in one call.
     pool.wait_ready(key, by_layer)    # before a step reads the adapter's rows (or per layer, in the model)
 
 Adapter weights come from the host cache (`AdapterRegistry`): an adapter's footprint and packed
-rows are computed from its validated weights there. `prepare(adapter)` packs the rows ahead of time
+rows are computed from its validated weights there. `copier.prepare(adapter)` packs the rows ahead of time
 (pinned for a CUDA pool) on whatever thread calls it (the worker's fetch threads), so that copying
 an adapter in, on the step loop or in the background, is only a copy.
 
@@ -46,9 +47,8 @@ from loraserve.errors import ResourceExhaustedError
 from loraserve.model_config import ModelConfig
 from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
-from loraserve.worker.adapters import LoraAdapter
 from loraserve.worker.layer_progress import LayerProgress
-from loraserve.worker.page_pool import EvictionPolicy, PagePool, PoolStats
+from loraserve.worker.page_pool import EvictionPolicy, PagePool
 from loraserve.worker.pool_copier import PoolCopier
 from loraserve.worker.pool_layout import PoolLayout
 
@@ -147,33 +147,28 @@ class UnifiedPool:
         self.copier = PoolCopier(layout, model, dtype, device, zeroed, copy_threads)
         self.tensor = self.copier.tensor  # [L, pages * R, W]: KV and adapters (the runner reads it)
         self.device = device
-        self._pages = PagePool(layout, adapter_pages, policy)
+        self.pages = PagePool(layout, adapter_pages, policy)  # who owns which page: KV, adapters, pins, prefixes
         self._slots: dict[AdapterKey, AdapterSlot] = {}
         self._prefetching: set[AdapterKey] = set()  # pinned while their background copy runs
         self._scores: OrderedDict[AdapterKey, float] = OrderedDict()  # latest predicted likelihoods
         self.stats = LoadStats()
 
-    # ---- queries -------------------------------------------------------------------------------
-    @property
-    def split(self) -> bool:
-        """True when adapters may use only a fixed share of the pages (the no-unified-pool ablation)."""
-        return self._pages.split
-
-    def page_stats(self) -> PoolStats:
-        return self._pages.stats()
-
-    def is_resident(self, key: AdapterKey) -> bool:
-        return self._pages.is_resident(key)
-
-    def resident_adapters(self) -> list[AdapterKey]:
-        """Resident adapters, least recently used first."""
-        return self._pages.resident_adapters()
-
-    def evictable_pages(self) -> int:
-        return self._pages.evictable_pages()
-
+    # ---- queries (the pages themselves: `pages`) -------------------------------------------------
     def slot(self, key: AdapterKey) -> AdapterSlot:
         return self._slots[key]
+
+    def standing(self, key: AdapterKey) -> str | None:
+        """How `key` stands in the pool, as a request for it finds it (`metrics.ADAPTER_REQUESTS`): resident
+        (no load for it), ready (a prefetch had loaded it: the copy finished before the request came),
+        loading (a copy is under way); None when it is not resident."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        if slot.ready is None:  # no background copy a step has not waited for yet
+            return "resident"
+        if not slot.copied:
+            return "loading"
+        return "resident" if slot.demand else "ready"
 
     def score(self, key: AdapterKey) -> float:
         """The latest predicted likelihood that `key` is needed soon (UNKNOWN_SCORE if none was sent)."""
@@ -185,59 +180,22 @@ class UnifiedPool:
 
     def check_invariants(self) -> None:
         """Pages owned once each, and a slot exactly for every resident adapter (tests use it)."""
-        self._pages.check_invariants()
-        if set(self._slots) != set(self._pages.resident_adapters()):
+        self.pages.check_invariants()
+        if set(self._slots) != set(self.pages.resident_adapters()):
             raise AssertionError("resident adapters and slots disagree")
 
     # ---- KV cache ------------------------------------------------------------------------------
-    def kv_page_table(self, seq: Hashable) -> list[int]:
-        return self._pages.kv_page_table(seq)
-
-    def kv_pages_to_grow(self, seq: Hashable, num_tokens: int) -> int:
-        return self._pages.kv_pages_to_grow(seq, num_tokens)
-
-    def grow_kv(self, seq: Hashable, num_tokens: int) -> bool:
-        """Room for `num_tokens` tokens of `seq` from free pages (never evicts); False if there is none."""
-        return self._pages.grow_kv(seq, num_tokens)
-
     def reserve_kv_page(self, seq: Hashable) -> int:
         """One KV page for `seq`, kept for the pool's lifetime (padded steps write there); its number."""
-        if not self._pages.grow_kv(seq, 1):
+        if not self.pages.grow_kv(seq, 1):
             raise ResourceExhaustedError("no free page left to reserve for decode padding")
-        return self._pages.kv_page_table(seq)[0]
-
-    def free_kv(self, seq: Hashable) -> None:
-        self._pages.free_kv(seq)
-
-    def match_kv(self, hashes: list[bytes]) -> list[int]:
-        """Pages of cached KV for the longest run of leading blocks among `hashes` (`page_pool.py`)."""
-        return self._pages.match_kv(hashes)
-
-    def attach_kv(self, seq: Hashable, pages: list[int]) -> None:
-        self._pages.attach_kv(seq, pages)
-
-    def register_kv_page(self, seq: Hashable, index: int, block: bytes, fingerprint: bytes | None = None) -> None:
-        self._pages.register_kv_page(seq, index, block, fingerprint)
-
-    def cached_prefixes(self, limit: int) -> list[bytes]:
-        return self._pages.cached_prefixes(limit)
-
-    @property
-    def prefix_epoch(self) -> int:
-        return self._pages.prefix_epoch
-
-    @property
-    def cached_kv_evictions(self) -> int:
-        return self._pages.cached_evictions
-
-    def cached_kv_pages(self) -> int:
-        return self._pages.cached_kv_pages()
+        return self.pages.kv_page_table(seq)[0]
 
     # ---- adapters ------------------------------------------------------------------------------
     def make_room(self, num_pages: int, keep: frozenset = frozenset(), for_kv: bool = False) -> bool:
         """Evict idle adapters (never pinned ones or those in `keep`) until `num_pages` are free for KV
         (`for_kv`) or for an adapter; evicts nothing and returns False when that cannot be done."""
-        evicted = self._pages.evict_for(num_pages, keep=keep, for_kv=for_kv)
+        evicted = self.pages.evict_for(num_pages, keep=keep, for_kv=for_kv)
         if evicted is None:
             return False
         for key in evicted:
@@ -246,7 +204,7 @@ class UnifiedPool:
 
     def ensure(self, key: AdapterKey, keep: frozenset = frozenset()) -> bool:
         """Make `key` resident, copying it in now if it is not (a miss). False if it cannot fit now."""
-        if self.is_resident(key):
+        if self.pages.is_resident(key):
             return True
         if not self._allocate(key, keep):
             return False
@@ -279,12 +237,14 @@ class UnifiedPool:
         `demand`: the copies are for requests already waiting on them (an adapter just fetched for
         them), not predictions: a step using one counts a miss, and `prefetches` does not count them.
         """
-        reserve = 0 if self.split else reserve_pages
+        reserve = 0 if self.pages.split else reserve_pages
         started = []
-        for key, keep in prefetch_targets(keys, needed, self.is_resident, self.resident_adapters, self.score):
+        for key, keep in prefetch_targets(
+            keys, needed, self.pages.is_resident, self.pages.resident_adapters, self.score
+        ):
             if not self._allocate(key, keep, extra_pages=reserve):
                 continue
-            self._pages.pin(key)  # a page being written must not be handed to anyone else
+            self.pages.pin(key)  # a page being written must not be handed to anyone else
             self._prefetching.add(key)
             slot = self._slots[key]
             slot.demand = demand
@@ -294,15 +254,11 @@ class UnifiedPool:
             started.append(key)
         return started
 
-    def prepare(self, adapter: LoraAdapter) -> LoraAdapter:
-        """`adapter` with its rows packed for this pool ahead of its load (`PoolCopier.prepare`; thread-safe)."""
-        return self.copier.prepare(adapter)
-
     def settle(self) -> None:
         """Unpin the prefetches whose copy finished (called once per step)."""
         for key in [k for k in self._prefetching if self._slots[k].copied]:
             self._prefetching.discard(key)
-            self._pages.unpin(key)
+            self.pages.unpin(key)
 
     def wait_ready(self, key: AdapterKey, by_layer: bool = False) -> float:
         """Make sure a step can read `key`'s rows; returns seconds waited. Counts prefetch hits.
@@ -331,22 +287,12 @@ class UnifiedPool:
         waited, slot.ready.waited_s = slot.ready.waited_s, 0.0
         return waited
 
-    def pin(self, key: AdapterKey) -> None:
-        """A running request uses `key`: it cannot be evicted until `unpin`."""
-        self._pages.pin(key)
-
-    def unpin(self, key: AdapterKey) -> None:
-        self._pages.unpin(key)
-
     def discard_stale(self, key: AdapterKey) -> None:
         """Free the pages of a version no request can use any more (superseded and not pinned)."""
-        if self.host.is_current(key) or not self.is_resident(key) or self._pages.is_pinned(key):
+        if self.host.is_current(key) or not self.pages.is_resident(key) or self.pages.is_pinned(key):
             return
-        self._pages.free_adapter(key)
+        self.pages.free_adapter(key)
         self._forget(key)
-
-    def close(self) -> None:
-        self.copier.close()
 
     # ---- internals -----------------------------------------------------------------------------
     def _allocate(self, key: AdapterKey, keep: frozenset, extra_pages: int = 0) -> bool:
@@ -355,7 +301,7 @@ class UnifiedPool:
         layout = adapter.layout(self.layout, self.model)
         if not self.make_room(layout.num_pages + extra_pages, keep=keep):
             return False
-        pages = self._pages.allocate_adapter(key, layout.num_pages, layout.useful_elements)
+        pages = self.pages.allocate_adapter(key, layout.num_pages, layout.useful_elements)
         self._slots[key] = AdapterSlot(
             key,
             layout.rank,

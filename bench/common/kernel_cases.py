@@ -1,6 +1,6 @@
 """Synthetic pools and per-step metadata for kernel tests and benchmarks (no model, no engine).
 
-Adapters are packed exactly as `loraserve.worker.pool_layout` lays them out, into pages drawn in
+Adapters are packed exactly as `loraserve.pool_rows` lays them out, into pages drawn in
 random order from the pool, and the metadata is built the way `loraserve.worker.runner` builds it:
 
     LoRA:  for adapter a, module m (LORA_MODULES order, targeted ones only), in a's logical rows:
@@ -25,7 +25,7 @@ from loraserve.kernels.batch import ONE_MODULE_GROUPS, LoraGeometry, build_atten
 from loraserve.kernels.batch import ceil_div as _ceil_div
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES
-from loraserve.worker.pool_layout import block_offsets
+from loraserve.pool_rows import block_offsets
 
 POPULARITIES = ("distinct", "uniform", "zipf", "identical")
 
@@ -56,7 +56,7 @@ def _offsets(
     targeted: set[int], r: int, c_in: tuple[int, ...], c_out: tuple[int, ...], groups: tuple[tuple[int, ...], ...]
 ) -> tuple[list[int], list[int], int]:
     """(a_offsets, b_offsets, rows) of a rank-r adapter targeting these modules, laid out by the
-    pool's rule (`worker.pool_layout.block_offsets`) over `groups`; -1 for modules not targeted."""
+    pool's rule (`pool_rows.block_offsets`) over `groups`; -1 for modules not targeted."""
     blocks, rows = block_offsets(targeted, r, c_in, c_out, groups)
     missing = (-1, -1)
     return (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,25 @@ from loraserve.config_cli import add_config_arguments, config_from_args, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+RANDOM_MODELS = {  # the engine suites' random Llamas, by name
+    "random-25m": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 2, "intermediate": 1536},
+    "random-100m": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4, "intermediate": 2816},
+}
+
+
+def model_dir(name: str, cache: Path) -> Path:
+    """The directory of model `name`: "demo", or one of RANDOM_MODELS, written under `cache` the first time."""
+    if name == "demo":
+        return DEMO_MODEL_DIR
+    shape = RANDOM_MODELS[name]
+    path = cache / f"{name}-h{shape['hidden']}-l{shape['layers']}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        write_random_llama(tmp, seed=0, **shape)
+        tmp.rename(path)
+    return path
 
 
 def write_random_llama(

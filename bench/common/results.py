@@ -5,7 +5,7 @@
 writes `{"suite", "machine", "commit", "records", ...extra}`, every suite's results.json: the
 machine's CPU model and count, platform, load averages (other processes inflate timings), memory,
 torch version and the torch threads the suite ran with; the commit is `git describe --always
---dirty` of this checkout (None outside one).
+--dirty` of this checkout (None outside one). A suite's computed targets are `target(...)`s.
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ def cpu_fields() -> dict:
         "platform": about["platform"],
         "loadavg": about["loadavg"],
     }
+
+
+def target(name: str, goal: str, value: object, met: bool | None) -> dict:
+    """One of a suite's targets, as results.json's `targets` holds them."""
+    return {"name": name, "goal": goal, "value": value, "met": met}
 
 
 def commit() -> str | None:

@@ -56,7 +56,7 @@ class EngineSystem:
         engine = Engine(self.model_dir, self.config)
         try:
             for name, rank in trace.adapters.items():
-                engine.add_adapter(name, self.bank.get(name, rank))
+                engine.adapters.add(name, self.bank.get(name, rank))
             warm_up(engine, trace.adapters)
             return self._replay(engine, trace)
         finally:

@@ -10,20 +10,17 @@ cost: gRPC, the scheduler hop, ZMQ token streaming, detokenization.
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from loraserve.bench.common.stack_run import cluster_state, local_stack, upload_messages
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.base import Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workloads.slora import Trace, TraceRequest
-from loraserve.grpc_utils import internal_channel
 from loraserve.launcher.local_stack import LocalStack
-from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-
-UPLOAD_CHUNK = 1 << 20
+from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass
@@ -40,27 +37,22 @@ class StackSystem:
     _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
-        with tempfile.TemporaryDirectory(prefix="loraserve-bench-store-") as data_dir:  # uploads: not kept
-            stack = LocalStack(
-                Path(self.adapters.model_dir),
-                workers=self.workers,
-                **({} if self.policy is None else {"policy": self.policy}),  # None: `up`'s default policy
-                pool_pages=self.pool_pages,
-                max_batch_size=self.max_batch_size,
-                torch_threads=self.torch_threads,
-                device=self.device,
-                data_dir=data_dir,
-            ).start()
-            try:
-                return asyncio.run(self._run(stack, trace))
-            finally:
-                stack.stop()
+        with local_stack(
+            Path(self.adapters.model_dir),
+            workers=self.workers,
+            **({} if self.policy is None else {"policy": self.policy}),  # None: `up`'s default policy
+            pool_pages=self.pool_pages,
+            max_batch_size=self.max_batch_size,
+            torch_threads=self.torch_threads,
+            device=self.device,
+        ) as stack:
+            return asyncio.run(self._run(stack, trace))
 
     async def _run(self, stack: LocalStack, trace: Trace) -> list[RequestRecord]:
         async with grpc.aio.insecure_channel(stack.address) as channel:
             api = gateway_pb2_grpc.LoraServeStub(channel)
             for name, rank in trace.adapters.items():
-                await api.UploadAdapter(_upload(name, *self.adapters.files(name, rank)), timeout=120)
+                await api.UploadAdapter(upload_messages(name, *self.adapters.files(name, rank)), timeout=120)
             warm = next(iter(trace.adapters), "")
             await api.Generate(gateway_pb2.GenerateRequest(adapter=warm, text="warm up", max_new_tokens=2), timeout=60)
             replay = Replay(trace, self.name, self.limits)
@@ -83,14 +75,6 @@ class StackSystem:
         return dict(self._stats)
 
 
-def _upload(name: str, config: bytes, weights: bytes):
-    yield gateway_pb2.UploadAdapterRequest(header=gateway_pb2.UploadHeader(name=name))
-    yield gateway_pb2.UploadAdapterRequest(chunk=gateway_pb2.FileChunk(file="adapter_config.json", data=config))
-    for i in range(0, len(weights), UPLOAD_CHUNK):
-        chunk = gateway_pb2.FileChunk(file="adapter_model.safetensors", data=weights[i : i + UPLOAD_CHUNK])
-        yield gateway_pb2.UploadAdapterRequest(chunk=chunk)
-
-
 async def _stream(api: gateway_pb2_grpc.LoraServeStub, request: TraceRequest, replay: Replay) -> None:
     message = gateway_pb2.GenerateRequest(
         adapter=request.adapter,
@@ -108,10 +92,7 @@ async def _stream(api: gateway_pb2_grpc.LoraServeStub, request: TraceRequest, re
 
 
 async def _cluster_stats(stack: LocalStack) -> dict:
-    async with internal_channel(stack.ports.scheduler, stack.internal_token) as channel:
-        state = await scheduler_pb2_grpc.SchedulerStub(channel).GetClusterState(
-            scheduler_pb2.GetClusterStateRequest(), timeout=10
-        )
+    state = await cluster_state(stack)
     hits = sum(w.prefetch_hits for w in state.workers)
     misses = sum(w.prefetch_misses for w in state.workers)
     return {

@@ -75,10 +75,10 @@ async def answer(
             return JSONResponse(answers.whole(kept, usage))
         firsts = await until_disconnected(request, _all([g.next() for g in generations]))
     except ClientGone:
-        _cancel(generations)
+        await _close(generations)
         return Response(status_code=CLIENT_CLOSED)
     except Exception as e:
-        _cancel(generations)
+        await _close(generations)
         hints = [g.retry_after_s for g in generations if g.retry_after_s is not None]
         raise http_error(e, prompt_param, max(hints) if hints else None) from None
     return GenerationStream(generations, _events(list(firsts), generations, answers))
@@ -111,9 +111,9 @@ async def _all(reads: list[Coroutine[Any, Any, T]]) -> list[T]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _cancel(generations: list[Generation]) -> None:
+async def _close(generations: list[Generation]) -> None:
     for generation in generations:
-        generation.cancel()
+        await generation.close()
 
 
 async def _events(firsts: list[Piece | Final], generations: list[Generation], answers: Answers) -> AsyncIterator[bytes]:

@@ -43,6 +43,7 @@ import resource
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway import metrics
 
@@ -57,10 +58,26 @@ _TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: c
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    max_connections: int = 2048  # open HTTP connections; more are answered 503 and closed
-    header_timeout_s: float = 10.0  # to send a whole request head, from connect or its first byte
-    body_timeout_s: float = 60.0  # to send a whole request body, from the end of its head
-    keep_alive_s: float = 75.0  # an idle connection between requests is closed after this (longer than clients' pools)
+    """The HTTP API's bounds (the module's docstring), each a `--http-*` flag of the gateway."""
+
+    max_connections: int = setting(
+        2048, "open HTTP connections at most; one more is answered 503 and closed", flag="--http-max-connections"
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        "seconds an HTTP client has to send a whole request head (else 408, closed)",
+        flag="--http-header-timeout",
+    )  # from connect or from its first byte
+    body_timeout_s: float = setting(
+        60.0,
+        "seconds an HTTP client has to send a whole request body after its head (else 408, closed)",
+        flag="--http-body-timeout",
+    )
+    keep_alive_s: float = setting(
+        75.0,
+        "seconds an idle HTTP keep-alive connection is kept open (longer than clients' pools keep theirs)",
+        flag="--http-keep-alive",
+    )
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:

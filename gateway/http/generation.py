@@ -1,14 +1,15 @@
-"""One generation seen from the HTTP edge: the generation core's events, run in a task of their own.
+"""One generation seen from the HTTP edge: the generation core's events, read as plain values.
 
 `http_metadata` presents a request's headers as the call metadata the core reads (`authorization`,
-`traceparent`). `Generation` runs `GenerationCore.generate` in one task (so the trace span opens and
-closes in one context) and hands its events over as plain values: text pieces, then a `Final`; a
-refusal's retry hint is kept for a Retry-After header. Cancelling it — the client went away —
-cancels that task, which cancels the request downstream exactly as a gRPC client's cancel does; once
-the summary has come, the task runs the generation to its end (its outcome: OK). A reader of a
-generation cancelled before its end gets `GenerationCancelled`, never waits forever.
-A dropped client is noticed where the request waits: `until_disconnected` watches the
-connection while a non-streaming request is generated; Starlette does the same for a stream.
+`traceparent`). `Generation` reads `GenerationCore.generate` directly, in whichever task asks for its
+next event (no task or queue of its own): text pieces, then a `Final`; a refusal's retry hint is kept
+for a Retry-After header. Once the summary has come it reads the core's events to their end (its
+outcome: OK). `close` stops it early — the client went away — which cancels the request downstream
+exactly as a gRPC client's cancel does; a reader of a closed generation gets `GenerationCancelled`.
+A dropped client is noticed where the request waits: `until_disconnected` watches the connection while
+a request is generated before its answer begins (cancelling the read cancels the generation);
+Starlette does the same for a stream, and `GenerationStream` closes its generations however the
+response ends.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from loraserve.errors import LoraserveError
-from loraserve.gateway.events import Chunk, Event, RetryLaterError, Summary
+from loraserve.gateway.events import Event, RetryLaterError, Summary
 from loraserve.gateway.http.responses import FINISH_REASONS as OPENAI_FINISH_REASONS
 from loraserve.gateway.http.responses import STREAM_HEADERS, Final, Piece
 
@@ -45,47 +46,33 @@ def http_metadata(headers: Mapping[str, str], extra: Mapping[str, str] | None = 
 
 
 class Generation:
-    """The events of one generation, produced by a task of their own: `Piece`s, then a `Final`."""
+    """The events of one generation as `Piece`s, then a `Final`, read from the core as they are asked for."""
 
     def __init__(self, events: AsyncIterator[Event]):
-        self._queue: asyncio.Queue[Piece | Final | Exception] = asyncio.Queue()
-        self._finished = False  # the summary came: the generation is over, and ends as OK
+        self._events = events
+        self._generated = 0  # tokens so far, shown or not (a piece's usage counts them all)
+        self._closed = False
         self.retry_after_s: float | None = None  # a refusal's hint of when to retry
-        self._task = asyncio.get_running_loop().create_task(self._pump(events))
-        self._task.add_done_callback(self._ended)
-
-    def _ended(self, task: asyncio.Task) -> None:
-        """Cancelled (even before it ran): whoever still reads it learns so, and is not left waiting forever."""
-        if task.cancelled():
-            self._queue.put_nowait(GenerationCancelled("the generation was cancelled"))
-
-    async def _pump(self, events: AsyncIterator[Event]) -> None:
-        generated = 0  # tokens so far, shown or not (a piece's usage counts them all)
-        try:
-            async for event in events:  # to its end, past the summary: closing it early would count CANCELLED
-                if isinstance(event, Chunk):
-                    generated += len(event.token_ids)
-                    if event.text or event.logprobs or event.prompt_logprobs:
-                        usage = Final("", event.prompt_tokens, generated, event.cached_tokens)
-                        self._queue.put_nowait(Piece(event.text, event.logprobs, event.prompt_logprobs, usage))
-                elif not self._finished:
-                    self._finished = True
-                    self._queue.put_nowait(_final(event))
-            if not self._finished:
-                self._queue.put_nowait(LoraserveError("the generation ended without a summary"))
-        except Exception as e:  # the request's failure, for the HTTP side to send
-            if isinstance(e, RetryLaterError):
-                self.retry_after_s = e.retry_after_ms / 1000
-            self._queue.put_nowait(e)
-        finally:
-            await events.aclose()  # here, in this task's context, where its trace span was opened
 
     async def next(self) -> Piece | Final:
         """The next piece, or the `Final`; raises the generation's failure."""
-        item = await self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
+        if self._closed:
+            raise GenerationCancelled("the generation was cancelled")
+        try:
+            while True:
+                event = await anext(self._events, None)
+                if event is None:
+                    raise LoraserveError("the generation ended without a summary")
+                if isinstance(event, Summary):
+                    await anext(self._events, None)  # past the summary, to its end: its outcome is OK
+                    return _final(event)
+                self._generated += len(event.token_ids)
+                if event.text or event.logprobs or event.prompt_logprobs:
+                    usage = Final("", event.prompt_tokens, self._generated, event.cached_tokens)
+                    return Piece(event.text, event.logprobs, event.prompt_logprobs, usage)
+        except RetryLaterError as e:
+            self.retry_after_s = e.retry_after_ms / 1000
+            raise
 
     async def collect(self) -> tuple[Piece, Final]:
         """The whole generation: its pieces joined, and how it ended."""
@@ -94,11 +81,11 @@ class Generation:
             pieces.append(item)
         return Piece.joined(pieces), item
 
-    def cancel(self) -> None:
-        """Stop generating, which cancels the request downstream; a no-op once the summary has come (what
-        remains is the generation's own clean-up, and its outcome is OK)."""
-        if not self._finished:
-            self._task.cancel()
+    async def close(self) -> None:
+        """Stop generating, which cancels the request downstream; a no-op once it has ended (a generation read
+        past its summary ended OK)."""
+        self._closed = True
+        await self._events.aclose()
 
 
 def _final(summary: Summary) -> Final:
@@ -133,7 +120,7 @@ class GenerationStream(StreamingResponse):
 
     A client that disconnects makes Starlette cancel the task sending the stream. That task may be
     waiting in `send` rather than in the events generator, and then the generator is only closed
-    when it is garbage-collected: cancelling the generations here, as the response itself ends,
+    when it is garbage-collected: closing the generations here, as the response itself ends,
     does not depend on where the cancellation landed."""
 
     def __init__(self, generations: list[Generation], events: AsyncIterator[bytes]):
@@ -144,5 +131,6 @@ class GenerationStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            await self.body_iterator.aclose()  # first: a merge of several generations stops reading them
             for generation in self.generations:
-                generation.cancel()
+                await generation.close()

@@ -43,7 +43,7 @@ class OperationRoutes:
         self.core, self.chat_template, self.find_model = core, chat_template, find_model
 
     async def health(self) -> Response:
-        if self.core.admission.draining:
+        if self.core.gate.draining:
             return _unavailable("this gateway is shutting down")
         if self.core.ready_workers < 1:
             return _unavailable("no worker is ready")

@@ -47,10 +47,10 @@ async def respond(
             return JSONResponse(reply.whole(piece.text, final))
         first = await until_disconnected(request, generation.next())
     except ClientGone:
-        generation.cancel()
+        await generation.close()
         return Response(status_code=CLIENT_CLOSED)
     except Exception as e:
-        generation.cancel()
+        await generation.close()
         raise renamed(http_error(e, PROMPT_PARAM, generation.retry_after_s)) from None
     return GenerationStream([generation], events(first, generation, reply))
 

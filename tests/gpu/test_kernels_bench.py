@@ -22,14 +22,14 @@ from loraserve.bench.common.kernel_cases import (
     make_uniform_attention_case,
 )
 from loraserve.bench.suites.kernels import attention as attention_bench
+from loraserve.bench.suites.kernels import device, report, suite, timing
 from loraserve.bench.suites.kernels import lora as bench
-from loraserve.bench.suites.kernels import timing
 from loraserve.kernels.attention_torch import attention_torch
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
 
 def test_defaults_are_the_suite_sweep():
-    args = bench.parse_args([])
+    args = suite.parse_args([])
     assert args.ranks == [16, 64, 128, "mixed"] and args.batch_sizes == [1, 8, 64, 256]
     assert args.popularity == ["distinct", "uniform", "zipf", "identical"] and args.hidden == 4096
     assert len(bench.cases(bench.LoraConfig.from_args(args))) == 2 * 4 * 4 * 4
@@ -41,7 +41,7 @@ def test_defaults_are_the_suite_sweep():
     assert bench.case_ranks("mixed", 7, bench.MIXED_RANKS) == [8, 16, 32, 64, 128, 8, 16]
     for bad in (["--ranks", "0"], ["--ranks", "big"], ["--batch-sizes", "0"]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            suite.parse_args(bad)
 
 
 def _fake_timers() -> timing.Timers:
@@ -51,7 +51,7 @@ def _fake_timers() -> timing.Timers:
 
 def test_table_from_a_fake_timer():
     """Every case is built for real (pool, batch), only the timing is fake (the kernels are not run)."""
-    args = bench.parse_args(
+    args = suite.parse_args(
         [
             "--ranks",
             "4",
@@ -95,7 +95,7 @@ def test_table_from_a_fake_timer():
     assert prefill.roofline_us == pytest.approx((6 * 3 * 64 + (8 + 16 + 32) * 128) * 2 / 1e12 * 1e6)
     table = bench.format_table(results).splitlines()
     assert len(table) == 2 + len(results) and "triton us" in table[0] and "% roof" in table[0]
-    markdown = bench.lora_markdown(results).splitlines()
+    markdown = report.lora_markdown(results).splitlines()
     assert len(markdown) == 2 + len(results) and markdown[0].startswith("| phase | rank |")
 
 
@@ -104,7 +104,7 @@ def test_budget_skips_the_rest():
     config.check = False
     results = bench.benchmark(config, torch.device("cpu"), _fake_timers(), deadline=0.0, progress=False)
     assert [r.error for r in results] == ["skipped", "skipped"]
-    summary = bench.lora_summary(results)
+    summary = report.lora_summary(results)
     assert summary["lora_skipped"] == ["decode r4 b1 distinct", "prefill r4 b1 distinct"]
     assert summary["lora_decode_b64_distinct_r16"] is None and summary["within_2x_roofline"] is False
 
@@ -167,9 +167,9 @@ def test_dry_run_needs_the_interpreter_before_triton(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        bench.ensure_interpreter()
+        device.ensure_interpreter()
     monkeypatch.delitem(sys.modules, "triton")
-    bench.ensure_interpreter()
+    device.ensure_interpreter()
     assert os.environ["TRITON_INTERPRET"] == "1"
 
 
@@ -178,7 +178,7 @@ def _dry_run_report(tmp_path: Path) -> dict:
     out = tmp_path / "suite"
     argv = ["--dry-run", "--out", str(out)]
     if os.environ.get("TRITON_INTERPRET") == "1":
-        assert bench.main(bench.parse_args(argv)) == 0
+        assert suite.main(suite.parse_args(argv)) == 0
     else:  # CUDA machine: triton is already imported here, compiled
         cmd = [sys.executable, "-m", "loraserve.cli", "bench", "--suite", "kernels", *argv]
         subprocess.run(cmd, check=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
@@ -237,7 +237,7 @@ def test_targets_from_a_gpu_summary():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the guard on machines without CUDA")
 def test_refuses_without_cuda(capsys, tmp_path):
-    assert bench.main(bench.parse_args(["--out", str(tmp_path / "out")])) == 2
+    assert suite.main(suite.parse_args(["--out", str(tmp_path / "out")])) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     assert attention_bench.main(argparse.Namespace(dry_run=False, out=None)) == 2
@@ -248,7 +248,7 @@ def test_refuses_without_cuda(capsys, tmp_path):
 def test_small_run_on_gpu(tmp_path):
     out = tmp_path / "bench"
     argv = ["--ranks", "16", "mixed", "--batch-sizes", "1", "8", "--rep", "5", "--out", str(out)]
-    assert bench.main(bench.parse_args(argv)) == 0
+    assert suite.main(suite.parse_args(argv)) == 0
     saved = json.loads((out / "results.json").read_text())
     assert saved["suite"] == "kernels" and saved["machine"]["gpu"] and saved["commit"]
     assert len(saved["records"]) == 2 * 2 * 2 * 4

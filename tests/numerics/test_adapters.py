@@ -49,12 +49,12 @@ def _edit_tensors(path: Path, edit) -> None:
 def _assert_refused(engine: Engine, path: Path, message: str) -> None:
     pool_before = engine.pool.tensor.clone()
     stats_before = engine.stats()
-    names_before = engine.adapter_names()
+    names_before = engine.registry.names()
     with pytest.raises(InvalidAdapterError, match=message):
         engine.register_adapter("bad", path)
     assert torch.equal(engine.pool.tensor, pool_before)
     assert engine.stats() == stats_before
-    assert engine.adapter_names() == names_before
+    assert engine.registry.names() == names_before
 
 
 CONFIG_CASES = {
@@ -162,7 +162,7 @@ def test_bin_adapter_is_read_without_unpickling_code(engine, tiny_model, tiny_ad
         ]
     )
     assert result.token_ids == hf_greedy(tiny_model, tiny_adapters["r4-qv"], prompt, 6)
-    engine.unregister_adapter("from-bin")
+    engine.adapters.unregister("from-bin")
 
     class Exploit:
         def __reduce__(self):
@@ -183,4 +183,4 @@ def test_adapter_from_bytes_matches_directory(engine, tiny_adapters):
     )
     adapter = engine.registry.get(key)
     assert adapter.rank == 8 and adapter.layers == (1,) and adapter.modules == ("k_proj", "o_proj", "down_proj")
-    engine.unregister_adapter("bytes")
+    engine.adapters.unregister("bytes")

@@ -48,7 +48,7 @@ def _run_group() -> tuple[Engine, list, list[tuple[int, int]], dict[str, list[in
     while engine.has_unfinished():
         engine.step()
         if not tables and len(engine.step_scheduler.running) == N:
-            tables = {r.request_id: list(engine.pool.kv_page_table(r.request_id)) for r in requests}
+            tables = {r.request_id: list(engine.pool.pages.kv_page_table(r.request_id)) for r in requests}
     return engine, requests, copies, tables
 
 

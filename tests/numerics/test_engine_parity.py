@@ -137,12 +137,12 @@ def test_cancel_frees_pages_at_next_step(tiny_model, tiny_adapters):
     engine.step()
     engine.step()
     before = engine.stats()["pool"]
-    assert engine.pool.kv_page_table(gone.request_id)
+    assert engine.pool.pages.kv_page_table(gone.request_id)
     engine.abort(gone.request_id)
     outputs = engine.step()
     cancelled = [o for o in outputs if o.request_id == gone.request_id]
     assert cancelled and cancelled[0].finish_reason is FinishReason.CANCELLED
-    assert engine.pool.kv_page_table(gone.request_id) == []
+    assert engine.pool.pages.kv_page_table(gone.request_id) == []
     after = engine.stats()["pool"]
     assert after["kv_pages"] < before["kv_pages"]
     assert after["pinned_adapters"] == 1  # r64-mlp unpinned (still cached), r4-qv in use

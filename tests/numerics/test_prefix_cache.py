@@ -116,11 +116,11 @@ def test_salts_adapters_and_adapter_versions_never_share():
     _serve(engine, [[(SYSTEM + TURNS[3], "upper", "tenant-a", 0)]])
     weights = dataclasses.replace(engine.registry.get(engine.registry.latest("reverse")), sha256="ab" * 32)
     assert engine.cached(key, weights.sha256) is Cached.NO
-    engine.add_adapter("upper", weights, version=key[1])
+    engine.adapters.add("upper", weights, version=key[1])
     (again,) = _serve(engine, [[(SYSTEM + TURNS[4], "upper", "tenant-a", 0)]])
     assert again.cached_tokens == 0
     reference = _engine(cache=False)
-    reference.add_adapter("upper", reference.registry.get(reference.registry.latest("reverse")))
+    reference.adapters.add("upper", reference.registry.get(reference.registry.latest("reverse")))
     (plain,) = _serve(reference, [[(SYSTEM + TURNS[4], "upper", "tenant-a", 0)]])
     assert again.output_ids == plain.output_ids
 
@@ -156,9 +156,9 @@ def test_cold_cached_pages_go_before_idle_adapters():
     assert pool.stats().cached_pages == 4 and pool.room(for_kv=True) == 7
     assert pool.evict_for(6) == []  # free + cached pages suffice: the adapter stays
     pool.grow_kv("t", 12)  # 6 pages: the 3 free ones, then the 3 oldest cached
-    assert pool.stats().cached_pages == 1 and pool.is_resident("a") and pool.cached_evictions == 3
+    assert pool.stats().cached_pages == 1 and pool.is_resident("a") and pool.prefixes.evictions == 3
     # a sequence's pages are released last block first, so its tail goes first and its head stays cached
-    assert len(pool.match_kv(hashes)) == 1
+    assert len(pool.prefixes.lookup(hashes)) == 1
     assert pool.evict_for(2) == ["a"]  # only now: the last cached page is not enough
     pool.check_invariants()
 
@@ -180,7 +180,7 @@ class PrefixPoolMachine(RuleBasedStateMachine):
         tokens = [prefix] * 2 * pages  # sequences of one prefix value share blocks
         hashes: list[bytes] = []
         extend_chain(hashes, chain_root("", ""), tokens, 2)
-        attached = self.pool.match_kv(hashes[: pages - 1])
+        attached = self.pool.prefixes.lookup(hashes[: pages - 1])
         self.pool.attach_kv(seq, attached)
         if not self.pool.grow_kv(seq, 2 * pages):
             self.pool.free_kv(seq)
@@ -207,7 +207,7 @@ class PrefixPoolMachine(RuleBasedStateMachine):
         stats = self.pool.stats()
         assert stats.free_pages + stats.cached_pages + stats.kv_pages + stats.adapter_pages == 20
         for hashes in self.live.values():  # a live sequence's registered blocks still match
-            assert len(self.pool.match_kv(hashes)) >= 0
+            assert len(self.pool.prefixes.lookup(hashes)) >= 0
 
 
 PrefixPoolMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None, derandomize=True)
@@ -240,11 +240,11 @@ def test_the_prefixes_a_worker_reports_are_the_ones_the_scheduler_computes_from_
     identity = ""
     if adapter is not None:  # as a worker registers what it fetched: the store's hash of the weights
         weights = dataclasses.replace(engine.registry.get(engine.registry.latest(adapter)), sha256="cd" * 32)
-        key = engine.add_adapter("fetched", weights)
+        key = engine.adapters.add("fetched", weights)
         adapter, identity = "fetched", adapter_identity("fetched", key[1], "cd" * 32)
     prompt = SYSTEM + TURNS[0] + TURNS[1]
     (done,) = _serve(engine, [[(prompt, adapter, "tenant-a", 0)]])
-    reported = set(engine.pool.cached_prefixes(MAX_PREFIXES))
+    reported = set(engine.pool.pages.prefixes.fingerprints(MAX_PREFIXES))
     history = done.prompt_ids + done.output_ids
     full_pages = len(history) // 16
     longest = max(n for n in range(1, full_pages + 1) if is_checkpoint(n))
@@ -252,9 +252,11 @@ def test_the_prefixes_a_worker_reports_are_the_ones_the_scheduler_computes_from_
     assert next_turn.cached_tokens(16, reported) == longest * 16
     assert len(reported) == sum(is_checkpoint(n) for n in range(1, full_pages + 1))
     assert PrefixProbe(chain_root("tenant-b", identity), history + TURNS[2]).cached_tokens(16, reported) == 0
-    epoch = engine.pool.prefix_epoch
+    epoch = engine.pool.pages.prefixes.epoch
     _serve(engine, [[(history + TURNS[2], adapter, "tenant-a", 1)]])  # hits: only its new pages add prefixes
-    assert engine.pool.prefix_epoch > epoch and reported < set(engine.pool.cached_prefixes(MAX_PREFIXES))
+    assert engine.pool.pages.prefixes.epoch > epoch and reported < set(
+        engine.pool.pages.prefixes.fingerprints(MAX_PREFIXES)
+    )
 
 
 def test_up_forwards_no_prefix_cache_to_every_worker():

@@ -34,7 +34,7 @@ def _run(model, adapters, sampling: SamplingParams, poison: bool, backend: str) 
         engine.register_adapter(name, adapters[name])
     requests = [GenerateRequest(prompt_ids=p, adapter=a, sampling=sampling) for a, p in PROMPTS.items()]
     if poison:
-        engine.add_adapter("poison", _poisoned(load_adapter_dir(adapters["r16-all-rslora"], engine.model_config, 64)))
+        engine.adapters.add("poison", _poisoned(load_adapter_dir(adapters["r16-all-rslora"], engine.model_config, 64)))
         requests.insert(1, GenerateRequest(prompt_ids=[1, 44, 3], adapter="poison", sampling=sampling))
     results = engine.generate(requests)
     return {(req.adapter or "base"): res for req, res in zip(requests, results, strict=True)}

@@ -14,8 +14,8 @@ import pytest
 from emulated import fixed_profile
 
 from loraserve.bench import cli as bench_main
+from loraserve.bench.common.calibration import fit_step_model
 from loraserve.bench.suites.control_plane import suite as control_plane
-from loraserve.bench.suites.runner_profile.costs import fit_step_model
 from loraserve.bench.suites.scheduling import suite as scheduling
 from loraserve.bench.suites.scheduling.stack import Outcome, StackRun, workload_ids
 from loraserve.bench.suites.scheduling.targets import add_ratios, targets

@@ -17,7 +17,7 @@ from stack import LocalStack, free_port_block, scrape_metrics
 from store_proc import files, upload_requests
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.shared_rows import user_dir
+from loraserve.shared_memory import user_dir
 from loraserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
 
 pytestmark = pytest.mark.slow

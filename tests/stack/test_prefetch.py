@@ -50,7 +50,7 @@ def _pool(extra_pages: int = 0) -> tuple[UnifiedPool, list]:
 def _full_pool() -> tuple[UnifiedPool, list]:
     """a and b resident (a the least recently used), no free page; c is not resident."""
     pool, (a, b, c) = _pool()
-    assert pool.ensure(a) and pool.ensure(b) and pool.page_stats().free_pages == 0
+    assert pool.ensure(a) and pool.ensure(b) and pool.pages.stats().free_pages == 0
     return pool, [a, b, c]
 
 
@@ -58,20 +58,20 @@ def test_a_prefetch_takes_free_pages_and_evicts_nothing_while_there_are_some():
     pool, (a, _, c) = _pool(extra_pages=14)
     pool.ensure(a)
     assert pool.prefetch([c], reserve_pages=0) == [c]  # unscored: UNKNOWN_SCORE, like a
-    assert pool.stats.evictions == 0 and pool.resident_adapters() == [a, c]
-    pool.close()
+    assert pool.stats.evictions == 0 and pool.pages.resident_adapters() == [a, c]
+    pool.copier.close()
 
 
 def test_a_prefetch_never_evicts_an_adapter_scored_higher_or_equal():
     pool, (a, b, c) = _full_pool()
     pool.remember_scores([(a, 0.9), (b, 0.5), (c, 0.5)])
     assert pool.prefetch([c], reserve_pages=0) == []  # b is as likely as c: kept
-    assert pool.resident_adapters() == [a, b] and pool.stats.evictions == 0
+    assert pool.pages.resident_adapters() == [a, b] and pool.stats.evictions == 0
     pool.remember_scores([(c, 0.6)])  # the latest score counts
     assert pool.prefetch([c], reserve_pages=0) == [c]
-    assert pool.resident_adapters() == [a, c]  # b went, although a was used less recently
+    assert pool.pages.resident_adapters() == [a, c]  # b went, although a was used less recently
     pool.check_invariants()
-    pool.close()
+    pool.copier.close()
 
 
 def test_unscored_adapters_are_evicted_only_for_likelier_ones_or_queued_requests():
@@ -80,23 +80,23 @@ def test_unscored_adapters_are_evicted_only_for_likelier_ones_or_queued_requests
     pool.remember_scores([(c, 0.4)])
     assert pool.prefetch([c], reserve_pages=0) == []
     assert pool.prefetch([c], reserve_pages=0, needed=frozenset({c})) == [c]  # a queued request needs it
-    assert pool.resident_adapters() == [b, c]  # NEEDED outranks everything: the LRU idle one went
-    pool.close()
+    assert pool.pages.resident_adapters() == [b, c]  # NEEDED outranks everything: the LRU idle one went
+    pool.copier.close()
 
 
 def test_an_adapter_a_queued_request_needs_is_never_evicted_for_a_hint():
     pool, (a, b, c) = _full_pool()
     pool.remember_scores([(c, 1.0)])
     assert pool.prefetch([c], reserve_pages=0, needed=frozenset({a, b})) == []
-    assert pool.resident_adapters() == [a, b]
-    pool.close()
+    assert pool.pages.resident_adapters() == [a, b]
+    pool.copier.close()
 
 
 def test_a_requests_own_load_still_evicts_the_least_recently_used():
     pool, (a, b, c) = _full_pool()
     pool.remember_scores([(a, 1.0), (b, 1.0), (c, 0.0)])
-    assert pool.ensure(c) and pool.resident_adapters() == [b, c]
-    pool.close()
+    assert pool.ensure(c) and pool.pages.resident_adapters() == [b, c]
+    pool.copier.close()
 
 
 def test_a_background_copy_for_requests_already_waiting_is_a_miss_not_a_prefetch_hit():
@@ -107,13 +107,13 @@ def test_a_background_copy_for_requests_already_waiting_is_a_miss_not_a_prefetch
     pool.wait_ready(b)
     s = pool.stats
     assert (s.misses, s.prefetches, s.prefetch_hits + s.prefetch_late, s.loads) == (1, 1, 1, 2)
-    pool.close()
+    pool.copier.close()
 
 
 def test_prepare_packs_off_the_copy_path_and_the_copy_holds_exactly_the_packed_rows():
     pool, (a, _, _) = _pool()
     adapter = pool.host.get(a)
-    prepared = pool.prepare(adapter)
+    prepared = pool.copier.prepare(adapter)
     expected = adapter.pack(pool.layout, MODEL, torch.float32)
     assert prepared.rows(pool.layout, MODEL, torch.float32) is prepared.packed  # no packing at load time
     assert torch.equal(prepared.packed, expected) and prepared == adapter
@@ -123,7 +123,7 @@ def test_prepare_packs_off_the_copy_path_and_the_copy_holds_exactly_the_packed_r
     assert torch.equal(pool.tensor.index_select(1, pool.slot(key).row_index), expected)
     other = PoolLayout.for_model(MODEL, 8, 4)
     assert torch.equal(prepared.rows(other, MODEL, torch.float64), adapter.pack(other, MODEL, torch.float64))
-    pool.close()
+    pool.copier.close()
 
 
 # ---- the engine: a scripted workload ----------------------------------------------------------
@@ -164,7 +164,7 @@ def _workload(prefetch: bool, sampling: SamplingParams) -> tuple[dict[str, list[
         tokens: dict[str, list[int]] = {}
         engine.add_request(prompt, sampling, "upper", "upper-0")
         _run(engine, tokens, steps=1)  # upper is loaded (a miss: nobody predicted it) and running
-        engine.prefetch(list(HINTED), scores=[0.9, 0.8])  # a PREFETCH from the scheduler
+        engine.adapters.prefetch(list(HINTED), scores=[0.9, 0.8])  # a PREFETCH from the scheduler
         _run(engine, tokens)
         for name in HINTED:
             engine.add_request(prompt, sampling, name, f"{name}-0")

@@ -30,7 +30,7 @@ from loraserve.adapter_store.client import AdapterFetcher, FetchedRows
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import NotFoundError, UnavailableError
 from loraserve.model_config import ModelConfig
-from loraserve.shared_rows import user_dir
+from loraserve.shared_memory import user_dir
 from loraserve.v1 import adapter_store_pb2_grpc, gateway_pb2
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from loraserve.grpc_streams import REFUSAL_DRAIN_BYTES, forward_stream
 from loraserve.grpc_token import server_interceptors
-from loraserve.grpc_utils import REFUSAL_DRAIN_BYTES, forward_stream, new_server
+from loraserve.grpc_utils import new_server
 from loraserve.v1 import adapter_store_pb2_grpc, gateway_pb2
 
 CHUNK = gateway_pb2.UploadAdapterRequest(chunk=gateway_pb2.FileChunk(file="a", data=b"x" * (1 << 20)))

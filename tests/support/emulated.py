@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraserve.bench.suites.runner_profile.costs import fixed_costs
+from loraserve.bench.common.calibration import fixed_costs
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.model_config import ModelConfig
 from loraserve.worker.config import EngineConfig

@@ -20,7 +20,8 @@ from loraserve.params import SamplingParams
 from loraserve.request_spec import RequestSpec
 from loraserve.sockets import make_socket, send
 from loraserve.wire import Assign, Message, StepTokens, Tokens, WorkerReport, decode
-from loraserve.worker.service import WorkerConfig, WorkerService
+from loraserve.worker.config import FetchConfig, WorkerConfig
+from loraserve.worker.service import WorkerService
 
 
 @dataclass
@@ -44,7 +45,9 @@ class InprocWorker:
         config = WorkerConfig(
             worker_id,
             scheduler_address=self.scheduler.getsockopt_string(zmq.LAST_ENDPOINT),
-            store_address="tcp://127.0.0.1:9",  # never fetched from: the engine holds the demo adapters
+            fetch=FetchConfig(
+                store_address="tcp://127.0.0.1:9"
+            ),  # never fetched from: the engine holds the demo adapters
         )
         self.service = WorkerService(emulated_engine(profile, **engine_config), config)
         self.from_worker: list[tuple[float, Message]] = []  # reports and heartbeats, with arrival times

@@ -4,34 +4,16 @@
     loraserve bench --suite abuse --quick --out /tmp/abuse       # about 3 minutes
 
 Starts `loraserve up` (the real supervisor, one worker, the demo model, an auth file with two
-tenants, the HTTP API on). The bystander tenant keeps mixed calls flowing through gRPC and HTTP from a
-few threads (`probes.Traffic`: plain, streamed, structured output, log-probabilities, n > 1); the
-abuser tenant (and, for the control-plane attacks, a holder of the internal keys) attacks. First the
-stack's very first request is a structured one (`first_structured`); then, one after another, each
-phase while the bystander's traffic flows:
+tenants, the HTTP API on). The bystander tenant keeps mixed calls flowing (`probes.Traffic`) while
+the abuser tenant (and, for the control-plane attacks, a holder of the internal keys) attacks, one
+phase after another: `first_structured`, `calm`, `churn` (TCP connect+close to the scheduler's
+worker port), `big_body` (2 GiB HTTP bodies), `idle` (thousands of idle HTTP connections), then the
+attacks of `attacks.py` (`constraints`, `prompts`, `control`, `batch_hog`), then `soak`.
 
-1. `calm`: nothing else, the baseline;
-2. `churn`: plain TCP connect+close cycles to the scheduler's worker port (base port + 1), no
-   handshake, no key, then as long again to recover;
-3. `big_body`: a 2 GiB HTTP body without a key, then with the tenant's key (the gateway must
-   answer 401 and 413 without reading it);
-4. `idle`: thousands of idle or trickling HTTP connections with no key, held open;
-5. `constraints`: structured-output constraints that once crashed the gateway or wedged a worker
-   (`attacks.CONSTRAINTS`), each several times over HTTP and gRPC;
-6. `prompts`: four clients sending 1 MiB prompts to /tokenize, completions, chat and gRPC Tokenize,
-   while the health checks are timed;
-7. `control`: one SubmitStream batch of 50,000 entries to the scheduler, and a worker-key holder
-   reporting as 50 worker ids;
-8. `batch_hog`: requests of 64 generations each, back to back;
-9. `soak`: more callers, for the soak's duration.
-
-For each phase `results.json` records the bystander's calls (OK and failed, by status; latency
-percentiles), the longest stretch without a successful call (an outage shows there), the restarts of
-every role (the supervisor restarts a role that dies or fails its health check; the gateway's
-constraint compilers, `gateway-constraints`, are counted apart: the gateway replaces one that a
-constraint crashed, by design), and each role's peak resident memory and open file descriptors. The
-attacks' own figures (answers by status, seconds) are recorded beside them, and the suite's targets,
-met or missed, as `targets` (`targets.py`).
+For each phase `results.json` records the bystander's calls (by status, latency percentiles, the
+longest stretch without a success), the restarts of every role (`probes.Roles`; the gateway's
+constraint compilers apart), each role's peak resident memory and open file descriptors, and the
+attack's own figures; and the suite's targets (`targets.py`).
 """
 
 from __future__ import annotations
@@ -45,9 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.suites.abuse.attacks import (
@@ -70,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class AbusePlan:
+class AbusePlan(Preset):
     calm_s: float
     churn_cycles: int
     body_bytes: int
@@ -276,11 +259,7 @@ def print_report(phases: list[dict]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    plan = QUICK if args.quick else FULL
-    if args.abuse_soak_s is not None:
-        plan = replace(plan, soak_s=args.abuse_soak_s)
-    if args.abuse_idle_connections is not None:
-        plan = replace(plan, idle_connections=args.abuse_idle_connections)
+    plan = (QUICK if args.quick else FULL).but(soak_s=args.abuse_soak_s, idle_connections=args.abuse_idle_connections)
     with tempfile.TemporaryDirectory(prefix="loraserve-abuse-") as tmp:
         try:
             phases = run(plan, Path(tmp))

@@ -8,11 +8,11 @@
 - while 1 MiB prompts flooded the gateway, its health checks answered within HEALTH_S and it never
   said NOT_SERVING;
 - the 50,000-entry SubmitStream batch was refused whole, and the scheduler was SERVING after it.
-
-Each is `{"name", "goal", "value", "met"}`, as the other suites write theirs.
 """
 
 from __future__ import annotations
+
+from loraserve.bench.common.results import target
 
 HEALTH_S = 0.5
 OWN_OUTCOMES = frozenset({"200", "400", "OK", "INVALID_ARGUMENT"})  # a constraint's answer, good or refused
@@ -23,8 +23,8 @@ def targets(phases: list[dict]) -> list[dict]:
     restarts = sum(n for p in phases for role, n in p["restarts"].items() if role != "gateway-constraints")
     failed = sum(sum(p["traffic"]["failed"].values()) for p in phases)
     out = [
-        _target("role restarts", "0", restarts, restarts == 0),
-        _target("bystander calls failed", "0", failed, failed == 0),
+        target("role restarts", "0", restarts, restarts == 0),
+        target("bystander calls failed", "0", failed, failed == 0),
     ]
     if "constraints" in by_name:
         answers = {
@@ -34,20 +34,16 @@ def targets(phases: list[dict]) -> list[dict]:
             for status in edge["answers"]
         }
         foreign = sorted(answers - OWN_OUTCOMES)
-        out.append(_target("constraint answers other than 400 or an answer", "none", foreign, not foreign))
+        out.append(target("constraint answers other than 400 or an answer", "none", foreign, not foreign))
     if "prompts" in by_name:
         attack = by_name["prompts"]["attack"]
         slowest = max(attack["http_health"]["max_s"], attack["grpc_health"]["max_s"])
         ok = slowest <= HEALTH_S and attack["not_serving"] == 0
-        out.append(_target("slowest health check under 1 MiB prompts (s)", f"<= {HEALTH_S}", slowest, ok))
+        out.append(target("slowest health check under 1 MiB prompts (s)", f"<= {HEALTH_S}", slowest, ok))
     if "control" in by_name:
         flood = by_name["control"]["attack"]["submit_stream"]
         whole = set(flood["outcome"]) == {"INVALID_ARGUMENT"} and flood["health_after"] == "SERVING"
         out.append(
-            _target("50,000-entry SubmitStream batch", "refused whole, scheduler SERVING", flood["outcome"], whole)
+            target("50,000-entry SubmitStream batch", "refused whole, scheduler SERVING", flood["outcome"], whole)
         )
     return out
-
-
-def _target(name: str, goal: str, value: object, met: bool) -> dict:
-    return {"name": name, "goal": goal, "value": value, "met": met}

@@ -6,7 +6,7 @@
 Writes a temporary model directory holding only a Llama-7B-shaped config.json (32 layers, hidden
 4096) and a synthetic PEFT adapter (random fp16 lora_A [r, 4096] / lora_B [4096, r] per targeted
 projection; rank 16 on q/k/v/o is 33.6 MB), starts `loraserve adapter-store` as a real process
-with --preload, then fetches the adapter N times with the workers' AdapterFetcher:
+(`bench/common/store_process.py`) with --preload, then fetches the adapter N times with the workers' AdapterFetcher:
 
     transfer           fetch() alone: request, the store's lookup, the bytes over loopback TCP
     transfer + parse   fetch() + load_adapter_bytes(): what a worker pays before the adapter can
@@ -15,39 +15,28 @@ with --preload, then fetches the adapter N times with the workers' AdapterFetche
 Reports median / p90 milliseconds and GB/s (10^9 bytes per second) over the adapter's bytes, per
 transport (loopback TCP, the default stack's, and a unix socket), each against its own store process.
 
-DIR/results.json (`bench/common/results.py`) is {"suite", "machine", "commit", "records", "targets"}:
-a record per transport and phase (`transport, phase, first_fetch_ms, iterations, megabytes,
-median_ms, p90_ms, min_ms, median_gbps`), and per transport the target, median transfer ≤ --target-ms,
-as {"name", "goal", "value", "met"}.
+results.json: a record per transport and phase, and per transport the target, median transfer ≤ --target-ms.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve.adapter_config import PARENT
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.bench.common.llama7b_files import write_adapter, write_model
-from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
+from loraserve.bench.common.results import target, write_results
+from loraserve.bench.common.store_process import ADAPTER_NAME, store_process
 from loraserve.config_cli import setting
 from loraserve.worker.adapters import load_adapter_bytes
-
-ADAPTER_NAME = "bench-7b"
 
 
 @dataclass(frozen=True)
@@ -59,62 +48,6 @@ class Result:
     p90_ms: float
     min_ms: float
     median_gbps: float
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_store(
-    model_dir: Path, adapter_dir: Path, log_path: Path, transport: str = "tcp"
-) -> tuple[subprocess.Popen, str, str]:
-    """The store as a real process, preloading the adapter; returns (process, gRPC address, data address)."""
-    grpc_address = f"127.0.0.1:{free_port()}"
-    data_address = f"tcp://127.0.0.1:{free_port()}" if transport == "tcp" else f"ipc://{log_path.parent / 'data.ipc'}"
-    command = [
-        sys.executable,
-        "-m",
-        "loraserve.cli",
-        "--log-level",
-        "WARNING",
-        "adapter-store",
-        "--model",
-        str(model_dir),
-        "--bind",
-        grpc_address,
-        "--data-address",
-        data_address,
-        "--preload",
-        f"{ADAPTER_NAME}={adapter_dir}",
-        "--no-preload-demo",
-        "--data-dir",
-        str(log_path.parent / "store-data"),  # the benchmark's own, removed with its work dir
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORASERVE_")}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return process, grpc_address, data_address
-
-
-def wait_serving(process: subprocess.Popen, address: str, log_path: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the store exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if (
-                    health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise RuntimeError(f"the store was not SERVING within {timeout_s} s")
 
 
 def measure(run: Callable[[], int], iterations: int) -> tuple[list[float], int]:
@@ -137,37 +70,34 @@ def summarize(phase: str, samples: list[float], nbytes: int) -> Result:
 def run_benchmark(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], float]:
     model = write_model(workdir / "model")
     write_adapter(workdir / "adapter", model, args.rank, args.modules)
-    log_path = workdir / "store.log"
-    process, grpc_address, data_address = start_store(workdir / "model", workdir / "adapter", log_path, args.transport)
-    fetcher = AdapterFetcher(data_address, timeout_s=30.0)
-    try:
-        wait_serving(process, grpc_address, log_path)
-
-        def transfer() -> int:
-            config_json, weights, _ = fetcher.fetch(ADAPTER_NAME, 1)
-            return len(config_json) + len(weights)
-
-        def transfer_and_parse() -> int:
-            config_json, weights, fmt = fetcher.fetch(ADAPTER_NAME, 1)
-            load_adapter_bytes(config_json, weights, model, args.rank, fmt)
-            return len(config_json) + len(weights)
-
-        start = time.perf_counter()
-        transfer()  # connects the socket
-        first_ms = (time.perf_counter() - start) * 1e3
-        measure(transfer, args.warmup)
-        results = [summarize("transfer", *measure(transfer, args.iterations))]
-        measure(transfer_and_parse, 1)
-        results.append(summarize("transfer+parse", *measure(transfer_and_parse, args.iterations)))
-        return results, first_ms
-    finally:
-        fetcher.close()
-        process.terminate()
+    with store_process(workdir / "model", workdir / "adapter", workdir, args.transport) as data_address:
+        fetcher = AdapterFetcher(data_address, timeout_s=30.0)
         try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            return _fetches(fetcher, model, args)
+        finally:
+            fetcher.close()
+
+
+def _fetches(fetcher: AdapterFetcher, model, args: argparse.Namespace) -> tuple[list[Result], float]:
+    """The first fetch's milliseconds, then the timed transfers and transfers with parsing."""
+
+    def transfer() -> int:
+        config_json, weights, _ = fetcher.fetch(ADAPTER_NAME, 1)
+        return len(config_json) + len(weights)
+
+    def transfer_and_parse() -> int:
+        config_json, weights, fmt = fetcher.fetch(ADAPTER_NAME, 1)
+        load_adapter_bytes(config_json, weights, model, args.rank, fmt)
+        return len(config_json) + len(weights)
+
+    start = time.perf_counter()
+    transfer()  # connects the socket
+    first_ms = (time.perf_counter() - start) * 1e3
+    measure(transfer, args.warmup)
+    results = [summarize("transfer", *measure(transfer, args.iterations))]
+    measure(transfer_and_parse, 1)
+    results.append(summarize("transfer+parse", *measure(transfer_and_parse, args.iterations)))
+    return results, first_ms
 
 
 def print_table(transport: str, results: list[Result], first_ms: float, target_ms: float) -> None:
@@ -191,13 +121,9 @@ def records(transport: str, results: list[Result], first_ms: float) -> list[dict
 
 def targets(rows: list[dict], target_ms: float) -> list[dict]:
     """Per transport: the median transfer (fetch alone) within target_ms."""
+    name = "median transfer of the 7B-shaped adapter, {} (ms)"
     return [
-        {
-            "name": f"median transfer of the 7B-shaped adapter, {r['transport']} (ms)",
-            "goal": f"<= {target_ms:g}",
-            "value": r["median_ms"],
-            "met": r["median_ms"] <= target_ms,
-        }
+        target(name.format(r["transport"]), f"<= {target_ms:g}", r["median_ms"], r["median_ms"] <= target_ms)
         for r in rows
         if r["phase"] == "transfer"
     ]
@@ -225,9 +151,7 @@ class AdapterFetchSettings:
     out: Path | None = setting(None, "write DIR/results.json")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The adapter-fetch suite's flags (`AdapterFetchSettings`)."""
-    add_settings(parser, AdapterFetchSettings)
+SETTINGS = AdapterFetchSettings
 
 
 def main(args: argparse.Namespace) -> int:

@@ -22,9 +22,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from loraserve.bench.common.results import target
 from loraserve.bench.common.stats import distribution
+from loraserve.bench.common.tables import rich_table, wide_console
 
 OK = "OK"
+LATENCY_KEYS = ("total_p50_s", "total_p99_s", "ttft_p50_s", "ttft_p99_s", "max_gap_p50_s", "max_gap_p99_s")
+ADDED_KEYS = ("added_total_p50_s", "added_total_p99_s", "added_max_gap_p50_s", "added_max_gap_p99_s")
 
 
 @dataclass
@@ -171,23 +175,18 @@ def summarize_chaos(
 
 
 def chaos_targets(summary: dict) -> list[dict]:
-    """The suite's targets, as `{"name", "goal", "value", "met"}`, from a `summarize_chaos` summary:
-    no stream lost, every output equal to the undisturbed run's, and failover exercised at all."""
-    s = summary
+    """The suite's targets, from a `summarize_chaos` summary: no stream lost, every output equal to the
+    undisturbed run's, and failover exercised at all."""
+    s, over = summary, summary["failed_over_requests"]
     return [
-        {"name": "streams that failed", "goal": "0", "value": s["failed"], "met": s["failed"] == 0},
-        {
-            "name": "outputs that differ from the undisturbed run's",
-            "goal": "0",
-            "value": f"{s['mismatches']} of {s['compared']}",
-            "met": s["mismatches"] == 0 and s["compared"] > 0,
-        },
-        {
-            "name": "streams that failed over (the run tested failover)",
-            "goal": ">= 1",
-            "value": s["failed_over_requests"],
-            "met": s["failed_over_requests"] >= 1,
-        },
+        target("streams that failed", "0", s["failed"], s["failed"] == 0),
+        target(
+            "outputs that differ from the undisturbed run's",
+            "0",
+            f"{s['mismatches']} of {s['compared']}",
+            s["mismatches"] == 0 and s["compared"] > 0,
+        ),
+        target("streams that failed over (the run tested failover)", ">= 1", over, over >= 1),
     ]
 
 
@@ -197,10 +196,7 @@ def _ms(value: float | None) -> str:
 
 def print_chaos_report(summary: dict, config) -> None:
     """The counts, the latency table (ms) and the ratios, on the console."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 120))
+    console = wide_console(120)
     s = summary
     console.print(
         f"chaos: {config.workers} workers, {config.n_adapters} adapters, {config.rate:g} req/s for "
@@ -212,20 +208,13 @@ def print_chaos_report(summary: dict, config) -> None:
         f"{s['failed_over_unattributed']} not attributed to one disruption); "
         f"compared with the reference {s['compared']}, mismatches {s['mismatches']}"
     )
-    table = Table(title="latency (ms): total, first token, largest gap between tokens")
-    for title in ("group", "n", "total p50", "total p99", "ttft p50", "ttft p99", "max gap p50", "max gap p99"):
-        table.add_column(title, justify="left" if title == "group" else "right")
-    for group, row in s["latency"].items():
-        keys = ("total_p50_s", "total_p99_s", "ttft_p50_s", "ttft_p99_s", "max_gap_p50_s", "max_gap_p99_s")
-        table.add_row(group, str(row["n"]), *[_ms(row[k]) for k in keys])
-    console.print(table)
-    added = Table(title="added latency vs the same request's reference (ms)")
-    for title in ("group", "n", "total p50", "total p99", "max gap p50", "max gap p99"):
-        added.add_column(title, justify="left" if title == "group" else "right")
-    for group, row in s["added_vs_reference"].items():
-        keys = ("added_total_p50_s", "added_total_p99_s", "added_max_gap_p50_s", "added_max_gap_p99_s")
-        added.add_row(group, str(row["n"]), *[_ms(row[k]) for k in keys])
-    console.print(added)
+    for title, groups, keys in (
+        ("latency (ms): total, first token, largest gap between tokens", s["latency"], LATENCY_KEYS),
+        ("added latency vs the same request's reference (ms)", s["added_vs_reference"], ADDED_KEYS),
+    ):
+        headers = ["group", "n", *(k.removeprefix("added_").removesuffix("_s").replace("_", " ") for k in keys)]
+        cells = [[group, str(row["n"]), *[_ms(row[k]) for k in keys]] for group, row in groups.items()]
+        console.print(rich_table(title, headers, cells, left={"group"}))
     for kind, row in s["recovery"].items():
         console.print(f"{kind}: back to serving after p50 {row['recovery_p50_s']} s, p99 {row['recovery_p99_s']} s")
     for description, value in s["ratios"].items():

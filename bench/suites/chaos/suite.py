@@ -26,7 +26,6 @@ import asyncio
 import json
 import logging
 import signal
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from loraserve.bench.common.results import cpu_fields, write_results
-from loraserve.bench.common.settings import add_settings
+from loraserve.bench.common.stack_run import local_stack, upload_messages
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.chaos.plan import (
     SAMPLED,
@@ -55,7 +54,6 @@ from loraserve.bench.suites.chaos.report import (
     print_chaos_report,
     summarize_chaos,
 )
-from loraserve.bench.systems.stack import _upload
 from loraserve.config_cli import setting
 from loraserve.grpc_utils import internal_channel
 from loraserve.launcher.local_stack import LocalStack
@@ -69,20 +67,15 @@ SIGNAL = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP
 
 def run_chaos(config: ChaosConfig, model: Path) -> dict:
     """Both runs on one fresh stack; returns {"summary", "streams", "disruptions"}."""
-    with tempfile.TemporaryDirectory(prefix="loraserve-chaos-store-") as data_dir:  # uploads: not kept
-        stack = LocalStack(
-            model,
-            workers=config.workers,
-            max_batch_size=config.max_batch_size,
-            pool_pages=config.pool_pages,
-            worker_timeout=config.worker_timeout_s,
-            drain_timeout=config.drain_timeout_s,
-            data_dir=data_dir,
-        ).start()
-        try:
-            return asyncio.run(_run(stack, config, SyntheticAdapters(model, seed=config.seed)))
-        finally:
-            stack.stop()
+    with local_stack(
+        model,
+        workers=config.workers,
+        max_batch_size=config.max_batch_size,
+        pool_pages=config.pool_pages,
+        worker_timeout=config.worker_timeout_s,
+        drain_timeout=config.drain_timeout_s,
+    ) as stack:
+        return asyncio.run(_run(stack, config, SyntheticAdapters(model, seed=config.seed)))
 
 
 async def _run(stack: LocalStack, config: ChaosConfig, synthetic: SyntheticAdapters) -> dict:
@@ -94,7 +87,7 @@ async def _run(stack: LocalStack, config: ChaosConfig, synthetic: SyntheticAdapt
         api = gateway_pb2_grpc.LoraServeStub(channel)
         chaos = Chaos(stack, scheduler_pb2_grpc.SchedulerStub(scheduler_channel), config)
         for name, rank in adapters.items():
-            await api.UploadAdapter(_upload(name, *synthetic.files(name, rank)), timeout=120)
+            await api.UploadAdapter(upload_messages(name, *synthetic.files(name, rank)), timeout=120)
         await chaos.until_serving(config.workers, config.recover_timeout_s)
         warm = gateway_pb2.GenerateRequest(adapter=next(iter(adapters)), text="warm up", max_new_tokens=2)
         await api.Generate(warm, timeout=60)
@@ -278,9 +271,7 @@ class ChaosSettings:
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The chaos suite's flags (`ChaosSettings`), in a group of their own."""
-    add_settings(parser.add_argument_group("chaos suite (--suite chaos)"), ChaosSettings)
+SETTINGS = ChaosSettings
 
 
 def config_from_args(args: argparse.Namespace) -> ChaosConfig:

@@ -9,31 +9,27 @@ computed once, the other choices copy its KV), once as n unrelated requests, alt
 keeping its fastest of `repeats` runs. Measured: the tokens the engine computed before every choice
 had its first token, the time until then (the last choice's time to first token), and the time
 until every choice ended. The prefix cache is off: the runs repeat one prompt. Models: the demo
-model and the ~25M-parameter random Llama of the overhead suite (`bench/suites/overhead/suite.py`).
+model and the ~25M-parameter random Llama of the overhead suite (`bench/common/random_model.py`).
 
-DIR/results.json is {"machine": ..., "records": [...]}; a record has `model, n, prompt_len,
-new_tokens, prefill_tokens_shared, prefill_tokens_alone, ttft_ms_shared, ttft_ms_alone,
-total_ms_shared, total_ms_alone, ttft_speedup` (alone ÷ shared) and `total_speedup`.
+A record is a model's figures, shared and alone, and their speedups (alone ÷ shared).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.engine_run import alternate, bench_cache, quiet
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.config_cli import setting
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Preset:
+class ChoicesPreset(Preset):
     models: tuple[str, ...]
     n: int
     prompt_len: int
@@ -41,8 +37,8 @@ class Preset:
     repeats: int
 
 
-FULL = Preset(("demo", "random-25m"), n=8, prompt_len=384, new_tokens=32, repeats=3)
-QUICK = Preset(("demo",), n=4, prompt_len=256, new_tokens=16, repeats=2)
+FULL = ChoicesPreset(("demo", "random-25m"), n=8, prompt_len=384, new_tokens=32, repeats=3)
+QUICK = ChoicesPreset(("demo",), n=4, prompt_len=256, new_tokens=16, repeats=2)
 
 
 @dataclass(frozen=True)
@@ -52,9 +48,7 @@ class ChoicesSettings:
     choices_n: int | None = setting(None, "choices suite: choices per prompt")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The choices suite's flags (`ChoicesSettings`)."""
-    add_settings(p, ChoicesSettings)
+SETTINGS = ChoicesSettings
 
 
 def _run(engine, prompt: list[int], n: int, new_tokens: int, grouped: bool, seed: int) -> dict:
@@ -82,7 +76,7 @@ def _run(engine, prompt: list[int], n: int, new_tokens: int, grouped: bool, seed
     return {"prefill_tokens": computed, "ttft_s": first, "total_s": time.perf_counter() - started}
 
 
-def measure(name: str, path: Path, preset: Preset, seed: int) -> dict:
+def measure(name: str, path: Path, preset: ChoicesPreset, seed: int) -> dict:
     from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
     from loraserve.model_config import ModelConfig
     from loraserve.worker.adapters import load_adapter_bytes
@@ -97,16 +91,14 @@ def measure(name: str, path: Path, preset: Preset, seed: int) -> dict:
         path, EngineConfig(device="cpu", max_batch_size=max(8, preset.n), max_batched_tokens=4096, prefix_cache=False)
     )
     files = SyntheticAdapters(path, seed=seed).files("bench", 16)
-    engine.add_adapter("bench", load_adapter_bytes(*files, config, 128))
+    engine.adapters.add("bench", load_adapter_bytes(*files, config, 128))
     _run(engine, prompt[:16], 2, 2, True, seed)  # warm up, unmeasured
-    best: dict[bool, dict] = {}
-    for repeat in range(preset.repeats):
-        for grouped in (True, False):  # alternately: both sides see the same conditions
-            run = _run(engine, prompt, preset.n, preset.new_tokens, grouped, seed + 100 * repeat)
-            if grouped not in best or run["ttft_s"] < best[grouped]["ttft_s"]:
-                best[grouped] = run
+    seeds = iter(seed + 100 * (i // 2) for i in range(2 * preset.repeats))  # one seed a round, both sides
+    runs = alternate(
+        preset.repeats, (True, False), lambda g: _run(engine, prompt, preset.n, preset.new_tokens, g, next(seeds))
+    )
     engine.close()
-    shared, alone = best[True], best[False]
+    shared, alone = (min(runs[grouped], key=lambda r: r["ttft_s"]) for grouped in (True, False))
     return {
         "model": name,
         "n": preset.n,
@@ -124,17 +116,11 @@ def measure(name: str, path: Path, preset: Preset, seed: int) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
+    from loraserve.bench.common.random_model import model_dir
 
-    from loraserve.bench.suites.overhead.suite import model_dir
-
-    preset = QUICK if args.quick else FULL
-    if args.choices_n:
-        preset = Preset(preset.models, args.choices_n, preset.prompt_len, preset.new_tokens, preset.repeats)
-    torch.set_num_threads(args.threads)
-    for noisy in ("loraserve.worker", "loraserve.kernels"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
+    preset = (QUICK if args.quick else FULL).but(n=args.choices_n or None)
+    quiet(args.threads)
+    cache = bench_cache(args.adapter_cache)
     records = [measure(name, model_dir(name, cache), preset, args.seed) for name in preset.models]
     for r in records:
         print(

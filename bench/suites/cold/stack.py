@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from loraserve.bench.common.stack_run import local_stack, upload_messages
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems.stack import _upload
 from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -47,18 +46,8 @@ class StackSettings:
 def measure_stack(model_dir: Path, settings: StackSettings) -> list[dict]:
     """One record per rank (see the module docstring); a fresh stack on `model_dir` for all of them."""
     adapters = SyntheticAdapters(model_dir)
-    with tempfile.TemporaryDirectory(prefix="loraserve-bench-cold-") as data_dir:
-        stack = LocalStack(
-            model_dir,
-            workers=1,
-            torch_threads=settings.torch_threads,
-            data_dir=data_dir,
-            **dict(settings.stack_options),
-        ).start()
-        try:
-            return asyncio.run(_measure(stack, adapters, settings))
-        finally:
-            stack.stop()
+    with local_stack(model_dir, torch_threads=settings.torch_threads, **dict(settings.stack_options)) as stack:
+        return asyncio.run(_measure(stack, adapters, settings))
 
 
 async def _measure(stack: LocalStack, adapters: SyntheticAdapters, settings: StackSettings) -> list[dict]:
@@ -68,8 +57,8 @@ async def _measure(stack: LocalStack, adapters: SyntheticAdapters, settings: Sta
         names = {rank: [f"cold-r{rank}-{i}" for i in range(settings.trials)] for rank in settings.ranks}
         for rank, group in names.items():
             for name in group:
-                await api.UploadAdapter(_upload(name, *adapters.files(name, rank)), timeout=120)
-        await api.UploadAdapter(_upload("warm-up", *adapters.files("warm-up", 8)), timeout=120)
+                await api.UploadAdapter(upload_messages(name, *adapters.files(name, rank)), timeout=120)
+        await api.UploadAdapter(upload_messages("warm-up", *adapters.files("warm-up", 8)), timeout=120)
         for adapter in ("", "warm-up", "warm-up"):  # lazy initialisation, and one fetch, before any figure
             await _ttft(api, adapter, prompt, settings.new_tokens, f"w{adapter}-{time.monotonic()}")
         records = []

@@ -3,34 +3,22 @@
     loraserve bench --suite cold --quick --out /tmp/cold     # a few minutes on 2 CPU cores
     loraserve bench --suite cold --out results/cold          # demo and the ~92M random model, ranks 8-128
 
-Two parts (`--cold-parts`):
-
-- stack (`bench/suites/cold/stack.py`): on a real stack (store, scheduler, one worker with the real runner,
-  gateway, as processes), TTFT of a cold request against the same request warm, p50 / p99 per rank,
-  on the demo model and the random Llama `random-100m` of the overhead suite (hidden 1024, 8 layers,
-  92M parameters);
-- load (`bench/suites/cold/load.py`): fetch + load of a 7B-shaped rank-16 q/k/v/o adapter (33.6 MB), store
-  process → pool rows, by each transfer path, against this machine's memcpy bandwidth.
-
-DIR/results.json is {"suite", "machine", "commit", "records", "targets", "options"}; a stack record has
-`part: "stack", model, rank, trials`, cold / warm / penalty p50 and p99 in ms and `cold_over_warm_p50`; a
-load record `part: "load", path`, median and p90 ms, GB/s and `fraction_of_memcpy`. The targets, each
-{"name", "goal", "value", "met"}, are computed from the records (`targets.py`).
+Two parts (`--cold-parts`): `stack` (`stack.py`: cold against warm TTFT on a real stack, per rank, on
+the demo model and `random-100m`) and `load` (`load.py`: fetch + load of a 7B-shaped adapter by each
+transfer path, against memcpy). A record carries its `part`; `options` the stack's ablation options,
+`targets` the verdicts (`targets.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
+from loraserve.bench.common.engine_run import bench_cache
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.bench.suites.cold.targets import targets
 from loraserve.config_cli import setting
 
-log = logging.getLogger(__name__)
 FULL_RANKS = (8, 16, 32, 64, 128)
 
 
@@ -50,9 +38,7 @@ class ColdSettings:
     )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The cold suite's flags (`ColdSettings`)."""
-    add_settings(p, ColdSettings)
+SETTINGS = ColdSettings
 
 
 def _option(spec: str) -> tuple[str, object]:
@@ -64,12 +50,12 @@ def _option(spec: str) -> tuple[str, object]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from loraserve.bench.common.random_model import model_dir
     from loraserve.bench.suites.cold.load import PATHS, measure_load
     from loraserve.bench.suites.cold.stack import StackSettings, measure_stack
-    from loraserve.bench.suites.overhead.suite import model_dir
 
     torch.set_num_threads(args.threads)
-    cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
+    cache = bench_cache(args.adapter_cache)
     records: list[dict] = []
     if "load" in args.cold_parts:
         for record in measure_load(10 if args.quick else 30, PATHS):

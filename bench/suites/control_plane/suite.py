@@ -4,27 +4,15 @@ and how long each decision takes, at 64 workers and 10,000 adapters.
     loraserve bench --suite control-plane --quick --out /tmp/cp      # about a minute
     loraserve bench --suite control-plane --out results/cp
 
-What is real: the scheduler process (`loraserve scheduler`, the policy under test, its gRPC server
-and its ZMQ loop, unchanged) and every message it exchanges. What stands in for the rest:
+The scheduler process is real (`loraserve scheduler`, the policy under test); the workers are
+`--cp-workers` emulated ones in one process (`workers.py`, which also records the decision
+latencies), and this process stands for the gateways: it submits over gRPC (prompt ids, the adapter
+with its rank and weights' hash, a tenant of 8, sampling), open loop at each offered rate for the
+preset's phase, on `--cp-clients` channels, either `stream` (batched on one SubmitStream call per
+channel, as gateways send them) or `unary` (one Submit call each).
 
-- **the workers**: `--cp-workers` emulated workers in one process (`bench/suites/control_plane/workers.py`),
-  each its own DEALER socket speaking the worker protocol: a `WorkerReport` after every step (every
-  `--cp-step-s`, 20 ms, while it holds requests) with its running requests, those finished, its resident
-  adapters (128 each, least recently used first, out of `--cp-adapters`) and a step sample. A
-  request runs `max_new_tokens` steps. No engine runs: a real worker's step loop costs its own
-  process, not the scheduler;
-- **the gateways**: this process, submitting over gRPC as a gateway does (prompt ids, the adapter
-  with its rank and weights' hash, a tenant of 8, sampling), open loop at each offered rate for
-  `PHASE_S` seconds, on `--cp-clients` channels (one "gateway" each). `--cp-submit` says how the
-  Submits travel: `stream`, batched on one SubmitStream call per channel (`gateway/submit_stream.py`,
-  what gateways use), or `unary`, one Submit call each; the full preset runs both, side by side.
-
-Per offered rate: admitted req/s (Submits answered OK per second), refusals, the Submit call's
-latency as the client sees it, and the decision latency twice: inside the scheduler (the request
-queued → its ASSIGN sent: `Assign.queued_s`, which the scheduler measures) and end to end (the client
-sent Submit → the worker received the ASSIGN, both clocks this machine's). The scheduler's CPU
-use per phase (psutil) says whether it was the bottleneck: at one full core it is saturated.
-Writes `--out/control_plane.json`.
+Per offered rate: admitted req/s, refusals, the Submit call's latency, the decision latency inside
+the scheduler and end to end, and the scheduler's CPU use (psutil: at one full core it is saturated).
 """
 
 from __future__ import annotations
@@ -49,8 +37,7 @@ import numpy as np
 import psutil
 import zmq
 
-from loraserve.bench.common.results import cpu_fields, write_results
-from loraserve.bench.common.settings import add_settings
+from loraserve.bench.common.results import cpu_fields, target, write_results
 from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.control_plane import profile_split
 from loraserve.config_cli import setting
@@ -103,9 +90,7 @@ class ControlPlaneSettings:
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The control-plane suite's flags (`ControlPlaneSettings`), in a group of their own."""
-    add_settings(parser.add_argument_group("control-plane suite (--suite control-plane)"), ControlPlaneSettings)
+SETTINGS = ControlPlaneSettings
 
 
 def _sha(name: str) -> str:
@@ -191,8 +176,8 @@ class Clients:
             "send_s": round(sent_s, 3),  # > seconds: the client could not send at the rate
             "codes": codes,
             "admitted_req_per_s": round(codes.get("OK", 0) / max(sent_s, seconds), 1),
-            "submit_p50_s": _q(latencies, 0.5),
-            "submit_p99_s": _q(latencies, 0.99),
+            "submit_p50_s": quantile(latencies, 0.5, 6),
+            "submit_p99_s": quantile(latencies, 0.99, 6),
         }
 
     async def close(self) -> None:
@@ -200,10 +185,6 @@ class Clients:
             await stream.close()
         for channel in self.channels:
             await channel.close()
-
-
-def _q(values: list[float], q: float) -> float | None:
-    return quantile(values, q, 6)
 
 
 def start_scheduler(policy: str, grpc_address: str, worker_address: str, profile: Path | None) -> subprocess.Popen:
@@ -292,9 +273,9 @@ async def measure(
         result["assigned"] = len(queued)
         span = (got.get("last_unix") or 0) - (got.get("first_unix") or 0)
         result["assigned_req_per_s"] = round(len(queued) / span, 1) if span > 0 else None
-        result |= {"decision_p50_s": _q(queued, 0.5), "decision_p99_s": _q(queued, 0.99)}
+        result |= {"decision_p50_s": quantile(queued, 0.5, 6), "decision_p99_s": quantile(queued, 0.99, 6)}
         result |= {"decision_max_s": round(max(queued), 6) if queued else None}
-        result |= {"end_to_end_p50_s": _q(e2e, 0.5), "end_to_end_p99_s": _q(e2e, 0.99)}
+        result |= {"end_to_end_p50_s": quantile(e2e, 0.5, 6), "end_to_end_p99_s": quantile(e2e, 0.99, 6)}
         result["kept_up"] = kept_up(result)
     return {"policy": policy, "submit": submit, "phases": phases}
 
@@ -318,15 +299,9 @@ def verdict(runs: list[dict]) -> list[dict]:
         best = max((p["admitted_req_per_s"] for p in kept), default=0.0)
         at_target = next((p for p in run["phases"] if p["offered_req_per_s"] >= TARGET_RATE), None)
         p99 = at_target["decision_p99_s"] if at_target else None
-        out.append({"name": "admitted req/s", "goal": f">= {TARGET_RATE:g}", "value": best, "met": best >= TARGET_RATE})
-        out.append(
-            {
-                "name": f"decision p99 at {TARGET_RATE:g} req/s offered (s)",
-                "goal": f"<= {TARGET_P99_S}",
-                "value": p99,
-                "met": p99 is not None and p99 <= TARGET_P99_S,
-            }
-        )
+        out.append(target("admitted req/s", f">= {TARGET_RATE:g}", best, best >= TARGET_RATE))
+        name = f"decision p99 at {TARGET_RATE:g} req/s offered (s)"
+        out.append(target(name, f"<= {TARGET_P99_S}", p99, p99 is not None and p99 <= TARGET_P99_S))
     return out
 
 

@@ -11,23 +11,20 @@ the pool's waste fraction (mean over steps), adapter loads and prefetch hits; th
 throughput(largest n) / throughput(smallest n) — the target is >= 0.9 — and the same ratio were a
 step to cost only the bytes of weights it reads (`bytes_ratio`).
 
-DIR/results.json (`bench/common/results.py`) is {"suite", "machine", "commit", "records", "ratio",
-"bytes_ratio", "settings", "targets"}: a record per adapter count (the fields printed, and
-`base_mb_per_step`, `adapter_mb_per_step`), the target as {"name", "goal", "value", "met"}.
+results.json: a record per adapter count, beside "ratio", "bytes_ratio", "settings" and "targets".
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from loraserve.bench.common.engine_run import quiet
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, adapter_stats_since, warm_up
 from loraserve.bench.workloads.slora import DEFAULT_RANKS, FIRST_TOKEN_ID, round_robin_ranks
@@ -53,7 +50,7 @@ def measure(
     names = list(round_robin_ranks(n_adapters, ranks).items())
     try:
         for name, rank in names:
-            engine.add_adapter(name, bank.get(name, rank))
+            engine.adapters.add(name, bank.get(name, rank))
         sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True, seed=0)
         warm_up(engine, dict(names))
         counters0, steps0, read0 = adapter_counters(engine), engine.steps, engine.adapter_bytes_read
@@ -157,15 +154,11 @@ class EngineScalingSettings:
     out: Path | None = setting(None, "write DIR/results.json")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine-scaling suite's flags (`EngineScalingSettings`)."""
-    add_settings(parser, EngineScalingSettings)
+SETTINGS = EngineScalingSettings
 
 
 def main(args: argparse.Namespace) -> int:
-    quiet = max(logging.WARNING, logging.getLogger().level)
-    for noisy in ("loraserve.worker", "loraserve.kernels"):
-        logging.getLogger(noisy).setLevel(quiet)
+    quiet(None)
     result = run(args)
     if args.out is not None:
         rows = result.pop("rows")

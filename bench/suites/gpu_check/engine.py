@@ -28,7 +28,7 @@ import torch
 from loraserve.bench.common.metrics import summarize
 from loraserve.bench.common.random_model import write_llama_checkpoint
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.suites.gpu_check.preset import Preset
+from loraserve.bench.suites.gpu_check.preset import GpuPreset
 from loraserve.bench.suites.gpu_check.profile import profile_decode
 from loraserve.bench.systems.base import ReplayLimits
 from loraserve.bench.systems.engine import AdapterBank, EngineSystem
@@ -63,7 +63,7 @@ class SharedWeightsBank(AdapterBank):
         return super().get(f"weights-{zlib.crc32(name.encode()) % self.distinct}", rank)
 
 
-def model_dir(preset: Preset, work: Path) -> tuple[Path, float]:
+def model_dir(preset: GpuPreset, work: Path) -> tuple[Path, float]:
     """The preset's random checkpoint under `work` (written once); returns it and seconds spent writing."""
     path = work / f"llama-{preset.shape.hidden}x{preset.shape.layers}-{preset.dtype}"
     if (path / "config.json").is_file():
@@ -79,7 +79,7 @@ def model_dir(preset: Preset, work: Path) -> tuple[Path, float]:
     return path, time.perf_counter() - start
 
 
-def offline_trace(preset: Preset, n_adapters: int, seed: int = 0) -> Trace:
+def offline_trace(preset: GpuPreset, n_adapters: int, seed: int = 0) -> Trace:
     spec = WorkloadSpec(
         n_adapters=n_adapters,
         alpha=1.0,
@@ -100,7 +100,7 @@ def without_adapters(trace: Trace) -> Trace:
     return Trace(requests, {}, {**trace.params, "adapters": "none"})
 
 
-def engine_config(preset: Preset) -> EngineConfig:
+def engine_config(preset: GpuPreset) -> EngineConfig:
     return EngineConfig(
         device=preset.device,
         dtype=preset.dtype,
@@ -132,7 +132,7 @@ def measure(system, trace: Trace, label: str, n_adapters: int) -> dict:
     return row | {"wall_s": round(time.perf_counter() - start, 2)}
 
 
-def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dict:
+def run(preset: GpuPreset, work: Path, log=print, partial=lambda data: None) -> dict:
     """Every system on its trace; returns {"model", "workload", "rows", "ratios", "decode_profile",
     "graph_speedup"}.
 
@@ -227,7 +227,7 @@ def _throughput(rows: list[dict], system: str, n: int) -> float | None:
     return row["tokens_per_s"] if row and row["tokens_per_s"] else None
 
 
-def ratios(rows: list[dict], preset: Preset) -> dict[str, float | int | None]:
+def ratios(rows: list[dict], preset: GpuPreset) -> dict[str, float | int | None]:
     """high_over_low: throughput at the most adapters / at the fewest; lora_overhead: 1 - throughput
     with the fewest adapters / the base model's on the same requests; over_peft, over_merge_and_swap:
     loraserve's throughput / the baseline's at baseline_n adapters, on the same trace."""

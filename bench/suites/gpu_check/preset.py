@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.random_model import LLAMA_7B, LlamaShape
 
 
 @dataclass(frozen=True)
-class Preset:
+class GpuPreset(Preset):
     name: str
     device: str
     dtype: str  # float16 | bfloat16 | float32
@@ -43,7 +44,7 @@ class Preset:
         return getattr(torch, self.dtype)
 
 
-GPU = Preset(
+GPU = GpuPreset(
     name="gpu",
     device="cuda",
     dtype="float16",
@@ -66,7 +67,7 @@ GPU = Preset(
     fetch_iterations=20,
 )
 
-DRY_RUN = Preset(
+DRY_RUN = GpuPreset(
     name="dry-run",
     device="cpu",
     dtype="float32",

@@ -15,16 +15,15 @@ none) is prefilled, a few decode steps warm up, then `steps` decode steps run un
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
+from loraserve.bench.common.engine_run import profiled_decode
 from loraserve.bench.systems.engine import AdapterBank
 from loraserve.bench.workloads.slora import round_robin_ranks
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
-from loraserve.worker.sampling import SamplingParams
 
 PROMPT_LEN = 32
 
@@ -37,26 +36,9 @@ def profile_decode(
     try:
         names = list(round_robin_ranks(n_adapters, ranks).items()) if n_adapters else []
         for name, rank in names:
-            engine.add_adapter(name, bank.get(name, rank))
-        sampling = SamplingParams(max_new_tokens=2 * steps + 16, ignore_eos=True)
-        for i in range(config.max_batch_size):
-            prompt = [3 + (7 * i + j) % 1000 for j in range(PROMPT_LEN)]
-            engine.add_request(prompt, sampling, names[i % len(names)][0] if names else None, f"p{i}")
-        while any(not r.output_ids for r in engine.requests.values()):  # prefill everything
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        activities = [torch.profiler.ProfilerActivity.CPU]
+            engine.adapters.add(name, bank.get(name, rank))
         on_gpu = engine.device.type == "cuda"
-        if on_gpu:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        start = time.perf_counter()  # timed apart from the profiler, which slows the host down
-        for _ in range(steps):
-            engine.step()
-        wall = time.perf_counter() - start
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(steps):
-                engine.step()
+        wall, prof = profiled_decode(engine, [n for n, _ in names], steps, 3, 2 * steps + 16, PROMPT_LEN)
     finally:
         engine.close()
     kernels = [e for e in prof.key_averages() if on_gpu and e.device_type == torch.autograd.DeviceType.CUDA]

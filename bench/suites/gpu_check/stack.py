@@ -6,7 +6,7 @@ stack vs in-process   one S-LoRA trace in real time, below saturation (rank-16 a
                       latency per token is the difference of the p50 time per output token
 adapter fetch         a rank-16 q/k/v/o adapter at 7B shapes (33.6 MB in fp16) from a real
                       adapter-store process to a worker's AdapterFetcher over loopback TCP
-                      (bench/suites/adapter_fetch/suite.py)
+                      (`loraserve bench --suite adapter-fetch`)
 host to device        the same adapter: packing it into pool rows on the host, pinning, the copy
                       from pageable and from pinned memory, and the worker's whole load path
                       (UnifiedPool.ensure on a miss: pack + pin + copy + scatter into its pages)
@@ -14,12 +14,10 @@ host to device        the same adapter: packing it into pool rows on the host, p
 
 from __future__ import annotations
 
-import argparse
+import json
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ import torch
 from loraserve.bench.common.metrics import summarize
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.gpu_check.engine import engine_config, free_device_memory, model_dir
-from loraserve.bench.suites.gpu_check.preset import Preset
+from loraserve.bench.suites.gpu_check.preset import GpuPreset
 from loraserve.bench.systems.base import ReplayLimits
 from loraserve.bench.systems.engine import AdapterBank, EngineSystem
 from loraserve.bench.systems.stack import StackSystem
@@ -42,7 +40,7 @@ FETCH_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 KEYS = ("finished", "requests", "tokens_per_s", "ttft_p50_s", "tpot_p50_s", "tpot_p99_s", "latency_mean_s")
 
 
-def stack_vs_engine(preset: Preset, path: Path, log=print) -> dict:
+def stack_vs_engine(preset: GpuPreset, path: Path, log=print) -> dict:
     spec = WorkloadSpec(
         n_adapters=preset.stack_adapters,
         alpha=1.0,
@@ -81,15 +79,18 @@ def stack_vs_engine(preset: Preset, path: Path, log=print) -> dict:
     }
 
 
-def adapter_fetch(preset: Preset) -> dict:
-    from loraserve.bench.suites.adapter_fetch.suite import run_benchmark
+def adapter_fetch(preset: GpuPreset, work: Path) -> dict:
+    """`loraserve bench --suite adapter-fetch` over loopback TCP at the preset's iterations; its figures."""
+    from loraserve.bench import cli
 
-    args = argparse.Namespace(
-        rank=FETCH_RANK, modules=FETCH_MODULES, transport="tcp", iterations=preset.fetch_iterations, warmup=2
-    )
-    with tempfile.TemporaryDirectory(prefix="loraserve-fetch-") as tmp:
-        results, first_ms = run_benchmark(args, Path(tmp))
-    return {"first_fetch_ms": round(first_ms, 2), "results": [asdict(r) for r in results]}
+    out = work / "adapter-fetch"
+    argv = ["--suite", "adapter-fetch", "--rank", str(FETCH_RANK), "--modules", *FETCH_MODULES, "--transport", "tcp"]
+    argv += ["--iterations", str(preset.fetch_iterations), "--warmup", "2", "--out", str(out)]
+    cli.run([*argv, "--torch-threads", str(torch.get_num_threads())])  # this part's threads, unchanged
+    records = json.loads((out / "results.json").read_text())["records"]
+    own = ("transport", "first_fetch_ms")
+    results = [{k: v for k, v in r.items() if k not in own} for r in records]
+    return {"first_fetch_ms": round(records[0]["first_fetch_ms"], 2), "results": results}
 
 
 def _median_ms(fn: Callable[[], object], iterations: int, sync: bool) -> float:
@@ -103,7 +104,7 @@ def _median_ms(fn: Callable[[], object], iterations: int, sync: bool) -> float:
     return round(statistics.median(samples[1:]), 3)
 
 
-def host_to_device(preset: Preset, path: Path) -> dict:
+def host_to_device(preset: GpuPreset, path: Path) -> dict:
     """Milliseconds per step of moving the rank-16 q/k/v/o adapter into a pool on `preset.device`."""
     model = ModelConfig.from_dir(path)
     adapter = AdapterBank(SyntheticAdapters(path, dtype=preset.torch_dtype)).get("h2d", FETCH_RANK)
@@ -136,17 +137,17 @@ def host_to_device(preset: Preset, path: Path) -> dict:
             "h2d_pinned_ms": _median_ms(lambda: pinned.to(device, non_blocking=True), n, sync=True),
         }
         out["h2d_pinned_gbps"] = round(rows.nbytes / out["h2d_pinned_ms"] / 1e6, 2)
-    pool.close()
+    pool.copier.close()
     return out
 
 
-def run(preset: Preset, work: Path, log=print, partial=lambda data: None) -> dict:
+def run(preset: GpuPreset, work: Path, log=print, partial=lambda data: None) -> dict:
     """Adapter fetch, host-to-device copies, then the stack against the in-process engine;
     `partial(data)` gets the figures so far after each, so a run cut at its time limit keeps them."""
     path, _ = model_dir(preset, work)
     out: dict = {}
     measurements = {
-        "adapter_fetch": lambda: adapter_fetch(preset),
+        "adapter_fetch": lambda: adapter_fetch(preset, work),
         "host_to_device": lambda: host_to_device(preset, path),
         "stack_vs_engine": lambda: stack_vs_engine(preset, path, log),
     }

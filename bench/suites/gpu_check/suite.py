@@ -39,7 +39,7 @@ from pathlib import Path
 
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.suites.gpu_check import report as gpu_report
-from loraserve.bench.suites.gpu_check.preset import DRY_RUN, GPU, Preset
+from loraserve.bench.suites.gpu_check.preset import DRY_RUN, GPU, GpuPreset
 from loraserve.config_cli import setting
 
 PARTS = ("tests", "kernels", "engine", "stack", "overhead")
@@ -63,15 +63,13 @@ class GpuCheckSettings:
     part: str | None = setting(None, argparse.SUPPRESS, choices=PARTS)  # internal: run one part in this process
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The gpu-check suite's flags (`GpuCheckSettings`)."""
-    add_settings(p, GpuCheckSettings)
+SETTINGS = GpuCheckSettings
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """`loraserve bench --suite gpu-check ARGV`'s flags."""
     p = argparse.ArgumentParser(prog="loraserve bench --suite gpu-check", description=__doc__.splitlines()[0])
-    add_arguments(p)
+    add_settings(p, SETTINGS)
     return p.parse_args(argv)
 
 
@@ -142,7 +140,17 @@ def run_tests(args: argparse.Namespace, out: Path) -> dict:
     return result | {"exit_code": done.returncode, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_overhead(args: argparse.Namespace, preset: Preset, out: Path, work: Path) -> dict:
+def run_kernels(args: argparse.Namespace, out: Path) -> dict:
+    """`loraserve bench --suite kernels --gpu-suite` (`--dry-run`: on the CPU): its report from its results.json."""
+    from loraserve.bench import cli
+
+    argv = ["--suite", "kernels", "--dry-run" if args.dry_run else "--gpu-suite", "--out", str(out / "kernels")]
+    cli.run(argv)
+    saved = json.loads((out / "kernels" / "results.json").read_text())
+    return {"lora": saved["records"], **{k: saved[k] for k in ("meta", "attention", "summary", "markdown")}}
+
+
+def run_overhead(args: argparse.Namespace, preset: GpuPreset, out: Path, work: Path) -> dict:
     """`loraserve bench --suite overhead --quick` on the preset's device and backend; its results.json."""
     from loraserve.bench import cli
 
@@ -156,14 +164,12 @@ def run_overhead(args: argparse.Namespace, preset: Preset, out: Path, work: Path
 
 
 def run_part(
-    name: str, args: argparse.Namespace, preset: Preset, out: Path, work: Path, partial: Callable[[dict], None]
+    name: str, args: argparse.Namespace, preset: GpuPreset, out: Path, work: Path, partial: Callable[[dict], None]
 ) -> dict:
     if name == "tests":
         return run_tests(args, out)
     if name == "kernels":
-        from loraserve.bench.suites.kernels.lora import run_suite
-
-        return run_suite(dry_run=args.dry_run)
+        return run_kernels(args, out)
     if name == "engine":
         from loraserve.bench.suites.gpu_check import engine as gpu_engine
 

@@ -20,13 +20,12 @@ sequence of a case has the same length, its K/V in random pages of one pool
     compute   FLOPs / datasheet fp16 tensor peak (None when unknown):
               4 * H * D * sum over queries of the keys each attends to (QK^T and PV, 2 flops a MAC)
 
-Times as in `loraserve.bench.suites.kernels.lora` (eager do_bench and CUDA-graph replay, medians, L2 flushed).
+Times as in `loraserve.bench.suites.kernels.suite` (eager do_bench and CUDA-graph replay, medians, L2 flushed).
 x_roofline = triton_graph_us / max(roofline_us, compute_us): prefill at these sizes is compute-bound.
 Every case is checked once: Triton's output against SDPA's (max_abs_err; ok when allclose at
 4e-3 abs/rel or relative Frobenius error < 1e-2), so a wrong kernel cannot post a fast time unnoticed.
 
-DIR/results.json (`bench/suites/kernels/results.py`) is {"suite", "machine", "commit", "records",
-"targets", "meta", "summary", "markdown"}: a record per case, the fields of `AttentionResult`.
+DIR/results.json: `results.py`, a record per case (`AttentionResult`).
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.bench.common.kernel_cases import make_uniform_attention_case
-from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.tables import markdown_table
-from loraserve.bench.suites.kernels.lora import fmt, ratio
+from loraserve.bench.suites.kernels.device import ensure_interpreter, suite_meta
+from loraserve.bench.suites.kernels.results import fmt, ratio, write_report
 from loraserve.bench.suites.kernels.timing import Timers, cuda_timers, timed, wall_timers
 from loraserve.config_cli import setting
 
@@ -310,12 +309,10 @@ def attention_summary(results: list[AttentionResult]) -> dict[str, Any]:
 
 def run(dry_run: bool = False) -> dict[str, Any]:
     """The attention cases alone: {"meta", "attention": [rows], "summary", "markdown"}."""
-    from loraserve.bench.suites.kernels import lora as kernels
-
     if dry_run:
-        kernels.ensure_interpreter()
+        ensure_interpreter()
     device = torch.device("cpu" if dry_run else "cuda")
-    meta = kernels.suite_meta(dry_run, device)
+    meta = suite_meta(dry_run, device)
     config = replace(suite_config(dry_run), bandwidth_tbs=meta["roofline_bandwidth_tbs"])
     timers = wall_timers() if dry_run else cuda_timers(device)
     results = benchmark(config, device, timers)
@@ -335,9 +332,7 @@ class AttentionSettings:
     out: Path | None = setting(None, "write DIR/results.json")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The attention suite's flags (`AttentionSettings`)."""
-    add_settings(p, AttentionSettings)
+SETTINGS = AttentionSettings
 
 
 def main(args: argparse.Namespace) -> int:
@@ -347,7 +342,5 @@ def main(args: argparse.Namespace) -> int:
     report = run(dry_run=args.dry_run)
     print(report["markdown"])
     if args.out is not None:
-        from loraserve.bench.suites.kernels.results import write_report
-
         print(f"results: {write_report(args.out, 'attention', report, 'attention')}", file=sys.stderr)
     return 0

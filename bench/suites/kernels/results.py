@@ -6,7 +6,8 @@ writes {"suite", "machine", "commit", "records", "targets", ...}: the records ar
 (`report[rows_key]`), the machine names the GPU (`gpu`) when the run had one, and the rest of the
 report (meta, attention rows, summary, markdown) rides along under its own keys. The targets come
 from the report's summary, each {"name", "goal", "value", "met"}; a dry run's times are the
-interpreter's, so its timing targets say `met: None` (only correctness is judged).
+interpreter's, so its timing targets say `met: None` (only correctness is judged). `fmt` and `ratio` format
+the numbers of the suites' tables.
 """
 
 from __future__ import annotations
@@ -14,13 +15,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import target, write_results
 
 ROOFLINE_FACTOR = 2.0  # LoRA decode b64 distinct r16 within 2x of the roofline
 
 
-def _target(name: str, goal: str, value: object, met: bool | None) -> dict[str, Any]:
-    return {"name": name, "goal": goal, "value": value, "met": met}
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def fmt(value: float | None, spec: str | None = None) -> str:
+    """value in `spec`; by default 3 significant digits below 1000 (5.47, 0.00422), whole numbers above."""
+    if value is None:
+        return "-"
+    return format(value, spec or (".3g" if abs(value) < 1000 else ".0f"))
 
 
 def targets(summary: dict[str, Any], dry_run: bool) -> list[dict[str, Any]]:
@@ -32,14 +40,14 @@ def targets(summary: dict[str, Any], dry_run: bool) -> list[dict[str, Any]]:
         head = summary.get("lora_decode_b64_distinct_r16") or {}
         name = f"LoRA {head.get('case', 'decode r16 b64 distinct')}, Triton time / roofline"
         met = None if dry_run or not head else summary["within_2x_roofline"]
-        out.append(_target(name, f"<= {ROOFLINE_FACTOR:g}", head.get("x_roofline"), met))
+        out.append(target(name, f"<= {ROOFLINE_FACTOR:g}", head.get("x_roofline"), met))
     if "faster_than_bmm_everywhere" in summary:
         slower = summary["not_faster_than_bmm"]
         met = None if dry_run else summary["faster_than_bmm_everywhere"]
-        out.append(_target("LoRA cases where Triton is not faster than gather-then-bmm (eager)", "none", slower, met))
+        out.append(target("LoRA cases where Triton is not faster than gather-then-bmm (eager)", "none", slower, met))
     correct = [summary[k] for k in ("lora_all_correct", "attention_all_correct") if k in summary]
     if correct:
-        out.append(_target("Triton agrees with the torch references", "every case", all(correct), all(correct)))
+        out.append(target("Triton agrees with the torch references", "every case", all(correct), all(correct)))
     return out
 
 

@@ -17,22 +17,20 @@ fastest of `repeats` runs:
   beside the log-softmax that any sampler computes anyway: the demo model's vocabulary (1,024) is
   too small to show what a real one costs.
 
-DIR/results.json (`bench/common/results.py`) is {"suite", "machine", "commit", "records": the decode
-records, "prefill": [...], "logits": [...]}.
+results.json's records are the decode ones, beside "prefill" and "logits".
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.engine_run import demo_engine, full_batch_steps, quiet
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.config_cli import setting
-from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 
 PROMPT = "the quiet king"
 VARIANTS = {"off": None, "logprobs 0": 0, "logprobs 20": 20}  # SamplingParams.logprobs
@@ -40,33 +38,27 @@ VOCABULARIES = (32_000, 128_256)
 
 
 @dataclass(frozen=True)
-class Preset:
+class LogprobsPreset(Preset):
     batches: tuple[int, ...]
     new_tokens: int
     prompt_tokens: int  # of each prompt scored in the prefill measurement
     repeats: int
 
 
-FULL = Preset(batches=(1, 32), new_tokens=64, prompt_tokens=256, repeats=5)
-QUICK = Preset(batches=(1, 32), new_tokens=24, prompt_tokens=128, repeats=2)
+FULL = LogprobsPreset(batches=(1, 32), new_tokens=64, prompt_tokens=256, repeats=5)
+QUICK = LogprobsPreset(batches=(1, 32), new_tokens=24, prompt_tokens=128, repeats=2)
 
 
 def _decode(engine, batch: int, logprobs: int | None, new_tokens: int) -> float:
     """Mean seconds of a whole-batch decode step, with `logprobs` asked for by every request."""
     from loraserve.worker.sampling import SamplingParams
 
-    names = [None, *engine.adapter_names()]
+    names = [None, *engine.registry.names()]
     ids = engine.tokenizer.encode(PROMPT)
     for i in range(batch):
         sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, logprobs=logprobs)
         engine.add_request(ids, sampling, names[i % len(names)])
-    steps: list[float] = []
-    while engine.has_unfinished():
-        started = time.perf_counter()
-        outputs = engine.step()
-        seconds = time.perf_counter() - started
-        if len(outputs) == batch and not any(o.finished for o in outputs) and engine.last_step.tokens == batch:
-            steps.append(seconds)
+    steps = full_batch_steps(engine, batch)
     return sum(steps) / max(1, len(steps))
 
 
@@ -75,7 +67,7 @@ def _prefill(engine, batch: int, scored: int | None, prompt_tokens: int) -> floa
     with `scored` alternatives, or none), and samples their first tokens."""
     from loraserve.worker.sampling import SamplingParams
 
-    names = [None, *engine.adapter_names()]
+    names = [None, *engine.registry.names()]
     for i in range(batch):
         ids = [1] + [3 + (7 * i + 13 * j) % 1000 for j in range(prompt_tokens - 1)]  # no two alike: no cache hit
         sampling = SamplingParams(max_new_tokens=1, prompt_logprobs=scored, logprobs=scored)
@@ -107,7 +99,7 @@ def _logits(vocab: int, rows: int, top: int | None, repeats: int) -> float:
     return best
 
 
-def measure(engine, preset: Preset) -> dict[str, list[dict]]:
+def measure(engine, preset: LogprobsPreset) -> dict[str, list[dict]]:
     decode: dict[tuple[int, str], float] = {}
     prefill: dict[tuple[int, str], float] = {}
     for _ in range(preset.repeats):
@@ -151,25 +143,15 @@ class LogprobsSettings:
     out: Path | None = setting(None, "write DIR/results.json")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The logprobs suite's flags (`LogprobsSettings`)."""
-    add_settings(parser, LogprobsSettings)
+SETTINGS = LogprobsSettings
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
 
     preset = QUICK if args.quick else FULL
-    torch.set_num_threads(args.threads)
-    for noisy in ("loraserve.worker", "loraserve.kernels"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    config = EngineConfig(device="cpu", max_batch_size=max(preset.batches), prefix_cache=False)
-    engine = Engine(DEMO_MODEL_DIR, config)
-    for name, path in demo_adapters().items():
-        engine.register_adapter(name, path)
+    quiet(args.threads)
+    engine = demo_engine(EngineConfig(device="cpu", max_batch_size=max(preset.batches), prefix_cache=False))
     _decode(engine, max(preset.batches), 20, 4)  # warm-up, unmeasured
     records = measure(engine, preset)
     engine.close()

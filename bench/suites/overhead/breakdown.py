@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from loraserve.bench.common.engine_run import profiled_decode
+
 SOURCE_MB = 256
 GATHER_MB = 40
 REPEATS = 7
@@ -84,24 +86,8 @@ def _ops(prof, steps: int) -> tuple[list[dict], float]:
 def profile_decode(engine, adapters: list[str], side: str, steps: int = 10) -> dict:
     """`steps` decode steps of a full batch (request i on adapters[i mod n], or none), after prefill:
     wall ms per step, then the same number of steps under torch.profiler."""
-    from loraserve.worker.sampling import SamplingParams
-
     batch = engine.config.max_batch_size
-    sampling = SamplingParams(max_new_tokens=2 * steps + 8, ignore_eos=True, seed=0)
-    for i in range(batch):
-        prompt = [3 + (7 * i + j) % 1000 for j in range(PROMPT_LEN)]
-        engine.add_request(prompt, sampling, adapters[i % len(adapters)] if adapters else None, f"{side}-{i}")
-    while any(not r.output_ids for r in engine.requests.values()):  # prefill everything
-        engine.step()
-    for _ in range(2):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = time.perf_counter() - start
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
+    wall, prof = profiled_decode(engine, adapters, steps, 2, 2 * steps + 8, PROMPT_LEN, seed=0, kernels=False)
     while engine.has_unfinished():
         engine.step()
     top, total = _ops(prof, steps)

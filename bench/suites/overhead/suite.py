@@ -19,35 +19,28 @@ once, batch 64).
 On CUDA (`--overhead-device cuda`), each model is measured twice: with decode steps replayed from
 CUDA graphs and with every step eager (`--enforce-eager`).
 
-DIR/results.json is {"machine": ..., "records": [...]}; an overhead record has
-`kind, model, parameters, device, backend, cuda_graphs, threads, n_adapters, ranks, batch, tokens, tokens_per_s_base,
-tokens_per_s_lora, overhead` (lora time / base time - 1), `steps_base, steps_lora, step_ms_base,
-step_ms_lora, host_ms_per_step` (the runner's host-side planning per step, in the LoRA run),
-`adapter_mb_per_step`, `adapter_loads` (in the kept LoRA run: 0) and `pool_pages`; a scaling record
-has `kind, model`, the same engine fields, `n_adapters, ranks, batch, tokens_per_s_n1, tokens_per_s_n, ratio`.
-
-With --overhead-breakdown, on the scaling model (`breakdown.py`): a `gather` record (GB/s copying
-random pool rows, random pages and a contiguous slice on this machine) and two `profile` records
-(`side`: base, lora): torch.profiler's top operators by self CPU time per decode step of a full batch.
+A record's `kind` is `overhead` (`overhead` = LoRA time / base time - 1, `host_ms_per_step` the
+runner's host-side planning), `scaling`, or with --overhead-breakdown, on the scaling model,
+`gather` and `profile` (`breakdown.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.engine_run import alternate, bench_cache, quiet
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
+from loraserve.bench.common.tables import rich_table, wide_console
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, warm_up
 from loraserve.bench.workloads.slora import round_robin_ranks
 from loraserve.config_cli import setting
-from loraserve.demo.assets import DEMO_MODEL_DIR
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +49,7 @@ PROMPT_LEN = (8, 32)
 
 
 @dataclass(frozen=True)
-class RandomShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-
-
-RANDOM_MODELS = {
-    "random-25m": RandomShape(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536),
-    "random-100m": RandomShape(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816),
-}
-
-
-@dataclass(frozen=True)
-class Preset:
+class OverheadPreset(Preset):
     models: tuple[str, ...]
     repeats: int
     output_len: tuple[int, int]
@@ -80,8 +58,8 @@ class Preset:
     scaling_output: int
 
 
-FULL = Preset(("demo", "random-25m", "random-100m"), 3, (16, 128), 1000, 256, 32)
-QUICK = Preset(("demo", "random-25m"), 2, (16, 64), 200, 128, 16)
+FULL = OverheadPreset(("demo", "random-25m", "random-100m"), 3, (16, 128), 1000, 256, 32)
+QUICK = OverheadPreset(("demo", "random-25m"), 2, (16, 64), 200, 128, 16)
 PROFILE_STEPS = 10  # decode steps profiled per side (--overhead-breakdown)
 
 
@@ -106,24 +84,7 @@ class OverheadSettings:
     )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The overhead suite's flags (`OverheadSettings`)."""
-    add_settings(p, OverheadSettings)
-
-
-def model_dir(name: str, cache: Path) -> Path:
-    """The model's directory; a random model is written under `cache` the first time."""
-    if name == "demo":
-        return DEMO_MODEL_DIR
-    from loraserve.bench.common.random_model import write_random_llama
-
-    shape = RANDOM_MODELS[name]
-    path = cache / f"{name}-h{shape.hidden}-l{shape.layers}"
-    if not (path / "config.json").exists():
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        write_random_llama(tmp, seed=0, **vars(shape))
-        tmp.rename(path)
-    return path
+SETTINGS = OverheadSettings
 
 
 def _requests(batch: int, output_len: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
@@ -189,13 +150,10 @@ def _alternated(
     round, so that every side is measured under the same conditions."""
     engine = _prepared_engine(path, args, adapters, PROMPT_LEN[1] + max(n for _, n in requests), cuda_graphs)
     try:
-        runs: list[list[dict]] = [[] for _ in sides]
-        for _ in range(repeats):
-            for side, measured in zip(sides, runs, strict=True):
-                measured.append(_run(engine, requests, side))
+        runs = alternate(repeats, range(len(sides)), lambda i: _run(engine, requests, sides[i]))
     finally:
         engine.close()
-    return engine, runs
+    return engine, list(runs.values())
 
 
 def _prepared_engine(path: Path, args: argparse.Namespace, adapters: dict[str, int], longest: int, cuda_graphs: str):
@@ -216,7 +174,7 @@ def _prepared_engine(path: Path, args: argparse.Namespace, adapters: dict[str, i
     engine = Engine(path, config)
     try:
         for name, rank in adapters.items():
-            engine.add_adapter(name, bank.get(name, rank))
+            engine.adapters.add(name, bank.get(name, rank))
         warm_up(engine, adapters)
         _load_all(engine, list(adapters))
     except BaseException:
@@ -247,7 +205,7 @@ def _engine_fields(engine, args: argparse.Namespace) -> dict:
 
 
 def measure_overhead(
-    name: str, path: Path, args: argparse.Namespace, preset: Preset, cuda_graphs: str = "auto"
+    name: str, path: Path, args: argparse.Namespace, preset: OverheadPreset, cuda_graphs: str = "auto"
 ) -> dict:
     """One model: the same requests with adapters and without, alternately; the fastest of each."""
     adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
@@ -284,7 +242,7 @@ def measure_overhead(
     }
 
 
-def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: Preset) -> dict:
+def measure_scaling(name: str, path: Path, args: argparse.Namespace, preset: OverheadPreset) -> dict:
     """LoRA tokens/s with n distinct adapters over one adapter, the same saturated requests."""
     n = args.overhead_scaling_n or preset.scaling_n
     adapters = round_robin_ranks(n, OVERHEAD_RANKS)
@@ -325,19 +283,11 @@ def measure_breakdown(name: str, path: Path, args: argparse.Namespace) -> list[d
 
 
 def print_report(records: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="LoRA overhead (offline engine)")
     columns = ("model", "cuda_graphs", "n_adapters", "batch", "tokens_per_s_base", "tokens_per_s_lora", "overhead")
     columns += ("step_ms_base", "step_ms_lora", "host_ms_per_step", "adapter_mb_per_step")
-    for c in columns:
-        table.add_column(c, justify="left" if c == "model" else "right")
-    for r in records:
-        if r["kind"] == "overhead":
-            table.add_row(*[str(r[c]) for c in columns])
-    console = Console(width=160)
-    console.print(table)
+    cells = [[str(r[c]) for c in columns] for r in records if r["kind"] == "overhead"]
+    console = wide_console(160)
+    console.print(rich_table("LoRA overhead (offline engine)", columns, cells, left={"model"}))
     for r in records:
         if r["kind"] == "scaling":
             console.print(
@@ -357,19 +307,15 @@ def print_report(records: list[dict]) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    preset = QUICK if args.quick else FULL
-    preset = Preset(
-        tuple(args.overhead_models or preset.models),
-        args.overhead_repeats or preset.repeats,
-        tuple(args.overhead_output_len or preset.output_len),
-        preset.scaling_n,
-        preset.scaling_requests,
-        preset.scaling_output,
+    from loraserve.bench.common.random_model import model_dir
+
+    preset = (QUICK if args.quick else FULL).but(
+        models=tuple(args.overhead_models or ()) or None,
+        repeats=args.overhead_repeats or None,
+        output_len=tuple(args.overhead_output_len or ()) or None,
     )
-    torch.set_num_threads(args.threads)
-    for noisy in ("loraserve.worker", "loraserve.kernels"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
+    quiet(args.threads)
+    cache = bench_cache(args.adapter_cache)
     records = []
     # on CUDA, each model with decode graphs and without (--enforce-eager); a CPU has none
     graph_modes = ("auto", "off") if args.overhead_device.startswith("cuda") else ("auto",)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from loraserve.bench.common.results import target
 from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.peer.client import Completion
 from loraserve.bench.suites.peer.plan import Run
@@ -133,15 +134,9 @@ def targets(records: Sequence[dict], agreements: dict[str, dict], adapters: int)
         ("loraserve base / vLLM compiled base (tokens/s, median of runs)", BASE_TARGET, base),
         (f"loraserve with {adapters} adapters / vLLM compiled base (tokens/s, median of runs)", LORA_TARGET, lora),
     ]
-    out = [{"name": n, "goal": f">= {goal}", "value": v, "met": v is not None and v >= goal} for n, goal, v in rows]
+    out = [target(n, f">= {goal}", v, v is not None and v >= goal) for n, goal, v in rows]
     for pairing in ("base", "lora"):
         value = (agreements.get(pairing) or {}).get("fraction")
-        out.append(
-            {
-                "name": f"greedy agreement with vLLM, {pairing} pairing (requests with identical tokens)",
-                "goal": "100 %",
-                "value": value,
-                "met": value is not None and value >= AGREEMENT_TARGET,
-            }
-        )
+        name = f"greedy agreement with vLLM, {pairing} pairing (requests with identical tokens)"
+        out.append(target(name, "100 %", value, value is not None and value >= AGREEMENT_TARGET))
     return out

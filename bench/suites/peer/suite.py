@@ -4,42 +4,23 @@
     loraserve bench --suite peer --out /tmp/peer               # the full preset
     loraserve bench --suite peer --peer-systems loraserve --model DIR --out /tmp/p   # no vLLM at all
 
-Both systems serve a random Llama (`bench/common/random_model.py`; default 768 hidden, 8 layers, 12
-heads, 4 KV heads, 2048 intermediate: 52M parameters, the demo tokenizer) or `--model DIR`, and
-`--adapters` synthetic PEFT adapters (ranks `--ranks` round-robin, on q, k, v, o, gate, up and down),
-written once under `--cache-dir`. vLLM comes from its own venv, which the suite installs the first
-time (`vllm.py`: `--vllm-venv`); loraserve is the real stack with its OpenAI HTTP edge, adapters
-uploaded through its API (`loraserve_server.py`). Both in `--dtype` (float32: loraserve's CPU type),
-`--threads` compute threads (vLLM's OpenMP threads bound to the last cores, loraserve's worker's
-torch threads), prefix caching off on both (every run prefills every prompt).
+Both systems serve a random Llama (`bench/common/random_model.py`, `--shape`) or `--model DIR`, with
+`--adapters` synthetic PEFT adapters on every projection, written once under `--cache-dir`: vLLM from
+its own venv (`vllm.py`), loraserve as the real stack with its OpenAI HTTP edge
+(`loraserve_server.py`), both in `--dtype`, on `--threads` compute threads, prefix caching off.
 
-Pairings (`--peer-pairings`): `base` — vLLM started without --enable-lora (its compiled path)
-against loraserve with requests that name no adapter; `lora` — vLLM with --enable-lora and the
-adapters against loraserve, requests round-robin over the adapters. Each pairing starts its vLLM
-server (the first start compiles for minutes; later ones reuse vLLM's compile cache), warms both
-systems up, then alternates timed runs A, B, A, B (`--peer-repeats` each). A run is the same
-`--requests` prompts (`--prompt-len` random token ids) at `--concurrency`, streamed through one
-client (`client.py`): /v1/completions, greedy, `--max-tokens` with ignore_eos.
+Pairings (`--peer-pairings`, `plan.py`): `base`, vLLM without --enable-lora (its compiled path)
+against requests that name no adapter; `lora`, vLLM with the adapters against requests round-robin
+over them. Each pairing starts its vLLM server, warms both up, then alternates timed runs
+(`--peer-repeats` each) of the same requests through one client (`client.py`); then an untimed check
+sends them once more with logprobs=0 for greedy agreement. Figures and targets: `figures.py`. Where
+vLLM cannot be installed or started the suite records why (a record with `error`) and runs
+loraserve's half; vLLM's targets then have value None, met False.
 
-Per run (`figures.py`): tokens/s, TTFT and ITL p50/p99, the server's process-tree CPU seconds per
-output token. Per pairing, after the timed runs, an untimed check sends the same requests once more
-with logprobs=0 (so what log-probabilities cost stays out of the timings): greedy agreement is the
-fraction of requests whose tokens are identical on both systems (`figures.py` says why tokens, not
-texts), beside the fraction of identical texts and each system's agreement with itself across its
-timed runs. Targets: loraserve base >= 1.0x vLLM's compiled base, loraserve with the adapters >= 0.9x
-vLLM's compiled base (median tokens/s), and 100 % agreement in both pairings. Where vLLM cannot be
-installed or started the suite records why (a record with `error`) and runs loraserve's half;
-vLLM's targets then have value None, met False.
-
-Both servers of a pairing stay up during its runs. What each uses while idle (CPU s/s, measured
-after its warm-up) is reported as `idle_cpu_s_per_s`: vLLM's engine polls, about a third of a core
-here, so during loraserve's runs its server is paused (SIGSTOP, `--no-pause-idle` to keep it
-running); loraserve's stack, which idles at a few percent, is not (its scheduler would count the
-stopped worker's silence as a failure).
-
-DIR/results.json (`bench/common/results.py`): {"suite", "machine", "commit", "records", "targets",
-"agreement", "medians", "idle_cpu_s_per_s", "vllm", "model", "settings", "elapsed_s"}; a record per
-timed run (or per failure).
+Both servers of a pairing stay up during its runs; what each uses idle is `idle_cpu_s_per_s`. vLLM's
+engine polls (about a third of a core here), so during loraserve's runs its server is paused
+(SIGSTOP; `--no-pause-idle` keeps it running); loraserve's stack is not (its scheduler would count
+the stopped worker's silence as a failure).
 """
 
 from __future__ import annotations
@@ -51,8 +32,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings, config_from_args
+from loraserve.bench.common.settings import config_from_args
 from loraserve.bench.suites.peer import figures
 from loraserve.bench.suites.peer.client import Completion, send_all
 from loraserve.bench.suites.peer.fixtures import adapter_dirs, ensure_model
@@ -68,7 +50,7 @@ CACHE = Path.home() / ".cache" / "loraserve"
 
 
 @dataclass(frozen=True)
-class Preset:
+class PeerPreset(Preset):
     """What one run sends, and how many runs: the quick and full presets (flags override each)."""
 
     peer_repeats: int
@@ -78,8 +60,8 @@ class Preset:
     max_tokens: int
 
 
-QUICK = Preset(peer_repeats=3, requests=32, concurrency=8, prompt_len=32, max_tokens=64)
-FULL = Preset(peer_repeats=5, requests=64, concurrency=16, prompt_len=64, max_tokens=128)
+QUICK = PeerPreset(peer_repeats=3, requests=32, concurrency=8, prompt_len=32, max_tokens=64)
+FULL = PeerPreset(peer_repeats=5, requests=64, concurrency=16, prompt_len=64, max_tokens=128)
 
 
 @dataclass(frozen=True)
@@ -122,9 +104,7 @@ class PeerSettings:
     seed: int = setting(0, "")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The peer suite's flags (`PeerSettings`)."""
-    add_settings(parser, PeerSettings)
+SETTINGS = PeerSettings
 
 
 def resolve(settings: PeerSettings) -> PeerSettings:

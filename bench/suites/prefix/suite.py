@@ -3,28 +3,14 @@
     loraserve bench --suite prefix --quick --out /tmp/prefix     # about a minute on 2 CPU cores
     loraserve bench --suite prefix --out results/prefix          # 20 adapters, 2 tenants: several minutes
 
-In the offline engine on the ~25M-parameter random Llama of the overhead suite (`bench/suites/overhead/suite.py`;
-the demo model's 512 positions hold no 512-token system prompt and a conversation after it):
-
-- multi-turn: each adapter has a system prompt of `system_tokens` random tokens; each tenant holds
-  `conversations` conversations per adapter, of `turns` turns: a turn sends the system prompt, the
-  conversation so far (user messages and the answers the engine gave) and a new user message of
-  `user_tokens`, and waits for an answer of `answer_tokens`. `concurrency` conversations are under
-  way at once (closed loop: a conversation's next turn starts when its answer ends). Requests carry
-  their tenant as the cache salt, so tenants share nothing;
-- unique: the same number of requests, each a never-repeated prompt of the turns' mean length.
-
-Each workload runs with the cache on and off in two engines of one process, stepped in turn (one
-step of each, the side that goes first alternating), each timed by its own clock (the sum of its
-steps' times: `timeline.py`), so both sides see the machine as it is at the same moments.
-DIR/results.json is {"suite", "machine", "commit", "model", "preset", "records", "ratios",
-"targets"}; a record has `workload, cache` ("on"/"off"), `requests, ttft_p50_s, ttft_p99_s,
-latency_p50_s, latency_p99_s, tokens_per_s` (prompt and answer tokens per second, the work the
-requests asked for), `output_tokens_per_s, hit_rate` (prompt tokens found cached ÷ prompt tokens),
-`seconds`, and what explains the latencies (`Timeline.summary`): the first tokens of the requests
-sent at the start and of later ones, the tokens computed ahead of a first token, queue waits,
-steps, batch sizes and step times, and the slowest 5 % of requests with their timelines. `ratios`
-holds the on/off ratios, `targets` the verdicts (`targets.py`).
+In the offline engine on the ~25M-parameter random Llama (`bench/common/random_model.py`; the demo
+model's 512 positions hold no 512-token system prompt and a conversation after it), the two
+workloads of `workloads.py`: multi-turn chats (each adapter with a system prompt of `system_tokens`;
+`conversations` per adapter and tenant, of `turns` turns; tenants are the cache salt, so they share
+nothing) and never-repeated prompts. Each runs with the cache on and off in two engines of one
+process, stepped in turn, each timed by its own clock (`timeline.py`). A record is a workload and
+cache side's `Timeline.summary`; `ratios` holds the on/off ratios, `targets` the verdicts
+(`targets.py`).
 """
 
 from __future__ import annotations
@@ -34,8 +20,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.engine_run import bench_cache, quiet
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.bench.suites.prefix.targets import ratios, targets
 from loraserve.bench.suites.prefix.workloads import WORKLOADS
 from loraserve.config_cli import setting
@@ -45,7 +32,7 @@ MODEL = "random-25m"
 
 
 @dataclass(frozen=True)
-class Preset:
+class PrefixPreset(Preset):
     adapters: int
     tenants: int
     conversations: int  # per adapter and tenant
@@ -54,12 +41,12 @@ class Preset:
     user_tokens: int
     answer_tokens: int
     concurrency: int
-    model: str = MODEL  # `bench/suites/overhead/suite.py`'s models: "demo" or a random Llama
+    model: str = MODEL  # `bench/common/random_model.py`'s models: "demo" or a random Llama
 
 
-FULL = Preset(adapters=20, tenants=2, conversations=1, turns=4, system_tokens=512, user_tokens=32,
+FULL = PrefixPreset(adapters=20, tenants=2, conversations=1, turns=4, system_tokens=512, user_tokens=32,
               answer_tokens=32, concurrency=16)  # fmt: skip
-QUICK = Preset(adapters=4, tenants=2, conversations=1, turns=4, system_tokens=512, user_tokens=32,
+QUICK = PrefixPreset(adapters=4, tenants=2, conversations=1, turns=4, system_tokens=512, user_tokens=32,
                answer_tokens=16, concurrency=8)  # fmt: skip
 
 
@@ -70,12 +57,10 @@ class PrefixSettings:
     prefix_adapters: int | None = setting(None, "prefix suite: adapters (each with its own system prompt)")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The prefix suite's flags (`PrefixSettings`)."""
-    add_settings(p, PrefixSettings)
+SETTINGS = PrefixSettings
 
 
-def _engine(path: Path, preset: Preset, cache: bool, seed: int):
+def _engine(path: Path, preset: PrefixPreset, cache: bool, seed: int):
     from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
     from loraserve.model_config import ModelConfig
     from loraserve.worker.adapters import load_adapter_bytes
@@ -89,11 +74,11 @@ def _engine(path: Path, preset: Preset, cache: bool, seed: int):
     synthetic = SyntheticAdapters(path, seed=seed)
     model = ModelConfig.from_dir(path)
     for i in range(preset.adapters):
-        engine.add_adapter(f"a{i}", load_adapter_bytes(*synthetic.files(f"a{i}", (8, 16, 32)[i % 3]), model, 128))
+        engine.adapters.add(f"a{i}", load_adapter_bytes(*synthetic.files(f"a{i}", (8, 16, 32)[i % 3]), model, 128))
     return engine
 
 
-def measure(path: Path, preset: Preset, seed: int) -> list[dict]:
+def measure(path: Path, preset: PrefixPreset, seed: int) -> list[dict]:
     """Each workload with the cache on and off: two engines, stepped in turn (one step of each, the
     side that goes first alternating)."""
     records = []
@@ -115,17 +100,11 @@ def measure(path: Path, preset: Preset, seed: int) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
+    from loraserve.bench.common.random_model import model_dir
 
-    from loraserve.bench.suites.overhead.suite import model_dir
-
-    preset = QUICK if args.quick else FULL
-    if args.prefix_adapters:
-        preset = Preset(**{**vars(preset), "adapters": args.prefix_adapters})
-    torch.set_num_threads(args.threads)
-    for noisy in ("loraserve.worker", "loraserve.kernels"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    cache = args.adapter_cache or Path.home() / ".cache" / "loraserve-bench"
+    preset = (QUICK if args.quick else FULL).but(adapters=args.prefix_adapters or None)
+    quiet(args.threads)
+    cache = bench_cache(args.adapter_cache)
     records = measure(model_dir(preset.model, cache), preset, args.seed)
     for r in records:
         print(

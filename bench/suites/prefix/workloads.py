@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from loraserve.bench.suites.prefix.timeline import Timeline
 
 if TYPE_CHECKING:
-    from loraserve.bench.suites.prefix.suite import Preset
+    from loraserve.bench.suites.prefix.suite import PrefixPreset
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Conversation:
     turns_left: int
 
 
-def conversations(preset: Preset, vocab: int, rng: random.Random) -> list[Conversation]:
+def conversations(preset: PrefixPreset, vocab: int, rng: random.Random) -> list[Conversation]:
     """`conversations` per adapter and tenant, each opening with its adapter's system prompt; shuffled."""
     systems = {
         f"a{i}": [1] + [rng.randrange(3, vocab) for _ in range(preset.system_tokens - 1)]
@@ -48,7 +48,7 @@ def conversations(preset: Preset, vocab: int, rng: random.Random) -> list[Conver
     return out
 
 
-def _sampling(preset: Preset):
+def _sampling(preset: PrefixPreset):
     from loraserve.worker.sampling import SamplingParams
 
     return SamplingParams(max_new_tokens=preset.answer_tokens, temperature=1.0, ignore_eos=True)
@@ -57,7 +57,7 @@ def _sampling(preset: Preset):
 class MultiTurn:
     """Conversations over the adapters' system prompts; each request carries its tenant as the cache salt."""
 
-    def __init__(self, engine, preset: Preset, seed: int) -> None:
+    def __init__(self, engine, preset: PrefixPreset, seed: int) -> None:
         self.engine, self.preset = engine, preset
         self.rng = random.Random(seed)
         self.vocab = engine.model_config.vocab_size
@@ -100,7 +100,7 @@ class MultiTurn:
 class UniquePrompts:
     """Prompts nobody sent before, as many as the multi-turn requests, of their mean length."""
 
-    def __init__(self, engine, preset: Preset, seed: int) -> None:
+    def __init__(self, engine, preset: PrefixPreset, seed: int) -> None:
         self.engine, self.preset = engine, preset
         self.rng = random.Random(seed)
         self.vocab = engine.model_config.vocab_size

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loraserve.bench.common.stats import quantile
-from loraserve.bench.suites.runner_profile.costs import (
+from loraserve.bench.common.calibration import (
     CALIBRATION_ENGINE,
     RANKS,
     RunnerTimer,
@@ -41,9 +40,9 @@ from loraserve.bench.suites.runner_profile.costs import (
     one_torch_thread,
     step_all,
 )
+from loraserve.bench.common.profile_fit import TOLERANCE, ratios
+from loraserve.bench.common.stats import quantile
 from loraserve.worker.runner_profile import RunnerProfile
-
-TOLERANCE = 0.20  # the suite's one tolerance: p10 and p90 (out of sample), total and median (in sample) within ±20 %
 
 
 @dataclass(frozen=True)
@@ -148,20 +147,6 @@ def noise_floor(passes: list[list[float]]) -> list[float | None] | None:
         return None
     repeat = np.array(passes[0]) / np.array(passes[1])
     return [quantile(repeat, 0.1, 4), quantile(repeat, 0.9, 4)]
-
-
-def ratios(real: np.ndarray, emulated: np.ndarray) -> dict:
-    """Totals and per-step ratio quantiles of `emulated` against `real` step times."""
-    r = emulated / real
-    return {
-        "steps": len(real),
-        "real_total_s": round(float(real.sum()), 4),
-        "emulated_total_s": round(float(emulated.sum()), 4),
-        "total_ratio": round(float(emulated.sum() / real.sum()), 4),
-        "p10_step_ratio": quantile(r, 0.1, 4),
-        "p50_step_ratio": quantile(r, 0.5, 4),
-        "p90_step_ratio": quantile(r, 0.9, 4),
-    }
 
 
 def within(validation: dict, tolerance: float = TOLERANCE) -> bool:

@@ -47,22 +47,10 @@ def markdown_table(records: list[dict]) -> str:
     return tables.markdown_table([title for title, _ in COLUMNS], rows(records))
 
 
-def markdown_targets(targets: list[dict]) -> str:
-    cells = [[t["name"], str(t["goal"]), _fmt(t["value"]), _fmt(t["met"])] for t in targets]
-    return tables.markdown_table(["target", "goal", "measured", "met"], cells)
-
-
 def print_report(records: list[dict], run: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="loraserve bench --suite scheduling --stack (the real stack, emulated workers)")
-    for title, _ in COLUMNS:
-        table.add_column(title, justify="left" if title in ("scenario", "policy", "tenant") else "right")
-    for row in rows(records):
-        table.add_row(*row)
-    console = Console(width=max(160, Console().width))
-    console.print(table)
+    title = "loraserve bench --suite scheduling --stack (the real stack, emulated workers)"
+    console = tables.wide_console(160)
+    console.print(tables.rich_table(title, [t for t, _ in COLUMNS], rows(records), {"scenario", "policy", "tenant"}))
     for t in run.get("targets", []):
         console.print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {_fmt(t['value'])} (goal {t['goal']})")
 

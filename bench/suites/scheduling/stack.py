@@ -41,15 +41,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from loraserve.bench.common.stack_run import cluster_state, local_stack, upload_messages
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems.stack import _upload
 from loraserve.bench.workloads.scheduling import SchedRequest, SchedTrace
 from loraserve.bench.workloads.slora import FIRST_TOKEN_ID
 from loraserve.gateway.validation import CLIENT_METADATA
-from loraserve.grpc_utils import internal_channel
 from loraserve.launcher.local_stack import LocalStack
 from loraserve.launcher.ports import free_port_block
-from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
 STATUS_REFUSED = "RESOURCE_EXHAUSTED"  # early refusal, a full queue: the scheduler said no at once
@@ -116,24 +115,21 @@ def upload_adapters(model_dir: Path, data_dir: Path, adapters: dict[str, int], p
     options = {"runner": "emulated", "runner_profile": profile}
     started = time.perf_counter()
     synthetic = SyntheticAdapters(model_dir, seed=seed)
-    stack = LocalStack(model_dir, workers=1, data_dir=str(data_dir), child_log_level="ERROR", **options).start()
-    try:
 
-        async def upload() -> None:
-            async with grpc.aio.insecure_channel(stack.address) as channel:
-                api = gateway_pb2_grpc.LoraServeStub(channel)
-                names = iter(adapters.items())
+    async def upload(stack: LocalStack) -> None:
+        async with grpc.aio.insecure_channel(stack.address) as channel:
+            api = gateway_pb2_grpc.LoraServeStub(channel)
+            names = iter(adapters.items())
 
-                async def uploader() -> None:  # a few at a time: the store works while the next is made
-                    for name, rank in names:
-                        files = await asyncio.to_thread(synthetic.files, name, rank)
-                        await api.UploadAdapter(_upload(name, *files), timeout=120)
+            async def uploader() -> None:  # a few at a time: the store works while the next is made
+                for name, rank in names:
+                    files = await asyncio.to_thread(synthetic.files, name, rank)
+                    await api.UploadAdapter(upload_messages(name, *files), timeout=120)
 
-                await asyncio.gather(*(uploader() for _ in range(UPLOADERS)))
+            await asyncio.gather(*(uploader() for _ in range(UPLOADERS)))
 
-        asyncio.run(upload())
-    finally:
-        stack.stop()
+    with local_stack(model_dir, data_dir=str(data_dir), child_log_level="ERROR", **options) as stack:
+        asyncio.run(upload(stack))
     return time.perf_counter() - started
 
 
@@ -205,7 +201,7 @@ class StackRunner:
 
     async def _wait_workers(self, stack: LocalStack) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
-        while len([w for w in (await _cluster(stack)).workers if w.ready]) < self.config.workers:
+        while len([w for w in (await cluster_state(stack)).workers if w.ready]) < self.config.workers:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.config.workers} workers not ready after {self.config.ready_timeout_s} s")
             await asyncio.sleep(0.2)
@@ -213,7 +209,7 @@ class StackRunner:
     async def _counters(self, stack: LocalStack, metrics_base: int) -> dict[str, dict[str, float]]:
         """Per worker: the pool's prefetch counters (ClusterState), its adapter requests by how they found
         their adapter and its steps' total time (its metrics endpoint); cumulative since it started."""
-        state = await _cluster(stack)
+        state = await cluster_state(stack)
         out = {}
         for w in state.workers:
             port = metrics_base + 3 + int(w.worker_id.rsplit("-", 1)[1])  # up's order: gateway, scheduler, store
@@ -299,12 +295,6 @@ def _held_ports(count: int) -> Iterator[int]:
     finally:
         for s in held:
             s.close()
-
-
-async def _cluster(stack: LocalStack) -> scheduler_pb2.ClusterState:
-    async with internal_channel(stack.ports.scheduler, stack.internal_token) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        return await stub.GetClusterState(scheduler_pb2.GetClusterStateRequest(), timeout=10)
 
 
 def cpu_times() -> tuple[int, int] | None:

@@ -4,40 +4,23 @@
     loraserve bench --suite scheduling --stack --out results/sched
     loraserve bench --suite scheduling --stack --runner-profile runner_profile.json --quick --out /tmp/sched
 
-Every run is a fresh `loraserve up` of real processes (`bench/suites/scheduling/stack.py`): the adapter
-store, the scheduler under the policy, `--sched-workers` workers with the emulated runner, the
-gateway, and this process as the client. The emulated runner (`--runner emulated`) is the real
-worker, engine, pool and adapter loading with each step's forward pass replaced by a wait of the
-time a runner profile predicts (`--runner-profile FILE`, e.g. `docs/runner_profile/*.json`; without it
-one is calibrated on this CPU's engine at the start of the run, `bench/suites/runner_profile/suite.py`),
-multiplied by `--sched-time-scale`: a device that many times slower than the profile's, so that the
-machine's cores keep room for the workers' own step work (not scaled), the gateway, the scheduler and
-the client at the loads where scheduling matters. Each record says how busy the machine's CPUs were
-during its run (`cpu_busy`) and how long its workers' steps took on average (`step_mean_s`).
+Every run is a fresh `loraserve up` of real processes with `--sched-workers` emulated workers
+(`stack.py`), each step waiting the time a runner profile predicts (`--runner-profile FILE`; without
+it one is calibrated on this CPU's engine at the start, `bench/suites/runner_profile/suite.py`) times
+`--sched-time-scale`: a device that many times slower, so the machine's cores keep room for the
+workers' own step work, the services and the client. Scenarios (`bench/workloads/scheduling.py`),
+each policy on the same seeded trace: `heavy-tail` at `LOAD` × the measured capacity; `flood`, tenant
+`victim` at `VICTIM_LOAD` × capacity and `flooder` at 5× that, and the victim alone; `popularity`,
+with a pool that holds few adapters; `conversations`. The last two also run under the default policy
+with the workers' prefetch off.
 
-Scenarios (`bench/workloads/scheduling.py`), each policy on the same seeded trace:
-
-- `heavy-tail`: 90 % short and 10 % long requests (heavy-tailed outputs), Zipf adapters of ranks
-  8–64, Poisson at `LOAD` × the measured capacity;
-- `flood`: tenant `victim` at `VICTIM_LOAD` × capacity (its share), tenant `flooder` at 5× that; and
-  the victim alone (the calm run);
-- `popularity`: Zipf over many adapters, with a pool that holds only a few of them besides the KV;
-- `conversations`: multi-turn chats whose follow-up turns reuse their adapter after a think time.
-
-`popularity` and `conversations` also run under the default policy with the workers' prefetch off
-(`--no-prefetch`): what prefetching saves in time spent waiting for adapters.
-
-Capacity is measured per scenario on a stack under fcfs: a burst of its requests, completions per
-second between the 10th and the 90th percentile completion. A request's TTFT SLO is `SLO_FACTOR` ×
-the median TTFT of its size class unloaded (requests of the scenario sent one at a time on that
-stack); it travels with the request (`ttft_slo_s`), so the default policy may refuse early what it
-predicts will miss. Refused and failed requests miss the SLO. The flood run has a record per tenant
-and one of every tenant (`tenant: "all"`); the comparisons with fcfs count every tenant: completed
-and refused requests of the whole run (`whole_run` records). The comparisons and the targets:
-`bench/suites/scheduling/targets.py`. Writes `--out/results.json` (the records, the targets, the
-runner profile used: its path, name and time scale), `--out/run.json` (the profile's costs and
-fidelity, the machine, the settings, capacities and SLOs, the targets), `--out/requests.jsonl` (one
-line per request of every run) and the plots (`bench/suites/scheduling/report.py`).
+Capacity is measured per scenario under fcfs: a burst of its requests, completions per second
+between the 10th and the 90th percentile completion. A request's TTFT SLO is `SLO_FACTOR` × the
+median TTFT of its size class unloaded (sent one at a time); it travels with the request, so the
+default policy may refuse early what it predicts will miss. The flood run has a record per tenant
+and one of every tenant (`tenant: "all"`). Comparisons and targets: `targets.py`. Writes
+`--out/results.json`, `--out/run.json` (the profile's costs and fidelity, the settings, capacities
+and SLOs), `--out/requests.jsonl` (one line per request) and the plots (`report.py`).
 """
 
 from __future__ import annotations
@@ -46,29 +29,24 @@ import argparse
 import dataclasses
 import json
 import logging
-import re
 import shutil
 import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from loraserve.bench.common.results import cpu_fields, write_results
-from loraserve.bench.common.settings import add_settings
-from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.scheduling import report as scheduling_report
 from loraserve.bench.suites.scheduling.stack import (
-    FOUND,
-    Outcome,
     Phase,
     StackConfig,
     StackRun,
     StackRunner,
     upload_adapters,
 )
+from loraserve.bench.suites.scheduling.summary import record_groups, request_rows, summarize
 from loraserve.bench.suites.scheduling.targets import add_ratios, targets
 from loraserve.bench.workloads import scheduling as traces
 from loraserve.bench.workloads.scheduling import SchedRequest, SchedTrace
@@ -151,81 +129,6 @@ def probe_trace(trace: SchedTrace, n: int) -> SchedTrace:
     return dataclasses.replace(traces.burst(trace, 0), requests=alone)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-quantile of `values` as the scheduling records give it (5 digits), None when empty."""
-    return quantile(values, q, 5)
-
-
-def _kind(reason: str) -> str:
-    """A refusal's message up to its first number: the same kind of refusal counts once."""
-    return re.split(r"[\d(]", reason, maxsplit=1)[0].strip()
-
-
-def summarize(outcomes: list[Outcome], run: StackRun) -> dict:
-    """The record's figures over `outcomes` (a subset of `run`'s, e.g. one tenant's); the adapter and
-    prefetch counters are the whole run's."""
-    sent = [o for o in outcomes if o.sent_s is not None]
-    ttft = [o.ttft_s for o in outcomes if o.ttft_s is not None]
-    queue = [o.queue_s for o in outcomes if o.queue_s is not None]
-    ok = [o for o in outcomes if o.status == "ok"]
-    waits = [o.adapter_load_s for o in ok if o.request.adapter]
-    start = min((o.sent_s for o in sent), default=0.0)
-    makespan = max((o.finished_s for o in ok), default=start) - start
-    met = sum(1 for o in ok if o.ttft_s is not None and (not o.slo_s or o.ttft_s <= o.slo_s))
-    w = run.workers.values()
-    hits, misses = (sum(c.get(k, 0) for c in w) for k in ("prefetch_hits", "prefetch_misses"))
-    found = {k: sum(c.get(f"found_{k}", 0) for c in w) for k in FOUND}
-    loads = found["ready"] + found["loading"] + found["cold"]
-    statuses = Counter(o.status for o in outcomes)
-    return {
-        "ttft_p50_s": percentile(ttft, 0.5),
-        "ttft_p99_s": percentile(ttft, 0.99),
-        "slo_attainment": round(met / len(sent), 4) if sent else None,
-        "req_per_s": round(len(ok) / makespan, 3) if makespan > 0 else None,
-        "prefetch_hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
-        "loads_ready_before_scheduled": round(found["ready"] / loads, 4) if loads else None,
-        "load_wait_s": round(sum(waits), 4),
-        "load_wait_first_s": round(_first_waits(ok), 4),  # of it, the first request of each adapter
-        "load_wait_mean_s": round(float(np.mean(waits)), 5) if waits else None,
-        "load_wait_p99_s": percentile(waits, 0.99),
-        "n_requests": len(outcomes),
-        "completed": len(ok),
-        "refused": statuses["refused"],
-        "failed": statuses["failed"],
-        "unfinished": statuses["unfinished"],
-        "unsent": statuses["unsent"],
-        "ttft_mean_s": round(float(np.mean(ttft)), 5) if ttft else None,
-        "ttft_max_s": round(max(ttft), 5) if ttft else None,
-        "queue_p50_s": percentile(queue, 0.5),  # the worker's Timings.queue_s: scheduler queue + worker's
-        "queue_p99_s": percentile(queue, 0.99),
-        "failovers": sum(o.failovers for o in outcomes),
-        "adapter_requests": found,  # how each adapter request found its adapter when it reached its worker
-        "prefetch_hits": hits,
-        "prefetch_misses": misses,
-        "refusals": dict(Counter(_kind(o.reason) for o in outcomes if o.status in ("refused", "failed"))),
-        "makespan_s": round(makespan, 3),
-        "steps": sum(c.get("steps", 0) for c in w),
-        "step_mean_s": _step_mean(run),
-        "cpu_busy": run.extra.get("cpu_busy"),  # the machine's CPU busy share during the run
-    }
-
-
-def _first_waits(ok: list[Outcome]) -> float:
-    """The adapter wait of the first request (by send time) of each adapter among `ok`: loads that nothing
-    earlier in the run could have predicted."""
-    first: dict[str, Outcome] = {}
-    for o in sorted(ok, key=lambda o: o.sent_s or 0.0):
-        if o.request.adapter:
-            first.setdefault(o.request.adapter, o)
-    return sum(o.adapter_load_s for o in first.values())
-
-
-def _step_mean(run: StackRun) -> float | None:
-    """The workers' mean step time over the run (their step-seconds histograms), None without steps."""
-    n = sum(c.get("step_n", 0) for c in run.workers.values())
-    return round(sum(c.get("step_s", 0.0) for c in run.workers.values()) / n, 5) if n else None
-
-
 # ---- the suite ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SuiteSettings:
@@ -239,33 +142,6 @@ class SuiteSettings:
     burst: int = QUICK["burst"]
     probe: int = QUICK["probe"]
     drain_s: float = QUICK["drain_s"]
-
-
-def request_rows(outcomes: list[Outcome], tags: dict) -> list[dict]:
-    """One row per request (`requests.jsonl`): what the client saw and the worker's timings."""
-    rows = []
-    for o in outcomes:
-        r = o.request
-        rows.append(
-            tags
-            | {"request_id": r.request_id, "adapter": r.adapter, "tenant": r.tenant, "follows": r.follows}
-            | {"prompt_len": r.prompt_len, "output_len": r.output_len, "status": o.status, "worker": o.worker}
-            | {"sent_s": o.sent_s, "ttft_s": o.ttft_s, "finished_s": o.finished_s, "queue_s": o.queue_s}
-            | {"adapter_load_s": o.adapter_load_s, "reason": o.reason}
-        )
-    return rows
-
-
-def record_groups(scenario: str, flood: bool | None, outcomes: list[Outcome]) -> list[tuple[str | None, list[Outcome]]]:
-    """The records a run gives, as (tenant, its outcomes): one for the run; for the flood, one per tenant
-    and, flooded, one of every tenant (`"all"`: what the policy did for everyone, the flooder included)."""
-    if scenario != "flood":
-        return [(None, outcomes)]
-    tenants = ("victim", "flooder") if flood else ("victim",)
-    groups: list[tuple[str | None, list[Outcome]]] = [
-        (t, [o for o in outcomes if o.request.tenant == t]) for t in tenants
-    ]
-    return [*groups, ("all", outcomes)] if flood else groups
 
 
 def run_suite(
@@ -375,9 +251,7 @@ class SchedulingSettings:
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The scheduling suite's flags (`SchedulingSettings`), in a group of their own."""
-    add_settings(parser.add_argument_group("scheduling suite (--suite scheduling)"), SchedulingSettings)
+SETTINGS = SchedulingSettings
 
 
 def profile_about(path: Path, calibrated: bool, time_scale: float) -> dict:
@@ -395,7 +269,7 @@ def profile_about(path: Path, calibrated: bool, time_scale: float) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from loraserve.bench.suites.runner_profile.suite import GRIDS, PROFILE_FILE, write_profile
+    from loraserve.bench.common.profile_fit import GRIDS, PROFILE_FILE, write_profile
 
     unknown = sorted(set(args.sched_scenarios) - set(SCENARIOS))
     if unknown:

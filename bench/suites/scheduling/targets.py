@@ -3,10 +3,12 @@
 
 `add_ratios` puts on each default-policy record its figures over fcfs's record of the same scenario,
 tenant and run (None where one side has no value: the comparison is then missed, not dropped);
-`targets` turns them into `{"name", "goal", "value", "met"}`, as the other suites write theirs.
+`targets` turns them into the suite's targets.
 """
 
 from __future__ import annotations
+
+from loraserve.bench.common import results
 
 NO_WORSE = 0.95  # the default policy's completed requests and req/s, at least this × fcfs's
 NO_WORSE_LATENCY = 1.05  # its TTFT p50 and p99, at most this × fcfs's
@@ -68,7 +70,7 @@ def targets(records: list[dict]) -> list[dict]:
         return next((r for r in records if matches(r)), None)
 
     def target(name: str, goal: str, value: float | None, met: bool) -> dict:
-        return {"name": name, "goal": goal, "value": value, "met": bool(value is not None and met)}
+        return results.target(name, goal, value, bool(value is not None and met))
 
     out = []
     if (ht := find("heavy-tail")) is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from loraserve.bench.common.tables import rich_table, wide_console
 from loraserve.bench.systems.engine import LORASERVE_VARIANTS
 
 BASELINES = ("peft", "merge-and-swap")
@@ -74,10 +75,6 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def print_report(rows: list[dict], rate: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="loraserve bench", show_lines=False)
     columns = [
         ("system", "system"),
         ("n", "n_adapters"),
@@ -96,14 +93,9 @@ def print_report(rows: list[dict], rate: float) -> None:
         ("prefetch hit", "prefetch_hit_rate"),
         ("switches", "adapter_switches"),
     ]
-    for title, _ in columns:
-        table.add_column(title, justify="left" if title == "system" else "right")
-    for row in rows:
-        table.add_row(*[_fmt(row.get(key)) for _, key in columns])
-    console = Console()
-    if console.width < 180:  # a narrow terminal or a pipe: let the table keep every column
-        console = Console(width=180)
-    console.print(table)
+    cells = [[_fmt(row.get(key)) for _, key in columns] for row in rows]
+    console = wide_console(180)
+    console.print(rich_table("loraserve bench", [title for title, _ in columns], cells, left={"system"}))
     for description, value in ratios(rows, rate):
         if value is not None:
             console.print(f"{description}: {value}")

@@ -11,10 +11,8 @@ rate, fig. 6). For each setting one trace is generated (or --trace is replayed) 
 replays it in real time, in this process, on the same base model and the same adapters. The
 baselines (peft, merge-and-swap) are skipped above --baseline-max-adapters adapters.
 
-Writes --out/results.json ({"suite", "machine", "commit", "records": one row per system and
-setting, "settings", "run_s", "ratios": what the report prints, "targets": at 100 adapters and the
-first rate, loraserve >= 5x peft's throughput and above merge-and-swap's}), records.jsonl (one per
-request), vs_adapters.png / vs_rate.png, and prints a table and the ratios that matter.
+Writes --out/results.json (a record per system and setting; the ratios and targets of `report.py`),
+records.jsonl (one per request), vs_adapters.png / vs_rate.png, and prints a table and the ratios.
 
 The other suites: `loraserve bench --suite NAME` (bench/cli.py).
 """
@@ -28,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.engine_run import quiet
 from loraserve.bench.common.metrics import summarize
 from loraserve.bench.common.results import write_results
 from loraserve.bench.common.settings import add_settings
@@ -284,9 +283,7 @@ def _write(args: argparse.Namespace, rows: list[dict], records: list[dict], run_
 
 def main(args: argparse.Namespace) -> int:
     args = _resolved(args)
-    quiet = max(logging.WARNING, logging.getLogger().level)
-    for noisy in ("loraserve.worker", "loraserve.kernels", "transformers", "peft"):
-        logging.getLogger(noisy).setLevel(quiet)  # one line per adapter registered is too many
+    quiet(None, "transformers", "peft")  # one line per adapter registered is too many
     rows = run_benchmark(args)
     print_report(rows, rows[0]["rate"] if rows else 0.0)
     if args.out:

@@ -15,25 +15,19 @@ Also measured, from the engine's mask computer: the host time to compute one req
 mask thread, overlapped with the forward pass) and the time a step waited for its masks after the
 forward pass (what the overlap did not hide).
 
-DIR/results.json is {"machine": ..., "records": [...]}; a record has `grammar, batch, constrained`
-(requests), `step_ms` (fastest run's mean over full-batch decode steps), `free_step_ms` (the same
-batch unconstrained), `overhead` (step_ms / free_step_ms - 1), `mask_ms_per_request` and
-`mask_wait_ms_per_step`.
+A record is a grammar and a mix: `step_ms` against `free_step_ms` (the same batch unconstrained),
+`overhead` (step_ms / free_step_ms - 1), and the mask times.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import time
 from dataclasses import dataclass
 
+from loraserve.bench.common.engine_run import alternate, demo_engine, full_batch_steps, quiet
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.config_cli import setting
-from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
-
-log = logging.getLogger(__name__)
 
 RECORDS_SCHEMA = {
     "type": "array",
@@ -52,14 +46,14 @@ PROMPT = "the quiet king"
 
 
 @dataclass(frozen=True)
-class Preset:
+class StructuredPreset(Preset):
     batch: int
     new_tokens: int
     repeats: int
 
 
-FULL = Preset(batch=32, new_tokens=96, repeats=3)
-QUICK = Preset(batch=16, new_tokens=48, repeats=2)
+FULL = StructuredPreset(batch=32, new_tokens=96, repeats=3)
+QUICK = StructuredPreset(batch=16, new_tokens=48, repeats=2)
 
 
 @dataclass(frozen=True)
@@ -69,16 +63,14 @@ class StructuredSettings:
     structured_batch: int | None = setting(None, "structured suite: requests decoding side by side")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The structured suite's flags (`StructuredSettings`)."""
-    add_settings(p, StructuredSettings)
+SETTINGS = StructuredSettings
 
 
 def _run(engine, batch: int, constrained: int, grammar: str | None, new_tokens: int) -> dict:
     """One batch to its end: mean step seconds over full-batch decode steps, and the mask counters' growth."""
     from loraserve.worker.sampling import SamplingParams
 
-    names = [None, *(n for n in engine.adapter_names())]
+    names = [None, *(n for n in engine.registry.names())]
     ids = engine.tokenizer.encode(PROMPT)
     for i in range(batch):
         guided = i < constrained
@@ -86,13 +78,7 @@ def _run(engine, batch: int, constrained: int, grammar: str | None, new_tokens: 
         engine.add_request(ids, sampling, names[i % len(names)])
     masks = engine.runner.masks
     before = (masks.compute_seconds, masks.wait_seconds, masks.rows, engine.steps)
-    full_steps: list[float] = []
-    while engine.has_unfinished():
-        started = time.perf_counter()
-        outputs = engine.step()
-        seconds = time.perf_counter() - started
-        if len(outputs) == batch and not any(o.finished for o in outputs) and engine.last_step.tokens == batch:
-            full_steps.append(seconds)  # a decode step of the whole batch
+    full_steps = full_batch_steps(engine, batch)
     after = (masks.compute_seconds, masks.wait_seconds, masks.rows, engine.steps)
     computed, waited, rows, steps = (now - then for now, then in zip(after, before, strict=True))
     return {
@@ -103,17 +89,17 @@ def _run(engine, batch: int, constrained: int, grammar: str | None, new_tokens: 
     }
 
 
-def measure(engine, kind: str, preset: Preset) -> list[dict]:
+def measure(engine, kind: str, preset: StructuredPreset) -> list[dict]:
     from loraserve.structured import grammar_for
 
     grammar = grammar_for(*GRAMMARS[kind], field=kind)
     mixes = (0, preset.batch // 4, preset.batch)
-    best: dict[int, dict] = {}
-    for _ in range(preset.repeats):
-        for constrained in mixes:  # alternately: each mix sees the same conditions
-            run = _run(engine, preset.batch, constrained, grammar, preset.new_tokens)
-            if run["steps"] and (constrained not in best or run["step_s"] < best[constrained]["step_s"]):
-                best[constrained] = run
+    runs = alternate(preset.repeats, mixes, lambda c: _run(engine, preset.batch, c, grammar, preset.new_tokens))
+    best = {
+        c: min(done, key=lambda r: r["step_s"])
+        for c, r_all in runs.items()
+        if (done := [r for r in r_all if r["steps"]])
+    }
     free = best[0]["step_s"]
     return [
         {
@@ -133,21 +119,12 @@ def measure(engine, kind: str, preset: Preset) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
     from loraserve.structured import grammar_for
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
 
-    preset = QUICK if args.quick else FULL
-    if args.structured_batch:
-        preset = Preset(args.structured_batch, preset.new_tokens, preset.repeats)
-    torch.set_num_threads(args.threads)
-    for noisy in ("loraserve.worker", "loraserve.kernels"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    engine = Engine(DEMO_MODEL_DIR, EngineConfig(device="cpu", max_batch_size=max(preset.batch, 8)))
-    for name, path in demo_adapters().items():
-        engine.register_adapter(name, path)
+    preset = (QUICK if args.quick else FULL).but(batch=args.structured_batch or None)
+    quiet(args.threads)
+    engine = demo_engine(EngineConfig(device="cpu", max_batch_size=max(preset.batch, 8)))
     _run(engine, preset.batch, preset.batch, grammar_for("json_object", True, "warm_up"), 4)  # unmeasured
     records = [r for kind in GRAMMARS for r in measure(engine, kind, preset)]
     engine.close()

@@ -12,7 +12,7 @@ from loraserve.flags import EnvArgumentParser
 
 
 def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
-    monkeypatch.setattr(choices, "QUICK", choices.Preset(("demo",), n=3, prompt_len=20, new_tokens=3, repeats=1))
+    monkeypatch.setattr(choices, "QUICK", choices.ChoicesPreset(("demo",), n=3, prompt_len=20, new_tokens=3, repeats=1))
     parser = EnvArgumentParser()
     bench_main.add_arguments(parser)
     args = parser.parse_args(["--suite", "choices", "--quick", "--out", str(tmp_path / "out")])

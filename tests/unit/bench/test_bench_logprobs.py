@@ -11,7 +11,9 @@ from loraserve.bench.suites.logprobs import suite as logprobs
 
 
 def test_tiny_run_writes_every_variant(tmp_path, monkeypatch):
-    monkeypatch.setattr(logprobs, "QUICK", logprobs.Preset(batches=(1, 4), new_tokens=5, prompt_tokens=20, repeats=1))
+    monkeypatch.setattr(
+        logprobs, "QUICK", logprobs.LogprobsPreset(batches=(1, 4), new_tokens=5, prompt_tokens=20, repeats=1)
+    )
     monkeypatch.setattr(logprobs, "VOCABULARIES", (2048,))
     assert cli.run(["--suite", "logprobs", "--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())

@@ -10,7 +10,7 @@ from loraserve.bench import cli as bench_main
 from loraserve.bench.suites.prefix import suite as prefix
 from loraserve.flags import EnvArgumentParser
 
-TINY = prefix.Preset(
+TINY = prefix.PrefixPreset(
     adapters=2,
     tenants=2,
     conversations=1,
@@ -23,7 +23,7 @@ TINY = prefix.Preset(
 )
 
 
-def _expected_hit_rate(p: prefix.Preset, per_page: int = 16) -> float:
+def _expected_hit_rate(p: prefix.PrefixPreset, per_page: int = 16) -> float:
     """Each turn finds the full pages of what the conversation's last turn computed: its prompt and
     its answer but the answer's last token (never fed back). Nothing is shared across tenants or
     adapters, and each (adapter, tenant) pair holds one conversation, so first turns find nothing."""

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from loraserve.bench.cli import parse_args
+from loraserve.bench.common.calibration import calibration_adapters
+from loraserve.bench.common.profile_fit import GRIDS, in_sample_fidelity
 from loraserve.bench.suites.runner_profile import suite
 from loraserve.bench.suites.runner_profile.check import TOLERANCE, CheckWorkload, noise_floor, ratios, within
-from loraserve.bench.suites.runner_profile.costs import calibration_adapters
-from loraserve.bench.suites.runner_profile.suite import GRIDS, in_sample_fidelity, targets
+from loraserve.bench.suites.runner_profile.suite import targets
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.model_config import ModelConfig
 from loraserve.worker.runner_profile import RunnerProfile, model_shape

@@ -12,7 +12,7 @@ from loraserve.flags import EnvArgumentParser
 
 
 def test_tiny_suite_through_the_cli(tmp_path, monkeypatch):
-    monkeypatch.setattr(structured, "QUICK", structured.Preset(batch=4, new_tokens=6, repeats=1))
+    monkeypatch.setattr(structured, "QUICK", structured.StructuredPreset(batch=4, new_tokens=6, repeats=1))
     runs = []
     run = structured._run
     monkeypatch.setattr(structured, "_run", lambda *a: runs.append((a[2], out := run(*a))) or out)

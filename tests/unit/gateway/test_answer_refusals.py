@@ -23,7 +23,7 @@ from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.drafts import Draft
 from loraserve.gateway.http.errors import HttpError
 from loraserve.gateway.http.responses import Answers
-from loraserve.gateway.quotas import QuotaExceededError
+from loraserve.gateway.slots import SlotLimitError
 from loraserve.gateway.validation import Limits
 
 
@@ -57,7 +57,7 @@ class Connected:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize(
     "refusal",
-    [lambda: QuotaExceededError("over max_concurrent", 0.5), lambda: InvalidRequestError("max_new_tokens", "too many")],
+    [lambda: SlotLimitError("over max_concurrent", 0.5), lambda: InvalidRequestError("max_new_tokens", "too many")],
     ids=["quota", "invalid"],
 )
 def test_a_refused_choice_leaves_no_reader_behind_and_nothing_in_the_log(caplog, stream, refusal):
@@ -81,6 +81,6 @@ def test_a_refused_choice_leaves_no_reader_behind_and_nothing_in_the_log(caplog,
     with caplog.at_level(logging.DEBUG, logger="asyncio"):
         status = asyncio.run(scenario())
         gc.collect()
-    assert status == (429 if isinstance(refusal(), QuotaExceededError) else 400)
+    assert status == (429 if isinstance(refusal(), SlotLimitError) else 400)
     logged = "\n".join(f"{r.getMessage()} {r.exc_info or ''}" for r in caplog.records)
     assert "already running" not in logged and "destroyed but it is pending" not in logged, logged

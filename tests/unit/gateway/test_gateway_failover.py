@@ -187,3 +187,42 @@ async def test_a_reader_cancelled_as_a_message_arrives_is_cancelled(harness):
         reading.cancel()
         done, _ = await asyncio.wait([reading], timeout=2)
         assert done and reading.cancelled(), f"{ticks} turns: the cancel was swallowed, the reader reads on"
+
+
+def test_an_attempt_that_makes_no_progress_ends_unavailable():
+    @with_harness
+    async def run(harness):
+        stream = harness.stream()
+        reading = asyncio.create_task(_collect(stream))
+        await harness.submitted(1)
+        harness.push_tokens("r", [5], worker_id="w0")  # then nothing more
+        done, _ = await asyncio.wait([reading], timeout=3)
+        assert done, "the silent attempt never timed out"
+        with pytest.raises(UnavailableError, match="no progress for 0 s"):
+            reading.result()
+
+    run(FailoverConfig(max_failovers=2, inactivity_timeout_s=0.3))
+
+
+def test_a_reader_slower_than_its_deadline_loses_nothing_while_tokens_arrive():
+    """The deadline counts the time without messages, not the time the reader spends between them."""
+
+    @with_harness
+    async def run(harness):
+        stream = harness.stream()
+        tokens: list[int] = []
+
+        async def slow_reader() -> None:
+            async for message in stream.messages():
+                tokens.extend(message.token_ids)
+                await asyncio.sleep(0.25)  # a slow client: more than the deadline for the whole stream
+
+        reading = asyncio.create_task(slow_reader())
+        await harness.submitted(1)
+        for token in range(8):
+            harness.push_tokens("r", [token], worker_id="w0", finished=token == 7, finish_reason="length")
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(reading, 5)
+        assert tokens == list(range(8))
+
+    run(FailoverConfig(max_failovers=2, inactivity_timeout_s=0.2))

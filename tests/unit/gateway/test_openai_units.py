@@ -22,7 +22,7 @@ from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.responses import Answers, Final, Piece
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.http.structured import requested_constraint
-from loraserve.gateway.quotas import QuotaExceededError
+from loraserve.gateway.slots import SlotLimitError
 from loraserve.structured import grammar_for
 from loraserve.tokenizer import Tokenizer
 
@@ -134,7 +134,7 @@ def test_errors_name_the_openai_parameter():
     assert param("prompt.text")[0] == "prompt" and param("prompt", "messages")[0] == "messages"
     assert http_error(InvalidRequestError("adapter", "bad name")).status == 404  # no such model can exist
     assert http_error(errors.AdapterNotFoundError("x")).body["error"]["code"] == "model_not_found"
-    refused = http_error(QuotaExceededError("over", 2.2), retry_after_s=2.2)
+    refused = http_error(SlotLimitError("over", 2.2), retry_after_s=2.2)
     assert refused.status == 429 and refused.headers == {"Retry-After": "3"}
 
 
@@ -364,7 +364,7 @@ def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
     class Recorder:
         cancelled = False
 
-        def cancel(self) -> None:
+        async def close(self) -> None:
             self.cancelled = True
 
     async def events():

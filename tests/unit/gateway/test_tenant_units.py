@@ -10,7 +10,7 @@ from loraserve.errors import InvalidConfigError, InvalidRequestError, Unauthenti
 from loraserve.gateway.auth import Authenticator
 from loraserve.gateway.bind_rule import check_bind, is_loopback
 from loraserve.gateway.namespaces import Namespace, owner_of
-from loraserve.gateway.quotas import QuotaExceededError, Quotas
+from loraserve.gateway.slots import SlotLimitError, TenantSlots
 from loraserve.gateway.tenants import QuotaLimits, Scope, parse_auth_config
 
 
@@ -88,18 +88,18 @@ def test_a_tenant_reads_its_own_namespace_then_public_names_and_writes_only_its_
 
 
 def test_max_concurrent_counts_slots_per_tenant():
-    quotas, limits = Quotas(), QuotaLimits(max_concurrent=2)
-    quotas.admit("a", limits)
-    quotas.admit("a", limits)
-    with pytest.raises(QuotaExceededError) as info:
-        quotas.admit("a", limits)
+    slots, limits = TenantSlots(), QuotaLimits(max_concurrent=2)
+    slots.admit("a", limits)
+    slots.admit("a", limits)
+    with pytest.raises(SlotLimitError) as info:
+        slots.admit("a", limits)
     assert info.value.status == "RESOURCE_EXHAUSTED" and info.value.retry_after_s > 0
-    quotas.admit("b", limits)  # another tenant is untouched
-    quotas.release("a")
-    quotas.admit("a", limits)
-    assert quotas.in_flight("a") == 2
-    quotas.admit("c", QuotaLimits(tokens_per_minute=1))  # token quotas are the scheduler's (test_quotas_cluster.py)
-    quotas.admit("c", QuotaLimits(tokens_per_minute=1))
+    slots.admit("b", limits)  # another tenant is untouched
+    slots.release("a")
+    slots.admit("a", limits)
+    assert slots.in_flight("a") == 2
+    slots.admit("c", QuotaLimits(tokens_per_minute=1))  # token quotas are the scheduler's (test_quotas_cluster.py)
+    slots.admit("c", QuotaLimits(tokens_per_minute=1))
 
 
 @pytest.mark.parametrize(

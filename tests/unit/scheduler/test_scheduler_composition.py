@@ -14,9 +14,9 @@ from test_scheduler_policy import report, request
 from test_scheduling_policies import load
 
 from loraserve.errors import InvalidConfigError
-from loraserve.scheduler.adaptive_strategy import AdaptiveStrategy
+from loraserve.scheduler.adaptive.strategy import AdaptiveStrategy
 from loraserve.scheduler.cluster import ClusterView, kv_pages
-from loraserve.scheduler.config import AdaptiveConfig, ClusterConfig, FcfsConfig, PolicyConfig
+from loraserve.scheduler.config import AdaptiveConfig, ClusterConfig, FcfsConfig, PolicyConfig, SchedulerConfig
 from loraserve.scheduler.cost_model import StepCostModel
 from loraserve.scheduler.fcfs import FcfsStrategy
 from loraserve.scheduler.load_index import LoadIndex
@@ -29,12 +29,12 @@ def test_every_setting_has_help_and_one_default():
     def check(config: type) -> None:  # a nested settings dataclass (size classes, step costs): each of its fields
         hints = get_type_hints(config)
         for f in fields(config):
-            if is_dataclass(hints[f.name]) and config is not PolicyConfig:
+            if is_dataclass(hints[f.name]):
                 check(hints[f.name])
             else:
                 assert f.metadata.get("help"), f"{config.__name__}.{f.name} has no help"
 
-    for config in (ClusterConfig, FcfsConfig, AdaptiveConfig, PolicyConfig):
+    for config in (ClusterConfig, FcfsConfig, AdaptiveConfig, PolicyConfig, SchedulerConfig):
         check(config)
     # adaptive shares fcfs's settings (the same fields, so the same defaults), and adds its own
     shared = {f.name: f for f in fields(FcfsConfig)}

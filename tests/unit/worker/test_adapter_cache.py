@@ -106,7 +106,7 @@ def test_an_engine_with_a_small_cache_evicts_and_serves_refetched_adapters(tiny_
         for round_ in range(2):
             for name in names:  # each registration evicts the one before (none is held between batches)
                 key = engine.register_adapter(name, tiny_adapters[name], version=round_ + 1)
-                engine.prefetch([key])  # a background copy that must survive the next eviction
+                engine.adapters.prefetch([key])  # a background copy that must survive the next eviction
             assert [engine.registry.has((n, round_ + 1)) for n in names] == [False] * (len(names) - 1) + [True]
             last = (names[-1], round_ + 1)
             [result] = engine.generate([GenerateRequest(prompt_ids=[1, 2, 3], adapter=last, sampling=sampling)])

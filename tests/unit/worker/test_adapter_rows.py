@@ -87,7 +87,7 @@ def _engine(tiny_model, tiny_adapters, rows: bool) -> Engine:
         config, weights = _files(directory)
         if rows:
             adapter = rows_adapter(_rows(model, config, weights), model, MAX_RANK)
-            engine.add_adapter(name, engine.prepare_adapter(adapter))
+            engine.adapters.add(name, engine.pool.copier.prepare(adapter))
         else:
             engine.register_adapter(name, directory)
     return engine
@@ -127,7 +127,7 @@ def test_rows_only_adapters_and_a_copy_still_landing_layer_by_layer_are_token_ex
 
     pool.copier.copy_layers = slow.__get__(pool.copier)
     engine.runner.execute = timed
-    assert len(engine.prefetch(names)) == len(names)  # background copies, as a worker starts them on a fetch
+    assert len(engine.adapters.prefetch(names)) == len(names)  # background copies, as a worker starts them on a fetch
     assert _generate(engine, names) == expected
     first_step = next(t for kind, t in events if kind == "step")
     last_layer = max(t for kind, t in events if kind == "landed")

@@ -15,14 +15,14 @@ import msgspec
 import pytest
 from emulated import ADAPTERS, MODEL, emulated_engine, fixed_profile
 
-from loraserve.bench.suites.runner_profile.costs import TINY_GRID
-from loraserve.bench.suites.runner_profile.suite import write_profile
+from loraserve.bench.common.calibration import TINY_GRID
+from loraserve.bench.common.profile_fit import write_profile
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.launcher.up import check_runner
 from loraserve.structured import grammar_for
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.emulated_runner import EmulatedRunner, batch_features
+from loraserve.worker.emulated.runner import EmulatedRunner, batch_features
 from loraserve.worker.engine import Engine, GenerateRequest
 from loraserve.worker.request import FinishReason
 from loraserve.worker.runner_profile import load_profile

@@ -39,7 +39,7 @@ def test_reports_name_the_resident_set_when_it_changed_and_every_few_seconds(tmp
     rot13 = engine.registry.latest("rot13")
     assert _resident(reporter) == {upper, rot13}
     _run(engine, "upper")  # the order changed, the set did not
-    assert engine.pool.resident_adapters() == [rot13, upper]
+    assert engine.pool.pages.resident_adapters() == [rot13, upper]
     assert _resident(reporter) is None
     assert reporter.resident_count == 2  # what the metrics endpoint shows, whether the report named them or not
     later = time.monotonic() + RESIDENT_RESEND_S + 0.1

@@ -48,7 +48,7 @@ def test_ensure_copies_exactly_the_packed_rows_and_eviction_forgets_the_slot_at_
     assert _rows_hold(pool, registry, a) and _rows_hold(pool, registry, b)
     assert pool.stats.misses == 2
     assert pool.ensure(c)  # full: the least recently used (a) goes
-    assert not pool.is_resident(a) and pool.resident_adapters() == [b, c]
+    assert not pool.pages.is_resident(a) and pool.pages.resident_adapters() == [b, c]
     with pytest.raises(KeyError):
         pool.slot(a)
     assert _rows_hold(pool, registry, c) and pool.stats.evictions == 1
@@ -59,12 +59,12 @@ def test_pinned_and_kept_adapters_are_never_evicted():
     pool, _, (a, b, c) = _pool()
     pool.ensure(a)
     pool.ensure(b)
-    pool.pin(a)
+    pool.pages.pin(a)
     assert not pool.ensure(c, keep=frozenset({b}))  # a is pinned, b is kept: no room
-    assert pool.resident_adapters() == [b, a]
-    pool.unpin(a)
+    assert pool.pages.resident_adapters() == [b, a]
+    pool.pages.unpin(a)
     assert pool.ensure(c, keep=frozenset({b}))
-    assert pool.resident_adapters() == [b, c]
+    assert pool.pages.resident_adapters() == [b, c]
     pool.check_invariants()
 
 
@@ -73,7 +73,7 @@ def test_the_eviction_policy_is_pluggable():
     pool.ensure(a)
     pool.ensure(b)
     pool.ensure(c)
-    assert pool.resident_adapters() == [a, c]  # the most recently used (b) went
+    assert pool.pages.resident_adapters() == [a, c]  # the most recently used (b) went
 
 
 def test_a_prefetch_is_pinned_until_its_copy_settles_and_counts_as_a_hit():
@@ -85,24 +85,24 @@ def test_a_prefetch_is_pinned_until_its_copy_settles_and_counts_as_a_hit():
     pool.settle()
     assert not pool.copying()
     pool.ensure(b)
-    assert pool.ensure(c) and not pool.is_resident(a)  # unpinned after settle: evictable again
-    pool.close()
+    assert pool.ensure(c) and not pool.pages.is_resident(a)  # unpinned after settle: evictable again
+    pool.copier.close()
 
 
 def test_a_stale_version_leaves_the_pool_only_when_nothing_pins_it():
     pool, registry, (a, _, _) = _pool()
     pool.ensure(a)
-    pool.pin(a)
+    pool.pages.pin(a)
     newer = registry.register(a[0], registry.get(a))
     pool.discard_stale(a)
-    assert pool.is_resident(a)  # a running request still reads it
-    pool.unpin(a)
+    assert pool.pages.is_resident(a)  # a running request still reads it
+    pool.pages.unpin(a)
     pool.discard_stale(a)
-    assert not pool.is_resident(a)
+    assert not pool.pages.is_resident(a)
     pool.discard_stale(newer)  # the current version is never discarded
     pool.ensure(newer)
     pool.discard_stale(newer)
-    assert pool.is_resident(newer)
+    assert pool.pages.is_resident(newer)
     pool.check_invariants()
 
 
@@ -111,10 +111,10 @@ def test_kv_takes_pages_from_idle_adapters_only_through_make_room():
     pool.ensure(a)
     pool.ensure(b)
     tokens = pool.layout.tokens_per_page
-    assert not pool.grow_kv("seq", tokens)  # grow_kv never evicts
+    assert not pool.pages.grow_kv("seq", tokens)  # grow_kv never evicts
     assert pool.make_room(1, keep=frozenset({b}), for_kv=True)
-    assert pool.grow_kv("seq", tokens) and not pool.is_resident(a) and pool.is_resident(b)
-    pool.free_kv("seq")
+    assert pool.pages.grow_kv("seq", tokens) and not pool.pages.is_resident(a) and pool.pages.is_resident(b)
+    pool.pages.free_kv("seq")
     pool.check_invariants()
 
 

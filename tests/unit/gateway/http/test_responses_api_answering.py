@@ -41,7 +41,7 @@ class EndlessCore:
                     await asyncio.sleep(0.001)
                     self.chunks += 1
                     yield Chunk("x", (1,), prompt_tokens=3)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # cancelled while reading, or closed (as the core is)
                 self.cancelled.set()
                 raise
 

@@ -1,4 +1,4 @@
-"""Rows in shared memory (`loraserve/shared_rows.py`) between a real store process and a worker's fetcher.
+"""Rows in shared memory (`loraserve/shared_memory.py`) between a real store process and a worker's fetcher.
 
 - A worker on the store's host and user maps the store's file: the same bytes as over the socket, none sent.
 - A file it cannot take (a directory others may enter, a symlink, a wrong size, token or hash, a name that
@@ -19,12 +19,12 @@ from store_proc import StoreProcess
 
 from loraserve.adapter_store.client import AdapterFetcher, FetchedAdapter, FetchedRows
 from loraserve.adapter_store.config import StoreLimits
-from loraserve.adapter_store.rows import RowsMaker
+from loraserve.adapter_store.packing import RowsMaker
 from loraserve.adapter_store.store import AdapterStore
 from loraserve.demo.assets import DEMO_MODEL_DIR, demo_adapters
 from loraserve.errors import ResourceExhaustedError
 from loraserve.model_config import ModelConfig
-from loraserve.shared_rows import SharedMemoryUnavailable, SharedRowsDir, open_rows, user_dir
+from loraserve.shared_memory import SharedMemoryUnavailable, SharedRowsDir, open_rows, user_dir
 
 MODEL = ModelConfig.from_dir(DEMO_MODEL_DIR)
 SHA = hashlib.sha256(b"weights").hexdigest()

@@ -7,7 +7,7 @@ from loraserve.errors import UnavailableError
 from loraserve.gateway.auth import Authenticator, Principal
 
 
-class Admission:
+class Gate:
     """The API keys (`Authenticator`) and whether the gateway is draining."""
 
     def __init__(self, auth: Authenticator):

@@ -5,7 +5,7 @@ real one — step scheduler, unified pool, adapter fetch and load, prefix cache,
 and the wire — but no weights are loaded and nothing is computed: each step sleeps the time the
 runner profile predicts for its composition (`worker/runner_profile.py`, measured on the real
 engine), less what this runner spent on the step itself, and returns deterministic tokens
-(`worker/emulated_tokens.py`). A sleeping process takes no CPU, so one machine runs a stack of
+(`worker/emulated/tokens.py`). A sleeping process takes no CPU, so one machine runs a stack of
 dozens of emulated workers whose steps take as long as real ones.
 
 Everything a step's chunks ask for is honoured: sampling (greedy, seeded draws, penalties; through
@@ -25,13 +25,13 @@ import torch
 from loraserve.model_config import ModelConfig
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import AdapterKey, TokenLogprob
-from loraserve.worker.emulated_tokens import PseudoModel, adapter_seed
+from loraserve.worker.emulated.tokens import PseudoModel, adapter_seed
 from loraserve.worker.grammar import MaskComputer, unpack
 from loraserve.worker.logprobs import logprobs_from_logits, score_rows
-from loraserve.worker.runner import RunnerOutput
 from loraserve.worker.runner_profile import RunnerProfile, load_profile
 from loraserve.worker.sampling import TokenMask, sample
 from loraserve.worker.step_costs import StepFeatures, step_features
+from loraserve.worker.step_runner import RunnerOutput
 from loraserve.worker.step_scheduler import SampleSpec, SeqChunk
 
 
@@ -50,7 +50,8 @@ def _key(chunk: SeqChunk) -> AdapterKey | None:
 
 
 class EmulatedRunner:
-    """Waits each step's predicted time and emits deterministic tokens (see the module docstring)."""
+    """Waits each step's predicted time and emits deterministic tokens (see the module docstring); a
+    `step_runner.Runner`."""
 
     waits_per_layer = False  # reads no adapter rows: the engine waits for a whole copy before the step
 

@@ -1,7 +1,7 @@
 """The store's copy of each version in the pool's row layout: packed once, sent to every worker as it is.
 
 `RowsMaker` packs a validated adapter (`loraserve/pool_rows.py`, numpy) into shared memory when the host
-allows it (`loraserve/shared_rows.py`), else into RAM, and computes each layer's sha256. `PackedRows` is
+allows it (`loraserve/shared_memory.py`), else into RAM, and computes each layer's sha256. `PackedRows` is
 what the data plane sends: over the socket (zero-copy from the same buffer) or, to a worker on this host,
 as the name of the file. The rows are a derived copy of the weights file the store also keeps: they cost
 about as much RAM again (shared memory counts as RAM), counted in the store's memory budget.
@@ -18,7 +18,7 @@ import numpy as np
 from loraserve.adapter_format import CheckedAdapter
 from loraserve.model_config import ModelConfig
 from loraserve.pool_rows import RowsSpec, layer_digests, pack_rows, rows_spec
-from loraserve.shared_rows import SharedMemoryUnavailable, SharedRowsDir, SharedRowsFile
+from loraserve.shared_memory import SharedMemoryUnavailable, SharedRowsDir, SharedRowsFile
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The `adaptive` strategy: the parts in this package composed over the policy's cluster view.
+"""The `adaptive` strategy: the scheduler's parts (`scheduler/`) composed over the policy's cluster view.
 
 The multi-queue under VTC fairness (`queues.py`, `fairness.py`) orders the queue; a new request is
 refused early when it cannot meet its TTFT target or deadline (`admission.py`) or its tenant floods a
@@ -20,7 +20,7 @@ import math
 from collections.abc import Set as AbstractSet
 
 from loraserve.errors import ResourceExhaustedError
-from loraserve.scheduler.adaptive import AdaptivePlanner
+from loraserve.scheduler.adaptive.planner import AdaptivePlanner
 from loraserve.scheduler.admission import check_admission
 from loraserve.scheduler.cluster import ClusterView, WorkerView
 from loraserve.scheduler.config import AdaptiveConfig

@@ -35,7 +35,6 @@ packing the rows for the pool).
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,8 +45,6 @@ import numpy as np
 from loraserve.bench.common.results import cpu_fields
 from loraserve.bench.common.stats import quantile
 from loraserve.worker.step_costs import CostModel, StepFeatures
-
-log = logging.getLogger(__name__)
 
 # CPU time of the calling thread: what a step costs the core it runs on, without the time other
 # processes held that core (the machine is shared). Valid because torch runs one thread here.
@@ -141,7 +138,7 @@ def calibration_engine(model_dir: Path, bank, adapters: dict[str, int], config=N
     engine = Engine(model_dir, config or EngineConfig(**CALIBRATION_ENGINE))
     try:
         for name, rank in adapters.items():
-            engine.add_adapter(name, bank.get(name, rank))
+            engine.adapters.add(name, bank.get(name, rank))
         warm_up(engine, adapters)
         for name in adapters:
             engine.pool.ensure(engine.registry.latest(name))
@@ -230,7 +227,7 @@ class RunnerTimer:
     runner reads them: tokens whose KV a prefix cache hit or a shared prefill supplied are not computed."""
 
     def __init__(self, engine, timer: Callable[[], float]):
-        from loraserve.worker.emulated_runner import batch_features
+        from loraserve.worker.emulated.runner import batch_features
 
         self.engine, self.timer, self.last, self.features = engine, timer, 0.0, None
         self.execute, self.batch_features = engine.runner.execute, batch_features
@@ -291,7 +288,7 @@ def _mixed_batch(adapters: dict[str, int], n: int) -> list[tuple[int, int, str |
 
 def _prepared(engine, adapter):
     """The adapter as the worker's fetch thread hands it over (packed for the pool)."""
-    return engine.prepare_adapter(adapter)
+    return engine.pool.copier.prepare(adapter)
 
 
 def _time_copies(engine, bank, samples: int) -> list[tuple[int, float]]:
@@ -299,7 +296,7 @@ def _time_copies(engine, bank, samples: int) -> list[tuple[int, float]]:
     out = []
     for rank in RANKS:
         for i in range(samples):
-            key = engine.add_adapter(f"copy-{rank}-{i}", _prepared(engine, bank.get(f"copy-{rank}-{i}", rank)))
+            key = engine.adapters.add(f"copy-{rank}-{i}", _prepared(engine, bank.get(f"copy-{rank}-{i}", rank)))
             start = clock()
             assert engine.pool.ensure(key)
             out.append((rank, clock() - start))

@@ -1,0 +1,167 @@
+"""`loraserve bench --suite gateway`: the gateway's CPU time per token streamed, over gRPC and over HTTP.
+
+    loraserve bench --suite gateway --quick --out /tmp/gateway     # about a minute on 2 CPU cores
+    loraserve bench --suite gateway --out docs/gateway
+
+A real stack (store, scheduler, one worker, gateway, as processes) on the demo model, whose worker runs
+the emulated runner with a fixed 2 ms step: the worker costs almost no CPU and never holds the gateway
+back on the model. `--gateway-streams` streams at once (64), each asking for `--gateway-tokens` tokens
+(ignore_eos; half on an adapter, half on the base model), first as gRPC `GenerateStream` calls, then as
+streamed HTTP `/v1/completions`, alternating `--gateway-runs` times. For each run the gateway process's
+CPU seconds (user + system, read by psutil) are divided by the tokens the clients received: the
+per-token cost of everything the gateway does for a stream (admission, submission, reading the workers'
+messages, detokenizing, encoding, sending), amortized over the stream's tokens.
+
+DIR/results.json is {"suite", "machine", "commit", "records", "summary", "targets", "options"}; a record
+is {"api", "run", "tokens", "wall_s", "gateway_cpu_s", "us_per_token"}; "summary" holds each API's median
+µs per token over its runs. With `--gateway-baseline FILE` (an earlier run's results.json, e.g. of an
+older commit), the targets are each API's baseline µs per token over this run's, goal >= 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+
+from loraserve.bench.common.calibration import fixed_costs
+from loraserve.bench.common.results import target, write_results
+from loraserve.bench.common.settings import add_settings
+from loraserve.bench.common.stack_run import local_stack
+from loraserve.config_cli import setting
+from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.launcher.ports import free_port_block
+from loraserve.model_config import ModelConfig
+from loraserve.v1 import gateway_pb2, gateway_pb2_grpc
+from loraserve.worker.runner_profile import RunnerProfile, model_shape
+
+STEP_S = 0.002  # the emulated worker's step
+ADAPTER = "upper"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The gateway suite's own flags (it also reads --quick and --out)."""
+
+    gateway_streams: int = setting(64, "gateway suite: streams at once")
+    gateway_tokens: int | None = setting(None, "gateway suite: tokens per stream (default 400; quick 200)")
+    gateway_runs: int | None = setting(None, "gateway suite: runs of each API, alternating (default 3; quick 2)")
+    gateway_baseline: Path | None = setting(
+        None, "gateway suite: an earlier run's results.json; the targets compare with it (goal: 2x fewer µs per token)"
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The gateway suite's flags (`GatewaySettings`)."""
+    add_settings(p, GatewaySettings)
+
+
+async def _grpc_tokens(address: str, streams: int, tokens: int) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        api = gateway_pb2_grpc.LoraServeStub(channel)
+
+        async def one(i: int) -> int:
+            request = gateway_pb2.GenerateRequest(adapter=ADAPTER if i % 2 else "", text="hello", max_new_tokens=tokens)
+            request.sampling.ignore_eos = True
+            received = 0
+            async for event in api.GenerateStream(request, timeout=600):
+                received += len(event.chunk.token_ids)
+            return received
+
+        return sum(await asyncio.gather(*map(one, range(streams))))
+
+
+async def _http_tokens(url: str, model: str, streams: int, tokens: int) -> int:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams)) as http:
+
+        async def one(i: int) -> int:
+            body = {"model": ADAPTER if i % 2 else model, "prompt": "hello", "max_tokens": tokens, "stream": True}
+            body |= {"ignore_eos": True, "stream_options": {"include_usage": True}}
+            usage = 0
+            async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"choices":[]' in line:  # include_usage's last chunk
+                        usage = json.loads(line[6:])["usage"]["completion_tokens"]
+            return usage
+
+        return sum(await asyncio.gather(*map(one, range(streams))))
+
+
+def _run(api: str, stack, url: str, gateway: psutil.Process, streams: int, tokens: int) -> dict:
+    before, started = gateway.cpu_times(), time.perf_counter()
+    if api == "grpc":
+        received = asyncio.run(_grpc_tokens(stack.address, streams, tokens))
+    else:
+        received = asyncio.run(_http_tokens(url, DEMO_MODEL_DIR.name, streams, tokens))
+    wall, after = time.perf_counter() - started, gateway.cpu_times()
+    cpu = (after.user - before.user) + (after.system - before.system)
+    return {"api": api, "tokens": received, "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3)} | {
+        "us_per_token": round(cpu / received * 1e6, 1)
+    }
+
+
+def _warm(url: str, deadline_s: float = 180.0) -> None:
+    """Wait until the adapter answers (the store preloads the demo adapters as the stack starts)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            body = {"model": ADAPTER, "prompt": "hello", "max_tokens": 2}
+            if httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the stack did not serve {ADAPTER!r} within {deadline_s:g} s")
+        time.sleep(1)
+
+
+def _targets(summary: dict[str, float], baseline: Path) -> list[dict]:
+    """Each API's µs per token at `baseline`'s run over this run's (goal: at least 2)."""
+    before = json.loads(baseline.read_text())
+    return [
+        target(
+            f"gateway µs per token at {before['commit']} / now, {api} (64 streams, emulated worker)",
+            ">= 2",
+            round(before["summary"][api] / summary[api], 2),
+            before["summary"][api] / summary[api] >= 2,
+        )
+        for api in ("grpc", "http")
+    ]
+
+
+def main(args: argparse.Namespace) -> int:
+    tokens = args.gateway_tokens or (200 if args.quick else 400)
+    runs = args.gateway_runs or (2 if args.quick else 3)
+    with tempfile.TemporaryDirectory(prefix="loraserve-gateway-") as scratch:
+        profile = Path(scratch) / "runner_profile.json"
+        shape = model_shape(ModelConfig.from_dir(DEMO_MODEL_DIR))
+        RunnerProfile(shape, (STEP_S, 0.0, 1e-6, 0.0, 0.0, 0.0, 0.0), fixed_costs()).write(profile)
+        port = free_port_block(1)
+        options = {"runner": "emulated", "runner_profile": profile, "http_bind": f"127.0.0.1:{port}"}
+        with local_stack(DEMO_MODEL_DIR, max_batch_size=args.gateway_streams, pool_pages=2048, **options) as stack:
+            url = f"http://127.0.0.1:{port}"
+            _warm(url)
+            gateway = psutil.Process(stack.process("gateway").pid)
+            records = []
+            for run in range(runs):
+                for api in ("grpc", "http"):
+                    records.append({"run": run} | _run(api, stack, url, gateway, args.gateway_streams, tokens))
+                    print(records[-1], flush=True)
+    summary = {
+        api: statistics.median(r["us_per_token"] for r in records if r["api"] == api) for api in ("grpc", "http")
+    }
+    options = {"streams": args.gateway_streams, "tokens": tokens, "runs": runs, "step_s": STEP_S}
+    goals = _targets(summary, args.gateway_baseline) if args.gateway_baseline else []
+    path = write_results(Path(args.out), "gateway", records, summary=summary, targets=goals, options=options)
+    print(f"gateway µs per token (median): {summary}; {path}")
+    return 0
