@@ -117,50 +117,70 @@ async def _close(generations: list[Generation]) -> None:
 
 
 async def _events(firsts: list[Piece | Final], generations: list[Generation], answers: Answers) -> AsyncIterator[bytes]:
-    """The SSE stream, from the generations' first events on (`GenerationStream` stops them after it)."""
+    """The SSE stream, from the generations' first events on (`GenerationStream` stops them after it). A lone
+    generation is read here, in the response's task; several through one merge."""
+    written = _Written(answers)
     try:
         for index in range(len(generations)):  # chat: each choice's role
             opening = answers.opening(firsts[index], index)
             if opening is not None:
                 yield sse(opening)
-        finals: dict[int, Final] = {}
-        started: set[int] = set()  # the choices whose first piece was sent
-        held: dict[int, list[Piece]] = {}  # a buffered answer's pieces, per prompt
-        async for index, generated in _merged(firsts, generations):
-            item = answers.shown(generated)
-            if isinstance(item, Piece) and not (item.text or item.logprobs or item.prompt_logprobs):
-                continue  # all of it left out (`prompt_only`)
-            if isinstance(item, Final):
-                finals[index] = item
-                if answers.buffered:
-                    for chunk in answers.settled(Piece.joined(held.pop(index, [])), item, index):
-                        yield sse(chunk)
-                else:
-                    yield sse(answers.closing(item, index, first=index not in started))
-            elif answers.buffered:
-                held.setdefault(index, []).append(item)
-            else:
-                yield sse(answers.piece(item, index, first=index not in started))
-                started.add(index)
+        if len(generations) == 1:
+            item, generation = firsts[0], generations[0]
+            while True:
+                for event in written.of(0, item):
+                    yield event
+                if isinstance(item, Final):
+                    break
+                item = await generation.next()
+        else:
+            async for index, item in _merged(firsts, generations):
+                for event in written.of(index, item):
+                    yield event
         if answers.include_usage:
-            yield sse(answers.usage(Final.summed([finals[i] for i in sorted(finals)], answers.choices_per_prompt)))
+            yield sse(answers.usage(Final.summed(written.finals(), answers.choices_per_prompt)))
     except Exception as e:  # after the status line: the failure goes in the stream
         yield sse(http_error(e).body)
     yield DONE
 
 
+class _Written:
+    """What each generation's events become on the stream: pieces as they come (or held until the choice
+    ends, for an answer that is only sent whole), then its closing chunk."""
+
+    def __init__(self, answers: Answers):
+        self.answers = answers
+        self._finals: dict[int, Final] = {}
+        self._started: set[int] = set()  # the choices whose first piece was sent
+        self._held: dict[int, list[Piece]] = {}  # a buffered answer's pieces, per prompt
+
+    def of(self, index: int, generated: Piece | Final) -> list[bytes]:
+        """The SSE events for one event of generation `index`."""
+        answers, item = self.answers, self.answers.shown(generated)
+        if isinstance(item, Piece) and not (item.text or item.logprobs or item.prompt_logprobs):
+            return []  # all of it left out (`prompt_only`)
+        if isinstance(item, Final):
+            self._finals[index] = item
+            if answers.buffered:
+                return [sse(c) for c in answers.settled(Piece.joined(self._held.pop(index, [])), item, index)]
+            return [sse(answers.closing(item, index, first=index not in self._started))]
+        if answers.buffered:
+            self._held.setdefault(index, []).append(item)
+            return []
+        first = index not in self._started
+        self._started.add(index)
+        return [sse(answers.piece(item, index, first=first))]
+
+    def finals(self) -> list[Final]:
+        """Every generation's Final, in order."""
+        return [self._finals[i] for i in sorted(self._finals)]
+
+
 async def _merged(
     firsts: list[Piece | Final], generations: list[Generation]
 ) -> AsyncIterator[tuple[int, Piece | Final]]:
-    """(prompt index, event) of every generation as they come, each generation's up to its Final.
-    A lone generation is read directly; several are pumped into one queue by a task each."""
-    if len(generations) == 1:
-        item = firsts[0]
-        while not isinstance(item, Final):
-            yield 0, item
-            item = await generations[0].next()
-        yield 0, item
-        return
+    """(prompt index, event) of every generation as they come, each generation's up to its Final: pumped
+    into one queue by a task each."""
     queue: asyncio.Queue[tuple[int, Piece | Final | Exception]] = asyncio.Queue()
 
     async def pump(index: int, item: Piece | Final) -> None:
