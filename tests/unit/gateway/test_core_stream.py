@@ -5,8 +5,15 @@ what already waits behind a reader that fell behind as one chunk (nothing lost, 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import ClassVar
 
+import grpc
 import pytest
+from starlette.requests import Request
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import UnavailableError
@@ -15,8 +22,13 @@ from loraserve.gateway.config import GatewayConfig
 from loraserve.gateway.core import Call, GenerationCore
 from loraserve.gateway.events import Chunk, Summary
 from loraserve.gateway.gate import Gate
+from loraserve.gateway.http.answering import answer
+from loraserve.gateway.http.drafts import Draft
+from loraserve.gateway.http.responses import Answers
+from loraserve.gateway.service import GenerationService
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits, validate_generate
+from loraserve.grpc_utils import ErrorInterceptor
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import gateway_pb2
 from loraserve.wire import Tokens
@@ -63,13 +75,18 @@ def generation(core: GenerationCore):
     return core.generate(Call({}), lambda check: validate_generate(request, LIMITS, check))
 
 
+async def submitted(scheduler: Scheduler, count: int = 1) -> str:
+    """The id of the `count`th attempt submitted, once it is."""
+    while len(scheduler.submitted) < count:
+        await asyncio.sleep(0.001)
+    return scheduler.submitted[count - 1]
+
+
 async def started(core: GenerationCore, scheduler: Scheduler):
     """A generation being read (its first event awaited in a task), and its attempt's id once submitted."""
     events = generation(core)
     first = asyncio.ensure_future(anext(events))
-    while not scheduler.submitted:
-        await asyncio.sleep(0.001)
-    return events, first, scheduler.submitted[-1]
+    return events, first, await submitted(scheduler)
 
 
 def test_a_reader_that_keeps_up_gets_a_chunk_per_message():
@@ -117,3 +134,90 @@ def test_tokens_waiting_before_a_failure_reach_the_reader_before_it():
         assert scheduler.cancelled == [attempt]
 
     run(scenario)
+
+
+# ---- the per-token path's depth: async frames between an edge and the attempt's queue -----------------
+SHIPPED = tuple(str(Path(__file__).resolve().parents[3] / folder) + os.sep for folder in ("gateway", "loraserve"))
+
+
+class WatchedQueue(asyncio.Queue):
+    """An attempt's queue that records, at each read, the project's async frames the read runs under."""
+
+    chains: ClassVar[list[list[str]]] = []
+
+    async def get(self):
+        frame, chain = sys._getframe(1), []
+        while frame is not None:
+            code = frame.f_code
+            if code.co_flags & (inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR) and code.co_filename.startswith(
+                SHIPPED
+            ):
+                chain.append(code.co_qualname)
+            frame = frame.f_back
+        WatchedQueue.chains.append(chain)
+        return await super().get()
+
+
+def watched(sink: TokenSink) -> None:
+    def open_watched(request_id: str) -> WatchedQueue:
+        queue = sink._streams[request_id] = WatchedQueue()
+        return queue
+
+    sink.open = open_watched
+
+
+class Context:
+    """The parts of a gRPC servicer context the generation RPCs read."""
+
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+
+def test_a_token_crosses_four_async_frames_on_either_edge():
+    async def scenario(core, sink, scheduler):
+        watched(sink)
+
+        async def handler(_details):
+            return grpc.unary_stream_rpc_method_handler(GenerationService(core).GenerateStream)
+
+        served = await ErrorInterceptor().intercept_service(handler, None)
+        request = gateway_pb2.GenerateRequest(text="a prompt", max_new_tokens=2)
+        responses = served.unary_stream(request, Context())
+        first = asyncio.ensure_future(anext(responses))
+        attempt = await submitted(scheduler)
+        sink._deliver(Tokens(attempt, TOKENS[:1]))
+        assert (await first).chunk.token_ids == TOKENS[:1]
+        grpc_chain = WatchedQueue.chains[-1]
+
+        drafts = [Draft(adapter="", prompt_text="a prompt", max_new_tokens=2)]
+        reading = asyncio.ensure_future(
+            answer(core, drafts, Answers("cmpl-1", "m", chat=False), Request(HTTP_SCOPE, _silent), True, "prompt")
+        )
+        attempt = await submitted(scheduler, 2)
+        sink._deliver(Tokens(attempt, TOKENS[:1]))
+        stream = await reading  # its first piece was read before the response began
+        sink._deliver(Tokens(attempt, TOKENS[1:2]))
+        events = [await anext(stream.body_iterator), await anext(stream.body_iterator)]
+        assert all(event.startswith(b"data: ") for event in events)
+        http_chain = WatchedQueue.chains[-1]
+        assert grpc_chain == [
+            "FailoverStream.messages",
+            "GenerationCore.generate",
+            "GenerationService.GenerateStream",
+            "_wrap_stream.<locals>.wrapper",
+        ]
+        assert http_chain == ["FailoverStream.messages", "GenerationCore.generate", "Generation.next", "_events"]
+
+    run(scenario)
+
+
+HTTP_SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+
+
+async def _silent() -> dict:
+    """A client that never disconnects."""
+    await asyncio.Event().wait()
+    return {}
