@@ -210,7 +210,7 @@ class FailoverStream:
 
     # ---- internals -----------------------------------------------------------------------------
     def _inject(self, status: str, reason: str, retry: bool) -> None:
-        if self._queue is not None:  # a notice for an attempt that already ended is skipped by _attempt
+        if self._queue is not None:  # a notice for an attempt that already ended is skipped by _accepted
             self._queue.put_nowait(
                 Tokens(self.attempt_id, [], finished=True, error_status=status, error=reason, retry=retry)
             )
