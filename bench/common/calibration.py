@@ -44,6 +44,9 @@ import numpy as np
 
 from loraserve.bench.common.results import cpu_fields
 from loraserve.bench.common.stats import quantile
+from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.model_config import ModelConfig
+from loraserve.worker.runner_profile import RunnerProfile, model_shape
 from loraserve.worker.step_costs import CostModel, StepFeatures
 
 # CPU time of the calling thread: what a step costs the core it runs on, without the time other
@@ -81,6 +84,14 @@ TINY_GRID = Grid(
 def fixed_costs() -> CostModel:
     """A plausible cost model without measuring (unit tests): ~2 ms a step plus per-token costs."""
     return CostModel((2e-3, 5e-5, 2e-5, 1e-4, 1e-8, 1e-6, 1e-9), (3e-4, 1e-6), (2e-3, 2e-5), {"source": "fixed"})
+
+
+def fixed_profile(path: Path, step_s: float = 0.002, per_token_s: float = 1e-6) -> Path:
+    """A demo-model runner profile written without measuring: each step takes `step_s` plus `per_token_s`
+    per token (the emulated worker of tests and of the gateway suite)."""
+    shape = model_shape(ModelConfig.from_dir(DEMO_MODEL_DIR))
+    RunnerProfile(shape, (step_s, 0.0, per_token_s, 0.0, 0.0, 0.0, 0.0), fixed_costs()).write(path)
+    return path
 
 
 # ---- measuring -----------------------------------------------------------------------------------

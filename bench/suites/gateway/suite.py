@@ -33,16 +33,14 @@ import grpc
 import httpx
 import psutil
 
-from loraserve.bench.common.calibration import fixed_costs
+from loraserve.bench.common.calibration import fixed_profile
 from loraserve.bench.common.results import target, write_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.stack_run import local_stack
 from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.launcher.ports import free_port_block
-from loraserve.model_config import ModelConfig
 from loraserve.v1 import gateway_pb2, gateway_pb2_grpc
-from loraserve.worker.runner_profile import RunnerProfile, model_shape
 
 STEP_S = 0.002  # the emulated worker's step
 ADAPTER = "upper"
@@ -105,9 +103,8 @@ def _run(api: str, stack, url: str, gateway: psutil.Process, streams: int, token
         received = asyncio.run(_http_tokens(url, DEMO_MODEL_DIR.name, streams, tokens))
     wall, after = time.perf_counter() - started, gateway.cpu_times()
     cpu = (after.user - before.user) + (after.system - before.system)
-    return {"api": api, "tokens": received, "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3)} | {
-        "us_per_token": round(cpu / received * 1e6, 1)
-    }
+    record = {"api": api, "tokens": received, "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3)}
+    return record | {"us_per_token": round(cpu / received * 1e6, 1)}
 
 
 def _warm(url: str, deadline_s: float = 180.0) -> None:
@@ -128,24 +125,16 @@ def _warm(url: str, deadline_s: float = 180.0) -> None:
 def _targets(summary: dict[str, float], baseline: Path) -> list[dict]:
     """Each API's µs per token at `baseline`'s run over this run's (goal: at least 2)."""
     before = json.loads(baseline.read_text())
-    return [
-        target(
-            f"gateway µs per token at {before['commit']} / now, {api} (64 streams, emulated worker)",
-            ">= 2",
-            round(before["summary"][api] / summary[api], 2),
-            before["summary"][api] / summary[api] >= 2,
-        )
-        for api in ("grpc", "http")
-    ]
+    ratios = {api: before["summary"][api] / summary[api] for api in ("grpc", "http")}
+    name = "gateway µs per token at {} / now, {} (64 streams, emulated worker)"
+    return [target(name.format(before["commit"], api), ">= 2", round(r, 2), r >= 2) for api, r in ratios.items()]
 
 
 def main(args: argparse.Namespace) -> int:
     tokens = args.gateway_tokens or (200 if args.quick else 400)
     runs = args.gateway_runs or (2 if args.quick else 3)
     with tempfile.TemporaryDirectory(prefix="loraserve-gateway-") as scratch:
-        profile = Path(scratch) / "runner_profile.json"
-        shape = model_shape(ModelConfig.from_dir(DEMO_MODEL_DIR))
-        RunnerProfile(shape, (STEP_S, 0.0, 1e-6, 0.0, 0.0, 0.0, 0.0), fixed_costs()).write(profile)
+        profile = fixed_profile(Path(scratch) / "runner_profile.json", step_s=STEP_S)
         port = free_port_block(1)
         options = {"runner": "emulated", "runner_profile": profile, "http_bind": f"127.0.0.1:{port}"}
         with local_stack(DEMO_MODEL_DIR, max_batch_size=args.gateway_streams, pool_pages=2048, **options) as stack:
