@@ -65,12 +65,7 @@ def commit() -> str | None:
 
 
 def write_results(
-    out: Path,
-    suite: str,
-    records: list,
-    threads: int | None = None,
-    machine_extra: dict | None = None,
-    **extra,
+    out: Path, suite: str, records: list, threads: int | None = None, machine_extra: dict | None = None, **extra
 ) -> Path:
     """`out/results.json` for `suite`; returns its path. `machine_extra` adds to (and wins over) the
     machine's fields: a suite's own ones, such as the GPU it ran on."""

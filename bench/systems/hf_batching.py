@@ -22,6 +22,7 @@ from loraserve.bench.systems.base import Replay
 from loraserve.bench.workloads.slora import TraceRequest
 
 PAD_ID = 2  # the demo tokenizer's </s>; any id works since padded positions are masked
+GREEDY = {"do_sample": False, "eos_token_id": None, "pad_token_id": PAD_ID}  # greedy, EOS ignored (as in the engine)
 
 
 class AdapterQueues:
@@ -96,11 +97,9 @@ def generate_batch(model, batch: list[TraceRequest], replay: Replay) -> None:
         input_ids=ids.to(model.device),
         attention_mask=mask.to(model.device),
         max_new_tokens=max(r.max_new_tokens for r in batch),
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=PAD_ID,
         streamer=_StepStamps(replay, batch),
         stopping_criteria=StoppingCriteriaList([_Deadline(replay)]),
+        **GREEDY,
     )
 
 
@@ -114,14 +113,7 @@ def warm_up(model) -> None:
     """One tiny generate before the clock starts (first-call costs are not the trace's)."""
     ids = torch.tensor([[5, 6, 7, 8]], device=model.device)
     with torch.inference_mode():
-        model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=2,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=PAD_ID,
-        )
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **GREEDY)
 
 
 def serve_one_adapter_at_a_time(

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from loraserve.bench.workloads.slora import power_law_shares
+
 RANKS = (8, 16, 32, 64)
 MEAN_TURNS = 5.0  # conversations: turns per conversation, on average (before the context cap)
 THINK_S = 2.0  # conversations: mean think time between a reply's end and the next turn
@@ -71,8 +73,7 @@ def zipf_adapters(prefix: str, n: int, ranks: tuple[int, ...] = RANKS) -> dict[s
 
 
 def _zipf_choice(rng: np.random.Generator, names: list[str], alpha: float, size: int) -> list[str]:
-    weights = np.arange(1, len(names) + 1, dtype=np.float64) ** -alpha
-    picks = rng.choice(len(names), size=size, p=weights / weights.sum())
+    picks = rng.choice(len(names), size=size, p=power_law_shares(len(names), alpha))
     return [names[i] for i in picks]
 
 
@@ -82,12 +83,7 @@ def _arrivals(rng: np.random.Generator, rate: float, duration_s: float) -> np.nd
 
 
 def heavy_tail(
-    rate: float,
-    duration_s: float,
-    seed: int,
-    n_adapters: int = 64,
-    alpha: float = 1.0,
-    long_share: float = 0.1,
+    rate: float, duration_s: float, seed: int, n_adapters: int = 64, alpha: float = 1.0, long_share: float = 0.1
 ) -> SchedTrace:
     rng = np.random.default_rng([seed, 1])
     adapters = zipf_adapters("ht-", n_adapters)

@@ -178,20 +178,9 @@ def popularity_trace(
     arrivals = [(float(t), adapter_name(a)) for t, a in zip(times, which, strict=True)]
     requests = _finish(rng, arrivals, (input_len, output_len), vocab_size)
     duration = float(times[-1]) if num_requests else 0.0
-    params = {
-        "kind": "popularity",
-        "popularity": popularity,
-        "num_requests": num_requests,
-        "n_adapters": len(adapters),
-        "rate": rate,
-        "cv": cv,
-        "input_len": list(input_len),
-        "output_len": list(output_len),
-        "ranks": list(ranks),
-        "vocab_size": vocab_size,
-        "seed": seed,
-        "duration_s": duration,
-    }
+    params = {"kind": "popularity", "popularity": popularity, "num_requests": num_requests, "n_adapters": len(adapters)}
+    params |= {"rate": rate, "cv": cv, "input_len": list(input_len), "output_len": list(output_len)}
+    params |= {"ranks": list(ranks), "vocab_size": vocab_size, "seed": seed, "duration_s": duration}
     return Trace(requests, adapters, params)
 
 

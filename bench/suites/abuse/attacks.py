@@ -31,6 +31,7 @@ import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve import internal_auth
+from loraserve.bench.suites.abuse.probes import http_post
 from loraserve.client import ApiError, Client
 from loraserve.client.api import auth_metadata
 from loraserve.client.retry import NO_RETRY
@@ -82,24 +83,6 @@ CONSTRAINTS: dict[str, tuple[dict, dict]] = {
 }
 
 
-def _http_post(address: str, path: str, body: dict, api_key: str, timeout_s: float = 60.0) -> tuple[str, float]:
-    """POST `body` as JSON; (the HTTP status or the error's name, seconds)."""
-    host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    started = time.time()
-    try:
-        connection.request(
-            "POST", path, json.dumps(body), {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-        )
-        response = connection.getresponse()
-        response.read()
-        return str(response.status), time.time() - started
-    except OSError as e:
-        return type(e).__name__, time.time() - started
-    finally:
-        connection.close()
-
-
 def _tally(answers: list[tuple[str, float]]) -> dict:
     return {
         "answers": dict(Counter(status for status, _ in answers)),
@@ -114,7 +97,7 @@ def constraint_attacks(http_address: str, grpc_address: str, api_key: str, model
         answers = {"http": [], "grpc": []}
         for _ in range(repeats):
             body = {"model": model, "prompt": "a", "max_tokens": 8, **http_fields}
-            answers["http"].append(_http_post(http_address, "/v1/completions", body, api_key))
+            answers["http"].append(http_post(http_address, "/v1/completions", body, api_key))
             structured = common_pb2.StructuredOutput(**grpc_fields)
             answers["grpc"].append(structured_generate(grpc_address, api_key, structured))
         figures[name] = {edge: _tally(a) for edge, a in answers.items()}
@@ -202,23 +185,15 @@ def prompt_flood(
     """`clients` threads sending 1 MiB prompts for `seconds` (to /tokenize, completions, chat and gRPC
     Tokenize in turn) while a HealthProbe runs; the answers by target and the probe's figures."""
     prompt = "the quiet king " * (MIB // 15)
+
+    def post(path: str, body: dict) -> Callable[[Client], tuple[str, float]]:
+        return lambda _: http_post(http_address, path, body, api_key)
+
+    chat = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
     targets: list[tuple[str, Callable[[Client], tuple[str, float]]]] = [
-        ("tokenize", lambda _: _http_post(http_address, "/tokenize", {"model": model, "prompt": prompt}, api_key)),
-        (
-            "completions",
-            lambda _: _http_post(
-                http_address, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4}, api_key
-            ),
-        ),
-        (
-            "chat",
-            lambda _: _http_post(
-                http_address,
-                "/v1/chat/completions",
-                {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4},
-                api_key,
-            ),
-        ),
+        ("tokenize", post("/tokenize", {"model": model, "prompt": prompt})),
+        ("completions", post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4})),
+        ("chat", post("/v1/chat/completions", chat)),
         ("grpc_tokenize", lambda client: _grpc_tokenize(client, prompt)),
     ]
     answers: dict[str, list[tuple[str, float]]] = {name: [] for name, _ in targets}
@@ -337,7 +312,7 @@ def batch_hog(http_address: str, api_key: str, model: str, seconds: float, promp
     ended = time.time() + seconds
     while time.time() < ended:
         body = {"model": model, "prompt": [f"story {i}" for i in range(prompts)], "n": n, "max_tokens": 64}
-        answers.append(_http_post(http_address, "/v1/completions", body, api_key, timeout_s=120))
+        answers.append(http_post(http_address, "/v1/completions", body, api_key, timeout_s=120))
     return {"generations_per_request": prompts * n, **_tally(answers)}
 
 

@@ -205,23 +205,9 @@ class Traffic:
             return e.code
 
     def _http(self, client: Client, adapter: str, **fields) -> str:
-        host, port = self.http_address.rsplit(":", 1)
         body = {"model": adapter or self.base_model, "prompt": "the quiet king", "max_tokens": 8, **fields}
-        connection = http.client.HTTPConnection(host, int(port), timeout=15)
-        try:
-            connection.request(
-                "POST",
-                "/v1/completions",
-                json.dumps(body),
-                {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"},
-            )
-            response = connection.getresponse()
-            response.read()
-            return "OK" if response.status == 200 else f"HTTP {response.status}"
-        except OSError as e:
-            return f"HTTP {type(e).__name__}"
-        finally:
-            connection.close()
+        status, _ = http_post(self.http_address, "/v1/completions", body, self.api_key, timeout_s=15)
+        return "OK" if status == "200" else f"HTTP {status}"
 
     def _structured(self, client: Client, adapter: str) -> str:
         return self._http(client, adapter, max_tokens=16, response_format=STRUCTURED)
@@ -247,6 +233,24 @@ class Traffic:
             "longest_without_success_s": round(longest, 2),
             "latency_s": {f"p{q}": _percentile(latencies, q) for q in (50, 99)} | {"max": _percentile(latencies, 100)},
         }
+
+
+def http_post(address: str, path: str, body: dict, api_key: str, timeout_s: float = 60.0) -> tuple[str, float]:
+    """POST `body` as JSON; (the HTTP status or the error's name, seconds)."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    started = time.time()
+    try:
+        connection.request(
+            "POST", path, json.dumps(body), {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        response.read()
+        return str(response.status), time.time() - started
+    except OSError as e:
+        return type(e).__name__, time.time() - started
+    finally:
+        connection.close()
 
 
 def _percentile(ordered: list[float], q: int) -> float:

@@ -105,22 +105,8 @@ class _Stack:
         self.base = free_port_block(7)
         self.grpc = f"127.0.0.1:{self.base + 5}"
         self.http = f"127.0.0.1:{self.base + 6}"
-        command = [
-            sys.executable,
-            "-m",
-            "loraserve.cli",
-            "up",
-            "--base-port",
-            str(self.base),
-            "--bind",
-            self.grpc,
-            "--http-bind",
-            self.http,
-            "--auth-file",
-            str(auth),
-            "--data-dir",
-            str(workdir / "data"),
-        ]
+        command = [sys.executable, "-m", "loraserve.cli", "up", "--base-port", str(self.base), "--bind", self.grpc]
+        command += ["--http-bind", self.http, "--auth-file", str(auth), "--data-dir", str(workdir / "data")]
         self.log_path = workdir / "up.log"
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
@@ -224,21 +210,12 @@ def _request_attacks(plan: AbusePlan, stack: _Stack, traffic: Traffic, roles: Ro
             "spoofed_workers": spoofed_workers(workers, stack.internal_keys, plan.spoofed_ids, plan.spoof_s),
         }
 
+    http, grpc, key = stack.http, stack.grpc, stack.key
     return [
-        _phase(
-            "constraints",
-            traffic,
-            roles,
-            lambda: constraint_attacks(stack.http, stack.grpc, stack.key, model, repeats),
-        ),
-        _phase(
-            "prompts",
-            traffic,
-            roles,
-            lambda: prompt_flood(stack.http, stack.grpc, stack.key, model, plan.prompt_flood_s),
-        ),
+        _phase("constraints", traffic, roles, lambda: constraint_attacks(http, grpc, key, model, repeats)),
+        _phase("prompts", traffic, roles, lambda: prompt_flood(http, grpc, key, model, plan.prompt_flood_s)),
         _phase("control", traffic, roles, control),
-        _phase("batch_hog", traffic, roles, lambda: batch_hog(stack.http, stack.key, model, plan.hog_s)),
+        _phase("batch_hog", traffic, roles, lambda: batch_hog(http, key, model, plan.hog_s)),
     ]
 
 

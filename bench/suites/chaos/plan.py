@@ -78,19 +78,8 @@ class Disruption:
 
 def chaos_requests(config: ChaosConfig) -> tuple[dict[str, int], list[ChaosRequest]]:
     """The adapters (name -> rank) and the requests, in arrival order."""
-    spec = WorkloadSpec(
-        n_adapters=config.n_adapters,
-        alpha=config.alpha,
-        rate=config.rate,
-        cv=1.0,
-        duration_s=config.duration_s,
-        input_len=config.input_len,
-        output_len=config.output_len,
-        ranks=config.ranks,
-        vocab_size=config.vocab_size,
-        seed=config.seed,
-    )
-    trace = synthetic_trace(spec)
+    shared = ("n_adapters", "alpha", "rate", "duration_s", "input_len", "output_len", "ranks", "vocab_size", "seed")
+    trace = synthetic_trace(WorkloadSpec(cv=1.0, **{name: getattr(config, name) for name in shared}))
     sampled = np.random.default_rng([config.seed, 2]).random(len(trace.requests)) < config.sampled_fraction
     requests = [
         ChaosRequest(r, SEED_BASE + i if s else None)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from loraserve.bench.common.results import target
-from loraserve.bench.common.stats import distribution
+from loraserve.bench.common.stats import distribution, ratio
 from loraserve.bench.common.tables import rich_table, wide_console
 
 OK = "OK"
@@ -110,10 +110,6 @@ def _added(chaos: list[StreamRecord], reference: dict[str, StreamRecord]) -> dic
     return out
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b else None
-
-
 def summarize_chaos(
     reference: list[StreamRecord], chaos: list[StreamRecord], disruptions: list[AppliedDisruption]
 ) -> dict:
@@ -131,11 +127,8 @@ def summarize_chaos(
     for kind in sorted({d.kind for d in applied}):
         times = [d.recovery_s for d in applied if d.kind == kind and d.recovery_s is not None]
         recovery[kind] = percentiles(times, "recovery")
-    groups = {
-        "reference": _latency(reference),
-        "chaos_not_failed_over": _latency(calm),
-        "chaos_failed_over": _latency(over),
-    }
+    ref_lat, calm_lat, over_lat = _latency(reference), _latency(calm), _latency(over)
+    groups = {"reference": ref_lat, "chaos_not_failed_over": calm_lat, "chaos_failed_over": over_lat}
     added = {"not_failed_over": _added(calm, by_id), "failed_over": _added(over, by_id)}
     kinds = {c.request_id: attribute(c, applied) for c in over}
     for kind in sorted({k for k in kinds.values() if k is not None}):
@@ -161,15 +154,11 @@ def summarize_chaos(
         "latency": groups,
         "added_vs_reference": added,
         "ratios": {
-            "failed_over / not failed over, total p50": _ratio(
-                groups["chaos_failed_over"]["total_p50_s"], groups["chaos_not_failed_over"]["total_p50_s"]
+            "failed_over / not failed over, total p50": ratio(over_lat["total_p50_s"], calm_lat["total_p50_s"], 3),
+            "failed_over / not failed over, max gap p50": ratio(
+                over_lat["max_gap_p50_s"], calm_lat["max_gap_p50_s"], 3
             ),
-            "failed_over / not failed over, max gap p50": _ratio(
-                groups["chaos_failed_over"]["max_gap_p50_s"], groups["chaos_not_failed_over"]["max_gap_p50_s"]
-            ),
-            "chaos not failed over / reference, total p50": _ratio(
-                groups["chaos_not_failed_over"]["total_p50_s"], groups["reference"]["total_p50_s"]
-            ),
+            "chaos not failed over / reference, total p50": ratio(calm_lat["total_p50_s"], ref_lat["total_p50_s"], 3),
         },
     }
 

@@ -78,8 +78,8 @@ def _run(engine, prompt: list[int], n: int, new_tokens: int, grouped: bool, seed
 
 def measure(name: str, path: Path, preset: ChoicesPreset, seed: int) -> dict:
     from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
+    from loraserve.bench.systems.engine import AdapterBank
     from loraserve.model_config import ModelConfig
-    from loraserve.worker.adapters import load_adapter_bytes
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
 
@@ -90,8 +90,7 @@ def measure(name: str, path: Path, preset: ChoicesPreset, seed: int) -> dict:
     engine = Engine(
         path, EngineConfig(device="cpu", max_batch_size=max(8, preset.n), max_batched_tokens=4096, prefix_cache=False)
     )
-    files = SyntheticAdapters(path, seed=seed).files("bench", 16)
-    engine.adapters.add("bench", load_adapter_bytes(*files, config, 128))
+    engine.adapters.add("bench", AdapterBank(SyntheticAdapters(path, seed=seed)).get("bench", 16))
     _run(engine, prompt[:16], 2, 2, True, seed)  # warm up, unmeasured
     seeds = iter(seed + 100 * (i // 2) for i in range(2 * preset.repeats))  # one seed a round, both sides
     runs = alternate(

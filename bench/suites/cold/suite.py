@@ -63,13 +63,10 @@ def main(args: argparse.Namespace) -> int:
             print(record)
     if "stack" in args.cold_parts:
         trials = args.cold_trials or (4 if args.quick else 12)
+        ranks = (8, 64) if args.quick else FULL_RANKS
+        options = tuple(_option(s) for s in args.cold_stack_option)
         settings = StackSettings(
-            ranks=(8, 64) if args.quick else FULL_RANKS,
-            trials=trials,
-            prompt_words=32,
-            new_tokens=4,
-            torch_threads=args.threads,
-            stack_options=tuple(_option(s) for s in args.cold_stack_option),
+            ranks, trials, prompt_words=32, new_tokens=4, torch_threads=args.threads, stack_options=options
         )
         for model in args.cold_models or ["demo", "random-100m"]:
             for record in measure_stack(model_dir(model, cache), settings):

@@ -40,6 +40,7 @@ import zmq
 from loraserve.bench.common.results import cpu_fields, target, write_results
 from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.control_plane import profile_split
+from loraserve.bench.workloads.slora import power_law_shares
 from loraserve.config_cli import setting
 from loraserve.errors import LoraserveError
 from loraserve.gateway.submit_stream import SubmitStream
@@ -102,9 +103,8 @@ class Catalogue:
 
     def __init__(self, n: int, seed: int):
         self.names = [f"cp-{i:05d}" for i in range(n)]
-        weights = np.arange(1, n + 1, dtype=np.float64) ** -1.0
         self.rng = np.random.default_rng(seed)
-        self.p = weights / weights.sum()
+        self.p = power_law_shares(n, 1.0)
         self.hashes = [_sha(name) for name in self.names]
 
     def draw(self, count: int) -> np.ndarray:

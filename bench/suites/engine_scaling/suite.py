@@ -35,12 +35,7 @@ TARGET = 0.9
 
 
 def measure(
-    n_adapters: int,
-    bank: AdapterBank,
-    prompts: list[list[int]],
-    output_len: int,
-    config,
-    ranks: tuple[int, ...],
+    n_adapters: int, bank: AdapterBank, prompts: list[list[int]], output_len: int, config, ranks: tuple[int, ...]
 ) -> dict:
     """One engine, n adapters, every request queued at once; returns throughput and pool numbers."""
     from loraserve.worker.engine import Engine
@@ -112,11 +107,8 @@ def run(args: argparse.Namespace) -> dict:
     ratio = round(last["tokens_per_s"] / first["tokens_per_s"], 3)
     # What the ratio would be if a step cost only the bytes of weights it reads (base + its distinct
     # adapters): the ceiling for large, memory-bound models; tiny models are bound by per-call overhead.
-    bound = round(
-        (first["base_mb_per_step"] + first["adapter_mb_per_step"])
-        / (last["base_mb_per_step"] + last["adapter_mb_per_step"]),
-        3,
-    )
+    first_mb, last_mb = (r["base_mb_per_step"] + r["adapter_mb_per_step"] for r in (first, last))
+    bound = round(first_mb / last_mb, 3)
     verdict = "meets" if ratio >= TARGET else "misses"
     print(
         f"throughput(n={last['n_adapters']}) / throughput(n={first['n_adapters']}) = {ratio} "

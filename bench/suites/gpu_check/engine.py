@@ -27,6 +27,7 @@ import torch
 
 from loraserve.bench.common.metrics import summarize
 from loraserve.bench.common.random_model import write_llama_checkpoint
+from loraserve.bench.common.stats import ratio
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.gpu_check.preset import GpuPreset
 from loraserve.bench.suites.gpu_check.profile import profile_decode
@@ -38,17 +39,8 @@ from loraserve.worker.config import EngineConfig
 
 ARRIVAL_WINDOW_S = 0.05
 KEYS = ("requests", "finished", "output_tokens", "makespan_s", "req_per_s", "tokens_per_s", "ttft_p50_s", "tpot_p50_s")
-STATS = (
-    "mean_batch_size",
-    "steps",
-    "adapter_loads",
-    "adapter_evictions",
-    "prefetch_hit_rate",
-    "adapter_load_s",
-    "adapter_switches",
-    "mean_switch_ms",
-    "setup_s",
-)
+STATS = ("mean_batch_size", "steps", "adapter_loads", "adapter_evictions", "prefetch_hit_rate", "adapter_load_s")
+STATS += ("adapter_switches", "mean_switch_ms", "setup_s")  # the baselines'
 
 
 class SharedWeightsBank(AdapterBank):
@@ -182,19 +174,11 @@ def run(preset: GpuPreset, work: Path, log=print, partial=lambda data: None) -> 
     from loraserve.bench.systems.merge import MergeSwapSystem
     from loraserve.bench.systems.peft import PeftSystem
 
-    peft = PeftSystem(
-        adapters,
-        work / "adapters",
-        preset.max_batch_size,
-        baseline_limits,
-        device=preset.device,
-        dtype=preset.torch_dtype,
-    )
+    on_device = {"device": preset.device, "dtype": preset.torch_dtype}
+    peft = PeftSystem(adapters, work / "adapters", preset.max_batch_size, baseline_limits, **on_device)
     record(measure(peft, traces[n], "peft", n))
     del peft
-    merge = MergeSwapSystem(
-        adapters, preset.max_batch_size, baseline_limits, device=preset.device, dtype=preset.torch_dtype
-    )
+    merge = MergeSwapSystem(adapters, preset.max_batch_size, baseline_limits, **on_device)
     record(measure(merge, traces[n], "merge-and-swap", n))
     del merge
     free_device_memory()
@@ -232,18 +216,15 @@ def ratios(rows: list[dict], preset: GpuPreset) -> dict[str, float | int | None]
     with the fewest adapters / the base model's on the same requests; over_peft, over_merge_and_swap:
     loraserve's throughput / the baseline's at baseline_n adapters, on the same trace."""
 
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a is not None and b else None
-
     low, high, nb = min(preset.adapter_counts), max(preset.adapter_counts), preset.baseline_adapters
     ls = lambda n: _throughput(rows, "loraserve", n)  # noqa: E731
-    with_lora = ratio(ls(low), _throughput(rows, "base", 0))
+    with_lora = ratio(ls(low), _throughput(rows, "base", 0), 3)
     return {
         "low": low,
         "high": high,
         "baseline_n": nb,
-        "high_over_low": ratio(ls(high), ls(low)),
+        "high_over_low": ratio(ls(high), ls(low), 3),
         "lora_overhead": None if with_lora is None else round(1 - with_lora, 3),
-        "over_peft": ratio(ls(nb), _throughput(rows, "peft", nb)),
-        "over_merge_and_swap": ratio(ls(nb), _throughput(rows, "merge-and-swap", nb)),
+        "over_peft": ratio(ls(nb), _throughput(rows, "peft", nb), 3),
+        "over_merge_and_swap": ratio(ls(nb), _throughput(rows, "merge-and-swap", nb), 3),
     }

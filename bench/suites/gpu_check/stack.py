@@ -15,7 +15,6 @@ host to device        the same adapter: packing it into pool rows on the host, p
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from loraserve.bench.common.metrics import summarize
+from loraserve.bench.common.stats import median_seconds
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.gpu_check.engine import engine_config, free_device_memory, model_dir
 from loraserve.bench.suites.gpu_check.preset import GpuPreset
@@ -94,14 +94,8 @@ def adapter_fetch(preset: GpuPreset, work: Path) -> dict:
 
 
 def _median_ms(fn: Callable[[], object], iterations: int, sync: bool) -> float:
-    samples = []
-    for _ in range(iterations + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        samples.append(1e3 * (time.perf_counter() - start))
-    return round(statistics.median(samples[1:]), 3)
+    """Median milliseconds of `fn` after a warm-up call (with `sync`, until the device is done too)."""
+    return round(1e3 * median_seconds(fn, iterations, torch.cuda.synchronize if sync else lambda: None), 3)
 
 
 def host_to_device(preset: GpuPreset, path: Path) -> dict:

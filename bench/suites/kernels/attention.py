@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from loraserve.bench.common.kernel_cases import make_uniform_attention_case
+from loraserve.bench.common.stats import ratio
 from loraserve.bench.common.tables import markdown_table
 from loraserve.bench.suites.kernels.device import ensure_interpreter, suite_meta
-from loraserve.bench.suites.kernels.results import fmt, ratio, write_report
+from loraserve.bench.suites.kernels.results import fmt, write_report
 from loraserve.bench.suites.kernels.timing import Timers, cuda_timers, timed, wall_timers
 from loraserve.config_cli import setting
 
@@ -238,44 +239,17 @@ def _progress_line(r: AttentionResult) -> str:
 
 
 def attention_markdown(results: list[AttentionResult]) -> str:
-    headers = [
-        "phase",
-        "seqs × new",
-        "context",
-        "triton µs",
-        "graph µs",
-        "unsplit graph µs",
-        "sdpa µs",
-        "sdpa graph µs",
-        "roofline µs",
-        "compute µs",
-        "graph/floor",
-        "sdpa/triton",
-        "max err",
-    ]
+    headers = ["phase", "seqs × new", "context", "triton µs", "graph µs", "unsplit graph µs", "sdpa µs"]
+    headers += ["sdpa graph µs", "roofline µs", "compute µs", "graph/floor", "sdpa/triton", "max err"]
     rows = []
     for r in results:
         shape = f"{r.seqs} × {r.query_len}"
         if r.error is not None:
             rows.append([r.phase, shape, str(r.context), *["-"] * 9, r.error])
             continue
-        rows.append(
-            [
-                r.phase,
-                shape,
-                str(r.context),
-                fmt(r.triton_us),
-                fmt(r.triton_graph_us),
-                fmt(r.unsplit_graph_us),
-                fmt(r.sdpa_us),
-                fmt(r.sdpa_graph_us),
-                fmt(r.roofline_us),
-                fmt(r.compute_us),
-                fmt(r.x_roofline),
-                fmt(r.sdpa_x),
-                fmt(r.max_abs_err, ".1e"),
-            ]
-        )
+        times = (r.triton_us, r.triton_graph_us, r.unsplit_graph_us, r.sdpa_us, r.sdpa_graph_us, r.roofline_us)
+        cells = [fmt(v) for v in (*times, r.compute_us, r.x_roofline, r.sdpa_x)]
+        rows.append([r.phase, shape, str(r.context), *cells, fmt(r.max_abs_err, ".1e")])
     return markdown_table(headers, rows)
 
 
@@ -288,16 +262,8 @@ def attention_summary(results: list[AttentionResult]) -> dict[str, Any]:
     head = exact[0] if exact else max(decode, key=lambda r: (r.context, r.seqs), default=None)
     headline = None
     if head is not None:
-        headline = {
-            "case": head.label,
-            "triton_us": head.triton_us,
-            "triton_graph_us": head.triton_graph_us,
-            "unsplit_graph_us": head.unsplit_graph_us,
-            "sdpa_us": head.sdpa_us,
-            "sdpa_graph_us": head.sdpa_graph_us,
-            "roofline_us": head.roofline_us,
-            "x_roofline": head.x_roofline,
-        }
+        times = ("triton_us", "triton_graph_us", "unsplit_graph_us", "sdpa_us", "sdpa_graph_us", "roofline_us")
+        headline = {"case": head.label} | {k: getattr(head, k) for k in (*times, "x_roofline")}
     return {
         "attention_decode_b64_ctx4096": headline,
         "attention_slower_than_sdpa": [r.label for r in measured if r.sdpa_x is not None and r.sdpa_x < 1.0],

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -21,12 +22,9 @@ from loraserve.bench.common.kernel_cases import (
     make_bench_lora_pool,
     make_lora_plan,
 )
-from loraserve.bench.suites.kernels.results import fmt, ratio
-from loraserve.bench.suites.kernels.timing import (
-    Fn,
-    Timers,
-    timed,
-)
+from loraserve.bench.common.stats import ratio
+from loraserve.bench.suites.kernels.results import fmt
+from loraserve.bench.suites.kernels.timing import Fn, Timers, timed
 from loraserve.kernels.lora_bmm import lora_apply_bmm, prepare_lora_bmm
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
@@ -108,13 +106,8 @@ class Result:
 
 
 def cases(config: LoraConfig) -> list[Case]:
-    return [
-        Case(phase, rank, bs, pop)
-        for phase in config.phases
-        for rank in config.ranks
-        for bs in config.batch_sizes
-        for pop in config.popularity
-    ]
+    """Every (phase, rank, batch size, popularity), the last varying fastest."""
+    return [Case(*c) for c in itertools.product(config.phases, config.ranks, config.batch_sizes, config.popularity)]
 
 
 # --- the LoRA cases -----------------------------------------------------------------------------
@@ -233,25 +226,10 @@ def with_ratios(r: Result) -> Result:
     return r
 
 
-TEXT_COLUMNS = (  # header, width: the plain-text table
-    ("phase", 7),
-    ("rank", 5),
-    ("batch", 5),
-    ("popularity", 10),
-    ("tokens", 6),
-    ("adapt", 5),
-    ("path", 7),
-    ("triton us", 9),
-    ("graph us", 9),
-    ("loop us", 9),
-    ("loop gr", 9),
-    ("bmm us", 9),
-    ("roof us", 9),
-    ("x bmm", 6),
-    ("x loop", 6),
-    ("% roof", 6),
-    ("err", 7),
-)
+# header, width: the plain-text table's columns (the case, the times, the ratios and the error)
+TEXT_COLUMNS = (("phase", 7), ("rank", 5), ("batch", 5), ("popularity", 10), ("tokens", 6), ("adapt", 5), ("path", 7))
+TEXT_COLUMNS += (("triton us", 9), ("graph us", 9), ("loop us", 9), ("loop gr", 9), ("bmm us", 9), ("roof us", 9))
+TEXT_COLUMNS += (("x bmm", 6), ("x loop", 6), ("% roof", 6), ("err", 7))
 
 
 def format_table(results: list[Result]) -> str:

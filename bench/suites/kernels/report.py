@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
+from loraserve.bench.common.stats import ratio
 from loraserve.bench.common.tables import markdown_table
 from loraserve.bench.suites.kernels import attention as attention_bench
 from loraserve.bench.suites.kernels.attention import attention_markdown
 from loraserve.bench.suites.kernels.device import ensure_interpreter, suite_meta
 from loraserve.bench.suites.kernels.lora import SUITE_BUDGET_S, Case, LoraConfig, Result, benchmark, format_table
-from loraserve.bench.suites.kernels.results import ROOFLINE_FACTOR, fmt, ratio
+from loraserve.bench.suites.kernels.results import ROOFLINE_FACTOR, fmt
 from loraserve.bench.suites.kernels.timing import cuda_timers, wall_timers
 
 
@@ -61,14 +62,8 @@ def lora_summary(results: list[Result]) -> dict[str, Any]:
     if head is not None:
         timing = "graph" if head.triton_graph_us is not None else "eager"
         t = head.triton_graph_us if timing == "graph" else head.triton_us
-        headline = {
-            "case": head.label,
-            "timing": timing,
-            "triton_us": head.triton_us,
-            "triton_graph_us": head.triton_graph_us,
-            "roofline_us": head.roofline_us,
-            "x_roofline": ratio(t, head.roofline_us),
-        }
+        times = {k: getattr(head, k) for k in ("triton_us", "triton_graph_us", "roofline_us")}
+        headline = {"case": head.label, "timing": timing, **times, "x_roofline": ratio(t, head.roofline_us)}
     measured = [r for r in results if r.error is None]
     with_bmm = [r for r in measured if r.triton_us is not None and r.bmm_us is not None]
     with_loop = [r for r in measured if r.triton_us is not None and r.loop_us is not None]
@@ -89,25 +84,8 @@ def lora_summary(results: list[Result]) -> dict[str, Any]:
 
 
 def lora_markdown(results: list[Result]) -> str:
-    headers = [
-        "phase",
-        "rank",
-        "batch",
-        "popularity",
-        "tokens",
-        "adapters",
-        "path",
-        "triton µs",
-        "graph µs",
-        "loop µs",
-        "loop graph µs",
-        "bmm µs",
-        "roofline µs",
-        "graph/roof",
-        "bmm/triton",
-        "loop/triton",
-        "max err",
-    ]
+    headers = ["phase", "rank", "batch", "popularity", "tokens", "adapters", "path", "triton µs", "graph µs", "loop µs"]
+    headers += ["loop graph µs", "bmm µs", "roofline µs", "graph/roof", "bmm/triton", "loop/triton", "max err"]
     rows = []
     for r in results:
         if r.error is not None:
@@ -115,27 +93,10 @@ def lora_markdown(results: list[Result]) -> str:
             continue
         tokens = f"{r.tokens}" + (f" ({r.tokens_per_request}/req)" if r.phase == "prefill" else "")
         rank = f"mixed ≤ {r.max_rank}" if r.rank == "mixed" else str(r.rank)
-        rows.append(
-            [
-                r.phase,
-                rank,
-                str(r.batch_size),
-                r.popularity,
-                tokens,
-                str(r.adapters),
-                r.path,
-                fmt(r.triton_us),
-                fmt(r.triton_graph_us),
-                fmt(r.loop_us),
-                fmt(r.loop_graph_us),
-                fmt(r.bmm_us),
-                fmt(r.roofline_us),
-                fmt(r.x_roofline),
-                fmt(r.bmm_x),
-                fmt(r.loop_x),
-                fmt(r.max_abs_err, ".1e"),
-            ]
-        )
+        cells = [r.phase, rank, str(r.batch_size), r.popularity, tokens, str(r.adapters), r.path]
+        cells += [fmt(v) for v in (r.triton_us, r.triton_graph_us, r.loop_us, r.loop_graph_us, r.bmm_us)]
+        cells += [fmt(v) for v in (r.roofline_us, r.x_roofline, r.bmm_x, r.loop_x)]
+        rows.append([*cells, fmt(r.max_abs_err, ".1e")])
     return markdown_table(headers, rows)
 
 

@@ -6,8 +6,8 @@ writes {"suite", "machine", "commit", "records", "targets", ...}: the records ar
 (`report[rows_key]`), the machine names the GPU (`gpu`) when the run had one, and the rest of the
 report (meta, attention rows, summary, markdown) rides along under its own keys. The targets come
 from the report's summary, each {"name", "goal", "value", "met"}; a dry run's times are the
-interpreter's, so its timing targets say `met: None` (only correctness is judged). `fmt` and `ratio` format
-the numbers of the suites' tables.
+interpreter's, so its timing targets say `met: None` (only correctness is judged). `fmt` formats the
+numbers of the suites' tables.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ from typing import Any
 from loraserve.bench.common.results import target, write_results
 
 ROOFLINE_FACTOR = 2.0  # LoRA decode b64 distinct r16 within 2x of the roofline
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def fmt(value: float | None, spec: str | None = None) -> str:
@@ -58,10 +54,5 @@ def write_report(out: Path, suite: str, report: dict[str, Any], rows_key: str) -
     gpu = None if meta.get("dry_run") else {"gpu": meta.get("device")}
     summary = report.get("summary") or {}
     return write_results(
-        out,
-        suite,
-        report[rows_key],
-        machine_extra=gpu,
-        targets=targets(summary, bool(meta.get("dry_run"))),
-        **extra,
+        out, suite, report[rows_key], machine_extra=gpu, targets=targets(summary, bool(meta.get("dry_run"))), **extra
     )

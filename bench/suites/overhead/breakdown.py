@@ -13,30 +13,18 @@
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from loraserve.bench.common.engine_run import profiled_decode
+from loraserve.bench.common.stats import median_seconds
 
 SOURCE_MB = 256
 GATHER_MB = 40
 REPEATS = 7
 TOP_OPS = 15
 PROMPT_LEN = 24
-
-
-def median_seconds(fn, repeats: int = REPEATS) -> float:
-    """Median seconds of `fn` over `repeats` calls, after one untimed call."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def gather_bandwidth(row_bytes: int, page_bytes: int, seed: int = 0) -> dict:
@@ -50,11 +38,11 @@ def gather_bandwidth(row_bytes: int, page_bytes: int, seed: int = 0) -> dict:
         table = source[: floats // width * width].view(-1, width)
         picks = torch.randint(0, table.shape[0], (GATHER_MB * 2**20 // unit,), generator=g)
         dest = torch.empty(picks.numel(), width)
-        seconds = median_seconds(lambda t=table, p=picks, d=dest: torch.index_select(t, 0, p, out=d))
+        seconds = median_seconds(lambda t=table, p=picks, d=dest: torch.index_select(t, 0, p, out=d), REPEATS)
         out[f"{name}_gbps"] = round(dest.numel() * 4 / seconds / 1e9, 2)
     dest = torch.empty(GATHER_MB * 2**20 // 4)
     offset = floats // 2
-    seconds = median_seconds(lambda: dest.copy_(source[offset : offset + dest.numel()]))
+    seconds = median_seconds(lambda: dest.copy_(source[offset : offset + dest.numel()]), REPEATS)
     out["contiguous_gbps"] = round(dest.numel() * 4 / seconds / 1e9, 2)
     return {
         "kind": "gather",

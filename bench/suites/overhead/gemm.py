@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from loraserve.bench.common.results import write_results
 from loraserve.bench.common.settings import add_settings, config_from_args
-from loraserve.bench.suites.overhead.breakdown import median_seconds
+from loraserve.bench.common.stats import median_seconds
 from loraserve.config_cli import setting
 from loraserve.worker.dense import DenseLinear
 

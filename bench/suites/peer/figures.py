@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 
 from loraserve.bench.common.results import target
-from loraserve.bench.common.stats import quantile
+from loraserve.bench.common.stats import quantile, ratio
 from loraserve.bench.suites.peer.client import Completion
 from loraserve.bench.suites.peer.plan import Run
 
@@ -67,12 +67,6 @@ def median_tokens_per_s(records: Sequence[dict], pairing: str, system: str) -> f
         if r["pairing"] == pairing and r["system"] == system and not r.get("errors") and r.get("tokens_per_s")
     ]
     return round(statistics.median(values), 2) if values else None
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or not denominator:
-        return None
-    return round(numerator / denominator, 3)
 
 
 def canonical_tokens(token_texts: Sequence[str]) -> tuple[str, ...]:
@@ -128,8 +122,8 @@ def targets(records: Sequence[dict], agreements: dict[str, dict], adapters: int)
     """The suite's targets. Any figure that vLLM did not give (not installed, not started, failed)
     is None and its target is not met."""
     vllm_base = median_tokens_per_s(records, "base", "vllm")
-    base = ratio(median_tokens_per_s(records, "base", "loraserve"), vllm_base)
-    lora = ratio(median_tokens_per_s(records, "lora", "loraserve"), vllm_base)
+    base = ratio(median_tokens_per_s(records, "base", "loraserve"), vllm_base, 3)
+    lora = ratio(median_tokens_per_s(records, "lora", "loraserve"), vllm_base, 3)
     rows = [
         ("loraserve base / vLLM compiled base (tokens/s, median of runs)", BASE_TARGET, base),
         (f"loraserve with {adapters} adapters / vLLM compiled base (tokens/s, median of runs)", LORA_TARGET, lora),

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 PAIRINGS = ("base", "lora")
-SYSTEMS = ("vllm", "loraserve")
 FIRST_TOKEN_ID = 3  # the demo tokenizer's ids 0-2 are <unk>, <s>, </s>: prompts never hold them
 
 

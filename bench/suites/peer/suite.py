@@ -234,15 +234,9 @@ def _start_vllm(
     log_file = settings.cache_dir / "logs" / f"vllm-{pairing}.log"  # the last start's, kept beside the model
     entry: dict = {"pairing": pairing, "log": str(log_file), "started_s": None, "notes": [], "error": None}
     vllm["servers"].append(entry)
+    lora = adapters if pairing == "lora" else None
     try:
-        server = VllmServer.start(
-            python,
-            options,
-            log_file,
-            settings.vllm_start_timeout,
-            lora=adapters if pairing == "lora" else None,
-            max_rank=max(settings.ranks),
-        )
+        server = VllmServer.start(python, options, log_file, settings.vllm_start_timeout, lora, max(settings.ranks))
     except VllmUnavailable as e:
         entry["error"] = str(e)
         print(f"vLLM ({pairing}) did not start: {e}", flush=True)

@@ -115,33 +115,13 @@ class VllmOptions:
 
 def command(python: Path, options: VllmOptions, port: int, lora: dict[str, Path] | None, max_rank: int) -> list[str]:
     """The server's command line; `lora` ({name: adapter dir}) turns on LoRA with those adapters."""
-    argv = [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(options.model_dir),
-        "--served-model-name",
-        options.served_name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        options.dtype,
-        "--max-model-len",
-        str(options.max_model_len),
-        "--max-num-seqs",
-        str(options.max_num_seqs),
-        "--seed",
-        str(options.seed),
-        "--generation-config",
-        "vllm",  # no sampling defaults from the checkpoint's generation_config.json
-        "--no-enable-prefix-caching",  # every run prefills every prompt, as loraserve's does here
-        "--disable-log-stats",
-        "--uvicorn-log-level",
-        "warning",
-    ]
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(options.model_dir)]
+    argv += ["--served-model-name", options.served_name, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--dtype", options.dtype, "--max-model-len", str(options.max_model_len)]
+    argv += ["--max-num-seqs", str(options.max_num_seqs), "--seed", str(options.seed)]
+    argv += ["--generation-config", "vllm"]  # no sampling defaults from the checkpoint's generation_config.json
+    argv += ["--no-enable-prefix-caching"]  # every run prefills every prompt, as loraserve's does here
+    argv += ["--disable-log-stats", "--uvicorn-log-level", "warning"]
     if lora:
         argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
         argv += ["--max-lora-rank", str(max_rank), "--max-loras", str(len(lora)), "--max-cpu-loras", str(len(lora))]

@@ -62,8 +62,7 @@ SETTINGS = PrefixSettings
 
 def _engine(path: Path, preset: PrefixPreset, cache: bool, seed: int):
     from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-    from loraserve.model_config import ModelConfig
-    from loraserve.worker.adapters import load_adapter_bytes
+    from loraserve.bench.systems.engine import AdapterBank
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
 
@@ -71,10 +70,9 @@ def _engine(path: Path, preset: PrefixPreset, cache: bool, seed: int):
     pages = preset.concurrency * (-(-longest // 16)) * 3 + preset.adapters * 8  # room to keep what was computed
     config = EngineConfig(device="cpu", prefix_cache=cache, pool_pages=pages, max_batch_size=preset.concurrency)
     engine = Engine(path, config)
-    synthetic = SyntheticAdapters(path, seed=seed)
-    model = ModelConfig.from_dir(path)
+    bank = AdapterBank(SyntheticAdapters(path, seed=seed))
     for i in range(preset.adapters):
-        engine.adapters.add(f"a{i}", load_adapter_bytes(*synthetic.files(f"a{i}", (8, 16, 32)[i % 3]), model, 128))
+        engine.adapters.add(f"a{i}", bank.get(f"a{i}", (8, 16, 32)[i % 3]))
     return engine
 
 

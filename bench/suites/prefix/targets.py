@@ -8,10 +8,7 @@ repeats (unique prompts) it costs at most 3 %, in throughput and in p99 time to 
 
 from __future__ import annotations
 
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    """a ÷ b, or None where either side measured nothing (a side with no completed request)."""
-    return None if a is None or not b else a / b
+from loraserve.bench.common.stats import ratio
 
 
 def ratios(records: list[dict]) -> dict[str, float | None]:
@@ -21,12 +18,12 @@ def ratios(records: list[dict]) -> dict[str, float | None]:
     out = {}
     for workload in dict.fromkeys(r["workload"] for r in records):
         on, off = by[workload, "on"], by[workload, "off"]
-        out[f"{workload}_ttft_p50_speedup"] = _ratio(off["ttft_p50_s"], on["ttft_p50_s"])
-        out[f"{workload}_throughput_ratio"] = _ratio(on["tokens_per_s"], off["tokens_per_s"])
-        out[f"{workload}_ttft_p99_ratio"] = _ratio(on["ttft_p99_s"], off["ttft_p99_s"])
-        out[f"{workload}_latency_p50_speedup"] = _ratio(off["latency_p50_s"], on["latency_p50_s"])
-        out[f"{workload}_latency_p99_ratio"] = _ratio(on["latency_p99_s"], off["latency_p99_s"])
-        out[f"{workload}_tokens_ahead_p99_ratio"] = _ratio(on["tokens_ahead_p99"], off["tokens_ahead_p99"])
+        out[f"{workload}_ttft_p50_speedup"] = ratio(off["ttft_p50_s"], on["ttft_p50_s"])
+        out[f"{workload}_throughput_ratio"] = ratio(on["tokens_per_s"], off["tokens_per_s"])
+        out[f"{workload}_ttft_p99_ratio"] = ratio(on["ttft_p99_s"], off["ttft_p99_s"])
+        out[f"{workload}_latency_p50_speedup"] = ratio(off["latency_p50_s"], on["latency_p50_s"])
+        out[f"{workload}_latency_p99_ratio"] = ratio(on["latency_p99_s"], off["latency_p99_s"])
+        out[f"{workload}_tokens_ahead_p99_ratio"] = ratio(on["tokens_ahead_p99"], off["tokens_ahead_p99"])
     return out
 
 

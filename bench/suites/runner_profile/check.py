@@ -105,13 +105,10 @@ def out_of_sample(
     arrivals = workload.arrivals(adapters)
     bank = AdapterBank(SyntheticAdapters(model_dir, seed=0))
     runs = {}
+    emulated_config = EngineConfig(**CALIBRATION_ENGINE, runner="emulated", runner_profile=profile_path)
     for kind, config, timer in (
         ("real", EngineConfig(**CALIBRATION_ENGINE), clock),
-        (
-            "emulated",
-            EngineConfig(**CALIBRATION_ENGINE, runner="emulated", runner_profile=profile_path),
-            time.perf_counter,
-        ),
+        ("emulated", emulated_config, time.perf_counter),
     ):
         with one_torch_thread():
             engine = calibration_engine(model_dir, bank, adapters, config)

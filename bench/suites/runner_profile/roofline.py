@@ -22,7 +22,7 @@ peaks, and nothing here was run on a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loraserve.bench.common.llama7b_files import LLAMA_7B
@@ -151,14 +151,7 @@ def roofline_profile(config: RooflineConfig) -> RunnerProfile:
             "memory_ms": round(line.bytes(f) / line.bandwidth_bytes_s * 1e3, 3),
             "compute_ms": round(line.flops(f) / line.peak_flops_s * 1e3, 3),
         }
-    line = Roofline(
-        line.bandwidth_bytes_s,
-        line.peak_flops_s,
-        line.bytes_per,
-        line.flops_per,
-        line.overhead_s,
-        {**line.about, "examples": examples},
-    )
+    line = replace(line, about={**line.about, "examples": examples})
     return RunnerProfile(model_shape(config.model), zeros, costs, roofline=line)
 
 

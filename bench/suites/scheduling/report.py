@@ -6,27 +6,13 @@ from pathlib import Path
 
 from loraserve.bench.common import tables
 
-COLUMNS = (
-    ("scenario", "scenario"),
-    ("policy", "policy"),
-    ("tenant", "tenant"),
-    ("flood", "flood"),
-    ("prefetch", "prefetch"),
-    ("n", "n_requests"),
-    ("done", "completed"),
-    ("TTFT p50 (s)", "ttft_p50_s"),
-    ("TTFT p99 (s)", "ttft_p99_s"),
-    ("queue p99 (s)", "queue_p99_s"),
-    ("SLO", "slo_attainment"),
-    ("req/s", "req_per_s"),
-    ("load wait (s)", "load_wait_s"),
-    ("prefetch hit", "prefetch_hit_rate"),
-    ("ready before", "loads_ready_before_scheduled"),
-    ("refused", "refused"),
-    ("p99 fcfs/this", "ttft_p99_improvement_vs_fcfs"),
-    ("step (s)", "step_mean_s"),
-    ("CPU busy", "cpu_busy"),
-)
+# the table's columns, title -> the record's key: what ran, the outcome and latencies, throughput, adapters, the rest
+COLUMNS = {"scenario": "scenario", "policy": "policy", "tenant": "tenant", "flood": "flood", "prefetch": "prefetch"}
+COLUMNS |= {"n": "n_requests", "done": "completed", "TTFT p50 (s)": "ttft_p50_s", "TTFT p99 (s)": "ttft_p99_s"}
+COLUMNS |= {"queue p99 (s)": "queue_p99_s", "SLO": "slo_attainment", "req/s": "req_per_s"}
+COLUMNS |= {"load wait (s)": "load_wait_s", "prefetch hit": "prefetch_hit_rate"}
+COLUMNS |= {"ready before": "loads_ready_before_scheduled", "refused": "refused"}
+COLUMNS |= {"p99 fcfs/this": "ttft_p99_improvement_vs_fcfs", "step (s)": "step_mean_s", "CPU busy": "cpu_busy"}
 
 
 def _fmt(value) -> str:
@@ -40,17 +26,17 @@ def _fmt(value) -> str:
 
 
 def rows(records: list[dict]) -> list[list[str]]:
-    return [[_fmt(r.get(key)) for _, key in COLUMNS] for r in records]
+    return [[_fmt(r.get(key)) for key in COLUMNS.values()] for r in records]
 
 
 def markdown_table(records: list[dict]) -> str:
-    return tables.markdown_table([title for title, _ in COLUMNS], rows(records))
+    return tables.markdown_table(list(COLUMNS), rows(records))
 
 
 def print_report(records: list[dict], run: dict) -> None:
     title = "loraserve bench --suite scheduling --stack (the real stack, emulated workers)"
     console = tables.wide_console(160)
-    console.print(tables.rich_table(title, [t for t, _ in COLUMNS], rows(records), {"scenario", "policy", "tenant"}))
+    console.print(tables.rich_table(title, list(COLUMNS), rows(records), {"scenario", "policy", "tenant"}))
     for t in run.get("targets", []):
         console.print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {_fmt(t['value'])} (goal {t['goal']})")
 

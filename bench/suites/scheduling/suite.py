@@ -39,13 +39,7 @@ import numpy as np
 
 from loraserve.bench.common.results import cpu_fields, write_results
 from loraserve.bench.suites.scheduling import report as scheduling_report
-from loraserve.bench.suites.scheduling.stack import (
-    Phase,
-    StackConfig,
-    StackRun,
-    StackRunner,
-    upload_adapters,
-)
+from loraserve.bench.suites.scheduling.stack import Phase, StackConfig, StackRun, StackRunner, upload_adapters
 from loraserve.bench.suites.scheduling.summary import record_groups, request_rows, summarize
 from loraserve.bench.suites.scheduling.targets import add_ratios, targets
 from loraserve.bench.workloads import scheduling as traces

@@ -9,6 +9,7 @@ tenant and run (None where one side has no value: the comparison is then missed,
 from __future__ import annotations
 
 from loraserve.bench.common import results
+from loraserve.bench.common.stats import ratio
 
 NO_WORSE = 0.95  # the default policy's completed requests and req/s, at least this × fcfs's
 NO_WORSE_LATENCY = 1.05  # its TTFT p50 and p99, at most this × fcfs's
@@ -17,11 +18,6 @@ MORE_REFUSED = 0.05  # it may refuse at most this share of the requests sent mor
 
 def _key(record: dict) -> tuple:
     return (record["scenario"], record.get("tenant"), record.get("flood"))
-
-
-def _ratio(top: float | None, bottom: float | None, digits: int) -> float | None:
-    """top / bottom, rounded; None when either is missing or bottom is 0."""
-    return None if top is None or not bottom else round(top / bottom, digits)
 
 
 def add_ratios(records: list[dict]) -> None:
@@ -43,11 +39,11 @@ def add_ratios(records: list[dict]) -> None:
         b = baseline.get(_key(r))
         if b is None:
             continue
-        if (improvement := _ratio(b["ttft_p99_s"], r["ttft_p99_s"], 3)) is not None:
+        if (improvement := ratio(b["ttft_p99_s"], r["ttft_p99_s"], 3)) is not None:
             r["ttft_p99_improvement_vs_fcfs"] = improvement
-        r["ttft_p99_vs_fcfs"] = _ratio(r["ttft_p99_s"], b["ttft_p99_s"], 4)
-        r["ttft_p50_vs_fcfs"] = _ratio(r["ttft_p50_s"], b["ttft_p50_s"], 4)
-        r["req_per_s_vs_fcfs"] = _ratio(r["req_per_s"], b["req_per_s"], 4)
+        r["ttft_p99_vs_fcfs"] = ratio(r["ttft_p99_s"], b["ttft_p99_s"], 4)
+        r["ttft_p50_vs_fcfs"] = ratio(r["ttft_p50_s"], b["ttft_p50_s"], 4)
+        r["req_per_s_vs_fcfs"] = ratio(r["req_per_s"], b["req_per_s"], 4)
         r["fcfs_completed"], r["fcfs_refused"] = b["completed"], b["refused"]
         if b["completed"]:
             r["completed_vs_fcfs"] = round(r["completed"] / b["completed"], 4)
@@ -78,7 +74,7 @@ def targets(records: list[dict]) -> list[dict]:
         out.append(target("heavy-tail p99 TTFT, fcfs / default", ">= 3", value, value is not None and value >= 3))
     flooded, calm = find("flood", tenant="victim", flood=True), find("flood", tenant="victim", flood=False)
     if flooded is not None and calm is not None:
-        value = _ratio(flooded["ttft_p99_s"], calm["ttft_p99_s"], 3)
+        value = ratio(flooded["ttft_p99_s"], calm["ttft_p99_s"], 3)
         name = "victim p99 TTFT, flood / calm (default policy)"
         out.append(target(name, "<= 1.5", value, value is not None and value <= 1.5))
     for scenario in ("conversations", "popularity"):

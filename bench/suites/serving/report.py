@@ -9,6 +9,11 @@ BASELINES = ("peft", "merge-and-swap")
 STACK = "loraserve-stack"  # the same engine behind the gRPC services, as real processes
 TARGET_N = 100  # the targets' adapter count: S-LoRA's many-adapter case
 PEFT_GOAL = 5.0  # loraserve's throughput over peft's, at TARGET_N adapters
+# the table's columns, title -> the row's key: the setting, throughput, latencies, outcome, the systems' own figures
+COLUMNS = {"system": "system", "n": "n_adapters", "rate": "rate", "req/s": "req_per_s", "tok/s": "tokens_per_s"}
+COLUMNS |= {"ttft p50": "ttft_p50_s", "ttft p99": "ttft_p99_s", "tpot p50": "tpot_p50_s", "latency": "latency_mean_s"}
+COLUMNS |= {"SLO": "slo_attainment", "done": "finished", "batch": "mean_batch_size", "waste": "pool_waste_fraction"}
+COLUMNS |= {"loads": "adapter_loads", "prefetch hit": "prefetch_hit_rate", "switches": "adapter_switches"}
 
 
 def _row(rows: list[dict], system: str, n: int, rate: float) -> dict | None:
@@ -75,27 +80,9 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def print_report(rows: list[dict], rate: float) -> None:
-    columns = [
-        ("system", "system"),
-        ("n", "n_adapters"),
-        ("rate", "rate"),
-        ("req/s", "req_per_s"),
-        ("tok/s", "tokens_per_s"),
-        ("ttft p50", "ttft_p50_s"),
-        ("ttft p99", "ttft_p99_s"),
-        ("tpot p50", "tpot_p50_s"),
-        ("latency", "latency_mean_s"),
-        ("SLO", "slo_attainment"),
-        ("done", "finished"),
-        ("batch", "mean_batch_size"),
-        ("waste", "pool_waste_fraction"),
-        ("loads", "adapter_loads"),
-        ("prefetch hit", "prefetch_hit_rate"),
-        ("switches", "adapter_switches"),
-    ]
-    cells = [[_fmt(row.get(key)) for _, key in columns] for row in rows]
+    cells = [[_fmt(row.get(key)) for key in COLUMNS.values()] for row in rows]
     console = wide_console(180)
-    console.print(rich_table("loraserve bench", [title for title, _ in columns], cells, left={"system"}))
+    console.print(rich_table("loraserve bench", list(COLUMNS), cells, left={"system"}))
     for description, value in ratios(rows, rate):
         if value is not None:
             console.print(f"{description}: {value}")

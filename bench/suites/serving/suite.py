@@ -44,26 +44,10 @@ log = logging.getLogger(__name__)
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
 
 # Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
-FULL = {
-    "n_adapters": [1, 10, 100, 1000],
-    "rates": [40.0, 20.0, 60.0, 80.0],
-    "rate_sweep_n": 100,
-    "duration": 60.0,
-    "input_len": [8, 64],
-    "output_len": [8, 64],
-    "drain": 60.0,
-    "pool_pages": 768,
-}
-QUICK = {
-    "n_adapters": [1, 100, 1000],
-    "rates": [60.0, 30.0, 120.0],
-    "rate_sweep_n": 100,
-    "duration": 5.0,
-    "input_len": [8, 32],
-    "output_len": [8, 24],
-    "drain": 3.0,
-    "pool_pages": 384,
-}
+FULL = {"n_adapters": [1, 10, 100, 1000], "rates": [40.0, 20.0, 60.0, 80.0], "rate_sweep_n": 100, "duration": 60.0}
+FULL |= {"input_len": [8, 64], "output_len": [8, 64], "drain": 60.0, "pool_pages": 768}
+QUICK = {"n_adapters": [1, 100, 1000], "rates": [60.0, 30.0, 120.0], "rate_sweep_n": 100, "duration": 5.0}
+QUICK |= {"input_len": [8, 32], "output_len": [8, 24], "drain": 3.0, "pool_pages": 384}
 
 
 def _preset(key: str) -> str:
