@@ -10,9 +10,10 @@ to the scheduler (RESOURCE_EXHAUSTED, UNAVAILABLE) → read tokens from the sink
 cancelled, its deadline passed, the edge stopped reading) is cancelled downstream at once; a worker
 lost mid-stream is replaced without the client noticing (`FailoverStream`).
 
-Plain Python: the edges (`gateway/service.py` for gRPC, `gateway/http/` for HTTP) translate their
-requests into a validation to run and the events back into their own shapes. The request is
-validated here, after admission, so every edge refuses in the same order. Failures are raised as
+Plain Python: the edges (`gateway/service.py` for gRPC, `gateway/http/` for HTTP) map their requests
+to a `GenerationRequest`'s fields and the events back into their own shapes. The fields are parsed
+into the request here, after admission (`generation_request.parse`), so every edge refuses in the same
+order. Failures are raised as
 `LoraserveError`s (`RetryLaterError` with a retry hint).
 
 State owned here: the live generations (`streams`, which the cluster watch reports to), the
@@ -25,9 +26,10 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
+import msgspec
 from opentelemetry import trace
 
 from loraserve import telemetry
@@ -41,6 +43,7 @@ from loraserve.gateway.constraints import ConstraintSandbox, TokenizerSpec
 from loraserve.gateway.events import Chunk, Event, Summary
 from loraserve.gateway.failover import FailoverStream, Streams, Submit
 from loraserve.gateway.gate import Gate
+from loraserve.gateway.generation_request import MAX_CLIENT_ID, Fields, GenerationRequest, parse
 from loraserve.gateway.namespaces import Namespace
 from loraserve.gateway.output import Output, Step
 from loraserve.gateway.scheduler_client import SchedulerClient
@@ -52,16 +55,14 @@ from loraserve.gateway.tokenizing import Tokenizing
 from loraserve.gateway.validation import (
     END_USER_METADATA,
     MAX_END_USER_CHARS,
-    AdapterCheck,
     Limits,
-    ValidRequest,
     check_context,
     fairness_tenant,
 )
 from loraserve.tokenizer import Tokenizer
 from loraserve.wire import Tokens
 
-Validate = Callable[[AdapterCheck], ValidRequest]  # the edge's request, validated with this adapter check
+Asked = Callable[[], Fields]  # the edge's request as fields, read after admission (`generation_request.py`)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class GenerationCore:
         """The caller of a call with `metadata`; UNAVAILABLE for everyone while draining."""
         return self.gate.authenticate(metadata)
 
-    async def generate(self, call: Call, validate: Validate) -> AsyncIterator[Event]:
+    async def generate(self, call: Call, asked: Asked) -> AsyncIterator[Event]:
         """The events of one generation: `Chunk`s, then a `Summary`. Close it to stop early (which
         cancels the request downstream); a failure is raised."""
         arrival = time.time()
@@ -119,7 +120,7 @@ class GenerationCore:
             request_id = uuid.uuid4().hex
             span = self._span(call, principal, request_id)
             with trace.use_span(span, end_on_exit=False):  # current only around the calls that trace
-                valid, prompt_ids, version = await self._prepare(validate, principal)
+                valid, prompt_ids, version = await self._prepare(asked, principal)
             span.set_attribute("loraserve.adapter", valid.adapter or "")
             stream = FailoverStream(
                 request_id,
@@ -187,7 +188,7 @@ class GenerationCore:
         span.set_attribute("loraserve.request_id", request_id)
         span.set_attribute("loraserve.tenant", principal.tenant)
         if call.client_request_id:
-            span.set_attribute("loraserve.client_request_id", call.client_request_id[:128])
+            span.set_attribute("loraserve.client_request_id", call.client_request_id[:MAX_CLIENT_ID])
         if metadata.get(END_USER_METADATA):
             span.set_attribute("loraserve.end_user", metadata[END_USER_METADATA][:MAX_END_USER_CHARS])
         return span
@@ -196,7 +197,7 @@ class GenerationCore:
         self,
         call: Call,
         principal: Principal,
-        valid: ValidRequest,
+        valid: GenerationRequest,
         prompt_ids: list[int],
         version: AdapterVersion,
         arrival: float,
@@ -229,13 +230,11 @@ class GenerationCore:
             stream.request_id, step.finish_reason, message.timings, version, stream.worker_id, stream.failovers
         )
 
-    async def _prepare(
-        self, validate: Validate, principal: Principal
-    ) -> tuple[ValidRequest, list[int], AdapterVersion]:
+    async def _prepare(self, asked: Asked, principal: Principal) -> tuple[GenerationRequest, list[int], AdapterVersion]:
         tracer = telemetry.tracer()
         ns = Namespace.of(principal)
         with tracer.start_as_current_span("gateway.validate"):
-            valid = validate(lambda name: ns.check(name, "adapter"))
+            valid = parse(asked(), self.limits, lambda name: ns.check(name, "adapter"))
             if valid.prompt_text is not None:  # a text too long for the context is refused before any lookup
                 self.tokenizing.check_fits(valid.prompt_text, "prompt.text")
         if valid.constraint is not None:  # compiled and checked in the sandbox, never in this process
@@ -245,11 +244,11 @@ class GenerationCore:
         if valid.adapter is not None:  # resolved first: a worker starts fetching it while the prompt is tokenized
             with tracer.start_as_current_span("gateway.adapter_lookup"):
                 store_name, version = await self.adapters.resolve(ns, valid.adapter)
-            valid = replace(valid, adapter=store_name)  # what workers fetch: TENANT~NAME or a public name
+            valid = msgspec.structs.replace(valid, adapter=store_name)  # what workers fetch: TENANT~NAME or public
             self.scheduler.hint(store_name, version, principal.tenant)
             await asyncio.sleep(0)  # the hint's call starts before the prompt is tokenized
         with tracer.start_as_current_span("gateway.tokenize"):
-            if valid.prompt_ids is not None:
+            if valid.prompt_text is None:
                 prompt_ids = valid.prompt_ids
             else:  # in a tokenizer thread: the event loop serves every other call meanwhile
                 prompt_ids = await self.tokenizing.encode(valid.prompt_text, "prompt.text")

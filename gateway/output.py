@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from loraserve.gateway.adapter_versions import AdapterVersion
 from loraserve.gateway.events import Chunk, Summary, Timings, logprobs_of, prompt_logprobs_of
+from loraserve.gateway.generation_request import GenerationRequest
 from loraserve.gateway.stops import StopFilter
-from loraserve.gateway.validation import ValidRequest
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.wire import Tokens
 
@@ -33,7 +33,7 @@ class Step:
 class Output:
     """The text, counts and times of one generation, message by message."""
 
-    def __init__(self, tokenizer: Tokenizer, valid: ValidRequest, prompt_ids: list[int], arrival: float):
+    def __init__(self, tokenizer: Tokenizer, valid: GenerationRequest, prompt_ids: list[int], arrival: float):
         self.valid, self.prompt_ids, self.arrival = valid, prompt_ids, arrival
         keep_special = valid.keep_special_tokens
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=not keep_special)

@@ -18,10 +18,10 @@ import grpc
 
 from loraserve import telemetry
 from loraserve.gateway.adapter_versions import AdapterVersion
+from loraserve.gateway.generation_request import GenerationRequest
 from loraserve.gateway.submit_stream import SubmitStream
-from loraserve.gateway.validation import ValidRequest
 from loraserve.names import TENANT_NAME
-from loraserve.params import encode_sampling
+from loraserve.request_spec import encode_spec
 from loraserve.v1 import scheduler_pb2
 from loraserve.v1 import scheduler_pb2_grpc as sched_grpc
 
@@ -42,7 +42,7 @@ class SchedulerClient:
         attempt: int,
         output_ids: list[int],
         *,
-        valid: ValidRequest,
+        valid: GenerationRequest,
         prompt_ids: list[int],
         version: AdapterVersion,
         arrival_unix: float,
@@ -56,26 +56,22 @@ class SchedulerClient:
         returns the instance of the scheduler that took it. `request_key`: the client request it is a
         generation of (an HTTP body's; "": its prefill group, if any), which the scheduler counts batch
         slots by; `request_cost`: that request's whole token cost, charged once (0: this one alone)."""
-        key = request_key or valid.prefill_group
+        spec = valid.to_spec(
+            attempt_id,
+            prompt_ids,
+            version,
+            reply_to=self.reply_to,
+            arrival=arrival_unix,
+            deadline=deadline_unix,
+            tenant=tenant,
+            attempt=attempt,
+            output_ids=output_ids,
+            request_key=request_key,
+        )
         submit = scheduler_pb2.SubmitRequest(
             request_id=attempt_id,
-            prompt_ids=prompt_ids,
-            adapter=valid.adapter or "",
-            adapter_version=version.version,
-            adapter_sha256=version.sha256,
-            adapter_rank=version.rank,
-            sampling_params=encode_sampling(valid.sampling),  # the scheduler decodes the same SamplingParams
-            deadline_unix=deadline_unix or 0.0,
-            reply_to=self.reply_to,
-            arrival_unix=arrival_unix,
-            output_ids=output_ids,
-            attempt=attempt,
-            tenant=tenant,
-            prefill_group=f"{tenant}/{valid.prefill_group}" if valid.prefill_group else "",
-            cache_salt=f"{len(tenant)}:{tenant}/{valid.cache_salt}",
-            ttft_slo_s=valid.ttft_slo_s,
+            spec=encode_spec(spec),  # the scheduler decodes it, which checks it, and carries it to the worker
             tokens_per_minute=tokens_per_minute,
-            request_key=f"{tenant}/{key}" if key else "",
             request_cost=request_cost,
         )
         with telemetry.tracer().start_as_current_span("gateway.submit"):

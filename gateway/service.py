@@ -1,10 +1,10 @@
 """The gRPC generation RPCs, `Generate` and `GenerateStream`: a thin adapter over the generation core.
 
-A `GenerateRequest` is validated (`validate_generate`, run by the core after admission), the core's
-events are written as `GenerateStreamResponse`s (or gathered into one `GenerateResponse`), and a
-refusal with a retry hint sends it as trailing metadata `retry-after-ms` before its status. The call's
-deadline travels with the request; a cancelled call closes the core's generation, which cancels it
-downstream.
+A `GenerateRequest` is mapped to a generation's fields (`grpc_fields`, read by the core after admission,
+which parses them), the core's events are written as `GenerateStreamResponse`s (or gathered into one
+`GenerateResponse`), and a refusal with a retry hint sends it as trailing metadata `retry-after-ms`
+before its status. The call's deadline travels with the request; a cancelled call closes the core's
+generation, which cancels it downstream.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import grpc
 from loraserve.convert import FINISH_REASONS
 from loraserve.gateway.core import Call, GenerationCore
 from loraserve.gateway.events import Chunk, Event, Logprob, RetryLaterError, Summary
+from loraserve.gateway.generation_request import grpc_fields
 from loraserve.gateway.grpc_calls import deadline_of, metadata_of
-from loraserve.gateway.validation import validate_generate
 from loraserve.grpc_utils import RETRY_AFTER_KEY
 from loraserve.v1 import common_pb2, gateway_pb2
 
@@ -70,7 +70,7 @@ class GenerationService:
     def _events(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[Event]:
         """The core's generation of `request` (the caller closes it)."""
         call = Call(metadata_of(context), deadline_of(context), request.client_request_id)
-        return self.core.generate(call, partial(validate_generate, request, self.core.limits))
+        return self.core.generate(call, partial(grpc_fields, request))
 
 
 def _retry_after(context: grpc.aio.ServicerContext, refusal: RetryLaterError) -> None:

@@ -16,6 +16,8 @@ MAX_LIST = 1 << 20  # tokens of one request (prompt + output): a 1M-token prompt
 MAX_SUBMIT_BATCH = 256
 MAX_SUBMIT_BATCH_BYTES = 8 << 20
 
+MAX_TTFT_SLO_S = 86400.0  # a time-to-first-token target of at most a day
+
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
 Short = Annotated[str, msgspec.Meta(max_length=64)]  # hashes, tenants, instance ids
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -25,3 +27,4 @@ Version = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]  # uint32 in the prot
 Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 Seconds = Finite
 TokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LIST)]
+TtftSlo = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TTFT_SLO_S)]  # seconds from arrival (NaN fails)

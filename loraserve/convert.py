@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams
@@ -28,21 +29,30 @@ def sampling_from_pb(
     False: the gateway takes it out uncompiled (`constraint_from_pb`) and compiles it in its sandbox."""
     structured = compile_structured and pb.HasField("structured_output")
     return SamplingParams(
+        **sampling_fields_of_pb(pb),
         max_new_tokens=max_new_tokens,
-        temperature=pb.temperature,
-        top_k=pb.top_k,
-        top_p=pb.top_p or 1.0,
-        min_p=pb.min_p,
-        seed=pb.seed if pb.HasField("seed") else None,
-        repetition_penalty=pb.repetition_penalty or 1.0,
-        presence_penalty=pb.presence_penalty,
-        frequency_penalty=pb.frequency_penalty,
         stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=pb.ignore_eos,
-        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
-        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
         grammar=grammar_from_pb(pb.structured_output) if structured else None,
     )
+
+
+def sampling_fields_of_pb(pb: common_pb2.SamplingParameters) -> dict[str, Any]:
+    """The SamplingParams fields `pb` sets, by their names (zero values mean defaults; unset optional ones
+    are None), not checked yet; without max_new_tokens, stop_token_ids and the structured output, which
+    the request carries beside them."""
+    return {
+        "temperature": pb.temperature,
+        "top_k": pb.top_k,
+        "top_p": pb.top_p or 1.0,
+        "min_p": pb.min_p,
+        "seed": pb.seed if pb.HasField("seed") else None,
+        "repetition_penalty": pb.repetition_penalty or 1.0,
+        "presence_penalty": pb.presence_penalty,
+        "frequency_penalty": pb.frequency_penalty,
+        "ignore_eos": pb.ignore_eos,
+        "logprobs": pb.logprobs if pb.HasField("logprobs") else None,
+        "prompt_logprobs": pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+    }
 
 
 def constraint_from_pb(pb: common_pb2.StructuredOutput) -> Constraint:

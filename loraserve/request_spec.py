@@ -16,12 +16,14 @@ from typing import Annotated
 
 import msgspec
 
-from loraserve.bounds import MAX_LIST, Count, Id, Seconds, Short, TokenIds, Version
+from loraserve.bounds import MAX_LIST, Count, Id, Seconds, Short, TokenIds, TtftSlo, Version
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams
+from loraserve.struct_errors import invalid_field
 
 MAX_ADAPTER_RANK = 4096  # far above any rank a store admits (its --max-lora-rank)
+NO_REPLY = "ipc://no-reply"  # the reply address of a spec made in-process (an offline request, a hint's view)
 Endpoint = Annotated[str, msgspec.Meta(max_length=1024)]  # tcp:// or ipc://, checked by `check_endpoint`
 
 
@@ -41,7 +43,7 @@ class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output_ids: TokenIds = msgspec.field(default_factory=list)
     deadline: Seconds | None = None  # unix seconds
     tenant: Short = ""
-    ttft_slo_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] | None = None
+    ttft_slo_s: TtftSlo | None = None
     attempt: Count = 0  # 0: the first; n: the gateway's n-th failover of it
     group: Id | None = None  # shared prefill with the group's requests of the same prompt (`step_scheduler`)
     cache_salt: Id = ""  # prefix caching: only requests with the same salt share cached KV
@@ -61,3 +63,25 @@ class RequestSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def adapter_key(self) -> tuple[str, int] | None:
         """(name, version) of its adapter; None for the base model."""
         return (self.adapter, self.adapter_version) if self.adapter else None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(RequestSpec)
+
+
+def encode_spec(spec: RequestSpec) -> bytes:
+    """`spec` as msgpack: what a SubmitRequest's `spec` carries from the gateway to the scheduler."""
+    return _ENCODER.encode(spec)
+
+
+def decode_spec(data: bytes, field: str = "spec") -> RequestSpec:
+    """The RequestSpec `data` holds (`encode_spec`), every bound and check applied; InvalidRequestError
+    naming `field`, or the spec's field (`spec.ttft_slo_s`) whose value is wrong, if it is not one."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.ValidationError as e:
+        error = invalid_field(e, whole=field)
+        name = error.field if error.field == field else f"{field}.{error.field}"
+        raise InvalidRequestError(name, error.problem) from None
+    except msgspec.DecodeError as e:
+        raise InvalidRequestError(field, str(e)) from None

@@ -9,33 +9,79 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraserve.prefix_keys import PrefixProbe
+from loraserve.request_spec import RequestSpec
 from loraserve.wire import AdapterKey
 
 
 @dataclass
 class QueuedRequest:
-    """One request as the policy sees it, from Submit until it ends: what placement and fairness need."""
+    """One request as the policy sees it, from Submit until it ends: its spec as the scheduler accepted it
+    (never changed here) and the policy's own state. The properties are what placement and fairness read
+    of the spec; a continued request's tokens already generated count as prompt, and against its
+    max_new_tokens."""
 
-    request_id: str
-    adapter: AdapterKey | None
-    prompt_len: int
-    max_new_tokens: int
-    reply_to: str
-    arrival: float
-    deadline: float | None = None
-    enqueued: float = 0.0
-    tenant: str = ""  # whose request (VTC fairness); "" is a tenant like any other
-    ttft_slo_s: float | None = None  # time-to-first-token target from `arrival`; refused early if missed
-    rank: int = 0  # the adapter's LoRA rank; 0: unknown (SizeClasses.default_rank is assumed)
-    attempt: int = 0  # earlier attempts lost (failover, migration): only attempt 0 migrates
+    spec: RequestSpec
+    enqueued: float = 0.0  # when it joined the queue (set by the policy)
     placed_at: float = 0.0  # when it was assigned to a worker (set by the policy)
-    group: str | None = None  # shared prefill: placed beside the group's other requests when there is room
     prefix: PrefixProbe | None = None  # prefix caching: its checkpoint fingerprints (adaptive placement)
-    request_key: str = ""  # the client request it belongs to (its batch share is counted per key); "": its id
 
-    def __post_init__(self) -> None:
-        if not self.request_key:  # a request of its own
-            self.request_key = self.request_id
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def adapter(self) -> AdapterKey | None:
+        return self.spec.adapter_key
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.spec.prompt_ids) + len(self.spec.output_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.spec.sampling.max_new_tokens - len(self.spec.output_ids)
+
+    @property
+    def reply_to(self) -> str:
+        return self.spec.reply_to
+
+    @property
+    def arrival(self) -> float:
+        return self.spec.arrival
+
+    @property
+    def deadline(self) -> float | None:
+        return self.spec.deadline
+
+    @property
+    def tenant(self) -> str:
+        """Whose request (VTC fairness); "" is a tenant like any other."""
+        return self.spec.tenant
+
+    @property
+    def ttft_slo_s(self) -> float | None:
+        """Its time-to-first-token target from `arrival`; refused early if missed."""
+        return self.spec.ttft_slo_s
+
+    @property
+    def rank(self) -> int:
+        """Its adapter's LoRA rank; 0: unknown (SizeClasses.default_rank is assumed)."""
+        return self.spec.adapter_rank
+
+    @property
+    def attempt(self) -> int:
+        """Earlier attempts lost (failover, migration): only attempt 0 migrates."""
+        return self.spec.attempt
+
+    @property
+    def group(self) -> str | None:
+        """Shared prefill: placed beside the group's other requests when there is room."""
+        return self.spec.group
+
+    @property
+    def request_key(self) -> str:
+        """The client request it belongs to (its batch share is counted per key): its own id when alone."""
+        return self.spec.request_key or self.spec.request_id
 
 
 # ---- decisions -------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from loraserve.params import SamplingParams
+from loraserve.request_spec import NO_REPLY, RequestSpec
 from loraserve.scheduler.policy import PrefetchOn, QueuedRequest, SchedulerPolicy
 from loraserve.wire import AdapterKey
 
@@ -34,7 +36,7 @@ class AdapterHints:
         self, policy: SchedulerPolicy, adapter: AdapterKey, rank: int, tenant: str, now: float
     ) -> PrefetchOn | None:
         """The PREFETCH to send for a request about to come for `adapter`, or None (nothing to do)."""
-        request = QueuedRequest("", adapter, 1, 1, "", now, tenant=tenant, rank=rank)  # its prompt is unknown yet
+        request = QueuedRequest(_like(adapter, rank, tenant, now))
         worker_id = policy.hint_target(request, now)
         if worker_id is None:
             return None
@@ -47,3 +49,20 @@ class AdapterHints:
         while len(self._sent) > MAX_REMEMBERED:
             self._sent.popitem(last=False)
         return PrefetchOn(worker_id, (adapter,), (1.0,))
+
+
+def _like(adapter: AdapterKey, rank: int, tenant: str, now: float) -> RequestSpec:
+    """A request like the one the hint announces: its adapter, rank and tenant; its prompt is unknown yet (one
+    token, one to generate)."""
+    name, version = adapter
+    return RequestSpec(
+        request_id="",
+        prompt_ids=[0],
+        sampling=SamplingParams(max_new_tokens=1),
+        reply_to=NO_REPLY,
+        arrival=now,
+        adapter=name,
+        adapter_version=version,
+        adapter_rank=rank,
+        tenant=tenant,
+    )

@@ -1,107 +1,64 @@
-"""The scheduler's edge: a Submit is checked, then turned into the request's one `RequestSpec`.
+"""The scheduler's edge: a Submit's `RequestSpec`, as the gateway built it, decoded and checked.
 
 Everything after this reads the spec (`loraserve/request_spec.py`): the loop keeps it while the
-request queues, the ASSIGN carries it, the worker's `Request` holds it. The checks here refuse
-(INVALID_ARGUMENT naming the field) what a worker's decoder would refuse in the ASSIGN, or what
-could not be delivered.
+request queues, the ASSIGN carries it, the worker's `Request` holds it. Decoding refuses what a
+worker's decoder would refuse in the ASSIGN (the spec's annotations); `check_spec` what could not be
+served or delivered (INVALID_ARGUMENT naming the field).
 """
 
 from __future__ import annotations
 
-import math
-
 from loraserve.bounds import MAX_ID, MAX_LIST, MAX_SUBMIT_BATCH, MAX_SUBMIT_BATCH_BYTES
-from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
 from loraserve.names import SHA256_HEX, TENANT_NAME
-from loraserve.params import SamplingParams, decode_sampling
 from loraserve.prefix_keys import PrefixProbe, adapter_identity, chain_root
-from loraserve.request_spec import MAX_ADAPTER_RANK, RequestSpec
+from loraserve.request_spec import MAX_ADAPTER_RANK, RequestSpec, decode_spec
 from loraserve.scheduler.decisions import QueuedRequest
+from loraserve.scheduler.submit_fields import spec_of_fields
 from loraserve.v1 import scheduler_pb2
-
-MAX_TTFT_SLO_S = 86400.0
 
 
 def spec_from_submit(request: scheduler_pb2.SubmitRequest, now: float) -> RequestSpec:
-    """The request's spec (raises InvalidRequestError naming the field). Its sampling parameters are the
-    gateway's SamplingParams as sent (`sampling_params`), or made here from the protobuf fields."""
-    check_submit(request)
-    sampling = submitted_sampling(request)
-    if request.output_ids and len(request.output_ids) >= sampling.max_new_tokens:
-        raise InvalidRequestError(
-            "output_ids", f"holds {len(request.output_ids)} tokens; max_new_tokens is {sampling.max_new_tokens}"
-        )
-    return RequestSpec(
-        request_id=request.request_id,
-        prompt_ids=request.prompt_ids[:],  # a slice: 4× faster than list() of a protobuf field
-        sampling=sampling,
-        reply_to=request.reply_to,
-        arrival=request.arrival_unix or now,
-        adapter=request.adapter or None,
-        adapter_version=request.adapter_version,
-        adapter_sha256=request.adapter_sha256,
-        adapter_rank=request.adapter_rank if request.adapter else 0,
-        output_ids=request.output_ids[:],
-        deadline=request.deadline_unix or None,
-        tenant=request.tenant,
-        ttft_slo_s=request.ttft_slo_s or None,
-        attempt=request.attempt,
-        group=request.prefill_group or None,
-        cache_salt=request.cache_salt,
-        request_key=request.request_key,
-    )
+    """The request's spec (raises InvalidRequestError naming the field): the gateway's `spec` decoded, which
+    checks every bound its annotations declare, or from a gateway of release 0.1 the one its own fields make
+    (`submit_fields.py`, with the same checks); then what no annotation says (`check_spec`)."""
+    if not request.spec:
+        check_present(request.request_id, len(request.prompt_ids))  # what an empty Submit is refused for first
+        spec = spec_of_fields(request, now)
+    else:
+        spec = decode_spec(request.spec)
+        if spec.request_id != request.request_id:
+            raise InvalidRequestError("request_id", "must be the request_id of its spec")
+    check_spec(spec)
+    return spec
 
 
-def submitted_sampling(request: scheduler_pb2.SubmitRequest) -> SamplingParams:
-    """The Submit's sampling parameters, checked: `sampling_params` when set, else the protobuf fields."""
-    if request.sampling_params:
-        return decode_sampling(request.sampling_params)
-    return sampling_from_pb(request.sampling, request.max_new_tokens, request.stop_token_ids)
-
-
-def check_submit(request: scheduler_pb2.SubmitRequest) -> None:
-    """Refuse what a worker's decoder would refuse in the ASSIGN: the lengths and values of the Submit's
-    own fields. What crosses fields (the token total, the reply address) the spec checks as it is built,
-    and the sampling parameters check themselves (`submitted_sampling`)."""
-    if not request.request_id or len(request.request_id) > MAX_ID:
-        raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
-    if len(request.adapter) > MAX_ID:
-        raise InvalidRequestError("adapter", f"must be at most {MAX_ID} characters")
-    for name in ("prefill_group", "cache_salt", "request_key"):
-        if len(getattr(request, name)) > MAX_ID:
-            raise InvalidRequestError(name, f"must be at most {MAX_ID} characters")
-    _check_adapter_and_tenant(request)
-    if not 1 <= len(request.prompt_ids) <= MAX_LIST:
-        raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {len(request.prompt_ids)}")
-    if not math.isfinite(request.ttft_slo_s) or not 0 <= request.ttft_slo_s <= MAX_TTFT_SLO_S:
-        raise InvalidRequestError("ttft_slo_s", f"must be 0 (none) or seconds up to {MAX_TTFT_SLO_S:g}")
-    for name in ("deadline_unix", "arrival_unix"):
-        value = getattr(request, name)
-        if not math.isfinite(value) or value < 0:
+def check_spec(spec: RequestSpec) -> None:
+    """Refuse what a spec's annotations let through but no worker could serve or no gateway would send: an
+    empty id or prompt, a malformed weights hash or tenant, a time before the epoch, or a continuation with
+    no token left to generate."""
+    check_present(spec.request_id, len(spec.prompt_ids))
+    _check_adapter_and_tenant(spec.adapter_sha256, spec.adapter_rank, spec.tenant)
+    for name, value in (("deadline_unix", spec.deadline or 0.0), ("arrival_unix", spec.arrival)):
+        if value < 0:
             raise InvalidRequestError(name, f"must be a finite time in unix seconds (0: unset), got {value}")
+    if spec.output_ids and len(spec.output_ids) >= spec.sampling.max_new_tokens:
+        raise InvalidRequestError(
+            "output_ids", f"holds {len(spec.output_ids)} tokens; max_new_tokens is {spec.sampling.max_new_tokens}"
+        )
+
+
+def check_present(request_id: str, prompt_len: int) -> None:
+    """A request has an id and a prompt (what an empty Submit lacks first)."""
+    if not request_id:
+        raise InvalidRequestError("request_id", f"must be 1-{MAX_ID} characters")
+    if not 1 <= prompt_len <= MAX_LIST:
+        raise InvalidRequestError("prompt_ids", f"must hold 1-{MAX_LIST} tokens, got {prompt_len}")
 
 
 def queued_from_spec(spec: RequestSpec) -> QueuedRequest:
-    """The policy's view of an accepted request: what placement and fairness read (a continued one's
-    tokens already generated count as prompt, and against its max_new_tokens)."""
-    generated = len(spec.output_ids)
-    return QueuedRequest(
-        request_id=spec.request_id,
-        adapter=spec.adapter_key,
-        prompt_len=len(spec.prompt_ids) + generated,
-        max_new_tokens=spec.sampling.max_new_tokens - generated,
-        reply_to=spec.reply_to,
-        arrival=spec.arrival,
-        deadline=spec.deadline,
-        tenant=spec.tenant,
-        ttft_slo_s=spec.ttft_slo_s,
-        rank=spec.adapter_rank,
-        attempt=spec.attempt,
-        group=spec.group,
-        prefix=_prefix_probe(spec),
-        request_key=spec.request_key,
-    )
+    """The policy's view of an accepted request: the spec, and what placement asks about its cached prefixes."""
+    return QueuedRequest(spec, prefix=_prefix_probe(spec))
 
 
 def _prefix_probe(spec: RequestSpec) -> PrefixProbe | None:
@@ -138,16 +95,14 @@ def check_hint(request: scheduler_pb2.PrepareAdapterRequest) -> None:
     """Refuse a hint naming what no ASSIGN could carry (the worker's decoder would drop the PREFETCH)."""
     if not request.adapter or len(request.adapter) > MAX_ID:
         raise InvalidRequestError("adapter", f"must be 1-{MAX_ID} characters")
-    _check_adapter_and_tenant(request)
+    _check_adapter_and_tenant(request.adapter_sha256, request.adapter_rank, request.tenant)
 
 
-def _check_adapter_and_tenant(
-    request: scheduler_pb2.SubmitRequest | scheduler_pb2.PrepareAdapterRequest,
-) -> None:
-    """The fields a Submit and a hint share: the adapter's weights hash and rank, and the tenant."""
-    if request.adapter_sha256 and not SHA256_HEX.fullmatch(request.adapter_sha256):
+def _check_adapter_and_tenant(sha256: str, rank: int, tenant: str) -> None:
+    """The fields a request and a hint share: the adapter's weights hash and rank, and the tenant."""
+    if sha256 and not SHA256_HEX.fullmatch(sha256):
         raise InvalidRequestError("adapter_sha256", "must be empty or 64 lowercase hex digits")
-    if request.adapter_rank > MAX_ADAPTER_RANK:
+    if rank > MAX_ADAPTER_RANK:
         raise InvalidRequestError("adapter_rank", f"must be at most {MAX_ADAPTER_RANK} (0: unknown)")
-    if request.tenant and not TENANT_NAME.fullmatch(request.tenant):
+    if tenant and not TENANT_NAME.fullmatch(tenant):
         raise InvalidRequestError("tenant", "must be letters, digits, '-' or '_', at most 64 characters")

@@ -39,6 +39,7 @@ import torch
 
 from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.model_config import ModelConfig
+from loraserve.partition import local_model
 from loraserve.prefix_keys import SequenceFingerprints, chain_root
 from loraserve.request_spec import RequestSpec
 from loraserve.tokenizer import Tokenizer
@@ -47,15 +48,17 @@ from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.emulated.runner import EmulatedRunner
 from loraserve.worker.engine_adapters import EngineAdapters
-from loraserve.worker.engine_setup import base_bytes, check_prompt, model_runner, pool_pages
+from loraserve.worker.engine_setup import base_bytes, check_prompt, model_runner, pool_pages, start_ranks
 from loraserve.worker.grammar import GrammarMatchers
 from loraserve.worker.model import load_model
+from loraserve.worker.pool_copier import PoolCopier
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.request import FinishReason, Request
 from loraserve.worker.sampling import SamplingParams
 from loraserve.worker.step_results import StepOutput, StepResults, StepShape
 from loraserve.worker.step_runner import Runner
 from loraserve.worker.step_scheduler import StepScheduler
+from loraserve.worker.tensor_parallel.loads import SharingCopier
 from loraserve.worker.unified_pool import UnifiedPool
 
 log = logging.getLogger(__name__)
@@ -99,8 +102,8 @@ class GenerateResult:
         """A finished request's result."""
         return cls(
             request_id=r.request_id,
-            adapter=r.adapter[0] if r.adapter else None,
-            prompt_ids=r.prompt_ids,
+            adapter=r.spec.adapter,
+            prompt_ids=r.spec.prompt_ids,
             token_ids=r.output_ids,
             text=tokenizer.decode(r.output_ids),
             finish_reason=r.finish_reason,
@@ -128,25 +131,34 @@ class Engine:
             runner = EmulatedRunner.from_profile(config.runner_profile, self.model_config, self.tokenizer)
         self.device = torch.device("cpu") if emulated else config.torch_device()
         self.dtype = config.torch_dtype(self.device, self.model_config.torch_dtype)
-        self.model = None if emulated else load_model(model_dir, self.model_config, self.device, self.dtype)
+        # Tensor parallelism: this process is rank 0 and starts the others (`tensor_parallel/leader.py`).
+        shard, self.leader = start_ranks(config, self.model_dir, self.model_config, self.device)
+        self.model = None if emulated else load_model(model_dir, self.model_config, self.device, self.dtype, shard)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        pages = pool_pages(config, self.model_config, self.dtype, self.device)
-        self.layout = PoolLayout.for_model(self.model_config, config.rows_per_page, pages)
+        pages = pool_pages(config, local_model(self.model_config, shard), self.dtype, self.device)
+        self.layout = PoolLayout.for_model(self.model_config, config.rows_per_page, pages, shard)
         self.registry = AdapterRegistry(budget_bytes=config.adapter_cache_bytes)  # adapters in host RAM
         fraction = config.adapter_pool_fraction
         adapter_pages = max(1, int(self.layout.num_pages * fraction)) if fraction else None
         # The unified pool: ONE buffer for KV cache and adapter weights (see pool_layout.py). Emulated, its
         # memory is taken only where adapters are copied in (nothing writes KV).
         self.pool = UnifiedPool(
-            self.layout, self.model_config, self.registry, self.dtype, self.device, adapter_pages, zeroed=not emulated
+            self.layout,
+            self.model_config,
+            self.registry,
+            self.dtype,
+            self.device,
+            adapter_pages,
+            zeroed=not emulated,
+            copier=PoolCopier if self.leader is None else SharingCopier,
         )
         self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
-        queued = lambda: (r.adapter for r in self.step_scheduler.waiting)  # noqa: E731
+        queued = lambda: (r.spec.adapter_key for r in self.step_scheduler.waiting)  # noqa: E731
         self.adapters = EngineAdapters(config, self.model_config, self.layout, self.registry, self.pool, queued)
         self.warm_up_seconds = None
         if runner is None:
             args = (self.model, self.pool, self.layout, self.model_config, self.max_model_len, self.device)
-            runner, self.warm_up_seconds = model_runner(config, *args)
+            runner, self.warm_up_seconds = model_runner(config, *args, leader=self.leader)
         self.runner: Runner = runner
         self.requests: dict[str, Request] = {}
         self.results = StepResults(
@@ -233,17 +245,13 @@ class Engine:
         elif guide is None:
             guide = self.grammars.matcher(sampling.grammar, output_ids)
         seed = sampling.seed if sampling.seed is not None else next(self._seeds)
-        request = Request(
-            request_id,
-            list(prompt_ids),
-            sampling,
-            key,
-            output_ids=output_ids,
-            seed=seed,
-            guide=guide,
-            group=group,
-            spec=spec,
-        )
+        if spec is None:
+            request = Request.offline(
+                request_id, prompt_ids, sampling, key, output_ids=output_ids, group=group, cache_salt=cache_salt
+            )
+        else:
+            request = Request(spec, output_ids=output_ids)
+        request.seed, request.guide = seed, guide
         if self.config.prefix_cache:
             request.chain_root = chain_root(cache_salt, self.adapters.identity(key))
             request.fingerprints = SequenceFingerprints(request.chain_root)
@@ -300,7 +308,7 @@ class Engine:
         waited = {key: self.pool.wait_ready(key, by_layer) for key in plan.adapters}
         if self.config.prefetch:  # adapters of the requests queued next: needed for sure
             waiting = itertools.islice(self.step_scheduler.waiting, self.config.prefetch_depth)
-            self.adapters.start([r.adapter for r in waiting if r.adapter is not None])
+            self.adapters.start([r.spec.adapter_key for r in waiting if r.spec.adapter])
         output = self.runner.execute(plan.batch, plan.kv_copies)
         for key in waited if by_layer else ():
             waited[key] += self.pool.layer_wait_s(key)
@@ -340,3 +348,5 @@ class Engine:
     def close(self) -> None:
         self.pool.copier.close()
         self.runner.masks.close()
+        if self.leader is not None:
+            self.leader.close()

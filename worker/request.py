@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraserve.prefix_keys import SequenceFingerprints
-from loraserve.request_spec import RequestSpec
+from loraserve.request_spec import NO_REPLY, RequestSpec
 from loraserve.wire import AdapterKey, TokenLogprob  # (name, version): requests keep the version they started with
 from loraserve.worker.sampling import SamplingParams
 
@@ -27,14 +29,14 @@ class FinishReason(enum.StrEnum):
 
 @dataclass
 class Request:
-    """A request's whole state in the engine. Owned by the engine: `Engine._update` changes its tokens,
-    positions and timestamps; the step scheduler only its status, what it holds in the pool, and
-    its KV on preemption (num_computed back to 0)."""
+    """A request's whole state in the engine: its spec, never changed here (the scheduler's, as the ASSIGN
+    carried it, or one made for an offline request, `offline`), whose prompt, sampling parameters, adapter
+    key and group the engine reads, and the engine's own state. Owned by the engine: `Engine._update`
+    changes its tokens, positions and timestamps; the step scheduler only its status, what it holds in the
+    pool, and its KV on preemption (num_computed back to 0)."""
 
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    adapter: AdapterKey | None = None
+    spec: RequestSpec
+    # Its spec's output_ids (tokens an earlier attempt generated), then the tokens generated here.
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     status: Status = Status.WAITING
@@ -53,9 +55,6 @@ class Request:
     # an earlier attempt that reported them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # Requests of one group with the same adapter and prompt compute the prompt once (`StepScheduler`):
-    # OpenAI's n choices, or a client's own group.
-    group: str | None = None
     shared_prefill_tokens: int = 0  # prompt tokens whose KV was copied from a member of its group
     # Prefix caching (`loraserve/prefix_keys.py`): the root of its block-hash chain (None: caching off), the
     # hashes of its full blocks so far, its checkpoint prefixes' fingerprints, how many of its pages are
@@ -65,22 +64,55 @@ class Request:
     fingerprints: SequenceFingerprints | None = None
     registered_pages: int = 0
     cached_tokens: int = 0
-    # The scheduler's record of it, as the ASSIGN carried it (None for an offline request): never changed here.
-    spec: RequestSpec | None = None
     guide: Any = None  # with sampling.grammar: its llguidance matcher, at the end of output_ids (`worker/grammar.py`)
+
+    @classmethod
+    def offline(
+        cls,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        adapter: AdapterKey | None = None,
+        *,
+        output_ids: Sequence[int] = (),
+        group: str | None = None,
+        cache_salt: str = "",
+        **state: Any,
+    ) -> Request:
+        """A request made in this process (the offline API, benchmarks, tests), with a spec of its own that
+        replies to no one (`NO_REPLY`); `state`: the engine's fields of it (seed, guide, ...)."""
+        spec = RequestSpec(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            reply_to=NO_REPLY,
+            arrival=time.time(),
+            adapter=adapter[0] if adapter else None,
+            adapter_version=adapter[1] if adapter else 0,
+            output_ids=list(output_ids),
+            group=group,
+            cache_salt=cache_salt,
+        )
+        return cls(spec, output_ids=list(output_ids), **state)
+
+    @property
+    def request_id(self) -> str:
+        """Its key in the engine, the pool's page tables and the step's outputs."""
+        return self.spec.request_id
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.spec.prompt_ids) + len(self.output_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""
-        prompt = len(self.prompt_ids)
+        prompt_ids = self.spec.prompt_ids
+        prompt = len(prompt_ids)
         if end <= prompt:
-            return self.prompt_ids[start:end]
+            return prompt_ids[start:end]
         if start >= prompt:
             return self.output_ids[start - prompt : end - prompt]
-        return self.prompt_ids[start:] + self.output_ids[: end - prompt]
+        return prompt_ids[start:] + self.output_ids[: end - prompt]
 
     @property
     def finished(self) -> bool:

@@ -62,8 +62,8 @@ class StepShape(NamedTuple):
         tokens = rank_tokens = kv_pages = 0
         for request, n in plan.scheduled:
             tokens += n
-            if request.adapter is not None:
-                rank_tokens += n * pool.slot(request.adapter).rank
+            if (key := request.spec.adapter_key) is not None:
+                rank_tokens += n * pool.slot(key).rank
             kv_pages += -(-(request.num_computed + n) // tokens_per_page)
         return cls(tokens, rank_tokens, len(plan.adapters), kv_pages)
 
@@ -94,7 +94,7 @@ class StepResults:
         for request, n in plan.scheduled:
             if request.first_scheduled is None:
                 request.first_scheduled = scheduled_at
-                request.adapter_wait_s += waited.get(request.adapter, 0.0)
+                request.adapter_wait_s += waited.get(request.spec.adapter_key, 0.0)
             scored = output.prompt_logprobs.get(request.request_id)
             if scored is not None:
                 start = request.num_computed
@@ -105,7 +105,9 @@ class StepResults:
                 continue  # a prefill chunk that does not end its prompt
             token = output.sampled[request.request_id]
             if token is None:
-                log.warning("request %s (adapter %s): non-finite logits, ended", request.request_id, request.adapter)
+                log.warning(
+                    "request %s (adapter %s): non-finite logits, ended", request.request_id, request.spec.adapter_key
+                )
                 outputs.append(
                     self.finish(request.request_id, FinishReason.ERROR, NON_FINITE_ERROR, status="FAILED_PRECONDITION")
                 )
@@ -141,7 +143,7 @@ class StepResults:
         return str(guide_error(request.guide))
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        s = request.sampling
+        s = request.spec.sampling
         if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
             return FinishReason.STOP
         if request.guide is not None and request.guide.is_stopped():  # the grammar is complete
@@ -157,9 +159,9 @@ class StepResults:
         request = self.requests.pop(request_id)
         self.step_scheduler.finish(request, reason, error)
         request.finished_at = time.monotonic()
-        if request.adapter is not None:
-            self.registry.release(request.adapter)
-            self.pool.discard_stale(request.adapter)
+        if (key := request.spec.adapter_key) is not None:
+            self.registry.release(key)
+            self.pool.discard_stale(key)
         return StepOutput(request_id, list(tokens), True, reason, error, status)
 
     def fail_unschedulable(self, outputs: list[StepOutput]) -> None:

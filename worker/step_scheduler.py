@@ -85,7 +85,7 @@ class StepPlan:
     @property
     def adapters(self) -> list[AdapterKey]:
         """The distinct adapters of the step, in batch order."""
-        return list(dict.fromkeys(r.adapter for r, _ in self.scheduled if r.adapter is not None))
+        return list(dict.fromkeys(r.spec.adapter_key for r, _ in self.scheduled if r.spec.adapter_key is not None))
 
 
 class StepScheduler:
@@ -120,8 +120,8 @@ class StepScheduler:
 
     def _release(self, request: Request) -> None:
         self.pool.pages.free_kv(request.request_id)
-        if request.adapter is not None:
-            self.pool.pages.unpin(request.adapter)
+        if (key := request.spec.adapter_key) is not None:
+            self.pool.pages.unpin(key)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
@@ -147,7 +147,7 @@ class StepScheduler:
             budget -= n
         if not plan.preempted:  # after a preemption the pool is tight: let the running batch drain first
             self._admit(plan, budget)
-        plan.scheduled.sort(key=lambda item: (item[0].adapter is None, item[0].adapter or ("", 0)))
+        plan.scheduled.sort(key=lambda item: (item[0].spec.adapter_key is None, item[0].spec.adapter_key or ("", 0)))
         plan.batch = [self._chunk(request, n) for request, n in plan.scheduled]
         return plan
 
@@ -155,8 +155,10 @@ class StepScheduler:
         start = request.num_computed
         sample = None
         if start + n == request.num_tokens:
-            sample = SampleSpec(request.sampling, request.seed, request.prompt_ids, request.output_ids, request.guide)
-        adapter = self.pool.slot(request.adapter) if request.adapter is not None else None
+            spec = request.spec
+            sample = SampleSpec(spec.sampling, request.seed, spec.prompt_ids, request.output_ids, request.guide)
+        key = request.spec.adapter_key
+        adapter = self.pool.slot(key) if key is not None else None
         kv_pages = self.pool.pages.kv_page_table(request.request_id)
         tokens = request.token_ids(start, start + n)
         return SeqChunk(request.request_id, tokens, start, kv_pages, adapter, sample, _scoring(request, start, n))
@@ -181,17 +183,18 @@ class StepScheduler:
             donor = self._donor(request)
             if donor is _PREFILLING:
                 return  # its prompt's KV is being computed: it waits to copy it
-            keep = frozenset(r.adapter for r in self.running if r.adapter is not None)
-            if request.adapter is not None and not self.pool.ensure(request.adapter, keep):
+            key = request.spec.adapter_key
+            keep = frozenset(r.spec.adapter_key for r in self.running if r.spec.adapter_key is not None)
+            if key is not None and not self.pool.ensure(key, keep):
                 return
             looked_up = self._attach_cached(request)  # tokens whose KV is in cached pages, now its own first pages
             cached = looked_up or 0
-            shared = len(request.prompt_ids) - 1 if donor is not None else 0  # tokens whose KV it copies
+            shared = len(request.spec.prompt_ids) - 1 if donor is not None else 0  # tokens whose KV it copies
             start = max(cached, shared)
             n = min(request.num_tokens - start, budget)
             target = start + n
             need = self.pool.pages.kv_pages_to_grow(request.request_id, target)
-            keep_with_own = keep | ({request.adapter} if request.adapter else set())
+            keep_with_own = keep | ({key} if key else set())
             if not (
                 self.pool.make_room(need, keep=frozenset(keep_with_own), for_kv=True)
                 and self.pool.pages.grow_kv(request.request_id, target)
@@ -207,8 +210,8 @@ class StepScheduler:
                 self.cached_tokens += cached
             if shared > cached:
                 self._share_prefill(donor, request, shared, plan)
-            if request.adapter is not None:
-                self.pool.pages.pin(request.adapter)
+            if key is not None:
+                self.pool.pages.pin(key)
             request.status = Status.RUNNING
             self.running.append(request)
             plan.scheduled.append((request, n))
@@ -217,16 +220,17 @@ class StepScheduler:
     def _donor(self, request: Request) -> Request | object | None:
         """The running member of `request`'s group whose prompt KV it can copy; `_PREFILLING` while that
         member is still computing it; None when there is none (it prefills on its own)."""
-        if request.group is None or request.num_computed or len(request.prompt_ids) < 2:
+        spec = request.spec
+        if spec.group is None or request.num_computed or len(spec.prompt_ids) < 2:
             return None
         for member in self.running:
             if (
-                member.group == request.group
-                and member.adapter == request.adapter
-                and member.prompt_ids == request.prompt_ids
+                member.spec.group == spec.group
+                and member.spec.adapter_key == spec.adapter_key
+                and member.spec.prompt_ids == spec.prompt_ids
                 and (request.prompt_logprobs is None or member.prompt_logprobs is not None)
             ):
-                return member if member.num_computed >= len(request.prompt_ids) - 1 else _PREFILLING
+                return member if member.num_computed >= len(spec.prompt_ids) - 1 else _PREFILLING
         return None
 
     def _share_prefill(self, donor: Request, request: Request, shared: int, plan: StepPlan) -> None:
@@ -289,5 +293,5 @@ def _scoring(request: Request, start: int, n: int) -> PromptScoring | None:
     whose log-probability comes with its sampling."""
     if request.prompt_logprobs is None or request.output_ids:
         return None  # not asked for, or already reported with the first token
-    targets = request.prompt_ids[start + 1 : start + 1 + n]
-    return PromptScoring(request.sampling.prompt_logprobs or 0, targets) if targets else None
+    targets = request.spec.prompt_ids[start + 1 : start + 1 + n]
+    return PromptScoring(request.spec.sampling.prompt_logprobs or 0, targets) if targets else None

@@ -70,7 +70,7 @@ class Tracked:
             prefill = tracer.start_span("worker.prefill", context=ctx, start_time=start)
             request = self.request
             if request is not None:  # what the prefill did not compute: found cached, or copied from its group
-                prefill.set_attribute("loraserve.prompt_tokens", len(request.prompt_ids))
+                prefill.set_attribute("loraserve.prompt_tokens", len(request.spec.prompt_ids))
                 prefill.set_attribute("loraserve.cached_tokens", request.cached_tokens)
                 prefill.set_attribute("loraserve.shared_prefill_tokens", request.shared_prefill_tokens)
             prefill.end(end_time=first)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loraserve.gateway.client_request import ClientRequest
 from loraserve.gateway.core import Call, GenerationCore
-from loraserve.gateway.http.drafts import Draft
+from loraserve.gateway.generation_request import Fields
 from loraserve.gateway.http.errors import http_error
 from loraserve.gateway.http.generation import (
     ClientGone,
@@ -49,7 +48,7 @@ T = TypeVar("T")
 
 async def answer(
     core: GenerationCore,
-    drafts: list[Draft],
+    drafts: list[Fields],
     answers: Answers,
     request: Request,
     stream: bool,
@@ -64,9 +63,9 @@ async def answer(
     whole = ClientRequest(answers.id, len(drafts)) if len(drafts) > 1 else None  # one batch share, one charge
     generations = []
     for index, draft in enumerate(drafts):  # on the request's trace, beside loraserve's own id
-        named = replace(draft, client_request_id=answers.id if len(drafts) == 1 else f"{answers.id}-{index}")
-        call = Call(metadata, client_request_id=named.client_request_id, request=whole)
-        generations.append(Generation(core.generate(call, named.validator(core.limits))))
+        named = {**draft, "client_request_id": answers.id if len(drafts) == 1 else f"{answers.id}-{index}"}
+        call = Call(metadata, client_request_id=named["client_request_id"], request=whole)
+        generations.append(Generation(core.generate(call, named.copy)))
     try:
         if not stream:
             results = await until_disconnected(request, _all([g.collect() for g in generations]))

@@ -3,8 +3,8 @@
 the adapter routes of `adapter_routes.py`: `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
 
 A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
-name. A request becomes one `Draft` per choice (`drafts.py`), each run by the generation core
-(`gateway/core.py`) as a gRPC request is, so keys, tenants, quotas, validation, tracing and failover
+name. A request becomes one draft per choice (`drafts.py`: a `GenerationRequest`'s fields), each run by
+the generation core (`gateway/core.py`) as a gRPC request is, so keys, tenants, quotas, validation, tracing and failover
 are the gRPC API's; this file translates requests in and answers out (`responses.py`), and failures
 into OpenAI's error shape (`errors.py`).
 Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -34,11 +33,12 @@ from loraserve.gateway.admin_service import AdapterAdminService
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.core import GenerationCore
+from loraserve.gateway.generation_request import Fields
 from loraserve.gateway.http import responses_api
 from loraserve.gateway.http.adapter_routes import AdapterRoutes
 from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.body_guard import BodyGuard
-from loraserve.gateway.http.drafts import Draft
+from loraserve.gateway.http.drafts import sampling_fields, with_sampling
 from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
 from loraserve.gateway.http.generation import http_metadata
 from loraserve.gateway.http.logprobs import LogprobFormat
@@ -150,9 +150,9 @@ class OpenAiRoutes:
         draft = self._draft(body)
         for index, prompt in enumerate(body.prompt_values()):
             if isinstance(prompt, str):
-                prompted = replace(draft, prompt_text=prompt)
+                prompted = {**draft, "prompt_text": prompt}
             else:
-                prompted = replace(draft, prompt_ids=tuple(prompt))
+                prompted = {**draft, "prompt_ids": list(prompt)}
             drafts += _choices(prompted, body, f"{answer_id}-{index}")
         keep_special = body.skip_special_tokens is False
         texts = [  # the prompts given as ids, decoded in a tokenizer thread
@@ -222,12 +222,11 @@ class OpenAiRoutes:
             choice = responses_api.chat_tool_choice(body)
             tools = self._tool_choice(listed, choice, body.parallel_tool_calls, max_calls=body.max_tool_calls)
             constraint = self._constraint(responses_api.text_constraint, body)
-            draft = Draft(
-                adapter=self._adapter(body.model),
-                sampling=responses_api.sampling(body),
-                max_new_tokens=body.max_output_tokens or 0,
-                constraint=_one_constraint(constraint, None if tools is None else tools.constraint()),
-            )
+            draft = {
+                "adapter": self._adapter(body.model),
+                "sampling": sampling_fields(responses_api.sampling(body), body.max_output_tokens or 0),
+                "constraint": _one_constraint(constraint, None if tools is None else tools.constraint()),
+            }
             conversation = responses_api.chat_conversation(body)
             draft = await self._chat_prompt(draft, template, conversation, listed, "input")
         except HttpError as e:
@@ -256,12 +255,12 @@ class OpenAiRoutes:
 
     async def _chat_prompt(
         self,
-        draft: Draft,
+        draft: Fields,
         template: ChatTemplate,
         conversation: list[dict[str, Any]],
         tools: list[Tool] | None,
         param: str,
-    ) -> Draft:
+    ) -> Fields:
         """`draft` with its prompt: `conversation` rendered by the chat template (`tools` listed for it), as
         token ids, both in the tokenizer's threads; a problem with it is a 400 naming `param`. With no max
         tokens asked for, the answer may run to the end of the context (as OpenAI and vLLM do)."""
@@ -274,9 +273,9 @@ class OpenAiRoutes:
             ids = await self.core.tokenizing.encode(text, param, add_special_tokens=False)
         except LoraserveError as e:
             raise http_error(e, param) from None
-        draft = replace(draft, prompt_ids=tuple(ids))
-        if not draft.max_new_tokens:
-            draft = replace(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
+        draft = {**draft, "prompt_ids": list(ids)}
+        if not draft["sampling"]["max_new_tokens"]:
+            draft = with_sampling(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
         return draft
 
     def _logprob_format(self, asked: bool, chat: bool, keep_special: bool) -> LogprobFormat | None:
@@ -284,7 +283,7 @@ class OpenAiRoutes:
 
     def _draft(
         self, body: CompletionRequest | ChatCompletionRequest, tool_constraint: Constraint | None = None
-    ) -> Draft:
+    ) -> Fields:
         """The request's generation (no prompt yet). `tool_constraint`: the structured output its tool
         choice needs, which the body may not ask for a constraint of its own beside. The constraint stays
         uncompiled: the generation core compiles it after validation, in the gateway's sandbox."""
@@ -292,17 +291,15 @@ class OpenAiRoutes:
         if refused is not None:
             raise bad_request(*refused)
         constraint = self._constraint(requested_constraint, body.constraint_fields())
-        return Draft(
-            adapter=self._adapter(body.model),
-            sampling=body.sampling(),
-            max_new_tokens=body.new_tokens,
-            stop=tuple(body.stops),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            include_stop=bool(body.include_stop_str_in_output),
-            cache_salt=body.cache_salt or "",
-            keep_special_tokens=body.skip_special_tokens is False,
-            constraint=_one_constraint(constraint, tool_constraint),
-        )
+        return {
+            "adapter": self._adapter(body.model),
+            "sampling": sampling_fields(body.sampling(), body.new_tokens, body.stop_token_ids or ()),
+            "stop": body.stops,
+            "include_stop": bool(body.include_stop_str_in_output),
+            "cache_salt": body.cache_salt or "",
+            "keep_special_tokens": body.skip_special_tokens is False,
+            "constraint": _one_constraint(constraint, tool_constraint),
+        }
 
     def _adapter(self, model: str) -> str:
         """The adapter a model id names ("": the base model)."""
@@ -328,7 +325,7 @@ def _one_constraint(constraint: Constraint | None, tool_constraint: Constraint |
     return constraint or tool_constraint
 
 
-def _choices(draft: Draft, body: CompletionRequest | ChatCompletionRequest, group: str) -> list[Draft]:
+def _choices(draft: Fields, body: CompletionRequest | ChatCompletionRequest, group: str) -> list[Fields]:
     """One prompt's generations: `body.candidates` of them (n, or best_of), one prefill group, so the
     prompt is computed once. With a seed, candidate i draws with seed + i (the first with the seed
     itself, as a single choice would); without, each draws its own. best_of > n ranks the candidates
@@ -337,12 +334,12 @@ def _choices(draft: Draft, body: CompletionRequest | ChatCompletionRequest, grou
         return [draft]
     drafts = []
     for i in range(body.candidates):
-        sampling = dict(draft.sampling)
+        sampling = dict(draft["sampling"])
         if "seed" in sampling:
             sampling["seed"] = (sampling["seed"] + i) % 2**63
         if body.candidates > body.choices:
             sampling.setdefault("logprobs", 0)
-        drafts.append(replace(draft, prefill_group=group, sampling=sampling))
+        drafts.append({**draft, "prefill_group": group, "sampling": sampling})
     return drafts
 
 

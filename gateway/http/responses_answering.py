@@ -11,13 +11,12 @@ while it is awaited, `GenerationStream` once it streams). Failures name the Resp
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from loraserve.gateway.core import Call, GenerationCore
-from loraserve.gateway.http.drafts import Draft
+from loraserve.gateway.generation_request import Fields
 from loraserve.gateway.http.errors import http_error
 from loraserve.gateway.http.generation import (
     ClientGone,
@@ -35,12 +34,12 @@ PROMPT_PARAM = "input"  # what a prompt problem names
 
 
 async def respond(
-    core: GenerationCore, draft: Draft, reply: Reply, request: Request, stream: bool, end_user: str | None = None
+    core: GenerationCore, draft: Fields, reply: Reply, request: Request, stream: bool, end_user: str | None = None
 ) -> Response:
     """The response to `draft`, shaped by `reply`; `end_user` (OpenAI's `user`) goes on the generation's trace."""
     metadata = http_metadata(request.headers, {END_USER_METADATA: end_user} if end_user else None)
-    named = replace(draft, client_request_id=reply.id)
-    generation = Generation(core.generate(Call(metadata, client_request_id=reply.id), named.validator(core.limits)))
+    named = {**draft, "client_request_id": reply.id}
+    generation = Generation(core.generate(Call(metadata, client_request_id=reply.id), named.copy))
     try:
         if not stream:
             piece, final = await until_disconnected(request, generation.collect())

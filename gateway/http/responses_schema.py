@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from loraserve.gateway.http.schemas import UINT32_MAX, _Body
+from loraserve.gateway.validation import MAX_END_USER_CHARS
 
 NOT_SUPPORTED = "is not supported"
 # Responses API fields loraserve does not serve: name -> (values besides null/false/empty that ask for nothing, why)
@@ -293,7 +294,7 @@ class ResponsesRequest(_Body):
     max_tool_calls: int | None = None  # checked by `tool_calling.tool_choice` (1 to its MAX_TOOL_CALLS)
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = Field(None, max_length=256)  # the end user, recorded on the request's trace
+    user: str | None = Field(None, max_length=MAX_END_USER_CHARS)  # the end user, recorded on the request's trace
     stream: bool | None = False
 
     @field_validator("metadata")

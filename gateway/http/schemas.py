@@ -2,7 +2,8 @@
 
 Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter);
 what the values mean (temperature ranges, context length, stop limits, adapter names) is checked by
-the same validation the gRPC API runs (`gateway/validation.py`), once the body is a `Draft` (`drafts.py`).
+the same struct and checks the gRPC API's requests get (`gateway/generation_request.py`), once the body
+is a draft of its fields (`drafts.py`).
 Structured output's fields (`response_format`, vLLM's `guided_*` and `structured_outputs`) are read by
 `structured.py`. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `tool_calling.py`.
 Fields OpenAI defines that loraserve does not serve (`logit_bias`, `suffix`) are accepted only at
@@ -27,6 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from loraserve.gateway.generation_request import MAX_CLIENT_ID
 from loraserve.gateway.http.refusals import (
     CHAT_NOT_IMPLEMENTED,
     COMPLETION_NOT_IMPLEMENTED,
@@ -34,6 +36,7 @@ from loraserve.gateway.http.refusals import (
     NOT_SUPPORTED,
     asks_for_nothing,
 )
+from loraserve.gateway.validation import MAX_END_USER_CHARS
 from loraserve.params import MAX_LOGPROBS
 
 UINT32_MAX = 2**32 - 1
@@ -137,7 +140,7 @@ class _Generation(_Body):
     n: int | None = Field(None, ge=1, le=MAX_GENERATIONS)  # choices per prompt, sharing its prefill
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)  # the end user, recorded on the request's trace
+    user: str | None = Field(None, max_length=MAX_END_USER_CHARS)  # the end user, recorded on the request's trace
     logit_bias: dict[str, float] | None = None
     top_k: int | None = Field(None, ge=-1, le=UINT32_MAX)  # extension; -1 or 0: off (vLLM's -1)
     repetition_penalty: float | None = None  # extension
@@ -154,7 +157,8 @@ class _Generation(_Body):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    cache_salt: str | None = Field(None, max_length=128)  # extension (vLLM's): cached KV shared only within it
+    # extension (vLLM's): cached KV shared only within it
+    cache_salt: str | None = Field(None, max_length=MAX_CLIENT_ID)
 
     @property
     def stops(self) -> list[str]:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "adapter", "adapter_version", "sampling", "max_new_tokens", "stop_token_ids", "deadline_unix", "reply_to", "arrival_unix", "output_ids", "adapter_sha256", "attempt", "tenant", "ttft_slo_s", "adapter_rank", "tokens_per_minute", "prefill_group", "cache_salt", "sampling_params", "trace_context", "request_key", "request_cost")
+    __slots__ = ("request_id", "prompt_ids", "adapter", "adapter_version", "sampling", "max_new_tokens", "stop_token_ids", "deadline_unix", "reply_to", "arrival_unix", "output_ids", "adapter_sha256", "attempt", "tenant", "ttft_slo_s", "adapter_rank", "tokens_per_minute", "prefill_group", "cache_salt", "sampling_params", "trace_context", "request_key", "request_cost", "spec")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class SubmitRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_COST_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: str
@@ -62,7 +63,8 @@ class SubmitRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     request_key: str
     request_cost: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., reply_to: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ..., adapter_sha256: _Optional[str] = ..., attempt: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., adapter_rank: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ..., prefill_group: _Optional[str] = ..., cache_salt: _Optional[str] = ..., sampling_params: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., request_key: _Optional[str] = ..., request_cost: _Optional[int] = ...) -> None: ...
+    spec: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ..., adapter_version: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParameters, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., deadline_unix: _Optional[float] = ..., reply_to: _Optional[str] = ..., arrival_unix: _Optional[float] = ..., output_ids: _Optional[_Iterable[int]] = ..., adapter_sha256: _Optional[str] = ..., attempt: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., adapter_rank: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ..., prefill_group: _Optional[str] = ..., cache_salt: _Optional[str] = ..., sampling_params: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., request_key: _Optional[str] = ..., request_cost: _Optional[int] = ..., spec: _Optional[bytes] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("queue_position", "instance")

@@ -63,7 +63,7 @@ def test_members_attach_the_donors_cached_full_pages_and_copy_only_the_rest():
     assert sorted(copies) == sorted((donor_partial, tables[m.request_id][full]) for m in members)  # one page each
     path = demo_adapters()["upper"]
     for request in requests:
-        ids = request.prompt_ids + request.output_ids
+        ids = request.spec.prompt_ids + request.output_ids
         reference = torch.log_softmax(hf_sequence_logits(DEMO_MODEL_DIR, path, ids), -1)
         for i, (token, entry) in enumerate(zip(request.output_ids, request.logprobs, strict=True)):
             assert entry.logprob == pytest.approx(reference[len(PROMPT) + i - 1, token].item(), abs=TOL), i

@@ -76,16 +76,18 @@ def test_hits_are_token_exact_and_peft_exact(adapter, temperature):
     assert all(r.cached_tokens == 0 for r in plain)
     path = None if adapter is None else demo_adapters()[adapter]
     for request in cached[1:3]:
-        ids = request.prompt_ids + request.output_ids
+        ids = request.spec.prompt_ids + request.output_ids
         reference = torch.log_softmax(hf_sequence_logits(DEMO_MODEL_DIR, path, ids), -1)
         for i, (token, entry) in enumerate(zip(request.output_ids, request.logprobs, strict=True)):
-            assert entry.logprob == pytest.approx(reference[len(request.prompt_ids) + i - 1, token].item(), abs=TOL)
+            assert entry.logprob == pytest.approx(
+                reference[len(request.spec.prompt_ids) + i - 1, token].item(), abs=TOL
+            )
 
 
 def test_a_conversations_next_turn_reuses_the_last_turns_answer():
     engine = _engine()
     (first,) = _serve(engine, [[(SYSTEM + TURNS[0], "upper", "t", 0)]])
-    history = first.prompt_ids + first.output_ids  # the next turn sends the whole conversation again
+    history = first.spec.prompt_ids + first.output_ids  # the next turn sends the whole conversation again
     (second,) = _serve(engine, [[(history + TURNS[1], "upper", "t", 0)]])
     assert second.cached_tokens == (len(history) // 16) * 16  # every full page, the answer's too
     (plain,) = _serve(_engine(cache=False), [[(history + TURNS[1], "upper", "t", 0)]])
@@ -140,7 +142,7 @@ def test_prompt_scoring_requests_compute_every_row():
     engine = _engine()
     _serve(engine, [[(SYSTEM + TURNS[0], None, "t", 0)]])
     (scored,) = _serve(engine, [[(SYSTEM + TURNS[1], None, "t", 0)]], prompt_logprobs=1)
-    assert scored.cached_tokens == 0 and len(scored.prompt_logprobs) == len(scored.prompt_ids) - 1
+    assert scored.cached_tokens == 0 and len(scored.prompt_logprobs) == len(scored.spec.prompt_ids) - 1
 
 
 def test_cold_cached_pages_go_before_idle_adapters():
@@ -228,7 +230,7 @@ def test_a_continued_request_finds_its_earlier_attempts_pages_and_goes_on_exactl
     )
     while not continued.finished:
         engine.step()
-    known = len(whole.prompt_ids) + cut
+    known = len(whole.spec.prompt_ids) + cut
     assert continued.cached_tokens == (known - 1) // 16 * 16 and continued.output_ids == whole.output_ids
 
 
@@ -245,7 +247,7 @@ def test_the_prefixes_a_worker_reports_are_the_ones_the_scheduler_computes_from_
     prompt = SYSTEM + TURNS[0] + TURNS[1]
     (done,) = _serve(engine, [[(prompt, adapter, "tenant-a", 0)]])
     reported = set(engine.pool.pages.prefixes.fingerprints(MAX_PREFIXES))
-    history = done.prompt_ids + done.output_ids
+    history = done.spec.prompt_ids + done.output_ids
     full_pages = len(history) // 16
     longest = max(n for n in range(1, full_pages + 1) if is_checkpoint(n))
     next_turn = PrefixProbe(chain_root("tenant-a", identity), history + TURNS[2])
@@ -290,5 +292,5 @@ def test_the_hit_rate_counts_a_request_once_however_long_it_waited_for_room():
         waited += second.first_token is None and first.first_token is not None
     assert waited > 1 and first.num_preemptions == second.num_preemptions == 0
     scheduler = engine.step_scheduler
-    assert scheduler.admitted_tokens == len(first.prompt_ids) + len(second.prompt_ids)
+    assert scheduler.admitted_tokens == len(first.spec.prompt_ids) + len(second.spec.prompt_ids)
     assert scheduler.cached_tokens == 0

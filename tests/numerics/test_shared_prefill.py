@@ -45,10 +45,10 @@ def _run(engine: Engine, requests: list[GenerateRequest]) -> tuple[list, int]:
 
 def _check_against_peft(request, adapter: str | None) -> None:
     path = None if adapter is None else demo_adapters()[adapter]
-    ids = request.prompt_ids + request.output_ids
+    ids = request.spec.prompt_ids + request.output_ids
     reference = torch.log_softmax(hf_sequence_logits(DEMO_MODEL_DIR, path, ids), -1)
     for i, (token, entry) in enumerate(zip(request.output_ids, request.logprobs, strict=True)):
-        assert entry.logprob == pytest.approx(reference[len(request.prompt_ids) + i - 1, token].item(), abs=TOL), i
+        assert entry.logprob == pytest.approx(reference[len(request.spec.prompt_ids) + i - 1, token].item(), abs=TOL), i
 
 
 @pytest.mark.parametrize("adapter", [None, "upper"])
@@ -88,7 +88,7 @@ def test_members_wait_for_a_chunked_prefill_and_strangers_do_not_share():
         GenerateRequest(prompt=PROMPT + " again", group="g", sampling=sampling),  # another prompt
     ]
     added, _ = _run(engine, requests)
-    assert [r.shared_prefill_tokens for r in added] == [0, len(added[0].prompt_ids) - 1, 0, 0, 0]
+    assert [r.shared_prefill_tokens for r in added] == [0, len(added[0].spec.prompt_ids) - 1, 0, 0, 0]
     assert added[1].output_ids == added[0].output_ids  # greedy: the copy continues exactly as the donor
     for request, g in zip(added, requests, strict=True):
         _check_against_peft(request, g.adapter)

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import zmq
+from queued import queued
 from scheduler_proc import FakeWorker, SchedulerProcess, report
 
 from loraserve.scheduler.policy import AssignTo, PolicyConfig, QueuedRequest, SchedulerPolicy
@@ -85,8 +86,8 @@ def test_the_wire_refuses_each_report_list_over_its_bound_before_reading_its_ite
 
 
 def _request(request_id: str, now: float) -> QueuedRequest:
-    return QueuedRequest(
-        request_id, (f"adapter-{int(request_id[1:]) % 7:05d}", 1), 16, 16, SINK, arrival=now, enqueued=now
+    return queued(
+        request_id, (f"adapter-{int(request_id[1:]) % 7:05d}", 1), 16, 16, reply_to=SINK, arrival=now, enqueued=now
     )
 
 

@@ -17,11 +17,13 @@ import grpc
 import msgspec
 import pytest
 import zmq
+from queued import queued
 from scheduler_proc import SchedulerProcess
 from scheduler_proc import report as proc_report
 
 from loraserve.errors import DeadlineExceededError, InvalidConfigError, InvalidRequestError, ResourceExhaustedError
-from loraserve.gateway.validation import Limits, fairness_tenant, validate_generate
+from loraserve.gateway.generation_request import grpc_fields, parse
+from loraserve.gateway.validation import Limits, fairness_tenant
 from loraserve.prefix_keys import PrefixProbe, chain_root
 from loraserve.scheduler.admission import ClusterEstimate, check_admission
 from loraserve.scheduler.cost_model import BatchShape, StepCost, StepCostModel
@@ -33,7 +35,6 @@ from loraserve.scheduler.policy import (
     Migrate,
     PolicyConfig,
     PrefetchOn,
-    QueuedRequest,
     SchedulerPolicy,
 )
 from loraserve.scheduler.popularity import AdapterPopularity, ReturningAdapters, plan_prefetch
@@ -44,17 +45,8 @@ from loraserve.wire import WorkerReport
 
 
 def request(rid, adapter=None, prompt=16, new=16, tenant="", slo=None, deadline=None, arrival=0.0, rank=0):
-    return QueuedRequest(
-        rid,
-        adapter,
-        prompt,
-        new,
-        reply_to="tcp://gw",
-        arrival=arrival,
-        deadline=deadline,
-        tenant=tenant,
-        ttft_slo_s=slo,
-        rank=rank,
+    return queued(
+        rid, adapter, prompt, new, arrival=arrival, deadline=deadline, tenant=tenant, ttft_slo_s=slo, rank=rank
     )
 
 
@@ -565,10 +557,10 @@ def test_the_gateway_names_the_tenant_for_fairness_and_checks_the_ttft_target():
     with pytest.raises(InvalidRequestError, match="x-loraserve-client"):
         fairness_tenant("default", open_access=True, metadata={"x-loraserve-client": "a/b"})
     limits = Limits(vocab_size=100, max_context=512)
-    valid = validate_generate(gateway_pb2.GenerateRequest(text="hi", ttft_slo_s=0.5), limits)
+    valid = parse(grpc_fields(gateway_pb2.GenerateRequest(text="hi", ttft_slo_s=0.5)), limits)
     assert valid.ttft_slo_s == 0.5
     with pytest.raises(InvalidRequestError, match="ttft_slo_s"):
-        validate_generate(gateway_pb2.GenerateRequest(text="hi", ttft_slo_s=-1.0), limits)
+        parse(grpc_fields(gateway_pb2.GenerateRequest(text="hi", ttft_slo_s=-1.0)), limits)
 
 
 def test_the_policy_moves_a_young_running_request_when_its_worker_is_stuck():

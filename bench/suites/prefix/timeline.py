@@ -78,7 +78,7 @@ class Timeline:
 
     def submitted(self, request, turn: int | None = None) -> None:
         rid = request.request_id
-        self.requests[rid] = RequestRecord(rid, len(request.prompt_ids), self.now, turn)
+        self.requests[rid] = RequestRecord(rid, len(request.spec.prompt_ids), self.now, turn)
         self._at_submit[rid] = (len(self.steps), self._tokens)
 
     def step(self) -> list:
@@ -94,7 +94,7 @@ class Timeline:
         prefill = decodes = 0
         for request, n in plan.scheduled:
             record = self.requests.get(request.request_id)
-            if n > 1 or request.num_computed - n < len(request.prompt_ids):  # a chunk of its prompt, or recompute
+            if n > 1 or request.num_computed - n < len(request.spec.prompt_ids):  # a chunk of its prompt, or recompute
                 prefill += n
                 if record is not None and record.ttft_s is None:
                     record.prefill_chunks += 1

@@ -17,8 +17,8 @@ class _Request(SimpleNamespace):
 
 def _request(rid: str, prompt: int, answer: int) -> _Request:
     return _Request(
-        request_id=rid, prompt_ids=[1] * prompt, output_ids=[], num_computed=0, first_token=None, cached_tokens=0,
-        answer=answer, done=False,
+        request_id=rid, spec=SimpleNamespace(prompt_ids=[1] * prompt), output_ids=[], num_computed=0,
+        first_token=None, cached_tokens=0, answer=answer, done=False,
     )  # fmt: skip
 
 
@@ -31,14 +31,14 @@ class _Scheduler:
     def schedule(self):
         scheduled, budget = [], self.budget
         for r in self.running:
-            n = min(len(r.prompt_ids) + len(r.output_ids) - r.num_computed, budget)
+            n = min(len(r.spec.prompt_ids) + len(r.output_ids) - r.num_computed, budget)
             if n:
                 scheduled.append((r, n))
                 budget -= n
         while self.waiting and budget:
             r = self.waiting.popleft()
             self.running.append(r)
-            n = min(len(r.prompt_ids), budget)
+            n = min(len(r.spec.prompt_ids), budget)
             scheduled.append((r, n))
             budget -= n
         return SimpleNamespace(scheduled=scheduled)
@@ -58,7 +58,7 @@ class _Engine:
         self.clock[0] += 1.0
         for r, n in plan.scheduled:
             r.num_computed += n
-            if r.num_computed >= len(r.prompt_ids) + len(r.output_ids):
+            if r.num_computed >= len(r.spec.prompt_ids) + len(r.output_ids):
                 r.output_ids.append(7)
                 r.first_token = r.first_token or self.clock[0]
                 if len(r.output_ids) == r.answer:

@@ -20,7 +20,6 @@ import pytest
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.events import Chunk, Event
 from loraserve.gateway.http.answering import answer
-from loraserve.gateway.http.drafts import Draft
 from loraserve.gateway.http.errors import HttpError
 from loraserve.gateway.http.responses import Answers
 from loraserve.gateway.slots import SlotLimitError
@@ -62,7 +61,7 @@ class Connected:
 )
 def test_a_refused_choice_leaves_no_reader_behind_and_nothing_in_the_log(caplog, stream, refusal):
     async def request() -> int:  # one HTTP request: answered, and everything it held dropped
-        drafts, answers = [Draft(adapter="", prompt_text="the quiet king")] * 3, Answers("c-1", "m", chat=False)
+        drafts, answers = [{"adapter": "", "prompt_text": "the quiet king"}] * 3, Answers("c-1", "m", chat=False)
         try:
             await answer(ScriptedCore(refusal()), drafts, answers, Connected(), stream, "prompt")
         except HttpError as e:

@@ -22,12 +22,13 @@ from loraserve.gateway.config import GatewayConfig
 from loraserve.gateway.core import Call, GenerationCore
 from loraserve.gateway.events import Chunk, Summary
 from loraserve.gateway.gate import Gate
+from loraserve.gateway.generation_request import grpc_fields
 from loraserve.gateway.http.answering import answer
-from loraserve.gateway.http.drafts import Draft
+from loraserve.gateway.http.drafts import sampling_fields
 from loraserve.gateway.http.responses import Answers
 from loraserve.gateway.service import GenerationService
 from loraserve.gateway.token_sink import TokenSink
-from loraserve.gateway.validation import Limits, validate_generate
+from loraserve.gateway.validation import Limits
 from loraserve.grpc_utils import ErrorInterceptor
 from loraserve.tokenizer import Tokenizer
 from loraserve.v1 import gateway_pb2
@@ -72,7 +73,7 @@ def run(scenario) -> None:
 def generation(core: GenerationCore):
     request = gateway_pb2.GenerateRequest(text="a prompt", max_new_tokens=len(TOKENS))
     request.sampling.ignore_eos = True
-    return core.generate(Call({}), lambda check: validate_generate(request, LIMITS, check))
+    return core.generate(Call({}), lambda: grpc_fields(request))
 
 
 async def submitted(scheduler: Scheduler, count: int = 1) -> str:
@@ -192,7 +193,7 @@ def test_a_token_crosses_four_async_frames_on_either_edge():
         assert (await first).chunk.token_ids == TOKENS[:1]
         grpc_chain = WatchedQueue.chains[-1]
 
-        drafts = [Draft(adapter="", prompt_text="a prompt", max_new_tokens=2)]
+        drafts = [{"adapter": "", "prompt_text": "a prompt", "sampling": sampling_fields({}, 2)}]
         reading = asyncio.ensure_future(
             answer(core, drafts, Answers("cmpl-1", "m", chat=False), Request(HTTP_SCOPE, _silent), True, "prompt")
         )

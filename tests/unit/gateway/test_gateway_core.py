@@ -1,5 +1,5 @@
 """The gateway's edges over its generation core: the HTTP edge's drafts are validated exactly as the
-gRPC API's requests (same ValidRequest, or the same error), the HTTP numbers are read at protobuf's
+gRPC API's requests (same GenerationRequest, or the same error), the HTTP numbers are read at protobuf's
 precision, and the gRPC service is assembled from parts that serve each RPC once."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.admin_service import AdapterAdminService
+from loraserve.gateway.generation_request import Fields, grpc_fields, parse
 from loraserve.gateway.grpc_calls import RPCS, add_loraserve
-from loraserve.gateway.http.drafts import Draft, wire_float
+from loraserve.gateway.http.drafts import sampling_fields, wire_float
 from loraserve.gateway.model_service import ModelService
 from loraserve.gateway.service import GenerationService
-from loraserve.gateway.validation import Limits, validate_generate
+from loraserve.gateway.validation import Limits
 from loraserve.v1 import common_pb2, gateway_pb2
 
 LIMITS = Limits(vocab_size=1024, max_context=512)
@@ -91,22 +92,20 @@ def _grpc(fields: dict) -> gateway_pb2.GenerateRequest:
     )
 
 
-def _draft(fields: dict) -> Draft:
+def _draft(fields: dict) -> Fields:
+    """The HTTP edge's draft of the same request (`app.py` maps a body so)."""
     prompt = fields["prompt"]
-    return Draft(
-        adapter=fields["adapter"],
-        sampling=dict(fields["sampling"]),
-        max_new_tokens=fields["max_new_tokens"],
-        stop=tuple(fields["stop"]),
-        stop_token_ids=tuple(fields["stop_token_ids"]),
-        include_stop=fields["include_stop"],
-        keep_special_tokens=fields["keep_special_tokens"],
-        cache_salt=fields["cache_salt"],
-        prompt_text=prompt if isinstance(prompt, str) else None,
-        prompt_ids=None if isinstance(prompt, str) else tuple(prompt),
-        prefill_group=fields["prefill_group"],
-        client_request_id=fields["client_request_id"],
-    )
+    return {
+        "adapter": fields["adapter"],
+        "sampling": sampling_fields(dict(fields["sampling"]), fields["max_new_tokens"], fields["stop_token_ids"]),
+        "stop": list(fields["stop"]),
+        "include_stop": fields["include_stop"],
+        "keep_special_tokens": fields["keep_special_tokens"],
+        "cache_salt": fields["cache_salt"],
+        "prompt_text" if isinstance(prompt, str) else "prompt_ids": prompt,
+        "prefill_group": fields["prefill_group"],
+        "client_request_id": fields["client_request_id"],
+    }
 
 
 def _outcome(validate):
@@ -120,8 +119,8 @@ def _outcome(validate):
 @given(REQUESTS, st.one_of(SAMPLING, SAMPLING_OK))
 def test_an_http_draft_validates_as_the_same_grpc_request(fields, sampling):
     fields = fields | {"sampling": sampling}
-    expected = _outcome(lambda: validate_generate(_grpc(fields), LIMITS))
-    assert _outcome(lambda: _draft(fields).validator(LIMITS)(None)) == expected
+    expected = _outcome(lambda: parse(grpc_fields(_grpc(fields)), LIMITS))
+    assert _outcome(lambda: parse(_draft(fields), LIMITS)) == expected
 
 
 @settings(max_examples=2000, deadline=None, derandomize=CI)

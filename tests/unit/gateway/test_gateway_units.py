@@ -6,12 +6,18 @@ import pytest
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidRequestError
+from loraserve.gateway.generation_request import GenerationRequest, grpc_fields, parse
 from loraserve.gateway.stops import StopFilter
-from loraserve.gateway.validation import Limits, check_context, validate_generate
+from loraserve.gateway.validation import Limits, check_context
 from loraserve.tokenizer import IncrementalDetokenizer, Tokenizer
 from loraserve.v1 import common_pb2, gateway_pb2
 
 LIMITS = Limits(vocab_size=1024, max_context=512)
+
+
+def validate_generate(request: gateway_pb2.GenerateRequest, limits: Limits) -> GenerationRequest:
+    """What the gateway makes of a gRPC request: its fields, parsed after admission."""
+    return parse(grpc_fields(request), limits)
 
 
 def _request(**fields) -> gateway_pb2.GenerateRequest:

@@ -13,7 +13,7 @@ from emulated import emulated_engine, fixed_profile
 from loraserve.convert import sampling_from_pb
 from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams, encode_sampling
-from loraserve.request_spec import RequestSpec
+from loraserve.request_spec import RequestSpec, encode_spec
 from loraserve.scheduler.submit import spec_from_submit
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import common_pb2, scheduler_pb2
@@ -58,7 +58,9 @@ def test_the_spec_travels_unchanged_from_the_scheduler_edge_to_the_engine_reques
     assert params == sampling_from_pb(submit.sampling, submit.max_new_tokens, submit.stop_token_ids)
     engine = emulated_engine(fixed_profile(tmp_path / "profile.json"))
     request = engine.add_spec(received.spec)
-    assert request.spec is received.spec and request.sampling is params and request.adapter == ("upper", 1)
+    assert (
+        request.spec is received.spec and request.spec.sampling is params and request.spec.adapter_key == ("upper", 1)
+    )
     while engine.has_unfinished():
         engine.step()
     assert received.spec == spec, "running it changed nothing in the spec"
@@ -101,6 +103,52 @@ def test_the_scheduler_edge_refuses_bad_sampling_params_naming_what_is_wrong(dat
     with pytest.raises(InvalidRequestError) as info:
         spec_from_submit(_submit(sampling_params=data), time.time())
     assert info.value.field == field and why in str(info.value)
+
+
+def _spec(**changes) -> RequestSpec:
+    fields = dict(request_id="r1", prompt_ids=[1, 5, 9], sampling=SamplingParams(max_new_tokens=6), reply_to=SINK)
+    return RequestSpec(**{**fields, "arrival": time.time(), **changes})
+
+
+def test_the_gateways_spec_is_the_submits_request_as_sent():
+    """The gateway builds the spec and sends it encoded; the scheduler's is equal, its other fields unread."""
+    spec = _spec(adapter="upper", adapter_version=1, tenant="acme", ttft_slo_s=2.0, output_ids=[4], group="acme/g")
+    submit = scheduler_pb2.SubmitRequest(request_id="r1", spec=encode_spec(spec), prompt_ids=[7], tenant="other")
+    assert spec_from_submit(submit, 0.0) == spec
+
+
+@pytest.mark.parametrize(
+    "changes, field, why",
+    [
+        ({"ttft_slo_s": float("nan")}, "spec.ttft_slo_s", "Expected `float` >= 0.0"),
+        ({"ttft_slo_s": 86401.0}, "spec.ttft_slo_s", "<= 86400.0"),
+        ({"prompt_ids": [-1]}, "spec.prompt_ids", ">= 0"),
+        ({"sampling": {"temprature": 1.0}}, "spec.sampling", "unknown field"),
+        ({"reply_to": "nowhere"}, "reply_to", "tcp:// or ipc://"),
+        ({"request_id": "r2"}, "request_id", "its spec"),
+        ({"prompt_ids": []}, "prompt_ids", "must hold 1-"),
+        ({"tenant": "a b"}, "tenant", "letters, digits"),
+        ({"output_ids": [1] * 6}, "output_ids", "max_new_tokens is 6"),
+    ],
+)
+def test_the_scheduler_edge_refuses_a_bad_spec_naming_the_field(changes, field, why):
+    data = msgspec.msgpack.encode({**msgspec.to_builtins(_spec()), **changes})
+    submit = scheduler_pb2.SubmitRequest(request_id="r1", spec=data)
+    with pytest.raises(InvalidRequestError) as info:
+        spec_from_submit(submit, time.time())
+    assert info.value.field == field and why in str(info.value)
+    with pytest.raises(InvalidRequestError, match="spec: MessagePack data is malformed"):
+        spec_from_submit(scheduler_pb2.SubmitRequest(request_id="r1", spec=b"\xc1"), time.time())
+
+
+def test_an_old_gateways_fields_are_checked_by_the_specs_annotations_naming_the_submits_field():
+    for changes, field in (
+        ({"ttft_slo_s": float("nan")}, "ttft_slo_s"),
+        ({"deadline_unix": float("inf")}, "deadline_unix"),
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            spec_from_submit(_submit(**changes), time.time())
+        assert info.value.field == field
 
 
 def test_the_io_thread_decodes_sends_and_reports_what_failed():

@@ -6,6 +6,7 @@ requests queued, never while it is alone."""
 from __future__ import annotations
 
 import pytest
+from queued import queued
 
 from loraserve.errors import InvalidConfigError
 from loraserve.scheduler.policy import AssignTo, PolicyConfig, QueuedRequest, SchedulerPolicy
@@ -36,7 +37,7 @@ def report(worker_id: str, max_batch: int, running=(), finished=()) -> WorkerRep
 
 def generation(rid: str, tenant: str, key: str = "", group: str | None = None) -> QueuedRequest:
     keyed = {"request_key": key} if key else {}  # "": a request of its own
-    return QueuedRequest(rid, None, 8, 16, reply_to="tcp://gw", arrival=0.0, tenant=tenant, group=group, **keyed)
+    return queued(rid, None, 8, 16, tenant=tenant, group=group, **keyed)
 
 
 def placed(decisions) -> list[tuple[str, str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from queued import queued
 
 from loraserve.errors import ResourceExhaustedError, UnavailableError
 from loraserve.scheduler.policy import (
@@ -15,7 +16,6 @@ from loraserve.scheduler.policy import (
     Fail,
     PolicyConfig,
     PrefetchOn,
-    QueuedRequest,
     SchedulerPolicy,
     WorkerGone,
 )
@@ -50,7 +50,7 @@ def report(
 
 
 def request(rid, adapter=None, prompt=16, new=16, deadline=None):
-    return QueuedRequest(rid, adapter, prompt, new, reply_to="tcp://gw", arrival=0.0, deadline=deadline)
+    return queued(rid, adapter, prompt, new, deadline=deadline)
 
 
 def assigned(decisions):
@@ -294,14 +294,12 @@ def test_a_failed_over_request_goes_to_the_head_of_the_queue_even_when_it_is_ful
 def test_a_prefill_group_goes_where_its_first_request_went_while_there_is_room(kind):
     policy = SchedulerPolicy(PolicyConfig.of(kind))
     policy.on_report(report("light", running=["x"]), 0.0)
-    first = request("g0")
-    first.group = "tenant/g"
+    first = queued("g0", group="tenant/g")
     policy.add(first, 0.0)
     assert assigned(policy.schedule(0.0)) == [("light", "g0")]  # the only worker then
     policy.on_report(report("busy", running=["y", "z"]), 0.0)  # a busier worker joins
     for i in range(1, 4):
-        member = request(f"g{i}")
-        member.group = "tenant/g"
+        member = queued(f"g{i}", group="tenant/g")
         policy.add(member, 0.0)
     # light holds x and g0 of 4: two members join g0 there, the third spills over
     assert assigned(policy.schedule(0.0)) == [("light", "g1"), ("light", "g2"), ("busy", "g3")]

@@ -79,7 +79,7 @@ def start(core: WorkerCore, effects: list) -> None:
     """Play the engine: every `Start` succeeds."""
     for effect in effects:
         if isinstance(effect, Start):
-            core.started(effect.spec.request_id, Request(effect.spec.request_id, [1, 2, 3], effect.spec.sampling))
+            core.started(effect.spec.request_id, Request(effect.spec))
 
 
 def ends(effects: list) -> dict[str, Tokens]:

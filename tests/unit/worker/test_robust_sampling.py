@@ -31,20 +31,27 @@ TINY_TEMPERATURES = [1e-4, 1e-6, 1e-9, 1e-38, 1.4e-45, MIN_TEMPERATURE / 2]
 def _built(edge: str, temperature: float) -> SamplingParams:
     """The SamplingParams an edge builds from a request asking for `temperature`."""
     from loraserve.convert import sampling_from_pb
-    from loraserve.gateway.http.drafts import sampling_params
+    from loraserve.gateway.generation_request import grpc_fields, parse
+    from loraserve.gateway.http.drafts import sampling_fields
+    from loraserve.gateway.validation import Limits
     from loraserve.params import decode_sampling
-    from loraserve.v1 import common_pb2
+    from loraserve.v1 import common_pb2, gateway_pb2
 
     if edge == "engine":  # the offline engine's, and everything else's, keyword construction
         return SamplingParams(max_new_tokens=4, temperature=temperature)
     if edge == "http":  # the OpenAI-compatible API's (the value rounded to float32, as the proto holds it)
-        return sampling_params({"temperature": temperature}, max_new_tokens=4, stop_token_ids=[])
-    if edge == "grpc":
+        draft = {"prompt_text": "hi", "sampling": sampling_fields({"temperature": temperature}, 4)}
+        return parse(draft, Limits(vocab_size=100, max_context=512)).sampling
+    if edge == "grpc":  # the gateway's
+        sampling = common_pb2.SamplingParameters(temperature=temperature)
+        request = gateway_pb2.GenerateRequest(text="hi", sampling=sampling, max_new_tokens=4)
+        return parse(grpc_fields(request), Limits(vocab_size=100, max_context=512)).sampling
+    if edge == "submit":  # a Submit from a gateway of release 0.1, its sampling in protobuf fields
         return sampling_from_pb(common_pb2.SamplingParameters(temperature=temperature), 4, [])
     return decode_sampling(msgspec.msgpack.encode({"max_new_tokens": 4, "temperature": temperature}))  # scheduler
 
 
-@pytest.mark.parametrize("edge", ["engine", "http", "grpc", "scheduler"])
+@pytest.mark.parametrize("edge", ["engine", "http", "grpc", "submit", "scheduler"])
 @pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
 def test_tiny_temperatures_are_greedy_on_every_edge(edge: str, temperature: float):
     """Clients (lm-eval, SDK examples) send 1e-4 or 1e-6 meaning greedy: it is greedy, not refused."""
@@ -53,7 +60,7 @@ def test_tiny_temperatures_are_greedy_on_every_edge(edge: str, temperature: floa
     assert params == _built(edge, 0.0)
 
 
-@pytest.mark.parametrize("edge", ["engine", "http", "grpc", "scheduler"])
+@pytest.mark.parametrize("edge", ["engine", "http", "grpc", "submit", "scheduler"])
 def test_the_smallest_temperature_and_negative_ones_are_kept_as_they_were(edge: str):
     assert _built(edge, MIN_TEMPERATURE).temperature == pytest.approx(MIN_TEMPERATURE)
     with pytest.raises(InvalidRequestError, match="temperature") as caught:

@@ -12,7 +12,6 @@ from starlette.requests import Request
 
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.events import Chunk
-from loraserve.gateway.http.drafts import Draft
 from loraserve.gateway.http.errors import HttpError
 from loraserve.gateway.http.generation import GenerationStream
 from loraserve.gateway.http.responses import CLIENT_CLOSED
@@ -60,7 +59,7 @@ def leaving_after(seconds: float):
 
 def answer(core: EndlessCore, stream: bool, receive) -> object:
     reply = Reply("resp_1", "m", {})
-    return respond(core, Draft(adapter=""), reply, Request(SCOPE, receive), stream)
+    return respond(core, {"adapter": ""}, reply, Request(SCOPE, receive), stream)
 
 
 def test_a_client_that_leaves_a_whole_answer_cancels_its_generation():
