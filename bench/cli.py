@@ -48,6 +48,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "engine-scaling": ("suites.engine_scaling.suite", "the offline engine's throughput against the adapter count"),
     "adapter-fetch": ("suites.adapter_fetch.suite", "adapter fetch latency, store to worker, at 7B shapes"),
     "gateway": ("suites.gateway.suite", "the gateway's CPU per token streamed, gRPC and HTTP, at 64 streams"),
+    "tensor-parallel": ("suites.tensor_parallel.suite", "one engine split over N ranks: speed, LoRA overhead, bytes"),
     "peer": ("suites.peer.suite", "loraserve against vLLM's CPU build, same model, adapters and HTTP client"),
     "kernels": ("suites.kernels.suite", "the batched LoRA kernels against torch baselines and the roofline (GPU)"),
     "attention": ("suites.kernels.attention", "the paged-attention kernel against dense SDPA (GPU)"),

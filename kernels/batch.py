@@ -50,6 +50,8 @@ class LoraGeometry:
     row_width: int
     rows_per_page: int
     num_layers: int = 1
+    # [7]: a tensor-parallel rank holds rank / this many of each module's A rank vectors (`loraserve/partition.py`)
+    a_divisor: tuple[int, ...] = (1,) * len(LORA_MODULES)
 
     @classmethod
     def uniform(cls, d_in: int, d_out: int, row_width: int, rows_per_page: int, num_layers: int = 1):
@@ -74,6 +76,7 @@ class LoraGeometry:
             d_out=self.d_out,
             rows_per_page=self.rows_per_page,
             row_width=self.row_width,
+            a_divisor=self.a_divisor,
         )
 
 

@@ -22,11 +22,16 @@ The runner orders a step's sequences by adapter (`kernels.batch.lora_order`), so
 usually one contiguous span of the step: x is then read as a view and y updated in place by
 `baddbmm_` (or a bmm added to y, when y is a column view of a fused projection's output), with no
 gather or scatter of activations. Any other order works through index tables.
+
+On a rank of a tensor-parallel worker (`loraserve/partition.py`) a bucket's A blocks hold that rank's share
+of the rank vectors (column-parallel groups) or of the input (row-parallel groups);
+`lora_apply_torch_partitioned` computes every bucket's v first, exchanges them all between the ranks in one
+collective (all-gathered or summed), then expands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,22 +109,58 @@ def lora_apply_torch(
     group: int,
 ) -> None:
     """outputs[i] += the LoRA term of module plan.groups[group][i], for every adapter token of the step."""
-    w = pool_layer.shape[1]
     for b in plan.prepared[group]:
-        xs = x[b.span] if b.span is not None else x.index_select(0, b.tokens)
-        a = pool_layer[b.a_rows] if isinstance(b.a_rows, slice) else pool_layer.index_select(0, b.a_rows)
-        a = a.view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
-        v = torch.bmm(xs.view(b.n, b.t, -1), a.transpose(1, 2)).mul_(b.weight[layer])  # [n, t, k*r]
-        bw = pool_layer if b.b_rows is None else pool_layer.index_select(0, b.b_rows)
-        for out in b.outputs:
-            bm = bw[out.b_rows].view(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]  # a view: no copy
-            y, term = outputs[out.slot], v[:, :, out.v_cols]
-            if b.span is None:
-                y.index_add_(0, b.tokens, torch.bmm(term, bm).view(b.n * b.t, -1))
-            elif y.is_contiguous():
-                y[b.span].view(b.n, b.t, -1).baddbmm_(term, bm)
-            else:  # a column view of a fused GEMM's output, which baddbmm_ would fill batch by batch
-                y[b.span].view(b.n, b.t, -1).add_(torch.bmm(term, bm))
+        _expand(b, _shrink(b, x, pool_layer, layer), outputs, pool_layer)
+
+
+# Turns each bucket's shrink output, [n, t, k, r'] (k modules, r' rank vectors of each held here), into what its
+# expand reads, [n, t, k * r]: on tensor-parallel ranks, the exchange of the ranks' shares
+# (`worker/tensor_parallel/collectives.py`). The bool: whether the group is column-parallel.
+Exchange = Callable[[list[torch.Tensor], bool], list[torch.Tensor]]
+
+
+def lora_apply_torch_partitioned(
+    outputs: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    pool_layer: torch.Tensor,
+    plan: LoraPlan,
+    layer: int,
+    group: int,
+    exchange: Exchange,
+) -> None:
+    """`lora_apply_torch` on one rank of a tensor-parallel worker: every bucket's shrink first, then one
+    `exchange` of all of them between the ranks, then the expands."""
+    buckets = plan.prepared[group]
+    if not buckets:
+        return
+    shrinks = [_shrink(b, x, pool_layer, layer).view(b.n, b.t, len(b.outputs), -1) for b in buckets]
+    column = plan.a_divisor[plan.groups[group][0]] > 1
+    for b, v in zip(buckets, exchange(shrinks, column), strict=True):
+        _expand(b, v, outputs, pool_layer)
+
+
+def _shrink(b: _Bucket, x: torch.Tensor, pool_layer: torch.Tensor, layer: int) -> torch.Tensor:
+    """[n, t, k * a_rank]: the bucket's tokens times the A blocks of its modules, scaled."""
+    w = pool_layer.shape[1]
+    xs = x[b.span] if b.span is not None else x.index_select(0, b.tokens)
+    a = pool_layer[b.a_rows] if isinstance(b.a_rows, slice) else pool_layer.index_select(0, b.a_rows)
+    a = a.view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
+    return torch.bmm(xs.view(b.n, b.t, -1), a.transpose(1, 2)).mul_(b.weight[layer])
+
+
+def _expand(b: _Bucket, v: torch.Tensor, outputs: Sequence[torch.Tensor], pool_layer: torch.Tensor) -> None:
+    """outputs += v (n, t, k * rank) times each module's B block."""
+    w = pool_layer.shape[1]
+    bw = pool_layer if b.b_rows is None else pool_layer.index_select(0, b.b_rows)
+    for out in b.outputs:
+        bm = bw[out.b_rows].view(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]  # a view: no copy
+        y, term = outputs[out.slot], v[:, :, out.v_cols]
+        if b.span is None:
+            y.index_add_(0, b.tokens, torch.bmm(term, bm).view(b.n * b.t, -1))
+        elif y.is_contiguous():
+            y[b.span].view(b.n, b.t, -1).baddbmm_(term, bm)
+        else:  # a column view of a fused GEMM's output, which baddbmm_ would fill batch by batch
+            y[b.span].view(b.n, b.t, -1).add_(torch.bmm(term, bm))
 
 
 def _adapter_tokens(plan: LoraPlan) -> list[np.ndarray]:
@@ -189,9 +230,10 @@ class _Tile:
         self.plan, self.targeted, self.r, self.t, self.rows = plan, targeted, r, t, rows
         self.modules = [group[i] for i in targeted]
         self.c_in, self.c_out = plan.c_in[self.modules[0]], [plan.c_out[m] for m in self.modules]
+        self.a_r = r // plan.a_divisor[self.modules[0]]  # A rank vectors held here (a tensor-parallel share)
 
     def a_rows(self, adapters: list[int]) -> np.ndarray:
-        return self.rows.blocks(adapters, self.rows.a_offsets, self.modules, [self.r * self.c_in] * len(self.modules))
+        return self.rows.blocks(adapters, self.rows.a_offsets, self.modules, [self.a_r * self.c_in] * len(self.modules))
 
     def b_rows(self, adapters: list[int], module: int) -> np.ndarray:
         return self.rows.blocks(adapters, self.rows.b_offsets, [self.modules[module]], [self.r * self.c_out[module]])
@@ -201,11 +243,11 @@ class _Tile:
         stacked (so they are one run of the pool, and each module's B rows another), and enough rows that
         copying them out (5-7 GB/s on one thread here) costs more than the dozen extra calls of a bucket of
         its own."""
-        rows = self.r * (len(self.modules) * self.c_in + sum(self.c_out))
+        rows = self.a_r * len(self.modules) * self.c_in + self.r * sum(self.c_out)
         if not self.rows.consecutive[adapter] or rows * row_bytes < DIRECT_MIN_BYTES:
             return False
         starts = self.rows.a_offsets[adapter][self.modules]  # the group's A blocks, stacked: one after another
-        return bool(np.all(np.diff(starts) == self.r * self.c_in))
+        return bool(np.all(np.diff(starts) == self.a_r * self.c_in))
 
     def bucket(
         self,

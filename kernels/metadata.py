@@ -81,6 +81,9 @@ class LoraPlan:
     shrinks: tuple[tuple[int, ...], ...] = ()
     shrink_ranks: list[list[int]] = field(default_factory=list)  # [A][M]: host mirror of tables.shrink_rank
     prepared: object = None
+    # [M]: on a tensor-parallel rank, its adapters hold rank / a_divisor[m] of module m's A rank vectors (their
+    # shrink's share, exchanged between ranks before the expand: `kernels.lora_torch`); 1 on one rank
+    a_divisor: tuple[int, ...] = (1, 1, 1, 1, 1, 1, 1)
 
 
 @dataclass

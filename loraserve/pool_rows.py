@@ -44,6 +44,7 @@ import numpy as np
 
 from loraserve.adapter_format import CheckedAdapter, StoredTensor
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES, MODULE_INDEX, ModelConfig
+from loraserve.partition import ONE_RANK, Shard, lora_slice
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -56,19 +57,22 @@ def block_offsets(
     c_in: Sequence[int],
     c_out: Sequence[int],
     groups: tuple[tuple[int, ...], ...] = LORA_GROUPS,
+    a_ranks: Sequence[int] | None = None,
 ) -> tuple[dict[int, tuple[int, int]], int]:
     """The layout rule (module docstring), on module indices: {module: (first row of its A block, of
     its B block)} for the `targeted` modules of a rank-`rank` adapter, and the rows they take. Group
     by group, the targeted modules' A blocks follow each other, then their B blocks. `c_in`, `c_out`:
-    row chunks per rank vector of every module."""
+    row chunks per rank vector of every module; `a_ranks`: the A rank vectors each module holds, when
+    not `rank` (a tensor-parallel rank's share, `loraserve/partition.py`)."""
+    a_ranks = a_ranks or [rank] * len(c_in)
     offsets: dict[int, tuple[int, int]] = {}
     offset = 0
     for group in groups:
         present = [m for m in group if m in targeted]
-        b_offset = offset + rank * sum(c_in[m] for m in present)
+        b_offset = offset + sum(a_ranks[m] * c_in[m] for m in present)
         for m in present:
             offsets[m] = (offset, b_offset)
-            offset, b_offset = offset + rank * c_in[m], b_offset + rank * c_out[m]
+            offset, b_offset = offset + a_ranks[m] * c_in[m], b_offset + rank * c_out[m]
         offset = b_offset
     return offsets, offset
 
@@ -84,13 +88,14 @@ class ModuleBlock:
     c_out: int  # row chunks per B rank vector
     a_offset: int  # first logical row of the A block
     b_offset: int  # first logical row of the B block
+    a_rank: int  # rank vectors of the A block (the adapter's rank, or a tensor-parallel rank's share of it)
 
 
 @dataclass(frozen=True)
 class AdapterLayout:
-    """The logical row layout of one adapter (rank r, some target modules)."""
+    """The logical row layout of one adapter (rank r, some target modules) on one rank of its partition."""
 
-    rank: int
+    rank: int  # B's rank vectors: the adapter's rank, padded to a multiple of the tensor-parallel size
     blocks: tuple[ModuleBlock, ...]
     num_rows: int
     num_pages: int
@@ -116,24 +121,31 @@ def adapter_layout(
     row_width: int,
     rows_per_page: int,
     active_layers: int | None = None,
+    shard: Shard = ONE_RANK,
 ) -> AdapterLayout:
     """Lay out an adapter of rank `rank` on `modules` (any order; stored in LORA_MODULES order) in rows of
-    `row_width`, counted in pages of `rows_per_page` rows; `active_layers`: the layers it has weights in."""
+    `row_width`, counted in pages of `rows_per_page` rows; `active_layers`: the layers it has weights in;
+    `shard`: the tensor-parallel rank whose part of the adapter the rows hold (`loraserve/partition.py`)."""
     unknown = set(modules) - set(LORA_MODULES)
     if unknown:
         raise ValueError(f"unknown LoRA modules {sorted(unknown)}")
-    shapes = [model.module_shape(m) for m in LORA_MODULES]
-    c_in = [ceil_div(d_in, row_width) for d_in, _ in shapes]
-    c_out = [ceil_div(d_out, row_width) for _, d_out in shapes]
+    slices = [lora_slice(model, m, rank, shard) for m in LORA_MODULES]
+    c_in = [ceil_div(len(s.a_inputs), row_width) for s in slices]
+    c_out = [ceil_div(len(s.b_outputs), row_width) for s in slices]
+    a_ranks = [len(s.a_ranks) for s in slices]
     targeted = {MODULE_INDEX[m] for m in modules}
-    offsets, rows = block_offsets(targeted, rank, c_in, c_out)
+    padded = slices[0].rank
+    offsets, rows = block_offsets(targeted, padded, c_in, c_out, a_ranks=a_ranks)
     blocks = [
-        ModuleBlock(LORA_MODULES[m], *shapes[m], c_in[m], c_out[m], a, b) for m, (a, b) in sorted(offsets.items())
+        ModuleBlock(
+            LORA_MODULES[m], len(slices[m].a_inputs), len(slices[m].b_outputs), c_in[m], c_out[m], a, b, a_ranks[m]
+        )
+        for m, (a, b) in sorted(offsets.items())
     ]
-    useful = sum(rank * (b.d_in + b.d_out) for b in blocks)
+    useful = sum(b.a_rank * b.d_in + padded * b.d_out for b in blocks)
     layers = model.num_layers if active_layers is None else active_layers
     return AdapterLayout(
-        rank=rank,
+        rank=padded,
         blocks=tuple(blocks),
         num_rows=rows,
         num_pages=ceil_div(rows, rows_per_page),

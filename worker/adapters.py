@@ -21,7 +21,8 @@ from loraserve.adapter_config import CONFIG_FILE, lora_scale
 from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, CheckedAdapter, StoredTensor, check_adapter_bytes
 from loraserve.errors import InvalidAdapterError
 from loraserve.model_config import ModelConfig
-from loraserve.pool_rows import AdapterLayout
+from loraserve.partition import lora_slice
+from loraserve.pool_rows import AdapterLayout, adapter_rows_layout
 from loraserve.worker.pool_layout import PoolLayout
 
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
@@ -57,24 +58,42 @@ class LoraAdapter:
         return pool.adapter_layout(model, self.rank, self.modules, active_layers=len(self.layers))
 
     def pack(self, pool: PoolLayout, model: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
-        """The adapter's logical rows for every layer, as pool.py lays them out.
+        """The adapter's logical rows for every layer, as pool.py lays them out: on a tensor-parallel rank,
+        that rank's part of the weights (`loraserve/partition.py`; a rank padded with zero rank vectors).
 
         Shape: [num_layers, layout.num_rows, row_width]; layers without weights are zero.
         """
-        if not self.weights:
-            raise ValueError("this adapter holds only packed rows, and they do not fit this pool")
         layout = self.layout(pool, model)
         w = pool.row_width
         rows = torch.zeros(pool.num_layers, layout.num_rows, w, dtype=dtype)
-        for (layer, module), (a, b) in self.weights.items():
+        for (layer, module), weights in self.full_weights(model).items():
             block = layout.block(module)
             assert block is not None
-            r = self.rank
-            a_rows = _chunk_rows(a, block.c_in, w)  # [r * c_in, W]
-            b_rows = _chunk_rows(b.t(), block.c_out, w)  # [r * c_out, W]
-            rows[layer, block.a_offset : block.a_offset + r * block.c_in] = a_rows
-            rows[layer, block.b_offset : block.b_offset + r * block.c_out] = b_rows
+            part = lora_slice(model, module, self.rank, pool.shard)
+            a, b = _padded_rank(*weights, part.rank)
+            a_rows = _chunk_rows(a[_span(part.a_ranks), _span(part.a_inputs)], block.c_in, w)  # [a_rank * c_in, W]
+            b_rows = _chunk_rows(b[_span(part.b_outputs)].t(), block.c_out, w)  # [rank * c_out, W]
+            rows[layer, block.a_offset : block.a_offset + len(a_rows)] = a_rows
+            rows[layer, block.b_offset : block.b_offset + len(b_rows)] = b_rows
         return rows
+
+    def full_weights(self, model: ModelConfig) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """(layer, module) -> (A, B): the weights, or when only rows the store packed are held, read back
+        from them (views, no copy)."""
+        if self.weights:
+            return self.weights
+        if self.packed is None:
+            raise ValueError("this adapter holds neither weights nor rows")
+        layout = adapter_rows_layout(model, self.rank, self.modules)
+        r = self.rank
+        weights = {}
+        for layer in self.layers:
+            rows = self.packed[layer]
+            for block in layout.blocks:
+                a = rows[block.a_offset : block.a_offset + r * block.c_in].reshape(r, -1)[:, : block.d_in]
+                b = rows[block.b_offset : block.b_offset + r * block.c_out].reshape(r, -1)[:, : block.d_out]
+                weights[(layer, block.module)] = (a, b.t())
+        return weights
 
     def with_rows(self, rows: torch.Tensor) -> LoraAdapter:
         """This adapter carrying `rows`, what `pack` made for a pool (so that loading it only copies)."""
@@ -90,6 +109,18 @@ class LoraAdapter:
 
     def _packed_shape(self, pool: PoolLayout, model: ModelConfig) -> tuple[int, int, int]:
         return (pool.num_layers, self.layout(pool, model).num_rows, pool.row_width)
+
+
+def _span(part: range) -> slice:
+    return slice(part.start, part.stop)
+
+
+def _padded_rank(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, d_in] and B [d_out, r] with zero rank vectors added up to `rank`."""
+    extra = rank - a.shape[0]
+    if extra == 0:
+        return a, b
+    return torch.cat([a, a.new_zeros(extra, a.shape[1])]), torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1)
 
 
 def _chunk_rows(matrix: torch.Tensor, chunks: int, width: int) -> torch.Tensor:

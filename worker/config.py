@@ -39,6 +39,11 @@ class EngineConfig:
     """Every engine setting; each is a flag of `loraserve worker`, `generate` and `up` (`config_cli.py`)."""
 
     device: str = setting("auto", "auto, cpu, cuda, cuda:N")  # auto: CUDA if present, else CPU
+    # Ranks the model is split over (`loraserve/partition.py`): one process each, rank 0 on `device` and the
+    # others on the next CUDA devices (or all on the CPU, over gloo); `worker/tensor_parallel/`.
+    tensor_parallel: int = setting(
+        1, "split the model over this many ranks, one process and device each (tensor parallelism; 1: none)"
+    )
     # "auto": float32 on CPU; on CUDA the checkpoint's half type, else bfloat16
     dtype: str = setting("auto", "", choices=("auto", *DTYPE_NAMES))
     backend: str = setting("auto", "kernel backend", choices=BACKENDS)  # auto: triton on CUDA, torch on CPU
@@ -157,6 +162,14 @@ class EngineConfig:
             )
         if self.runner == "emulated" and self.device not in ("auto", "cpu"):
             bad("device", "the emulated runner runs on the CPU: leave device auto or cpu")
+        if self.tensor_parallel < 1:
+            bad("tensor_parallel", "must be >= 1")
+        if self.tensor_parallel > 1 and self.runner == "emulated":
+            bad("tensor_parallel", "the emulated runner has no model to split: leave it 1")
+        if self.tensor_parallel > 1 and self.backend not in ("auto", "torch"):
+            bad("tensor_parallel", "a split model runs the torch kernel backend: leave backend auto or torch")
+        if self.tensor_parallel > 1 and self.cuda_graphs == "uncaptured":
+            bad("tensor_parallel", "a split model runs its steps eagerly: cuda_graphs uncaptured needs one rank")
 
     def decode_buckets(self) -> list[int]:
         """The batch sizes decode steps are padded to: 1, 2, 4, 8, then every multiple of 8, up to max_batch_size."""

@@ -17,15 +17,29 @@ import torch
 from loraserve.errors import InvalidConfigError, InvalidRequestError, ResourceExhaustedError
 from loraserve.kernels.backend import KernelBackend, select_backend
 from loraserve.model_config import ModelConfig
+from loraserve.partition import Shard, check_partition
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.runner import DecodePadding, ModelRunner, step_capacity
 from loraserve.worker.sampling import SamplingParams
+from loraserve.worker.tensor_parallel.leader import Leader, LeaderRunner
 from loraserve.worker.unified_pool import UnifiedPool
 from loraserve.worker.warm_up import warm_up
 from loraserve.worker.weights import tensor_sizes
 
 PAD_SEQUENCE = object()  # owns the KV page padded decode steps write to (no request id can equal it)
+
+
+def start_ranks(
+    config: EngineConfig, model_dir: Path, model: ModelConfig, device: torch.device
+) -> tuple[Shard, Leader | None]:
+    """This process's part of the model, and with tensor parallelism the other ranks, started (it is rank 0).
+    InvalidConfigError when the model cannot be split so."""
+    shard = Shard(config.tensor_parallel)
+    if shard.size == 1:
+        return shard, None
+    check_partition(model, shard.size)
+    return shard, Leader.start(model_dir, config, device)
 
 
 def pool_pages(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
@@ -65,6 +79,12 @@ def graph_mode(config: EngineConfig, backend: KernelBackend, device: torch.devic
     return mode
 
 
+def backend_name(config: EngineConfig) -> str:
+    """The kernel backend configured; a model split over ranks runs the torch one (its collectives sit
+    between the LoRA shrink and expand, `worker/tensor_parallel/collectives.py`)."""
+    return "torch" if config.tensor_parallel > 1 and config.backend == "auto" else config.backend
+
+
 def model_runner(
     config: EngineConfig,
     model: torch.nn.Module,
@@ -73,17 +93,23 @@ def model_runner(
     model_config: ModelConfig,
     max_model_len: int,
     device: torch.device,
+    leader: Leader | None = None,
 ) -> tuple[ModelRunner, float | None]:
     """The runner of the real model — kernels chosen, decode graphs captured and warmed up as configured —
-    and the seconds the warm-up took (None without one)."""
-    backend = select_backend(config.backend, device)
+    and the seconds the warm-up took (None without one). `leader`: rank 0 of a tensor-parallel worker, whose
+    runner sends each step to the other ranks (told here to build theirs)."""
+    backend = select_backend(backend_name(config), device)
     capacity = step_capacity(config, layout, model_config, max_model_len)
     graphs = graph_mode(config, backend, device)
     warm = config.warm_up == "on" or (config.warm_up == "auto" and device.type == "cuda")
     # The scratch page: padded decode steps' pads and the warm-up's dummy steps write there.
     scratch = pool.reserve_kv_page(PAD_SEQUENCE) if config.pad_decode_steps or graphs or warm else None
     padding = DecodePadding(tuple(config.decode_buckets()), scratch) if config.pad_decode_steps or graphs else None
-    runner = ModelRunner(model, pool.tensor, layout, backend, capacity, padding)
+    if leader is None:
+        runner = ModelRunner(model, pool.tensor, layout, backend, capacity, padding)
+    else:
+        runner = LeaderRunner(model, pool.tensor, layout, backend, capacity, padding, leader=leader, copier=pool.copier)
+        leader.ready(layout.num_pages, scratch)
     warm_up_s = None
     if warm:
         warm_up_s = warm_up(runner, scratch, config.max_lora_rank, graphs)

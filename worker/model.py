@@ -11,8 +11,10 @@ arrives in `ForwardBatch`.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +24,15 @@ from loraserve.errors import InvalidModelError
 from loraserve.kernels.backend import KernelBackend
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES, ModelConfig
+from loraserve.partition import ONE_RANK, Shard, local_model
 from loraserve.worker.dense import DenseLinear
 from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.rope import inverse_frequencies
+from loraserve.worker.tensor_parallel.sharding import shard_tensor
 from loraserve.worker.weights import iter_tensors
+
+if TYPE_CHECKING:
+    from loraserve.worker.tensor_parallel.collectives import Collectives
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,7 @@ class ForwardBatch:
     pool: torch.Tensor  # [L, rows, W]: the unified pool
     backend: KernelBackend
     copies: tuple[LayerProgress, ...] = ()  # adapters of the step still being copied in, layer by layer
+    tp: Collectives | None = None  # one rank of a tensor-parallel worker: its communication (None: one rank)
 
     def add_lora(self, layer: int, group: int, x: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
         """outputs[i] += the LoRA term of module LORA_GROUPS[group][i] on input x, for every adapter token;
@@ -47,7 +55,17 @@ class ForwardBatch:
         for copy in self.copies:
             copy.wait_layer(layer)
         if self.lora is not None:
-            self.backend.lora_apply(outputs, x, self.pool[layer], self.lora, layer, group)
+            apply = self.backend.lora_apply if self.tp is None else self.tp.lora_apply
+            apply(outputs, x, self.pool[layer], self.lora, layer, group)
+
+    def add_lora_and_reduce(self, layer: int, group: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output y: its LoRA term added, then (tensor-parallel) summed over the
+        ranks, each rank having added its columns of the LoRA term to its partial sum (`loraserve/partition.py`)."""
+        if self.tp is None:
+            self.add_lora(layer, group, x, (y,))
+            return y
+        self.add_lora(layer, group, x, (y[:, self.tp.hidden_part(y.shape[1])],))
+        return self.tp.all_reduce(y)
 
 
 # Index of each projection group in LORA_GROUPS, as the model applies them.
@@ -122,8 +140,7 @@ class Attention(nn.Module):
         batch.backend.write_kv(pool_layer, k.reshape(t, -1), v, batch.attention)
         out = batch.backend.attention(q, pool_layer, batch.attention, self.num_kv_heads, self.scale).reshape(t, -1)
         (y,) = self.o(out)
-        batch.add_lora(self.layer, O_PROJ, out, (y,))
-        return y
+        return batch.add_lora_and_reduce(self.layer, O_PROJ, out, y)
 
 
 class MLP(nn.Module):
@@ -143,8 +160,7 @@ class MLP(nn.Module):
         batch.add_lora(self.layer, GATE_UP, x, (gate, up))
         hidden = F.silu(gate) * up
         (y,) = self.down(hidden)
-        batch.add_lora(self.layer, DOWN, hidden, (y,))
-        return y
+        return batch.add_lora_and_reduce(self.layer, DOWN, hidden, y)
 
 
 class DecoderLayer(nn.Module):
@@ -176,9 +192,13 @@ class Decoder(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """`config`: the whole model's shape; `shard`: the tensor-parallel rank whose part this is (its heads and
+    MLP share, `loraserve/partition.py`; `self.config` is that part's shape)."""
+
+    def __init__(self, config: ModelConfig, shard: Shard = ONE_RANK):
         super().__init__()
-        self.config = config
+        self.full_config, self.shard = config, shard
+        self.config = config = local_model(config, shard)
         self.model = Decoder(config)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -215,10 +235,14 @@ class CausalLM(nn.Module):
         return self.head(hidden)[0].float()
 
 
-def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """Build the network and fill it from the checkpoint's safetensors; every tensor is checked."""
+def load_model(
+    model_dir: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype, shard: Shard = ONE_RANK
+) -> CausalLM:
+    """Build the network and fill it from the checkpoint's safetensors; every tensor is checked. `shard`:
+    the tensor-parallel rank whose part of the network this is (`loraserve/partition.py`)."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        full = {name: p.shape for name, p in CausalLM(config).named_parameters()}
+        model = CausalLM(config, shard)
     expected = {name: p for name, p in model.named_parameters()}
     loaded: dict[str, torch.Tensor] = {}
     for name, tensor in iter_tensors(model_dir):
@@ -226,23 +250,23 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue
             raise InvalidModelError(f"{model_dir}: unexpected tensor {name!r} for a {config.model_type} model")
-        if tuple(tensor.shape) != tuple(expected[name].shape):
+        if tuple(tensor.shape) != tuple(full[name]):
             raise InvalidModelError(
-                f"{model_dir}: tensor {name} has shape {list(tensor.shape)}, "
-                f"config.json implies {list(expected[name].shape)}"
+                f"{model_dir}: tensor {name} has shape {list(tensor.shape)}, config.json implies {list(full[name])}"
             )
-        loaded[name] = tensor.to(device=device, dtype=dtype)
+        loaded[name] = shard_tensor(name, tensor, config, shard).to(device=device, dtype=dtype)
+        assert loaded[name].shape == expected[name].shape, name
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise InvalidModelError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     model.load_state_dict(loaded, strict=False, assign=True)
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
     model.eval()
-    model.parameter_count = sum(t.numel() for t in loaded.values())
+    model.parameter_count = sum(math.prod(shape) for shape in full.values())
     loaded.clear()  # the model holds the tensors now: packing frees each group's as it fuses them (peak: one group)
     model.pack()
     log.info(
-        "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s",
+        "loaded %s model from %s: %d layers, hidden %d, %d/%d heads, %.1fM parameters, %s on %s%s",
         config.model_type,
         model_dir,
         config.num_layers,
@@ -252,5 +276,6 @@ def load_model(model_dir: str | Path, config: ModelConfig, device: torch.device,
         model.parameter_count / 1e6,
         dtype,
         device,
+        f", tensor-parallel rank {shard.index} of {shard.size}" if shard.size > 1 else "",
     )
     return model

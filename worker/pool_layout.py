@@ -13,6 +13,9 @@ KV width, so grouped-query attention wastes nothing). Token t of a sequence with
 
     K row = P[t // (R/2)] * R + t % (R/2)          V row = K row + R/2
 
+With tensor parallelism each rank has a pool of its own, holding its KV heads (`row_width` is their width)
+and its part of every adapter (`loraserve/partition.py`), at the same pages on every rank.
+
 Adapters. An adapter's A and B blocks fill its logical rows as the adapter rows contract lays them out
 (`loraserve/pool_rows.py`, shared with the adapter store, which packs them); logical row ℓ lives at
 physical row  pages[ℓ // R] * R + ℓ % R, the same in every layer.
@@ -20,9 +23,10 @@ physical row  pages[ℓ // R] * R + ℓ % R, the same in every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraserve.model_config import ModelConfig
+from loraserve.partition import ONE_RANK, Shard, local_model
 from loraserve.pool_rows import AdapterLayout, adapter_layout, ceil_div
 
 
@@ -32,6 +36,7 @@ class PoolLayout:
     row_width: int
     rows_per_page: int
     num_pages: int
+    shard: Shard = field(default_factory=Shard)  # the tensor-parallel rank whose part of KV and adapters it holds
 
     def __post_init__(self) -> None:
         if self.rows_per_page < 2 or self.rows_per_page % 2:
@@ -40,8 +45,9 @@ class PoolLayout:
             raise ValueError(f"the pool needs at least one page, got {self.num_pages}")
 
     @classmethod
-    def for_model(cls, config: ModelConfig, rows_per_page: int, num_pages: int) -> PoolLayout:
-        return cls(config.num_layers, config.kv_width, rows_per_page, num_pages)
+    def for_model(cls, config: ModelConfig, rows_per_page: int, num_pages: int, shard: Shard = ONE_RANK) -> PoolLayout:
+        """The pool of one rank (`shard`): rows as wide as that rank's KV heads."""
+        return cls(config.num_layers, local_model(config, shard).kv_width, rows_per_page, num_pages, shard)
 
     @property
     def tokens_per_page(self) -> int:
@@ -73,4 +79,4 @@ class PoolLayout:
         """Lay out an adapter of rank `rank` on `modules` in this pool's rows and pages (`loraserve/pool_rows.py`);
         `active_layers`: the layers it has weights in, by default all of the pool's."""
         layers = self.num_layers if active_layers is None else active_layers
-        return adapter_layout(config, rank, modules, self.row_width, self.rows_per_page, layers)
+        return adapter_layout(config, rank, modules, self.row_width, self.rows_per_page, layers, self.shard)

@@ -26,6 +26,7 @@ from loraserve.kernels.batch import LoraGeometry, ReusePrepared, build_attention
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
 from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.model_config import LORA_MODULES, ModelConfig
+from loraserve.partition import a_rank_divisor, lora_slice
 from loraserve.wire import TokenLogprob
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.decode_graphs import DecodeGraphs
@@ -37,6 +38,7 @@ from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.sampling import TokenMask, sample
 from loraserve.worker.step_runner import RunnerOutput
 from loraserve.worker.step_scheduler import SeqChunk
+from loraserve.worker.tensor_parallel.collectives import Collectives
 
 
 @dataclass(frozen=True)
@@ -111,19 +113,22 @@ class ModelRunner:
         backend: KernelBackend,
         capacity: StepCapacity | None = None,
         decode_padding: DecodePadding | None = None,
+        tp: Collectives | None = None,
     ):
         self.model, self.pool_tensor, self.layout, self.backend = model, pool_tensor, layout, backend
         self.device = pool_tensor.device
-        shapes = [model.config.module_shape(m) for m in LORA_MODULES]
+        parts = [lora_slice(model.full_config, m, 1, layout.shard) for m in LORA_MODULES]  # this rank's widths
         self.geometry = LoraGeometry(
-            tuple(d_in for d_in, _ in shapes),
-            tuple(d_out for _, d_out in shapes),
+            tuple(len(p.a_inputs) for p in parts),
+            tuple(len(p.b_outputs) for p in parts),
             layout.row_width,
             layout.rows_per_page,
             layout.num_layers,
+            tuple(a_rank_divisor(m, layout.shard) for m in LORA_MODULES),
         )
+        self.tp = tp
         if capacity is None:
-            capacity = step_capacity(EngineConfig(), layout, model.config, model.config.max_position_embeddings)
+            capacity = step_capacity(EngineConfig(), layout, model.full_config, model.config.max_position_embeddings)
         self.buffers = StepBuffers(capacity, self.device)
         self.decode_padding = decode_padding
         dtype = pool_tensor.dtype
@@ -161,7 +166,9 @@ class ModelRunner:
                 copy.wait_all()
             hidden = self.graphs.run(len(batch))
         else:
-            forward = ForwardBatch(step.positions, step.attention, step.lora, self.pool_tensor, self.backend, copies)
+            forward = ForwardBatch(
+                step.positions, step.attention, step.lora, self.pool_tensor, self.backend, copies, self.tp
+            )
             hidden = self.model(step.input_ids, forward)
         prompt_logprobs = self._score_prompts(batch, step, hidden)
         if not sampling:

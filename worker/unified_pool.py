@@ -142,9 +142,10 @@ class UnifiedPool:
         policy: EvictionPolicy | None = None,
         zeroed: bool = True,
         copy_threads: int = 2,
+        copier: type[PoolCopier] = PoolCopier,  # a tensor-parallel worker's rank 0 passes a SharingCopier
     ) -> None:
         self.layout, self.model, self.host = layout, model, host
-        self.copier = PoolCopier(layout, model, dtype, device, zeroed, copy_threads)
+        self.copier = copier(layout, model, dtype, device, zeroed, copy_threads)
         self.tensor = self.copier.tensor  # [L, pages * R, W]: KV and adapters (the runner reads it)
         self.device = device
         self.pages = PagePool(layout, adapter_pages, policy)  # who owns which page: KV, adapters, pins, prefixes

@@ -54,7 +54,7 @@ def rank_blocks(max_rank: int) -> list[int]:
 def warm_up(runner: ModelRunner, scratch_page: int, max_rank: int, graphs: str | None) -> float:
     """Run the dummy steps, then capture decode graphs in mode `graphs` (None: none); seconds taken."""
     started = time.perf_counter()
-    layout, config, capacity = runner.layout, runner.model.config, runner.buffers.capacity
+    layout, config, capacity = runner.layout, runner.model.full_config, runner.buffers.capacity
     tp = layout.tokens_per_page
     longest = min(capacity.max_seq_pages * tp, config.max_position_embeddings)
 

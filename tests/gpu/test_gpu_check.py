@@ -78,6 +78,10 @@ def test_dry_run_runs_every_part(dry_run):
     kernels = parts["kernels"]["data"]
     assert kernels["lora"] and kernels["attention"] and "summary" in kernels
 
+    split = parts["tensor-parallel"]["data"]  # the demo model on 1 and 2 ranks (gloo on the CPU)
+    assert {(r["size"], r["side"]) for r in split["records"] if r["kind"] == "speed"} >= {(2, "lora"), (1, "base")}
+    assert all(t["met"] for t in split["targets"] if t["name"].startswith("bytes sent"))
+
     assert len(results["targets"]) == len(gpu_report.TARGETS)
     report = (out / "results.md").read_text()
     assert "## Targets" in report and all(f"## {name} (ok" in report for name in gpu_check.PARTS)

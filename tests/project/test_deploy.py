@@ -352,6 +352,33 @@ def test_every_role_mounts_the_internal_keys_and_workers_never_get_the_token():
             assert items is None, f"{role} needs every key and the internal token"
 
 
+def test_the_tensor_parallel_overlay_patches_the_worker_into_a_valid_multi_gpu_pod(monkeypatch):
+    """deploy/k8s/tensor-parallel: its JSON patches apply to the base manifests, the result validates, and
+    the worker's GPUs match its --tensor-parallel, a flag the worker parses."""
+    import jsonpatch
+
+    from loraserve.cli import build_parser
+
+    overlay = yaml.safe_load((K8S / "tensor-parallel" / "kustomization.yaml").read_text())
+    assert overlay["resources"] == [".."]
+    patched = {}
+    for entry in overlay["patches"]:
+        kind, name = entry["target"]["kind"], entry["target"]["name"]
+        doc = objects(kind)[name]
+        patched[kind] = jsonpatch.apply_patch(doc, yaml.safe_load(entry["patch"]))
+        kubernetes_validate.validate(patched[kind], K8S_VERSION, strict=True)
+    env = patched["ConfigMap"]["data"]
+    (container,) = patched["Deployment"]["spec"]["template"]["spec"]["containers"]
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == container["resources"]["requests"]["nvidia.com/gpu"] == int(env["LORASERVE_TENSOR_PARALLEL"]) > 1
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    with monkeypatch.context() as m:
+        for variable, value in env.items():
+            m.setenv(variable, value)
+        args = build_parser("worker").parse_args(["worker"])
+    assert args.tensor_parallel == gpus
+
+
 # ---- compose ------------------------------------------------------------------------------------
 
 

@@ -172,6 +172,22 @@ def _stack_md(data: dict) -> str:
     return "\n".join(parts)
 
 
+def _tensor_parallel_md(data: dict) -> str:
+    if "skipped" in data:
+        return f"Skipped: {data['skipped']}"
+    speed = [r for r in data["records"] if r["kind"] == "speed"]
+    traffic = [r for r in data["records"] if r["kind"] == "traffic"]
+    parts = [
+        _table(
+            ["model", "ranks", "side", "tokens/s"],
+            [[r["model"], r["size"], r["side"], r["tokens_per_s"]] for r in speed],
+        )
+    ]
+    rows = [[r["model"], r["size"], r["base_bytes"], r["lora_bytes"], r["lora_share"]] for r in traffic]
+    parts.append(_table(["model", "ranks", "base bytes/step", "LoRA bytes/step", "LoRA share"], rows))
+    return "\n\n".join(parts)
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -210,6 +226,8 @@ def markdown(results: dict) -> str:
             lines.append(_engine_md(data))
         elif name == "overhead":
             lines.append(_overhead_md(data))
+        elif name == "tensor-parallel":
+            lines.append(_tensor_parallel_md(data))
         else:
             lines.append(_stack_md(data))
     return "\n".join(lines) + "\n"

@@ -42,11 +42,11 @@ from loraserve.bench.suites.gpu_check import report as gpu_report
 from loraserve.bench.suites.gpu_check.preset import DRY_RUN, GPU, GpuPreset
 from loraserve.config_cli import setting
 
-PARTS = ("tests", "kernels", "engine", "stack", "overhead")
+PARTS = ("tests", "kernels", "engine", "stack", "overhead", "tensor-parallel")
 # Seconds each part may take on the GPU (together about 11 minutes on one H100: where one command may
 # run 10 minutes, run `--parts overhead` in a second one); dry runs get more per part, as a shared
 # 2-core CPU is slow.
-GPU_LIMITS_S = {"tests": 110, "kernels": 70, "engine": 260, "stack": 100, "overhead": 120}
+GPU_LIMITS_S = {"tests": 110, "kernels": 70, "engine": 260, "stack": 100, "overhead": 120, "tensor-parallel": 120}
 DRY_RUN_LIMIT_S = 300
 
 
@@ -163,6 +163,34 @@ def run_overhead(args: argparse.Namespace, preset: GpuPreset, out: Path, work: P
     return json.loads((out / "overhead" / "results.json").read_text())
 
 
+def run_tensor_parallel(args: argparse.Namespace, out: Path, work: Path) -> dict:
+    """`loraserve bench --suite tensor-parallel --quick` over the machine's GPUs (two or four ranks; skipped
+    with one GPU); its results.json."""
+    import torch
+
+    from loraserve.bench import cli
+
+    argv = [
+        "--suite",
+        "tensor-parallel",
+        "--quick",
+        "--out",
+        str(out / "tensor-parallel"),
+        "--adapter-cache",
+        str(work),
+    ]
+    if args.dry_run:
+        argv += ["--tp-models", "demo", "--tp-batch", "4", "--tp-output", "3", "--tp-repeats", "1"]
+    else:
+        gpus = torch.cuda.device_count()
+        if gpus < 2:
+            return {"skipped": f"needs at least 2 CUDA devices; this machine has {gpus}"}
+        sizes = ["1", "2", "4"] if gpus >= 4 else ["1", "2"]
+        argv += ["--tp-device", "cuda", "--tp-models", "demo", "random-100m", "--tp-sizes", *sizes]
+    cli.run(argv)
+    return json.loads((out / "tensor-parallel" / "results.json").read_text())
+
+
 def run_part(
     name: str, args: argparse.Namespace, preset: GpuPreset, out: Path, work: Path, partial: Callable[[dict], None]
 ) -> dict:
@@ -176,6 +204,8 @@ def run_part(
         return gpu_engine.run(preset, work, log=lambda line: print(line, flush=True), partial=partial)
     if name == "overhead":
         return run_overhead(args, preset, out, work)
+    if name == "tensor-parallel":
+        return run_tensor_parallel(args, out, work)
     from loraserve.bench.suites.gpu_check import stack as gpu_stack
 
     return gpu_stack.run(preset, work, log=lambda line: print(line, flush=True), partial=partial)
