@@ -115,9 +115,9 @@ def test_a_rank_that_cannot_start_fails_the_engine_at_once(tiny_model, monkeypat
     """Not after the process group's timeout: rank 0 watches the others' processes while they join."""
     import torch.distributed as dist
 
-    from loraserve.worker.tensor_parallel import leader
+    from loraserve.worker.tensor_parallel import group
 
-    monkeypatch.setattr(leader.sys, "executable", "false")  # the other rank's process exits at once
+    monkeypatch.setattr(group.sys, "executable", "false")  # the other rank's process exits at once
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 exited while starting"):
         Engine(tiny_model, EngineConfig(device="cpu", pool_pages=16, tensor_parallel=2))

@@ -1,6 +1,7 @@
 """Ranks 1..N-1 of a tensor-parallel worker: load a part of the model, then run each step rank 0 sends.
 
     python -m loraserve.worker.tensor_parallel.follower --init 127.0.0.1:PORT --rank I --size N --device D
+    (its flags: `FollowerSettings`; rank 0 writes them with `follower_argv`)
 
 Rank 0 (`leader.py`) starts these processes; a follower never talks to the scheduler, the store or a
 gateway. It holds its part of the weights, of the KV cache and of every adapter at the pages rank 0
@@ -18,6 +19,7 @@ import sys
 
 import torch
 
+from loraserve.config_cli import add_config_arguments, config_from_args
 from loraserve.kernels.backend import select_backend
 from loraserve.model_config import ModelConfig
 from loraserve.partition import Shard
@@ -30,11 +32,10 @@ from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.runner import DecodePadding, ModelRunner, step_capacity
 from loraserve.worker.step_scheduler import SeqChunk
 from loraserve.worker.tensor_parallel.channel import Channel
-from loraserve.worker.tensor_parallel.group import init_process_group, join_store, share_cpus
+from loraserve.worker.tensor_parallel.collectives import Collectives
+from loraserve.worker.tensor_parallel.group import FollowerSettings, init_process_group, join_store, share_cpus
 from loraserve.worker.tensor_parallel.loads import adapter_of
 from loraserve.worker.tensor_parallel.messages import Ready, Setup, Slot, Step, Stop
-
-log = logging.getLogger("loraserve.worker.tensor_parallel")
 
 
 class Follower:
@@ -49,7 +50,7 @@ class Follower:
         self.copier: PoolCopier | None = None
         self.runner: ModelRunner | None = None
 
-    def build(self, ready: Ready, collectives) -> None:
+    def build(self, ready: Ready, collectives: Collectives) -> None:
         config, model = self.config, self.model_config
         layout = PoolLayout.for_model(model, config.rows_per_page, ready.pool_pages, self.shard)
         self.copier = PoolCopier(layout, model, self.dtype, self.device, copy_threads=1)
@@ -83,11 +84,10 @@ class _PooledSlot:
 def serve(shard: Shard, device: torch.device, init: str) -> None:
     init_process_group(join_store(init, shard), shard, str(device))
     share_cpus(str(device), shard.size)
-    from loraserve.worker.tensor_parallel.collectives import Collectives
-
     channel = Channel()
     setup = channel.receive()
-    assert isinstance(setup, Setup), setup
+    if not isinstance(setup, Setup):
+        raise RuntimeError(f"rank 0 sent {type(setup).__name__} before Setup")
     follower = Follower(shard, device, setup)
     collectives = Collectives(shard)
     while True:
@@ -103,16 +103,13 @@ def serve(shard: Shard, device: torch.device, init: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--init", required=True, help="rank 0's rendezvous store (host:port)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--size", type=int, required=True)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
+    add_config_arguments(parser, FollowerSettings)
+    settings = config_from_args(FollowerSettings, parser.parse_args(argv))
     if os.environ.get("LORASERVE_DIE_WITH_PARENT") == "1":
         die_with_parent(signal.SIGTERM)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {settings.rank} %(levelname)s %(message)s")
     with torch.inference_mode():
-        serve(Shard(args.size, args.rank), torch.device(args.device), args.init)
+        serve(Shard(settings.size, settings.rank), torch.device(settings.device or "cpu"), settings.init)
     return 0
 
 

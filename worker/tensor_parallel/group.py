@@ -11,18 +11,35 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from loraserve.config_cli import config_to_argv, setting
 from loraserve.errors import InvalidConfigError
 from loraserve.partition import Shard
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a step's collective waiting longer: a rank is lost
 JOIN_TIMEOUT = timedelta(minutes=5)  # the other ranks' start-up (a Python process importing torch)
 JOINED = "joined"  # the rendezvous store's count of ranks started
+
+
+@dataclass(frozen=True)
+class FollowerSettings:
+    """The command line rank 0 starts each other rank with (`follower.py`)."""
+
+    init: str = setting("127.0.0.1:29500", "rank 0's rendezvous store (host:port)")
+    rank: int = setting(1, "this process's rank")
+    size: int = setting(2, "ranks in all")
+    device: str = setting("", "this rank's device (cuda:N; empty: the CPU)")
+
+
+def follower_command(settings: FollowerSettings) -> list[str]:
+    return [sys.executable, "-m", "loraserve.worker.tensor_parallel.follower", *config_to_argv(settings)]
 
 
 def rank_devices(device: torch.device, size: int) -> list[str]:

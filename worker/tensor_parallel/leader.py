@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +34,8 @@ from loraserve.worker.tensor_parallel.channel import Channel
 from loraserve.worker.tensor_parallel.collectives import Collectives
 from loraserve.worker.tensor_parallel.group import (
     JOIN_TIMEOUT,
+    FollowerSettings,
+    follower_command,
     free_port,
     init_process_group,
     rank_devices,
@@ -67,10 +68,9 @@ class Leader:
         devices = rank_devices(device, size)
         port = free_port()
         store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT)
-        command = [sys.executable, "-m", "loraserve.worker.tensor_parallel.follower", "--init", f"127.0.0.1:{port}"]
         env = {**os.environ, "LORASERVE_DIE_WITH_PARENT": "1"}
         processes = [
-            subprocess.Popen([*command, "--rank", str(i), "--size", str(size), "--device", devices[i]], env=env)
+            subprocess.Popen(follower_command(FollowerSettings(f"127.0.0.1:{port}", i, size, devices[i])), env=env)
             for i in range(1, size)
         ]
         try:
