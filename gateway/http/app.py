@@ -290,16 +290,8 @@ class OpenAiRoutes:
         refused = body.unsupported()
         if refused is not None:
             raise bad_request(*refused)
-        constraint = self._constraint(requested_constraint, body.constraint_fields())
-        return {
-            "adapter": self._adapter(body.model),
-            "sampling": sampling_fields(body.sampling(), body.new_tokens, body.stop_token_ids or ()),
-            "stop": body.stops,
-            "include_stop": bool(body.include_stop_str_in_output),
-            "cache_salt": body.cache_salt or "",
-            "keep_special_tokens": body.skip_special_tokens is False,
-            "constraint": _one_constraint(constraint, tool_constraint),
-        }
+        constraint = _one_constraint(self._constraint(requested_constraint, body.constraint_fields()), tool_constraint)
+        return body.generation_fields() | {"adapter": self._adapter(body.model), "constraint": constraint}
 
     def _adapter(self, model: str) -> str:
         """The adapter a model id names ("": the base model)."""

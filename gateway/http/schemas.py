@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from loraserve.gateway.generation_request import MAX_CLIENT_ID
+from loraserve.gateway.http.drafts import sampling_fields
 from loraserve.gateway.http.refusals import (
     CHAT_NOT_IMPLEMENTED,
     COMPLETION_NOT_IMPLEMENTED,
@@ -197,6 +198,18 @@ class _Generation(_Body):
     def logprob_fields(self) -> dict[str, int]:
         """The log-probability sampling fields this request asks for."""
         return {}
+
+    def generation_fields(self) -> dict[str, Any]:
+        """This body as a generation's fields (`gateway/generation_request.py`, read as the gRPC API reads
+        its own, `drafts.sampling_fields`), but for its adapter and output constraint, which the route works
+        out (from the model id, the constraint fields and the tool choice)."""
+        return {
+            "sampling": sampling_fields(self.sampling(), self.new_tokens, self.stop_token_ids or ()),
+            "stop": self.stops,
+            "include_stop": bool(self.include_stop_str_in_output),
+            "cache_salt": self.cache_salt or "",
+            "keep_special_tokens": self.skip_special_tokens is False,
+        }
 
     def constraint_fields(self) -> dict[str, Any]:
         """The fields that may ask for structured output (`structured.requested_constraint` reads them)."""
