@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TinySpec, hf_greedy, make_adapter, make_model
 
 from loraserve.errors import InvalidConfigError
@@ -64,8 +65,11 @@ def peft(tiny_model, adapters) -> list[list[int]]:
     ]
 
 
-def _generate(model: Path, adapters: dict[str, Path], size: int, requests: list[GenerateRequest]) -> list[list[int]]:
-    engine = Engine(model, EngineConfig(device="cpu", pool_pages=160, tensor_parallel=size))
+def _generate(
+    model: Path, adapters: dict[str, Path], size: int, requests: list[GenerateRequest], device: str = "cpu"
+) -> list[list[int]]:
+    config = EngineConfig(device=device, dtype="float32", pool_pages=160, tensor_parallel=size)
+    engine = Engine(model, config)
     try:
         for name, path in adapters.items():
             engine.register_adapter(name, path)
@@ -79,6 +83,16 @@ def test_a_split_engine_is_token_exact_with_peft_and_with_one_rank(tiny_model, a
     split = _generate(tiny_model, adapters, size, _requests([None, *adapters]))
     assert split == one_rank
     assert split[::2] == peft  # the greedy ones
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_a_model_split_over_two_gpus_is_token_exact_with_one_gpu_and_peft(tiny_model, adapters, peft):
+    """NCCL between the ranks' processes, one GPU each; float32, as PEFT runs."""
+    requests = _requests([None, *adapters])
+    split = _generate(tiny_model, adapters, 2, requests, device="cuda")
+    assert split == _generate(tiny_model, adapters, 1, requests, device="cuda")
+    assert split[::2] == peft
 
 
 def test_biases_are_split_with_their_projections(tmp_path):
