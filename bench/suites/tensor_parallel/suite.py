@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.common.engine_run import bench_cache, quiet
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.random_model import model_dir
 from loraserve.bench.common.results import target, write_results
 from loraserve.bench.common.settings import add_settings
@@ -44,6 +45,15 @@ SIDES = ("base", "lora", "lora-no-comm")
 
 
 @dataclass(frozen=True)
+class TensorParallelPreset(Preset):
+    output: int  # tokens per request
+    repeats: int  # runs per side, the fastest kept
+
+
+FULL, QUICK = TensorParallelPreset(output=48, repeats=3), TensorParallelPreset(output=24, repeats=2)
+
+
+@dataclass(frozen=True)
 class TensorParallelSettings:
     """The suite's own flags (it also reads --quick, --out, --threads, --adapter-cache, --seed)."""
 
@@ -53,9 +63,7 @@ class TensorParallelSettings:
     )
     tp_batch: int = setting(16, "tensor-parallel suite: requests queued at once")
     tp_output: int | None = setting(None, "tensor-parallel suite: output tokens per request (default 48; quick 24)")
-    tp_repeats: int | None = setting(
-        None, "tensor-parallel suite: runs per side, the fastest kept (default 3; quick 2)"
-    )
+    tp_repeats: int | None = setting(None, "tensor-parallel suite: runs per side, fastest kept (default 3; quick 2)")
     tp_device: str = setting("cpu", "tensor-parallel suite: the engine's device (cpu, cuda)")
 
 
@@ -93,12 +101,8 @@ def _run(engine, requests, lora: bool) -> dict:
     while engine.has_unfinished():
         tokens += sum(len(out.new_token_ids) for out in engine.step())
     seconds = time.perf_counter() - start
-    return {
-        "tokens": tokens,
-        "seconds": round(seconds, 4),
-        "tokens_per_s": round(tokens / seconds, 1),
-        "steps": engine.steps - steps0,
-    }
+    record = {"tokens": tokens, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
+    return record | {"steps": engine.steps - steps0}
 
 
 def _speed(path: Path, size: int, args, bank: AdapterBank, requests, repeats: int) -> list[dict]:
@@ -144,22 +148,22 @@ def _traffic(path: Path, size: int, args, bank: AdapterBank) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     quiet(args.threads, "loraserve.worker.tensor_parallel")
-    output = args.tp_output or (24 if args.quick else 48)
-    repeats = args.tp_repeats or (2 if args.quick else 3)
+    preset = (QUICK if args.quick else FULL).but(output=args.tp_output, repeats=args.tp_repeats)
     records, targets = [], []
     for name in args.tp_models or ("demo", "random-25m"):
         path = model_dir(name, bench_cache(args.adapter_cache))
         bank = AdapterBank(SyntheticAdapters(path, target_modules=LORA_MODULES, seed=args.seed))
-        requests = _requests(args.tp_batch, output, args.seed)
+        requests = _requests(args.tp_batch, preset.output, args.seed)
         for size in args.tp_sizes:
-            for record in _speed(path, size, args, bank, requests, repeats):
+            for record in _speed(path, size, args, bank, requests, preset.repeats):
                 records.append({"kind": "speed", "model": name, "size": size} | record)
                 print(records[-1], flush=True)
             if size > 1:
                 records.append({"kind": "traffic", "model": name, "size": size} | _traffic(path, size, args, bank))
                 print(records[-1], flush=True)
                 targets += _targets(records[-1])
-    options = {"batch": args.tp_batch, "output": output, "repeats": repeats, "rank": RANK, "adapters": ADAPTERS}
+    options = {"batch": args.tp_batch, "output": preset.output, "repeats": preset.repeats}
+    options |= {"rank": RANK, "adapters": ADAPTERS}
     path = write_results(Path(args.out), "tensor-parallel", records, args.threads, targets=targets, options=options)
     print(f"tensor-parallel suite: {path}")
     return 0
