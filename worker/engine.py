@@ -289,6 +289,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.step_scheduler.has_work() or bool(self._aborted)
 
+    def check_ranks(self) -> None:
+        """RuntimeError when the model is split and another rank's process has exited (`Leader.check`)."""
+        if self.leader is not None:
+            self.leader.check()
+
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs = [

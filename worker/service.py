@@ -102,6 +102,7 @@ class WorkerService:
         """Give the core what arrived; when idle (`block_s`), first wait that long for something to."""
         if not self.io.alive:
             raise RuntimeError("the worker's I/O thread died")
+        self.engine.check_ranks()  # a split model's other ranks: one that died fails the worker now, idle or not
         if block_s:
             zmq.select([self._wakeup.fd], [], [], block_s)
         self._wakeup.clear()

@@ -2,8 +2,8 @@
 
 - Generations through the gateway, adapters fetched from the store as packed rows (each rank packs its
   part from them), are token-exact with transformers + peft.
-- A rank that dies takes its worker down as one: its streams continue on the other worker with exactly
-  the tokens an undisturbed run gives.
+- A rank that dies takes its worker down as one, at once even while the worker is idle; its streams
+  continue on the other worker with exactly the tokens an undisturbed run gives.
 """
 
 from __future__ import annotations
@@ -73,11 +73,31 @@ def test_split_workers_are_token_exact_with_peft(stack):
         assert tokens == hf_greedy(DEMO_MODEL_DIR, path, list(request.token_ids.ids), NEW_TOKENS), request.adapter
 
 
+def _follower(stack, worker: str) -> psutil.Process:
+    leader = psutil.Process(stack.process(worker).pid)
+    (follower,) = [p for p in leader.children() if "tensor_parallel.follower" in " ".join(p.cmdline())]
+    return follower
+
+
+def _until_not_ready(stack, worker: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(w.worker_id == worker and w.ready for w in stack.cluster().workers):
+        assert time.monotonic() < deadline, f"{worker}, with a dead rank, still reports ready after {timeout_s} s"
+        time.sleep(0.1)
+
+
+def test_a_rank_that_dies_while_its_worker_is_idle_takes_the_worker_out_at_once(stack):
+    """Not at its next request: the worker checks its ranks while it waits for work."""
+    _follower(stack, "worker-1").send_signal(signal.SIGKILL)
+    _until_not_ready(stack, "worker-1", timeout_s=5)
+    stack.stack.restart("worker-1")
+    stack.wait_workers(2)
+
+
 def test_a_dead_rank_fails_its_worker_over_as_one(stack):
     requests = [_request(p, a) for p in PROMPTS for a in ADAPTERS]
     reference = _streams(stack, requests)
-    leader = psutil.Process(stack.process("worker-0").pid)
-    (follower,) = [p for p in leader.children() if "tensor_parallel.follower" in " ".join(p.cmdline())]
+    follower = _follower(stack, "worker-0")
 
     def kill(received: list[int]) -> None:
         deadline = time.monotonic() + 60
@@ -91,7 +111,4 @@ def test_a_dead_rank_fails_its_worker_over_as_one(stack):
         assert _streams(stack, requests, kill) == reference
     except grpc.RpcError as e:  # pragma: no cover - the message is the point
         pytest.fail(f"a stream failed instead of failing over: {e.code()} {e.details()}")
-    deadline = time.monotonic() + 20
-    while any(w.worker_id == "worker-0" and w.ready for w in stack.cluster().workers):
-        assert time.monotonic() < deadline, "the worker with a dead rank still reports ready"
-        time.sleep(0.1)
+    _until_not_ready(stack, "worker-0", timeout_s=20)
