@@ -40,8 +40,8 @@ class Traffic:
 class Collectives:
     """One rank's side of the forward pass's communication (see the module docstring)."""
 
-    def __init__(self, shard: Shard, group: dist.ProcessGroup | None = None):
-        self.shard, self.group = shard, group
+    def __init__(self, shard: Shard):
+        self.shard = shard
         self.traffic = Traffic()
         self.lora_comm = os.environ.get("LORASERVE_TP_LORA_COMM", "on") != "off"
 
@@ -52,14 +52,14 @@ class Collectives:
 
     def all_reduce(self, t: torch.Tensor, lora: bool = False) -> torch.Tensor:
         """`t` summed over the ranks, in place."""
-        dist.all_reduce(t, group=self.group)
+        dist.all_reduce(t)
         self._count(2 * (self.shard.size - 1) * t.numel() * t.element_size() // self.shard.size, lora, "all_reduce")
         return t
 
     def all_gather(self, t: torch.Tensor, lora: bool = True) -> torch.Tensor:
         """[N, *t.shape]: every rank's `t`, in rank order."""
         out = t.new_empty((self.shard.size, *t.shape))
-        dist.all_gather(list(out.unbind(0)), t.contiguous(), group=self.group)
+        dist.all_gather(list(out.unbind(0)), t.contiguous())
         self._count((self.shard.size - 1) * t.numel() * t.element_size(), lora, "all_gather")
         return out
 

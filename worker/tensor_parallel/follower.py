@@ -35,7 +35,7 @@ from loraserve.worker.tensor_parallel.channel import Channel
 from loraserve.worker.tensor_parallel.collectives import Collectives
 from loraserve.worker.tensor_parallel.group import FollowerSettings, init_process_group, join_store, share_cpus
 from loraserve.worker.tensor_parallel.loads import adapter_of
-from loraserve.worker.tensor_parallel.messages import Ready, Setup, Slot, Step, Stop
+from loraserve.worker.tensor_parallel.messages import Ready, Setup, Step, Stop
 
 
 class Follower:
@@ -65,20 +65,12 @@ class Follower:
     def step(self, step: Step) -> None:
         for load in step.loads:
             self.copier.copy(tuple(load.pages), load.num_rows, adapter_of(load))
-        slots = [_PooledSlot(s) for s in step.slots]
+        slots = step.slots  # each as the kernels read an adapter (`kernels.batch.PooledAdapter`)
         batch = [
             SeqChunk("", c.token_ids, c.start, c.kv_pages, None if c.slot < 0 else slots[c.slot], None)
             for c in step.chunks
         ]
         self.runner.execute(batch, step.kv_copies)
-
-
-class _PooledSlot:
-    """A step's adapter as the kernels read it (`kernels.batch.PooledAdapter`)."""
-
-    def __init__(self, slot: Slot):
-        self.rank, self.scale, self.pages = slot.rank, slot.scale, slot.pages
-        self.a_offsets, self.b_offsets, self.layers = slot.a_offsets, slot.b_offsets, slot.layers
 
 
 def serve(shard: Shard, device: torch.device, init: str) -> None:
