@@ -29,6 +29,7 @@ import zmq
 from loraserve import errors
 from loraserve.internal_auth import Curve
 from loraserve.log_limit import RateLimitedLog
+from loraserve.partition import ONE_RANK, Shard
 from loraserve.pool_rows import ROW_DTYPES, RowsSpec, layer_digests
 from loraserve.shared_memory import SharedMemoryUnavailable, open_rows
 from loraserve.sockets import make_socket, send
@@ -115,15 +116,26 @@ class AdapterFetcher:
         return _checked_files(reply)
 
     def fetch_rows(
-        self, name: str, version: int, row_width: int, num_layers: int, trace: dict[str, str] | None = None
+        self,
+        name: str,
+        version: int,
+        row_width: int,
+        num_layers: int,
+        trace: dict[str, str] | None = None,
+        shard: Shard = ONE_RANK,
     ) -> FetchedAdapter | FetchedRows:
         """One adapter version in the row layout of a pool of `row_width` and `num_layers` (see the module
-        docstring), or its files when the store has no rows for that shape; raises as `fetch_adapter`."""
+        docstring), or its files when the store has no rows for that shape; `shard`: the part of the rows a
+        tensor-parallel rank holds. Raises as `fetch_adapter`."""
         shared = self.shared_memory is not None
-        fetch = FetchAdapter(name, version, dict(trace or {}), row_width, num_layers, shared_memory=shared)
+        fetch = FetchAdapter(
+            name, version, dict(trace or {}), row_width, num_layers, shared, tp_size=shard.size, tp_rank=shard.index
+        )
         reply = self._request(fetch)
         if isinstance(reply, AdapterPayload):
             return _checked_files(reply)
+        if (reply.tp_size, reply.tp_rank) != (shard.size, shard.index):  # a store that cuts no parts
+            return self.fetch_adapter(name, version, trace)
         if reply.shm_name:
             try:
                 rows = open_rows(self.shared_memory, reply.shm_name, reply.shm_token, reply.sha256, _spec(reply).nbytes)
@@ -132,7 +144,7 @@ class AdapterFetcher:
                     "adapter rows from %s: cannot map its shared memory (%s); using the socket", self.address, e
                 )
                 self.shared_memory = None  # this store's files are not for this worker
-                return self.fetch_rows(name, version, row_width, num_layers, trace)
+                return self.fetch_rows(name, version, row_width, num_layers, trace, shard)
             return _checked_rows(reply, rows, shared=True, verify=self.verify_shared)
         return _checked_rows(reply, _view(reply.rows), shared=False, verify=True)
 

@@ -12,7 +12,8 @@ A worker may ask for the adapter in its pool's row layout (`FetchAdapter.row_wid
 rows (`adapter_store/packing.py`) for a model of that shape answers `ADAPTER_ROWS` with the rows as a raw frame
 (zero-copy, like the files) and each layer's sha256, or — when the worker said it can map this host's shared
 memory and the rows are in a shared-memory file — with that file's name and token and no rows on the
-socket. Otherwise it answers with the files, as to any worker.
+socket. A rank of a tensor-parallel worker asks for its part of the rows (`FetchAdapter.tp_rank` of
+`tp_size`), cut for that reply (`RowsMaker.part`). Otherwise it answers with the files, as to any worker.
 
 A malformed message is logged (rate-limited per peer and kind) and dropped; a peer that cannot
 take a reply (gone, or its queue full) loses that reply and the worker times out and retries. An
@@ -29,10 +30,12 @@ import threading
 import zmq
 
 from loraserve import telemetry
+from loraserve.adapter_store.packing import PackedRows
 from loraserve.adapter_store.store import AdapterStore
-from loraserve.errors import LoraserveError
+from loraserve.errors import InvalidConfigError, LoraserveError
 from loraserve.internal_auth import InternalKeys
 from loraserve.log_limit import RateLimitedLog
+from loraserve.partition import Shard
 from loraserve.sockets import make_socket, send
 from loraserve.supervise import RoleFailed, watch_thread
 from loraserve.wire import AdapterPayload, AdapterRows, FetchAdapter, FetchFailed, Message, WireError, decode
@@ -131,32 +134,16 @@ class DataPlane:
                 log.exception("serving adapter %s v%d failed", fetch.name, fetch.version)
                 return FetchFailed(fetch.name, fetch.version, status="INTERNAL", error=f"the store failed: {e}")
             self.served += 1
-            if rows is not None and (fetch.row_width, fetch.num_layers) == (rows.spec.row_width, rows.spec.num_layers):
-                shared = fetch.shared_memory and rows.file is not None
-                try:  # a file is mapped for this reply only (ZMQ holds the view until it is sent)
-                    sent = b"" if shared else rows.buffer
+            if rows is not None:
+                try:
+                    reply = self._rows_reply(fetch, record.sha256, files.config_json, rows, span)
                 except FileNotFoundError:  # purged since `get_rows`: as if it had been before
                     error = f"adapter {fetch.name!r} version {fetch.version} was just released"
                     return FetchFailed(fetch.name, fetch.version, status="NOT_FOUND", error=error)
-                span.set_attribute("loraserve.adapter.bytes", 0 if shared else rows.spec.nbytes)
-                span.set_attribute("loraserve.adapter.shared_memory", shared)
-                return AdapterRows(
-                    name=fetch.name,
-                    version=fetch.version,
-                    sha256=record.sha256,
-                    rank=rows.rank,
-                    modules=list(rows.modules),
-                    layers=list(rows.layers),
-                    dtype=rows.spec.dtype,
-                    num_layers=rows.spec.num_layers,
-                    num_rows=rows.spec.num_rows,
-                    row_width=rows.spec.row_width,
-                    digests=rows.digests,
-                    shm_name=rows.file.name if shared else "",
-                    shm_token=rows.file.token if shared else "",
-                    config_json=files.config_json,
-                    rows=sent,
-                )
+                except LoraserveError as e:  # a part of the rows this model has not
+                    return FetchFailed(fetch.name, fetch.version, status=e.status, error=str(e))
+                if reply is not None:
+                    return reply
             span.set_attribute("loraserve.adapter.bytes", len(files.config_json) + len(files.weights))
             return AdapterPayload(
                 name=fetch.name,
@@ -166,3 +153,38 @@ class DataPlane:
                 weights=files.weights,
                 sha256=record.sha256,
             )
+
+    def _rows_reply(
+        self, fetch: FetchAdapter, sha256: str, config_json: bytes, rows: PackedRows, span
+    ) -> AdapterRows | None:
+        """The rows `fetch` asks for (a tensor-parallel rank's part cut from them), or None when it asks for
+        another shape (then the files go)."""
+        if fetch.tp_size > 1:
+            if fetch.tp_rank >= fetch.tp_size:
+                raise InvalidConfigError(f"tensor-parallel rank {fetch.tp_rank} of {fetch.tp_size} is not a rank")
+            rows = self.store.rows.part(rows, Shard(fetch.tp_size, fetch.tp_rank))
+        if (fetch.row_width, fetch.num_layers) != (rows.spec.row_width, rows.spec.num_layers):
+            return None
+        shared = fetch.shared_memory and rows.file is not None
+        sent = b"" if shared else rows.buffer  # a file is mapped for this reply only (ZMQ holds the view)
+        span.set_attribute("loraserve.adapter.bytes", 0 if shared else rows.spec.nbytes)
+        span.set_attribute("loraserve.adapter.shared_memory", shared)
+        return AdapterRows(
+            name=fetch.name,
+            version=fetch.version,
+            sha256=sha256,
+            rank=rows.rank,
+            modules=list(rows.modules),
+            layers=list(rows.layers),
+            dtype=rows.spec.dtype,
+            num_layers=rows.spec.num_layers,
+            num_rows=rows.spec.num_rows,
+            row_width=rows.spec.row_width,
+            digests=rows.digests,
+            shm_name=rows.file.name if shared else "",
+            shm_token=rows.file.token if shared else "",
+            tp_size=fetch.tp_size,
+            tp_rank=fetch.tp_rank,
+            config_json=config_json,
+            rows=sent,
+        )

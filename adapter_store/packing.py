@@ -3,8 +3,9 @@
 `RowsMaker` packs a validated adapter (`loraserve/pool_rows.py`, numpy) into shared memory when the host
 allows it (`loraserve/shared_memory.py`), else into RAM, and computes each layer's sha256. `PackedRows` is
 what the data plane sends: over the socket (zero-copy from the same buffer) or, to a worker on this host,
-as the name of the file. The rows are a derived copy of the weights file the store also keeps: they cost
-about as much RAM again (shared memory counts as RAM), counted in the store's memory budget.
+as the name of the file. A tensor-parallel rank asks for its part of them (`part`): cut from them for that
+reply, in RAM, and sent over the socket. The rows are a derived copy of the weights file the store also
+keeps: they cost about as much RAM again (shared memory counts as RAM), counted in the store's memory budget.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 
 from loraserve.adapter_format import CheckedAdapter
 from loraserve.model_config import ModelConfig
-from loraserve.pool_rows import RowsSpec, layer_digests, pack_rows, rows_spec
+from loraserve.partition import Shard, check_partition
+from loraserve.pool_rows import RowsSpec, layer_digests, pack_rows, rows_spec, shard_rows
 from loraserve.shared_memory import SharedMemoryUnavailable, SharedRowsDir, SharedRowsFile
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,15 @@ class RowsMaker:
         digests = layer_digests(buffer, spec)
         memory = None if file is not None else buffer
         return PackedRows(spec, checked.config.rank, checked.modules, checked.layers, digests, memory, file)
+
+    def part(self, rows: PackedRows, shard: Shard) -> PackedRows:
+        """The part of `rows` that tensor-parallel rank `shard` holds (`pool_rows.shard_rows`), cut now into
+        RAM for one reply; InvalidConfigError when the store's model cannot be split over that many ranks,
+        FileNotFoundError when the version was purged meanwhile."""
+        check_partition(self.model, shard.size)
+        spec, buffer = shard_rows(rows.buffer, rows.spec, self.model, rows.rank, rows.modules, rows.layers, shard)
+        digests = layer_digests(buffer, spec)
+        return PackedRows(spec, rows.rank, rows.modules, rows.layers, digests, memory=memoryview(buffer))
 
     def close(self) -> None:
         if self.shared is not None:

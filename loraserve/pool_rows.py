@@ -23,6 +23,11 @@ without repacking:
 
     rows: [num_layers, num_rows, row_width] in `dtype`, little-endian, C order; layers without weights zero
 
+A tensor-parallel rank holds its part of every adapter (`loraserve/partition.py`) in rows as wide as its KV
+heads, laid out by the same rule over its share of each block (`adapter_layout(..., shard)`). The store cuts
+each rank's rows from the whole ones when a rank asks for them (`shard_rows`), so a rank receives its part
+and nothing more.
+
 `dtype` is the adapter's own: the dtype of its tensors, or when they mix, one that holds every value exactly
 (float32, or float64 if any tensor is float64). The worker casts to its pool's dtype when they differ, which
 gives exactly what casting each tensor directly would, as the store's widening is exact. bfloat16 rows are
@@ -44,7 +49,7 @@ import numpy as np
 
 from loraserve.adapter_format import CheckedAdapter, StoredTensor
 from loraserve.model_config import LORA_GROUPS, LORA_MODULES, MODULE_INDEX, ModelConfig
-from loraserve.partition import ONE_RANK, Shard, lora_slice
+from loraserve.partition import ONE_RANK, LoraSlice, Shard, local_model, lora_slice
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -185,10 +190,12 @@ class RowsSpec:
         return self.num_layers * self.layer_bytes
 
 
-def adapter_rows_layout(model: ModelConfig, rank: int, modules: tuple[str, ...]) -> AdapterLayout:
+def adapter_rows_layout(
+    model: ModelConfig, rank: int, modules: tuple[str, ...], shard: Shard = ONE_RANK
+) -> AdapterLayout:
     """The logical row layout of a rank-`rank` adapter on `modules`, as every pool of `model` lays it out
-    (rows of the model's KV width; counted in pages of one row: a worker's pool pages them itself)."""
-    return adapter_layout(model, rank, modules, model.kv_width, rows_per_page=1)
+    (rows of the KV width of `shard`'s heads; counted in pages of one row: a worker's pool pages them)."""
+    return adapter_layout(model, rank, modules, local_model(model, shard).kv_width, rows_per_page=1, shard=shard)
 
 
 def rows_dtype(checked: CheckedAdapter) -> str:
@@ -199,26 +206,96 @@ def rows_dtype(checked: CheckedAdapter) -> str:
     return "float64" if "float64" in names else "float32"
 
 
-def rows_spec(model: ModelConfig, checked: CheckedAdapter) -> RowsSpec:
-    layout = adapter_rows_layout(model, checked.config.rank, checked.modules)
-    return RowsSpec(rows_dtype(checked), model.num_layers, layout.num_rows, model.kv_width)
+def layout_spec(model: ModelConfig, layout: AdapterLayout, dtype: str, shard: Shard = ONE_RANK) -> RowsSpec:
+    return RowsSpec(dtype, model.num_layers, layout.num_rows, local_model(model, shard).kv_width)
 
 
-def pack_rows(checked: CheckedAdapter, model: ModelConfig, out: np.ndarray) -> None:
-    """Write the adapter's rows into `out`, a zeroed uint8 buffer of `rows_spec(model, checked).nbytes`."""
-    spec = rows_spec(model, checked)
-    if out.nbytes != spec.nbytes:
-        raise ValueError(f"the rows need {spec.nbytes} bytes, the buffer has {out.nbytes}")
-    rows = out.view(ROW_DTYPES[spec.dtype]).reshape(spec.num_layers, spec.num_rows, spec.row_width)
-    layout = adapter_rows_layout(model, checked.config.rank, checked.modules)
-    r, w = checked.config.rank, spec.row_width
+def rows_spec(model: ModelConfig, checked: CheckedAdapter, shard: Shard = ONE_RANK) -> RowsSpec:
+    layout = adapter_rows_layout(model, checked.config.rank, checked.modules, shard)
+    return layout_spec(model, layout, rows_dtype(checked), shard)
+
+
+def pack_rows(checked: CheckedAdapter, model: ModelConfig, out: np.ndarray, shard: Shard = ONE_RANK) -> None:
+    """Write the adapter's rows (`shard`'s part of them) into `out`, a zeroed uint8 buffer of
+    `rows_spec(model, checked, shard).nbytes`."""
+    spec = rows_spec(model, checked, shard)
+    rows = _rows_array(out, spec)
+    layout = adapter_rows_layout(model, checked.config.rank, checked.modules, shard)
+    r = checked.config.rank
     for (layer, module), (a, b) in checked.weights.items():
-        block = layout.block(module)
-        assert block is not None  # the layout was made from these modules
-        a_rows = rows[layer, block.a_offset : block.a_offset + r * block.c_in].reshape(r, block.c_in * w)
-        a_rows[:, : block.d_in] = _values(a, spec.dtype)  # A [r, d_in]: each rank vector cut into rows
-        b_rows = rows[layer, block.b_offset : block.b_offset + r * block.c_out].reshape(r, block.c_out * w)
-        b_rows[:, : block.d_out] = _values(b, spec.dtype).T  # B [d_out, r]: its columns are the rank vectors
+        part = lora_slice(model, module, r, shard)
+        _write_block(rows, layer, layout, module, *_part(_values(a, spec.dtype), _values(b, spec.dtype).T, part))
+
+
+def shard_rows(
+    whole: memoryview,
+    spec: RowsSpec,
+    model: ModelConfig,
+    rank: int,
+    modules: Sequence[str],
+    layers: Sequence[int],
+    shard: Shard,
+) -> tuple[RowsSpec, bytearray]:
+    """One rank's rows (`shard`) read from the whole rows `whole` (`spec`) of a rank-`rank` adapter on
+    `modules`, with weights in `layers`: (their RowsSpec, a new buffer). What one tensor-parallel rank holds,
+    cut from what the store packed once."""
+    source = _rows_array(np.frombuffer(whole, dtype=np.uint8), spec)
+    whole_layout = adapter_rows_layout(model, rank, tuple(modules))
+    layout = adapter_rows_layout(model, rank, tuple(modules), shard)
+    out_spec = layout_spec(model, layout, spec.dtype, shard)
+    buffer = bytearray(out_spec.nbytes)
+    rows = _rows_array(np.frombuffer(buffer, dtype=np.uint8), out_spec)
+    for layer in layers:
+        for block in whole_layout.blocks:
+            a, bt = _read_block(source, layer, whole_layout, block)
+            part = lora_slice(model, block.module, rank, shard)
+            _write_block(rows, layer, layout, block.module, *_part(a, bt, part))
+    return out_spec, buffer
+
+
+def _rows_array(buffer: np.ndarray, spec: RowsSpec) -> np.ndarray:
+    if buffer.nbytes != spec.nbytes:
+        raise ValueError(f"the rows need {spec.nbytes} bytes, the buffer has {buffer.nbytes}")
+    return buffer.view(ROW_DTYPES[spec.dtype]).reshape(spec.num_layers, spec.num_rows, spec.row_width)
+
+
+def _part(a: np.ndarray, bt: np.ndarray, part: LoraSlice) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's part of A [r, d_in] and of B's rank vectors [r, d_out] (`part`; rank vectors past r are the
+    zero padding, left as the buffer's zeros)."""
+    r = a.shape[0]
+    ranks = slice(min(part.a_ranks.start, r), min(part.a_ranks.stop, r))
+    inputs, outputs = slice(part.a_inputs.start, part.a_inputs.stop), slice(part.b_outputs.start, part.b_outputs.stop)
+    return a[ranks, inputs], bt[:, outputs]
+
+
+def _block_views(
+    rows: np.ndarray, layer: int, layout: AdapterLayout, block: ModuleBlock
+) -> tuple[np.ndarray, np.ndarray]:
+    """A's rows as [A rank vectors, c_in·W] and B's as [rank, c_out·W] (views)."""
+    w = rows.shape[2]
+    a = rows[layer, block.a_offset : block.a_offset + block.a_rank * block.c_in].reshape(block.a_rank, -1)
+    b = rows[layer, block.b_offset : block.b_offset + layout.rank * block.c_out].reshape(layout.rank, -1)
+    assert a.shape[1] == block.c_in * w and b.shape[1] == block.c_out * w
+    return a, b
+
+
+def _read_block(
+    rows: np.ndarray, layer: int, layout: AdapterLayout, block: ModuleBlock
+) -> tuple[np.ndarray, np.ndarray]:
+    """A [a_rank, d_in] and B's rank vectors [rank, d_out] of one block (views)."""
+    a, b = _block_views(rows, layer, layout, block)
+    return a[:, : block.d_in], b[:, : block.d_out]
+
+
+def _write_block(
+    rows: np.ndarray, layer: int, layout: AdapterLayout, module: str, a: np.ndarray, bt: np.ndarray
+) -> None:
+    """Each rank vector of A [n, d_in] and of B [n, d_out] cut into rows of one block."""
+    block = layout.block(module)
+    assert block is not None  # the layout was made from these modules
+    a_rows, b_rows = _block_views(rows, layer, layout, block)
+    a_rows[: a.shape[0], : a.shape[1]] = a
+    b_rows[: bt.shape[0], : bt.shape[1]] = bt
 
 
 def layer_digests(rows: memoryview | bytes, spec: RowsSpec) -> list[str]:

@@ -90,6 +90,7 @@ MAX_PREFETCH = 1024  # adapters in one prefetch hint
 MAX_STEP_SAMPLES = 64  # measured steps in one report
 MAX_PREFIXES = 4096  # cached prefix fingerprints in one report (its most recently used)
 MAX_ROW_LAYERS = 1024  # layers of an adapter's packed rows (`loraserve/pool_rows.py`)
+MAX_RANKS = 64  # tensor-parallel ranks of one worker whose part of the rows a fetch may ask for
 MAX_STEP_S = 1e9  # a heartbeat's age of the step under way, in seconds
 
 
@@ -319,6 +320,9 @@ class FetchAdapter(Message):
     row_width: _int(0, 1 << 20) = 0
     num_layers: _int(0, MAX_ROW_LAYERS) = 0
     shared_memory: bool = False  # the worker can map the store's shared-memory files (same host, same user)
+    # Tensor parallelism: the rows of rank `tp_rank` of `tp_size` (its part, `loraserve/partition.py`).
+    tp_size: _int(1, MAX_RANKS) = 1
+    tp_rank: _int(0, MAX_RANKS - 1) = 0
 
 
 class AdapterPayload(Message):
@@ -353,6 +357,8 @@ class AdapterRows(Message):
     digests: _list(_str(64), MAX_ROW_LAYERS)  # sha256 per layer
     shm_name: _str(128) = ""  # "": the rows are in frame 3
     shm_token: _str(64) = ""
+    tp_size: _int(1, MAX_RANKS) = 1  # the part of the rows these are, as asked for
+    tp_rank: _int(0, MAX_RANKS - 1) = 0
     config_json: bytes = b""  # carried as a raw frame (a memoryview once decoded)
     rows: bytes = b""  # carried as a raw frame (a memoryview once decoded)
     BUFFERS: ClassVar[tuple[str, ...]] = ("config_json", "rows")

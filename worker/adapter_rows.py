@@ -5,8 +5,8 @@ runs on files) and packed them (`loraserve/pool_rows.py`); the fetcher checked t
 per-layer digests (or mapped the store's private shared-memory file). What is left to check here is that the
 rows are what this worker's pool expects: the config parses and passes the same checks as on a file
 (rank within `max_rank`, targets that exist in this model), the targeted modules and layers are exactly the
-config's, and the rows' shape is the layout of that rank and those modules for this model. Anything else is
-InvalidAdapterError, and the rows are never looked at.
+config's, and the rows' shape is the layout of that rank and those modules for this model (of its part
+of them, for a tensor-parallel rank). Anything else is InvalidAdapterError, and the rows are never looked at.
 
 The result is a `LoraAdapter` with no per-tensor weights, only `packed` rows: a torch view of the received
 frame or of the private shared-memory mapping. Loading it into the pool is the one copy of its bytes (a cast
@@ -24,6 +24,7 @@ from loraserve.adapter_config import parse_lora_config
 from loraserve.adapter_store.client import FetchedRows
 from loraserve.errors import InvalidAdapterError
 from loraserve.model_config import LORA_MODULES, ModelConfig
+from loraserve.partition import ONE_RANK, Shard, local_model
 from loraserve.pool_rows import adapter_rows_layout
 from loraserve.worker.adapters import LoraAdapter
 
@@ -35,8 +36,9 @@ TORCH_ROW_DTYPES = {
 }
 
 
-def rows_adapter(fetched: FetchedRows, model: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Check `fetched` against this worker's model (see the module docstring) and hold its rows as a tensor."""
+def rows_adapter(fetched: FetchedRows, model: ModelConfig, max_rank: int, shard: Shard = ONE_RANK) -> LoraAdapter:
+    """Check `fetched` against this worker's model (see the module docstring) and hold its rows as a tensor;
+    `shard`: the tensor-parallel rank whose part of the rows they are."""
     h = fetched.header
     where = f"adapter {h.name} v{h.version} (rows)"
     config = parse_lora_config(fetched.config_json, model, max_rank)
@@ -44,8 +46,8 @@ def rows_adapter(fetched: FetchedRows, model: ModelConfig, max_rank: int) -> Lor
     layers = tuple(sorted({layer for layer, _ in config.targets}))
     if h.rank != config.rank or tuple(h.modules) != modules or tuple(h.layers) != layers:
         raise InvalidAdapterError(f"{where}: rank, modules or layers differ from its adapter_config.json")
-    layout = adapter_rows_layout(model, config.rank, modules)
-    expected = (model.num_layers, layout.num_rows, model.kv_width)
+    layout = adapter_rows_layout(model, config.rank, modules, shard)
+    expected = (model.num_layers, layout.num_rows, local_model(model, shard).kv_width)
     if (h.num_layers, h.num_rows, h.row_width) != expected or h.dtype not in TORCH_ROW_DTYPES:
         raise InvalidAdapterError(
             f"{where}: rows [{h.num_layers}, {h.num_rows}, {h.row_width}] of {h.dtype[:16]!r}, expected "
@@ -64,4 +66,10 @@ def rows_adapter(fetched: FetchedRows, model: ModelConfig, max_rank: int) -> Lor
         config=config.raw,
         sha256=h.sha256,
         packed=rows,
+        packed_shard=shard,
     )
+
+
+def rows_shard(fetched: FetchedRows) -> Shard:
+    """The tensor-parallel rank whose part of the adapter `fetched` holds."""
+    return Shard(fetched.header.tp_size, fetched.header.tp_rank)

@@ -21,7 +21,7 @@ from loraserve.adapter_config import CONFIG_FILE, lora_scale
 from loraserve.adapter_format import BIN_FILE, SAFETENSORS_FILE, CheckedAdapter, StoredTensor, check_adapter_bytes
 from loraserve.errors import InvalidAdapterError
 from loraserve.model_config import ModelConfig
-from loraserve.partition import lora_slice
+from loraserve.partition import ONE_RANK, Shard, lora_slice
 from loraserve.pool_rows import AdapterLayout, adapter_rows_layout
 from loraserve.worker.pool_layout import PoolLayout
 
@@ -43,6 +43,9 @@ class LoraAdapter:
     # The rows `pack` makes for one pool's geometry, packed ahead of a load (`with_rows`), or as the store
     # sent them (`worker/adapter_rows.py`: then the only copy of the weights, in the adapter's own dtype).
     packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    packed_shard: Shard = ONE_RANK  # the tensor-parallel rank whose part of the weights `packed` holds
+    # On a tensor-parallel worker's rank 0: the rows of ranks 1..N-1, each its part, handed to them at a load.
+    rank_rows: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def scale(self) -> float:
@@ -52,6 +55,7 @@ class LoraAdapter:
     def nbytes(self) -> int:
         """Host RAM held: the weights, and the packed rows when there are some."""
         packed = self.packed.nbytes if self.packed is not None else 0
+        packed += sum(rows.nbytes for rows in self.rank_rows)
         return packed + sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
     def layout(self, pool: PoolLayout, model: ModelConfig) -> AdapterLayout:
@@ -82,8 +86,8 @@ class LoraAdapter:
         from them (views, no copy)."""
         if self.weights:
             return self.weights
-        if self.packed is None:
-            raise ValueError("this adapter holds neither weights nor rows")
+        if self.packed is None or self.packed_shard != ONE_RANK:
+            raise ValueError("this adapter holds neither weights nor its whole rows")
         layout = adapter_rows_layout(model, self.rank, self.modules)
         r = self.rank
         weights = {}
@@ -95,15 +99,16 @@ class LoraAdapter:
                 weights[(layer, block.module)] = (a, b.t())
         return weights
 
-    def with_rows(self, rows: torch.Tensor) -> LoraAdapter:
-        """This adapter carrying `rows`, what `pack` made for a pool (so that loading it only copies)."""
-        return dataclasses.replace(self, packed=rows)
+    def with_rows(self, rows: torch.Tensor, shard: Shard = ONE_RANK) -> LoraAdapter:
+        """This adapter carrying `rows`, what `pack` made for a pool of rank `shard` (so that loading it only
+        copies)."""
+        return dataclasses.replace(self, packed=rows, packed_shard=shard)
 
     def rows(self, pool: PoolLayout, model: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
         """`pack(pool, model, dtype)`: the rows packed ahead of time when they fit that pool (cast when only
         their dtype differs: exact, as packing only ever widened the weights), else packed now."""
         rows = self.packed
-        if rows is not None and rows.shape == self._packed_shape(pool, model):
+        if rows is not None and self.packed_shard == pool.shard and rows.shape == self._packed_shape(pool, model):
             return rows if rows.dtype == dtype else rows.to(dtype)
         return self.pack(pool, model, dtype)
 

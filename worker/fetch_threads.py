@@ -3,8 +3,10 @@
 Each fetch thread keeps its own `AdapterFetcher` (a ZMQ socket is used by one thread only). A fetch asks
 the store for the adapter in the pool's row layout (`FetchConfig.adapter_rows`): the rows are checked for
 this pool (`worker/adapter_rows.py`) and held as they arrived, mapped from the store's shared memory when
-both share a host and a user. From a store that sends files (or with rows off) the files are parsed,
-validated and packed here, as before. Either way the step loop only registers the result and copies it.
+both share a host and a user. A tensor-parallel worker's rank 0 fetches each rank's part of the rows (the
+store cuts them) and hands the others theirs when it loads the adapter (`tensor_parallel/loads.py`). From a
+store that sends files (or with rows off) the files are parsed, validated and packed here, as before.
+Either way the step loop only registers the result and copies it.
 
 A finished fetch is queued in `results` and wakes the step loop at once (`Wakeup`): an idle loop otherwise
 sleeps up to its poll interval (50 ms) before it looks, which a cold request would pay in its TTFT.
@@ -13,6 +15,7 @@ sleeps up to its poll interval (50 ms) before it looks, which a cold request wou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -20,11 +23,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from loraserve.adapter_store.client import AdapterFetcher, FetchedRows
+from loraserve.adapter_store.client import AdapterFetcher, FetchedAdapter, FetchedRows
 from loraserve.errors import LoraserveError
+from loraserve.partition import Shard, local_model
 from loraserve.shared_memory import user_dir
 from loraserve.wire import AdapterKey
-from loraserve.worker.adapter_rows import rows_adapter
+from loraserve.worker.adapter_rows import rows_adapter, rows_shard
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
 from loraserve.worker.config import FetchConfig
 from loraserve.worker.engine import Engine
@@ -131,13 +135,27 @@ class FetchThreads:
 
     def _load(self, key: AdapterKey, trace: dict | None) -> tuple[LoraAdapter, str]:
         """The adapter, checked and ready to copy into the pool, and how it came."""
-        e, fetcher = self.engine, self._fetcher()
+        e = self.engine
         model, max_rank = e.model_config, e.config.max_lora_rank
-        if self.config.adapter_rows:
-            got = fetcher.fetch_rows(key[0], key[1], model.kv_width, model.num_layers, trace=trace)
-        else:
-            got = fetcher.fetch_adapter(key[0], key[1], trace=trace)  # weights checked against got.sha256
-        if isinstance(got, FetchedRows):
-            return e.pool.copier.prepare(rows_adapter(got, model, max_rank)), "shared-memory" if got.shared else "rows"
+        # The files' weights are checked against their sha256 as they arrive.
+        got = self._rows(key, trace) if self.config.adapter_rows else self._fetcher().fetch_adapter(*key, trace=trace)
+        if isinstance(got, list):
+            parts = [rows_adapter(rows, model, max_rank, rows_shard(rows)) for rows in got]
+            adapter = dataclasses.replace(parts[0], rank_rows=tuple(part.packed for part in parts[1:]))
+            return e.pool.copier.prepare(adapter), "shared-memory" if got[0].shared else "rows"
         adapter = load_adapter_bytes(got.config_json, got.weights, model, max_rank, got.weights_format, got.sha256)
         return e.pool.copier.prepare(adapter), "files"  # packed here, so that loading it is only a copy
+
+    def _rows(self, key: AdapterKey, trace: dict | None) -> list[FetchedRows] | FetchedAdapter:
+        """The adapter's rows, one fetch per tensor-parallel rank (each rank's part: what rank 0 hands the
+        others at a load), or its files when the store sends no rows for this model."""
+        model, shard = self.engine.model_config, self.engine.layout.shard
+        parts = []
+        for i in range(shard.size):
+            part = Shard(shard.size, i)
+            width = local_model(model, part).kv_width
+            got = self._fetcher().fetch_rows(key[0], key[1], width, model.num_layers, trace=trace, shard=part)
+            if not isinstance(got, FetchedRows):
+                return got
+            parts.append(got)
+        return parts

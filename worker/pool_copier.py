@@ -81,7 +81,7 @@ class PoolCopier:
         """`adapter` with its rows packed for this pool, pinned when the pool is on CUDA: the host-side
         work of a load, done ahead of it. Thread-safe (reads only the pool's fixed geometry)."""
         rows = self._rows(adapter)
-        return adapter if rows is adapter.packed else adapter.with_rows(rows)
+        return adapter if rows is adapter.packed else adapter.with_rows(rows, self.layout.shard)
 
     def copy(
         self, pages: tuple[int, ...], num_rows: int, adapter: LoraAdapter, progress: LayerProgress | None = None

@@ -17,10 +17,16 @@ import pytest
 import torch
 from helpers import TinySpec, hf_greedy, make_adapter, make_model
 
+from loraserve.adapter_store.config import MIB, StoreLimits
+from loraserve.adapter_store.data_plane import DataPlane
+from loraserve.adapter_store.packing import RowsMaker
+from loraserve.adapter_store.store import AdapterStore
 from loraserve.errors import InvalidConfigError
-from loraserve.model_config import LORA_MODULES
-from loraserve.worker.config import EngineConfig
+from loraserve.model_config import LORA_MODULES, ModelConfig
+from loraserve.partition import Shard
+from loraserve.worker.config import EngineConfig, FetchConfig
 from loraserve.worker.engine import Engine, GenerateRequest
+from loraserve.worker.fetch_threads import FetchThreads, Wakeup
 from loraserve.worker.sampling import SamplingParams
 
 NEW_TOKENS = 10
@@ -93,6 +99,38 @@ def test_a_model_split_over_two_gpus_is_token_exact_with_one_gpu_and_peft(tiny_m
     split = _generate(tiny_model, adapters, 2, requests, device="cuda")
     assert split == _generate(tiny_model, adapters, 1, requests, device="cuda")
     assert split[::2] == peft
+
+
+def test_each_rank_gets_its_own_part_of_the_adapters_from_the_store(tiny_model, adapters, peft):
+    """The store cuts each rank's part of its rows (its data plane on a real socket); rank 0's fetch threads
+    fetch one part per rank, and at each load hand rank 1 its own part alone: the tokens are PEFT's, and rank
+    1 receives exactly the bytes of its parts, about half of the whole rows."""
+    model = ModelConfig.from_dir(tiny_model)
+    store = AdapterStore(model, StoreLimits(max_adapter_bytes=MIB, budget_bytes=64 * MIB), rows=RowsMaker(model, None))
+    for name, path in adapters.items():
+        store.register(
+            name, (path / "adapter_config.json").read_bytes(), (path / "adapter_model.safetensors").read_bytes()
+        )
+    plane = DataPlane(store, "tcp://127.0.0.1:*")
+    plane.start()
+    engine = Engine(tiny_model, EngineConfig(device="cpu", dtype="float32", pool_pages=160, tensor_parallel=2))
+    fetches = FetchThreads(FetchConfig(store_address=plane.endpoint), engine, Wakeup())
+    try:
+        for name in adapters:
+            fetches.submit((name, 1), for_prefetch=True, trace=None)  # as the scheduler's prefetch would
+            fetched = fetches.results.get(timeout=30)
+            assert (fetched.error, fetched.source) == (None, "rows")
+            engine.adapters.add(fetched.key[0], fetched.adapter)
+        requests = _requests([None, *adapters])[::2]
+        assert [r.token_ids for r in engine.generate(requests)] == peft
+        whole = {name: store.get_rows(name, 1)[2] for name in adapters}
+        parts = sum(store.rows.part(rows, Shard(2, 1)).spec.nbytes for rows in whole.values())
+        assert engine.leader.channel.rows_sent == {1: parts}
+        assert parts < 0.6 * sum(rows.spec.nbytes for rows in whole.values())
+    finally:
+        fetches.close()
+        engine.close()
+        plane.stop()
 
 
 def test_biases_are_split_with_their_projections(tmp_path):

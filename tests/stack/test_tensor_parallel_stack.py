@@ -1,7 +1,7 @@
 """Tensor-parallel workers on a real stack: two workers, each its model split over two processes (gloo).
 
-- Generations through the gateway, adapters fetched from the store as packed rows (each rank packs its
-  part from them), are token-exact with transformers + peft.
+- Generations through the gateway, adapters fetched from the store as packed rows (each rank's part, cut by
+  the store; rank 0 hands each other rank its own), are token-exact with transformers + peft.
 - A rank that dies takes its worker down as one, at once even while the worker is idle; its streams
   continue on the other worker with exactly the tokens an undisturbed run gives.
 """

@@ -62,9 +62,10 @@ class Follower:
         capacity = step_capacity(config, layout, model, max_model_len)
         self.runner = ModelRunner(self.model, self.copier.tensor, layout, backend, capacity, padding, collectives)
 
-    def step(self, step: Step) -> None:
-        for load in step.loads:
-            self.copier.copy(tuple(load.pages), load.num_rows, adapter_of(load))
+    def step(self, step: Step, channel: Channel) -> None:
+        for load in step.loads:  # each load's rows for this rank follow the message, in order
+            rows = channel.receive_rows(getattr(torch, load.dtype), load.shape)
+            self.copier.copy(tuple(load.pages), load.num_rows, adapter_of(load, rows, self.shard))
         slots = step.slots  # each as the kernels read an adapter (`kernels.batch.PooledAdapter`)
         batch = [
             SeqChunk("", c.token_ids, c.start, c.kv_pages, None if c.slot < 0 else slots[c.slot], None)
@@ -87,7 +88,7 @@ def serve(shard: Shard, device: torch.device, init: str) -> None:
         if isinstance(message, Ready):
             follower.build(message, collectives)
         elif isinstance(message, Step):
-            follower.step(message)
+            follower.step(message, channel)
         elif isinstance(message, Stop):
             break
     torch.distributed.destroy_process_group()

@@ -3,6 +3,7 @@
     leader = Leader.start(model_dir, config, device)     # spawns ranks 1..N-1, joins the process group
     pool = UnifiedPool(..., copier=SharingCopier)        # every adapter copy is also queued for the others
     runner = LeaderRunner(..., leader=leader)            # each step: the queued copies and the step, then its own
+                                                         # (each other rank's part of a copy: to it alone)
     leader.ready(pool_pages, scratch_page)               # the others build their pools and runners
 
 Rank 0 is the engine: it alone schedules, allocates pages, samples and talks to the scheduler and the
@@ -122,7 +123,11 @@ class LeaderRunner(ModelRunner):
 
     def execute(self, batch: list[SeqChunk], kv_copies: Sequence[tuple[int, int]] = ()) -> RunnerOutput:
         self.leader.check()
-        self.leader.channel.send(step_message(batch, kv_copies, self.copier.drain()))
+        handovers = self.copier.drain()
+        channel = self.leader.channel
+        channel.send(step_message(batch, kv_copies, [h.load for h in handovers]))
+        for handover in handovers:
+            channel.send_rows(handover.rows)
         return super().execute(batch, kv_copies)
 
 

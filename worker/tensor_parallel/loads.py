@@ -1,17 +1,22 @@
-"""Adapter copies on a tensor-parallel worker: rank 0's copier queues each for the other ranks, whole.
+"""Adapter copies on a tensor-parallel worker: rank 0's copier hands each other rank its part of the adapter.
 
-Rank 0 copies its part of an adapter into its pool as any worker does (`worker/pool_copier.py`); the
-other ranks get the adapter's whole packed rows (`loraserve/pool_rows.py`, as the store sends them) in
-the next step's message and copy their own parts into the same pages (`messages.Load`).
+Rank 0 copies its part of an adapter into its pool as any worker does (`worker/pool_copier.py`) and queues
+the copy for the other ranks: the next step's message says which adapter went to which pages
+(`messages.Load`), and each other rank then receives its own part's rows, point to point, and copies them
+into the same pages. The parts come from the store, one fetch per rank (`worker/fetch_threads.py`), or,
+for an adapter read from its files, are packed here (`prepare`, on a fetch thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from dataclasses import dataclass
 
 import torch
 
 from loraserve.model_config import ModelConfig
+from loraserve.partition import Shard
 from loraserve.worker.adapters import LoraAdapter
 from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.pool_copier import PoolCopier
@@ -19,17 +24,29 @@ from loraserve.worker.pool_layout import PoolLayout
 from loraserve.worker.tensor_parallel.messages import Load
 
 
+@dataclass(frozen=True)
+class Handover:
+    """One copy for the other ranks: what the step message says, and each rank's rows (rank k: rows[k - 1])."""
+
+    load: Load
+    rows: tuple[torch.Tensor, ...]
+
+
 class SharingCopier(PoolCopier):
-    """Rank 0's pool copier: each adapter copy it makes is also queued, whole, for the other ranks (`drain`).
-    Adapters are not packed ahead (`prepare`): the other ranks need the whole weights, not rank 0's part."""
+    """Rank 0's pool copier: each adapter copy it makes is also queued for the other ranks (`drain`)."""
 
     def __init__(self, layout: PoolLayout, model: ModelConfig, *args, **kwargs) -> None:
         super().__init__(layout, model, *args, **kwargs)
-        self._loads: list[Load] = []
+        size = layout.shard.size
+        self.other_layouts = [dataclasses.replace(layout, shard=Shard(size, i)) for i in range(1, size)]
+        self._queued: list[Handover] = []
         self._lock = threading.Lock()
 
     def prepare(self, adapter: LoraAdapter) -> LoraAdapter:
-        return adapter
+        """`adapter` with every rank's part packed: this rank's for its pool, the others' to hand over."""
+        if not adapter.rank_rows:
+            adapter = dataclasses.replace(adapter, rank_rows=self._other_rows(adapter))
+        return super().prepare(adapter)
 
     def copy(
         self, pages: tuple[int, ...], num_rows: int, adapter: LoraAdapter, progress: LayerProgress | None = None
@@ -44,14 +61,17 @@ class SharingCopier(PoolCopier):
         self._queue(pages, num_rows, adapter)
         return super().copy_in_background(pages, num_rows, adapter, demand)
 
-    def drain(self) -> list[Load]:
+    def drain(self) -> list[Handover]:
         """The copies queued since the last drain, in the order they were made."""
         with self._lock:
-            loads, self._loads = self._loads, []
-        return loads
+            queued, self._queued = self._queued, []
+        return queued
+
+    def _other_rows(self, adapter: LoraAdapter) -> tuple[torch.Tensor, ...]:
+        return tuple(adapter.pack(layout, self.model, self.tensor.dtype) for layout in self.other_layouts)
 
     def _queue(self, pages: tuple[int, ...], num_rows: int, adapter: LoraAdapter) -> None:
-        rows = whole_rows(adapter, self.model, self.tensor.dtype)
+        rows = adapter.rank_rows or self._other_rows(adapter)
         load = Load(
             pages=list(pages),
             num_rows=num_rows,
@@ -60,23 +80,15 @@ class SharingCopier(PoolCopier):
             use_rslora=adapter.use_rslora,
             modules=list(adapter.modules),
             layers=list(adapter.layers),
-            dtype=str(rows.dtype).removeprefix("torch."),
-            shape=list(rows.shape),
-            rows=rows.contiguous().view(torch.uint8).numpy().tobytes(),
+            dtype=str(rows[0].dtype).removeprefix("torch."),
+            shape=list(rows[0].shape),
         )
         with self._lock:
-            self._loads.append(load)
+            self._queued.append(Handover(load, rows))
 
 
-def whole_rows(adapter: LoraAdapter, model: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
-    """The adapter's rows as one rank holds them all (`loraserve/pool_rows.py`), what the store sends."""
-    whole = PoolLayout.for_model(model, rows_per_page=2, num_pages=1)
-    return adapter.rows(whole, model, dtype)
-
-
-def adapter_of(load: Load) -> LoraAdapter:
-    """The adapter a Load carries, its rows as received (each rank packs its part from them)."""
-    rows = torch.frombuffer(bytearray(load.rows), dtype=torch.uint8).view(getattr(torch, load.dtype))
+def adapter_of(load: Load, rows: torch.Tensor, shard: Shard) -> LoraAdapter:
+    """The adapter a Load names, holding this rank's part of its rows as received."""
     return LoraAdapter(
         rank=load.rank,
         lora_alpha=load.lora_alpha,
@@ -85,5 +97,6 @@ def adapter_of(load: Load) -> LoraAdapter:
         layers=tuple(load.layers),
         weights={},
         config={},
-        packed=rows.view(load.shape),
+        packed=rows,
+        packed_shard=shard,
     )

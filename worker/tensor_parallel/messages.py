@@ -3,9 +3,9 @@
 Setup   once, first: the model and the engine config; each rank loads its part of the weights
 Ready   once, when rank 0's runner is built: the pool's pages and the scratch page padded decode steps
         use (None: no padding); each rank builds its pool and runner
-Step    every step: the adapters copied in since the last one (their whole weights as packed rows,
-        `loraserve/pool_rows.py`, each rank takes its part), then the step's sequences as the runner sees
-        them (`SeqChunk` without what only rank 0 uses: sampling, prompt scoring)
+Step    every step: the adapters copied in since the last one (each rank's part of their rows then follows,
+        to that rank alone: `Channel.send_rows`), then the step's sequences as the runner sees them
+        (`SeqChunk` without what only rank 0 uses: sampling, prompt scoring)
 Stop    the worker is closing
 """
 
@@ -25,7 +25,8 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Load(msgspec.Struct):
-    """An adapter copied into `pages`: its config and its whole rows [layers, rows, KV width]."""
+    """An adapter copied into `pages`: its config, and the type and shape of the rows of each rank's part
+    [layers, rows, KV width] (the same on every rank), which follow the message point to point."""
 
     pages: list[int]
     num_rows: int  # of this rank's part (the same on every rank)
@@ -36,7 +37,6 @@ class Load(msgspec.Struct):
     layers: list[int]
     dtype: str  # a torch dtype name
     shape: list[int]
-    rows: bytes
 
 
 class Slot(msgspec.Struct, array_like=True):

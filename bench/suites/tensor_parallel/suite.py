@@ -14,10 +14,13 @@ Communication: one prefill step of `--tp-batch` tokens with one rank-16 adapter 
 bytes rank 0 sent for the base model and for LoRA, against the closed forms (S-LoRA, 6.2; B tokens, hidden
 h, L layers): base L·2·2(N-1)Bh/N (the o and down all-reduces), LoRA L·9(N-1)Br/N (the q/k/v and gate/up
 shrinks all-gathered, 3 + 2, the o and down shrinks all-reduced, 2 + 2; attention alone 5(N-1)Br/N).
+The same step loads the adapter: the bytes of its rows rank 0 handed rank 1 (its part alone) against the
+adapter's whole rows.
 
 DIR/results.json: records of kind `speed` {model, size, side, tokens, seconds, tokens_per_s, steps} and
-`traffic` {model, size, tokens, base_bytes, lora_bytes, base_formula, lora_formula, lora_share}; targets:
-measured bytes equal to the formulas, and LoRA's share of the base model's bytes <= 10 % at rank 16.
+`traffic` {model, size, tokens, base_bytes, lora_bytes, base_formula, lora_formula, lora_share,
+adapter_part_bytes, adapter_whole_bytes}; targets: measured bytes equal to the formulas, LoRA's share of the
+base model's bytes <= 10 % at rank 16, and a rank's part of an adapter <= 1/N of its rows.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.engine import AdapterBank
 from loraserve.config_cli import setting
 from loraserve.model_config import LORA_MODULES
+from loraserve.worker.pool_layout import PoolLayout
 
 RANK = 16
 ADAPTERS = 16
@@ -132,6 +136,8 @@ def _traffic(path: Path, size: int, args, bank: AdapterBank) -> dict:
         engine.step()
         traffic = engine.leader.collectives.traffic
         config, element = engine.model_config, engine.dtype.itemsize
+        part = engine.leader.channel.rows_sent.get(1, 0)  # rank 1's part of a0, handed over at its load
+        whole = bank.get("a0", RANK).pack(PoolLayout.for_model(config, 2, 1), config, engine.dtype).nbytes
     finally:
         engine.close()
     b, h, n, layers = args.tp_batch, config.hidden_size, size, config.num_layers
@@ -143,6 +149,8 @@ def _traffic(path: Path, size: int, args, bank: AdapterBank) -> dict:
         "base_formula": layers * 2 * 2 * (n - 1) * b * h // n * element,
         "lora_formula": layers * 9 * (n - 1) * b * RANK // n * element,
         "lora_share": round(lora / base, 4),
+        "adapter_part_bytes": part,
+        "adapter_whole_bytes": whole,
     }
 
 
@@ -171,8 +179,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _targets(t: dict) -> list[dict]:
     where = f"{t['model']}, N = {t['size']}"
+    share, limit = round(t["adapter_part_bytes"] / t["adapter_whole_bytes"], 4), 1 / t["size"]
     exact = t["base_bytes"] == t["base_formula"] and t["lora_bytes"] == t["lora_formula"]
     return [
         target(f"bytes sent = the closed forms ({where})", "equal", f"{t['base_bytes']}/{t['lora_bytes']}", exact),
         target(f"LoRA bytes / base bytes at rank {RANK} ({where})", "<= 0.10", t["lora_share"], t["lora_share"] <= 0.1),
+        target(f"an adapter's bytes to rank 1 / its whole rows ({where})", f"<= 1/{t['size']}", share, share <= limit),
     ]

@@ -11,16 +11,19 @@ import logging
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import zmq
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from loraserve.adapter_format import check_adapter_bytes
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.adapter_store.config import MIB, StoreLimits
 from loraserve.adapter_store.data_plane import DataPlane
 from loraserve.adapter_store.files import AdapterFiles
+from loraserve.adapter_store.packing import RowsMaker
 from loraserve.adapter_store.store import AdapterStore, NoAdapterRootError
 from loraserve.adapter_store.upload import UploadAssembler
 from loraserve.adapter_store.validation import AdapterRecord
@@ -37,8 +40,10 @@ from loraserve.errors import (
     UnavailableError,
 )
 from loraserve.model_config import ModelConfig
+from loraserve.partition import Shard, local_model
+from loraserve.pool_rows import pack_rows, rows_spec
 from loraserve.sockets import make_socket, send
-from loraserve.wire import AdapterPayload, decode
+from loraserve.wire import AdapterPayload, AdapterRows, FetchAdapter, decode
 
 MODEL = ModelConfig.from_dir(DEMO_MODEL_DIR)
 
@@ -378,6 +383,57 @@ def test_fetch_over_the_data_plane_and_errors():
     finally:
         fetcher.close()
         plane.stop()
+
+
+def test_a_tensor_parallel_rank_fetches_its_own_part_of_the_rows():
+    """The store cuts each rank's part from its whole rows for the reply: the bytes a rank would pack itself,
+    under their own layer digests (checked by the fetcher); a part this model has not is refused, naming why."""
+    store = AdapterStore(MODEL, StoreLimits(max_adapter_bytes=MIB, budget_bytes=64 * MIB), rows=RowsMaker(MODEL, None))
+    config, weights = files("upper")
+    store.register("u", config, weights)
+    checked = check_adapter_bytes(config, weights, MODEL, 64)
+    plane = DataPlane(store, "tcp://127.0.0.1:*")
+    plane.start()
+    fetcher = AdapterFetcher(plane.endpoint, timeout_s=5)
+    try:
+        for shard in (Shard(2, 0), Shard(2, 1)):
+            width = local_model(MODEL, shard).kv_width
+            got = fetcher.fetch_rows("u", 1, width, MODEL.num_layers, shard=shard)
+            own = np.zeros(rows_spec(MODEL, checked, shard).nbytes, dtype=np.uint8)
+            pack_rows(checked, MODEL, own, shard)
+            assert (got.header.tp_size, got.header.tp_rank) == (shard.size, shard.index)
+            assert bytes(got.rows) == own.tobytes() and len(own) < store.get_rows("u", 1)[2].spec.nbytes
+        with pytest.raises(InvalidAdapterError, match="tensor_parallel 3 does not divide the model's num_attention"):
+            fetcher.fetch_rows("u", 1, MODEL.kv_width, MODEL.num_layers, shard=Shard(3, 1))
+        refused = plane._answer(FetchAdapter("u", 1, row_width=MODEL.kv_width, num_layers=4, tp_size=2, tp_rank=2))
+        assert (refused.status, refused.error) == ("INVALID_ARGUMENT", "tensor-parallel rank 2 of 2 is not a rank")
+    finally:
+        fetcher.close()
+        plane.stop()
+
+
+def test_a_rank_asking_a_store_that_cuts_no_parts_gets_the_files():
+    """A store that answers a part's request with its whole rows (one that knows no parts): the files instead."""
+    ctx = zmq.Context.instance()
+    router = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    fetcher = AdapterFetcher(router.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=5)
+    whole = AdapterRows("a", 1, "ab" * 32, 4, ["q_proj"], [0], "float32", 1, 8, 64, ["cd" * 32], rows=bytes(2048))
+
+    def answer():
+        for reply in (whole, files_reply("a", 1, b"weights")):
+            peer, *frames = router.recv_multipart()
+            assert isinstance(decode(frames), FetchAdapter)
+            send(router, reply, to=peer)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        got = fetcher.fetch_rows("a", 1, 64, 1, shard=Shard(2, 1))
+        assert bytes(got.weights) == b"weights"
+    finally:
+        thread.join()
+        fetcher.close()
+        router.close()
 
 
 def files_reply(name: str, version: int, weights: bytes) -> AdapterPayload:

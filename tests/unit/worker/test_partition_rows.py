@@ -1,18 +1,25 @@
 """Each tensor-parallel rank's part of an adapter, packed into its pool rows (`loraserve/partition.py`): the
-same from the adapter's weights (a file) as from the whole rows the adapter store sends, and, reassembled
-over the ranks, the adapter's whole A and B (zero-padded to a rank every ranks count divides)."""
+same from the adapter's weights (a file) as from the whole rows the adapter store keeps, the same as the
+store's part for that rank, and, reassembled over the ranks, the adapter's whole A and B (zero-padded to a
+rank every ranks count divides)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_adapter
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
+from loraserve.adapter_format import check_adapter_bytes
 from loraserve.model_config import ModelConfig
 from loraserve.partition import ROW_MODULES, Shard, lora_slice
-from loraserve.worker.adapters import load_adapter_dir
+from loraserve.pool_rows import RowsSpec, pack_rows, rows_spec, shard_rows
+from loraserve.worker.adapter_rows import TORCH_ROW_DTYPES
+from loraserve.worker.adapters import load_adapter_bytes, load_adapter_dir
 from loraserve.worker.pool_layout import PoolLayout
 
 DTYPE = torch.float32
@@ -62,3 +69,42 @@ def test_the_ranks_parts_reassemble_the_whole_adapter(tiny_model, rank_three, si
         assert torch.equal(a_whole[: adapter.rank], a) and torch.equal(b_whole[:, : adapter.rank], b), (layer, module)
         assert not a_whole[adapter.rank :].any() and not b_whole[:, adapter.rank :].any()  # the padding
         assert block.a_rank == (padded if module in ROW_MODULES else padded // size)  # all, or this rank's share
+
+
+def _stored(directory, dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """The adapter's files, its weights re-saved in `dtype`."""
+    tensors = {
+        k: v.to(dtype) for k, v in load_safetensors((directory / "adapter_model.safetensors").read_bytes()).items()
+    }
+    return (directory / "adapter_config.json").read_bytes(), save_safetensors(tensors)
+
+
+def _array_rows(buffer, spec: RowsSpec) -> torch.Tensor:
+    rows = torch.frombuffer(bytearray(buffer), dtype=TORCH_ROW_DTYPES[spec.dtype])
+    return rows.view(spec.num_layers, spec.num_rows, spec.row_width)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stores_part_for_each_rank_is_what_that_rank_packs(tiny_model, tiny_adapters, rank_three, size, dtype):
+    """Three ways to one rank's rows, bit for bit: the store packing the weights for that rank (numpy), the
+    store cutting them from its whole rows (numpy, what it sends a rank), the rank packing the weights
+    itself (torch, what the PEFT-exact tests run); ranks 3 to 64, every target or some, layers skipped."""
+    model = ModelConfig.from_dir(tiny_model)
+    for directory in [*tiny_adapters.values(), rank_three]:
+        config, weights = _stored(directory, dtype)
+        checked = check_adapter_bytes(config, weights, model, 64)
+        whole_spec = rows_spec(model, checked)
+        whole = np.zeros(whole_spec.nbytes, dtype=np.uint8)
+        pack_rows(checked, model, whole)
+        adapter = load_adapter_bytes(config, weights, model, 64)
+        for i in range(size):
+            shard = Shard(size, i)
+            spec = rows_spec(model, checked, shard)
+            packed = np.zeros(spec.nbytes, dtype=np.uint8)
+            pack_rows(checked, model, packed, shard)
+            cut_spec, cut = shard_rows(whole.data, whole_spec, model, checked.config.rank, checked.modules,
+                                       checked.layers, shard)  # fmt: skip
+            assert cut_spec == spec and bytes(cut) == packed.tobytes(), (directory.name, i)
+            layout = PoolLayout.for_model(model, 32, 64, shard)
+            assert torch.equal(_array_rows(cut, spec), adapter.pack(layout, model, dtype)), (directory.name, i)
