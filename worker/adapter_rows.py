@@ -68,8 +68,3 @@ def rows_adapter(fetched: FetchedRows, model: ModelConfig, max_rank: int, shard:
         packed=rows,
         packed_shard=shard,
     )
-
-
-def rows_shard(fetched: FetchedRows) -> Shard:
-    """The tensor-parallel rank whose part of the adapter `fetched` holds."""
-    return Shard(fetched.header.tp_size, fetched.header.tp_rank)

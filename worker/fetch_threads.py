@@ -28,7 +28,7 @@ from loraserve.errors import LoraserveError
 from loraserve.partition import Shard, local_model
 from loraserve.shared_memory import user_dir
 from loraserve.wire import AdapterKey
-from loraserve.worker.adapter_rows import rows_adapter, rows_shard
+from loraserve.worker.adapter_rows import rows_adapter
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
 from loraserve.worker.config import FetchConfig
 from loraserve.worker.engine import Engine
@@ -140,7 +140,7 @@ class FetchThreads:
         # The files' weights are checked against their sha256 as they arrive.
         got = self._rows(key, trace) if self.config.adapter_rows else self._fetcher().fetch_adapter(*key, trace=trace)
         if isinstance(got, list):
-            parts = [rows_adapter(rows, model, max_rank, rows_shard(rows)) for rows in got]
+            parts = [rows_adapter(rows, model, max_rank, Shard(len(got), i)) for i, rows in enumerate(got)]
             adapter = dataclasses.replace(parts[0], rank_rows=tuple(part.packed for part in parts[1:]))
             return e.pool.copier.prepare(adapter), "shared-memory" if got[0].shared else "rows"
         adapter = load_adapter_bytes(got.config_json, got.weights, model, max_rank, got.weights_format, got.sha256)
