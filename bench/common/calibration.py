@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import cpu_fields
 from loraserve.bench.common.stats import quantile
 from loraserve.demo.assets import DEMO_MODEL_DIR
@@ -57,8 +58,9 @@ RANKS = (8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
-class Grid:
-    """The batch compositions timed: every batch size × prompt length × adapter mix."""
+class Grid(Preset):
+    """The batch compositions timed: every batch size × prompt length × adapter mix (`profile_fit.GRIDS`:
+    the runner-profile suite's quick and full presets)."""
 
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     prompt_lens: tuple[int, ...] = (16, 96, 320)

@@ -2,9 +2,10 @@
 
 The embedded demo model (hidden 128, 4 layers) is so small that per-call overhead, not bytes,
 bounds every step. Benchmarks that need a step dominated by weight traffic use a larger
-model built here: Hugging Face format (config.json + model.safetensors) with the demo
+model built here: Hugging Face format (config.json, safetensors shards and their index) with the demo
 tokenizer, so every system in `loraserve bench` loads it as-is. The weights are random
-(seeded), so its text is noise; only its shapes and speed matter.
+(seeded, N(0, 0.02²) as transformers initialises a Llama, norms 1), so its text is noise; only its
+shapes and speed matter.
 
     python -m loraserve.bench.common.random_model /tmp/medium-llama          # ~92M parameters
     loraserve bench --model /tmp/medium-llama --n-adapters 100 --rates 30 --duration 15
@@ -13,9 +14,10 @@ tokenizer, so every system in `loraserve bench` loads it as-is. The weights are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,55 +28,8 @@ from loraserve.config_cli import add_config_arguments, config_from_args, setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-RANDOM_MODELS = {  # the engine suites' random Llamas, by name
-    "random-25m": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 2, "intermediate": 1536},
-    "random-100m": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4, "intermediate": 2816},
-}
-
-
-def model_dir(name: str, cache: Path) -> Path:
-    """The directory of model `name`: "demo", or one of RANDOM_MODELS, written under `cache` the first time."""
-    if name == "demo":
-        return DEMO_MODEL_DIR
-    shape = RANDOM_MODELS[name]
-    path = cache / f"{name}-h{shape['hidden']}-l{shape['layers']}"
-    if not (path / "config.json").exists():
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        write_random_llama(tmp, seed=0, **shape)
-        tmp.rename(path)
-    return path
-
-
-def write_random_llama(
-    out: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, seed: int
-) -> int:
-    """Save the model to `out` (which must not exist yet); returns its parameter count."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    demo = LlamaConfig.from_pretrained(DEMO_MODEL_DIR)
-    config = LlamaConfig(
-        vocab_size=demo.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=1024,
-        bos_token_id=demo.bos_token_id,
-        eos_token_id=demo.eos_token_id,
-        pad_token_id=demo.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    out.mkdir(parents=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(DEMO_MODEL_DIR / name, out / name)
-    return sum(p.numel() for p in model.parameters())
+DEMO_VOCAB = 1024  # the demo tokenizer's
+RANDOM_POSITIONS = 1024  # the engine suites' random Llamas: prompts and outputs are short
 
 
 @dataclass(frozen=True)
@@ -97,10 +52,43 @@ class LlamaShape:
 
 
 LLAMA_7B = LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
+RANDOM_MODELS = {  # the engine suites' random Llamas, by name
+    "random-25m": LlamaShape(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536, vocab=DEMO_VOCAB),
+    "random-100m": LlamaShape(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vocab=DEMO_VOCAB),
+}
+
+
+def model_dir(name: str, cache: Path) -> Path:
+    """The directory of model `name`: "demo", or one of RANDOM_MODELS, written under `cache` the first time."""
+    if name == "demo":
+        return DEMO_MODEL_DIR
+    shape = RANDOM_MODELS[name]
+    return write_once(cache / f"{name}-h{shape.hidden}-l{shape.layers}", shape, positions=RANDOM_POSITIONS)
+
+
+def write_once(path: Path, shape: LlamaShape, **options) -> Path:
+    """`path`, holding a random Llama of `shape` (`write_llama_checkpoint`'s `options`; float32 unless
+    `dtype` says otherwise) written there unless it already is. Concurrent writers each write their own
+    copy aside and move it into place: the first one's stays (the same model)."""
+    if not (path / "config.json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        write_llama_checkpoint(aside / "model", shape, **{"dtype": torch.float32, **options})
+        with contextlib.suppress(OSError):  # another writer finished first
+            (aside / "model").replace(path)
+        shutil.rmtree(aside, ignore_errors=True)
+    return path
 
 
 def write_llama_checkpoint(
-    out: Path, shape: LlamaShape, *, dtype: torch.dtype, device: str = "cpu", seed: int = 0, std: float = 0.02
+    out: Path,
+    shape: LlamaShape,
+    *,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    seed: int = 0,
+    std: float = 0.02,
+    positions: int = 4096,
 ) -> int:
     """A random Llama checkpoint of `shape` written tensor by tensor (no transformers model is built,
     so a 7B checkpoint takes seconds, drawn on `device`): one safetensors shard per layer plus one
@@ -166,7 +154,7 @@ def write_llama_checkpoint(
         "num_attention_heads": shape.heads,
         "num_key_value_heads": shape.kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -206,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.out} exists; choose a new directory")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
-    shape = {k: v for k, v in asdict(args).items() if k != "out"}
-    n = write_random_llama(args.out, **shape)
-    print(f"wrote {args.out}: {n / 1e6:.1f}M parameters")
+    shape = LlamaShape(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, DEMO_VOCAB)
+    write_llama_checkpoint(args.out, shape, dtype=torch.float32, seed=args.seed, positions=RANDOM_POSITIONS)
+    print(f"wrote {args.out}: {shape.parameters / 1e6:.1f}M parameters")
     return 0
 
 

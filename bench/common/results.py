@@ -1,16 +1,19 @@
 """What a suite's `results.json` holds besides its records: the suite, the machine and the commit.
 
     write_results(args.out, "prefix", records, threads=args.threads, ratios=summary)
+    publish(args.out, "prefix", records, threads=args.threads, targets=verdicts)   # prints, then writes if --out
 
 writes `{"suite", "machine", "commit", "records", ...extra}`, every suite's results.json: the
 machine's CPU model and count, platform, load averages (other processes inflate timings), memory,
 torch version and the torch threads the suite ran with; the commit is `git describe --always
---dirty` of this checkout (None outside one). A suite's computed targets are `target(...)`s.
+--dirty` of this checkout (None outside one). A suite's computed targets are `target(...)`s, or
+`judged(...)`s where the goal is a comparison with a number, written once.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import os
 import platform
 import subprocess
@@ -54,6 +57,16 @@ def target(name: str, goal: str, value: object, met: bool | None) -> dict:
     return {"name": name, "goal": goal, "value": value, "met": met}
 
 
+COMPARE = {"<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt}
+
+
+def judged(name: str, goal: str, value: float | None, missing: bool | None = False) -> dict:
+    """A target whose goal compares with a number (`"<= 1.5"`, `">= 3"`), judged against it: met when `value`
+    satisfies it; without a value, `missing` (missed, or None: not judged)."""
+    op, bound = goal.split()
+    return target(name, goal, value, missing if value is None else COMPARE[op](value, float(bound)))
+
+
 def commit() -> str | None:
     """This checkout's commit (`-dirty` with uncommitted changes), or None outside a git checkout."""
     try:
@@ -74,4 +87,33 @@ def write_results(
     payload = {"suite": suite, "machine": about, "commit": commit(), "records": records, **extra}
     path = out / "results.json"
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return path
+
+
+def suite_results(suite: str, out: Path, *argv: str) -> dict:
+    """`loraserve bench --suite SUITE --out OUT ARGV` run in this process (a suite that runs another);
+    the results.json it wrote."""
+    from loraserve.bench import cli
+
+    cli.run(["--suite", suite, "--out", str(out), *argv])
+    return json.loads((out / "results.json").read_text())
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """`rows` as JSON lines (a suite's per-request or per-stream file beside results.json)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def publish(
+    out: Path | None, suite: str, records: list, threads: int | None = None, machine_extra: dict | None = None, **extra
+) -> Path | None:
+    """What every suite does last: print each of its targets (`extra["targets"]`), then, given `out`,
+    write `out/results.json` (`write_results`) and say where. Returns its path (None without `out`)."""
+    for t in extra.get("targets") or []:
+        verdict = {True: "met", False: "MISSED"}.get(t["met"], "not judged")
+        print(f"target {t['name']}: {t['value']} (goal {t['goal']}): {verdict}")
+    if out is None:
+        return None
+    path = write_results(Path(out), suite, records, threads, machine_extra, **extra)
+    print(f"results: {path}")
     return path

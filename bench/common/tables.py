@@ -10,6 +10,16 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
+def fmt(value: object, spec: str | None = None) -> str:
+    """A cell: "–" for None; a number in `spec` (a float by default in 3 significant digits below 1000, whole
+    numbers above: 5.47, 0.00422, 1234); anything else as str()."""
+    if value is None:
+        return "–"
+    if spec or isinstance(value, float):
+        return format(value, spec or (".3g" if abs(value) < 1000 else ".0f"))
+    return str(value)
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table of `rows` (cells already formatted) under `headers`."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

@@ -3,7 +3,7 @@
 - `bench/` stays under a ceiling of lines (lowered as the harness shrinks, never raised);
 - no file of a suite (`bench/suites/<name>/`) is over `SUITE_FILE_MAX` lines;
 - no suite imports another suite: what two suites share lives in `bench/common/`;
-- every suite's preset is a `bench/common/preset.py` `Preset`.
+- every suite's preset is a `bench/common/preset.py` `Preset`: its FULL and QUICK are instances of one, never dicts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SUITES = BENCH / "suites"
-BENCH_LINES_MAX = 13_200
+BENCH_LINES_MAX = 12_993
 SUITE_FILE_MAX = 400
 
 
@@ -67,3 +67,24 @@ def test_every_suite_preset_is_the_shared_preset():
                 if "Preset" not in bases and node.name != "Preset":
                     strays.append(f"{path.relative_to(BENCH)}: {node.name}")
     assert not strays, "presets that are not bench/common/preset.py's Preset: " + ", ".join(strays)
+
+
+def test_full_and_quick_are_preset_instances_not_dicts():
+    strays = []
+    for path in _suite_files():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign):
+                pairs = []
+                for t in node.targets:
+                    if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                        pairs += zip(t.elts, node.value.elts, strict=True)
+                    else:
+                        pairs.append((t, node.value))
+            elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+                pairs = [(node.target, node.value if isinstance(node, ast.AnnAssign) else None)]
+            else:
+                continue
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and target.id in ("FULL", "QUICK") and not isinstance(value, ast.Call):
+                    strays.append(f"{path.relative_to(BENCH)}:{node.lineno} {target.id}")
+    assert not strays, "presets that are not a Preset class's instance (a dict?): " + ", ".join(strays)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from loraserve.bench import cli as bench_main
 from loraserve.bench.suites.abuse import probes
-from loraserve.bench.suites.abuse import suite as abuse
 from loraserve.bench.suites.abuse.attacks import (
     CONSTRAINTS,
     big_lark_regex,
@@ -22,7 +21,6 @@ from loraserve.bench.suites.abuse.attacks import (
 )
 from loraserve.bench.suites.abuse.probes import Outcome, Traffic, big_body, connection_churn, idle_connections
 from loraserve.bench.suites.abuse.targets import targets
-from loraserve.flags import EnvArgumentParser
 from loraserve.v1 import common_pb2
 
 
@@ -126,9 +124,7 @@ def test_idle_connections_counts_what_a_server_closed():
 
 def test_the_suite_and_its_flags_are_wired_into_the_bench_command():
     assert "abuse" in bench_main.SUITES
-    parser = EnvArgumentParser()
-    abuse.add_arguments(parser)
-    args = parser.parse_args(["--abuse-soak-s", "5", "--abuse-idle-connections", "100"])
+    args = bench_main.parse_args(["--suite", "abuse", "--abuse-soak-s", "5", "--abuse-idle-connections", "100"])
     assert (args.abuse_soak_s, args.abuse_idle_connections) == (5.0, 100)
 
 

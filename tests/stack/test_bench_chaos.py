@@ -191,9 +191,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def test_suite_flags_and_their_environment_twins(monkeypatch):
     assert _parse([]).suite == "serving"  # the serving benchmark stays the default
     quick = chaos.config_from_args(_parse(["--suite", "chaos", "--quick", "--n-adapters", "64", "--seed", "5"]))
-    assert quick.duration_s == chaos.QUICK["duration_s"] and quick.n_adapters == 64 and quick.seed == 5
+    assert quick.duration_s == chaos.QUICK.duration_s and quick.n_adapters == 64 and quick.seed == 5
     full = chaos.config_from_args(_parse(["--suite", "chaos"]))
-    assert full.duration_s == chaos.FULL["duration_s"] and full.workers == 3 and full.signals == SIGNALS
+    assert full.duration_s == chaos.FULL.duration_s and full.workers == 3 and full.signals == SIGNALS
     monkeypatch.setenv("LORASERVE_CHAOS_SIGNALS", "kill,stop")
     monkeypatch.setenv("LORASERVE_CHAOS_DURATION", "25")
     config = chaos.config_from_args(_parse(["--suite", "chaos", "--chaos-workers", "2", "--output-len", "8", "8"]))

@@ -271,11 +271,8 @@ def _args(*argv: str):
 @pytest.mark.slow
 def test_tiny_stack_suite_through_the_cli(tmp_path, monkeypatch):
     """Conversations on real stacks of two emulated workers: calibration, both policies, prefetch off."""
-    monkeypatch.setattr(
-        scheduling,
-        "QUICK",
-        {"duration_s": dict.fromkeys(scheduling.SCENARIOS, 3.0)} | {"burst": 24, "probe": 2, "drain_s": 8.0},
-    )
+    tiny = scheduling.SchedulingPreset(dict.fromkeys(scheduling.SCENARIOS, 3.0), burst=24, probe=2, drain_s=8.0)
+    monkeypatch.setattr(scheduling, "QUICK", tiny)
     monkeypatch.setitem(scheduling.ADAPTERS, "conversations", 12)
     monkeypatch.setattr(traces, "THINK_S", 0.5)  # short pauses: short runs
     monkeypatch.setattr(traces, "MIN_THINK_S", 0.2)
@@ -337,7 +334,7 @@ def traces_of(rows: list[dict], policy: str, prefetch: bool) -> list[dict]:
 def test_tiny_control_plane_suite_through_the_cli(tmp_path, monkeypatch):
     """A real scheduler, 4 emulated workers in one process, Submits over gRPC: every request placed, and
     the decision latencies measured inside the scheduler and end to end."""
-    tiny = {"rates": (200.0,), "phase_s": 1.5, "policies": ("adaptive",), "submits": ("stream", "unary")}
+    tiny = control_plane.ControlPlanePreset((200.0,), 1.5, ("adaptive",), ("stream", "unary"))
     monkeypatch.setattr(control_plane, "QUICK", tiny)
     out = tmp_path / "cp"
     args = _args("--suite", "control-plane", "--quick", "--cp-workers", "4", "--cp-adapters", "100", "--out", str(out))

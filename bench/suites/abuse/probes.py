@@ -15,7 +15,6 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -23,7 +22,8 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
+
+import psutil
 
 from loraserve.client import ApiError, Client
 from loraserve.client.retry import NO_RETRY
@@ -42,47 +42,27 @@ STRUCTURED = {  # the bystander's structured-output calls
 
 
 def _children(pid: int) -> list[int]:
-    """Every descendant of `pid` (from /proc: each process's parent)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every descendant of `pid`."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _title(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline()).strip()
+    except psutil.Error:
         return ""
 
 
-def _rss_mb(pid: int) -> float:
+def _usage(pid: int) -> tuple[float, int]:
+    """(resident memory in MiB, open file descriptors) of `pid`; zeros when it is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def _fds(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return 0
+        process = psutil.Process(pid)
+        return process.memory_info().rss / 2**20, process.num_fds()
+    except psutil.Error:
+        return 0.0, 0
 
 
 @dataclass
@@ -117,10 +97,11 @@ class Roles:
             role = next((r for r in ROLES if words and words[0] == f"loraserve-{r}"), None)
             if role is None:
                 continue
+            rss_mb, fds = _usage(pid)
             with self._lock:
                 self.pids.setdefault(role, set()).add(pid)
-                self.peak_rss_mb[role] = max(self.peak_rss_mb.get(role, 0.0), _rss_mb(pid))
-                self.peak_fds[role] = max(self.peak_fds.get(role, 0), _fds(pid))
+                self.peak_rss_mb[role] = max(self.peak_rss_mb.get(role, 0.0), rss_mb)
+                self.peak_fds[role] = max(self.peak_fds.get(role, 0), fds)
 
     def restarts(self) -> dict[str, int]:
         """Per role: pids seen beyond those it had at `start` (at least one: one worker has 1 pid, two

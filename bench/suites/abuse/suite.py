@@ -3,12 +3,15 @@
     loraserve bench --suite abuse --out results/abuse            # about 13 minutes (a 10-minute soak)
     loraserve bench --suite abuse --quick --out /tmp/abuse       # about 3 minutes
 
-Starts `loraserve up` (the real supervisor, one worker, the demo model, an auth file with two
-tenants, the HTTP API on). The bystander tenant keeps mixed calls flowing (`probes.Traffic`) while
-the abuser tenant (and, for the control-plane attacks, a holder of the internal keys) attacks, one
-phase after another: `first_structured`, `calm`, `churn` (TCP connect+close to the scheduler's
-worker port), `big_body` (2 GiB HTTP bodies), `idle` (thousands of idle HTTP connections), then the
-attacks of `attacks.py` (`constraints`, `prompts`, `control`, `batch_hog`), then `soak`.
+Starts `loraserve up` (the real supervisor, one worker, the demo model, an auth file with two tenants,
+the HTTP API on). The launcher's command as an operator runs it, not `LocalStack`: what the phases count
+is the restarts of `up`'s own supervision loop, and `LocalStack` restarts nothing (a role an attack
+crashed would stay dead and fail every later phase instead of counting once). The bystander tenant keeps
+mixed calls flowing (`probes.Traffic`) while the abuser tenant (and, for the control-plane attacks, a
+holder of the internal keys) attacks, one phase after another: `first_structured`, `calm`, `churn` (TCP
+connect+close to the scheduler's worker port), `big_body` (2 GiB HTTP bodies), `idle` (thousands of idle
+HTTP connections), then the attacks of `attacks.py` (`constraints`, `prompts`, `control`, `batch_hog`),
+then `soak`.
 
 For each phase `results.json` records the bystander's calls (by status, latency percentiles, the
 longest stretch without a success), the restarts of every role (`probes.Roles`; the gateway's
@@ -31,8 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from loraserve.bench.common.preset import Preset
-from loraserve.bench.common.results import cpu_fields, write_results
-from loraserve.bench.common.settings import add_settings
+from loraserve.bench.common.results import cpu_fields, publish
 from loraserve.bench.suites.abuse.attacks import (
     batch_hog,
     constraint_attacks,
@@ -83,9 +85,7 @@ class AbuseSettings:
     abuse_idle_connections: int | None = setting(None, "abuse suite: idle HTTP connections held at once")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The abuse suite's flags (`AbuseSettings`)."""
-    add_settings(parser, AbuseSettings)
+SETTINGS = AbuseSettings
 
 
 class _Stack:
@@ -245,18 +245,6 @@ def main(args: argparse.Namespace) -> int:
                 os.makedirs(args.out, exist_ok=True)
                 shutil.copy(Path(tmp) / "up.log", Path(args.out) / "up.log")
     print_report(phases)
-    verdicts = targets(phases)
-    for t in verdicts:
-        print(f"target {t['name']}: {t['value']} (goal {t['goal']}): {'met' if t['met'] else 'MISSED'}")
-    if args.out:
-        path = write_results(
-            Path(args.out),
-            "abuse",
-            phases,
-            machine_extra=cpu_fields(),
-            plan=asdict(plan),
-            phases=phases,
-            targets=verdicts,
-        )
-        print(f"results: {path}")
+    fields = {"plan": asdict(plan), "phases": phases, "targets": targets(phases)}
+    publish(args.out, "abuse", phases, machine_extra=cpu_fields(), **fields)
     return 0

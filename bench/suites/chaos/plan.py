@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loraserve.bench.common.preset import Preset
 from loraserve.bench.workloads.slora import DEFAULT_RANKS, TraceRequest, WorkloadSpec, synthetic_trace
 
 SIGNALS = ("kill", "stop", "term")  # SIGKILL; SIGSTOP then SIGCONT; SIGTERM (drain)
@@ -26,7 +27,9 @@ SEED_BASE = 1000  # a sampled request's seed is SEED_BASE + its index in the tra
 
 
 @dataclass(frozen=True)
-class ChaosConfig:
+class ChaosConfig(Preset):
+    """The chaos run's configuration; the suite's FULL and QUICK presets are two of them."""
+
     duration_s: float = 180.0  # of the load; disruptions fall inside it
     workers: int = 3
     rate: float = 1.5  # requests/s, all adapters together: the stack keeps up with a worker down

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 from collections.abc import Callable
@@ -32,7 +31,8 @@ from pathlib import Path
 
 import grpc
 
-from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.engine_run import quiet
+from loraserve.bench.common.results import cpu_fields, publish, write_jsonl
 from loraserve.bench.common.stack_run import local_stack, upload_messages
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.chaos.plan import (
@@ -239,8 +239,8 @@ class Chaos:
 
 
 # ---- the command ---------------------------------------------------------------------------------
-FULL = {"duration_s": 180.0, "interval_s": 10.0}
-QUICK = {"duration_s": 40.0, "interval_s": 5.0}
+FULL = ChaosConfig(duration_s=180.0, interval_s=10.0)
+QUICK = ChaosConfig(duration_s=40.0, interval_s=5.0)
 
 
 @dataclass(frozen=True)
@@ -248,12 +248,12 @@ class ChaosSettings:
     """The chaos suite's own flags (it also reads --n-adapters, --seed, --quick, --out, --model, ...)."""
 
     chaos_duration: float | None = setting(
-        None, f"seconds of load (full: {FULL['duration_s']:g}; quick: {QUICK['duration_s']:g})"
+        None, f"seconds of load (full: {FULL.duration_s:g}; quick: {QUICK.duration_s:g})"
     )
     chaos_workers: int = setting(3, "workers in the stack (one always stays up)")
     chaos_rate: float = setting(ChaosConfig.rate, "requests/s (Poisson arrivals)")
     chaos_interval: float | None = setting(
-        None, f"mean seconds between disruptions (full: {FULL['interval_s']:g}; quick: {QUICK['interval_s']:g})"
+        None, f"mean seconds between disruptions (full: {FULL.interval_s:g}; quick: {QUICK.interval_s:g})"
     )
     chaos_signals: tuple[str, ...] = setting(
         SIGNALS,
@@ -275,48 +275,37 @@ SETTINGS = ChaosSettings
 
 
 def config_from_args(args: argparse.Namespace) -> ChaosConfig:
-    preset = QUICK if args.quick else FULL
+    """The preset (`--quick` or the full one) with what the flags set."""
     unknown = sorted(set(args.chaos_signals) - set(SIGNALS))
     if unknown:  # checked here, not with choices=, so the LORASERVE_CHAOS_SIGNALS=kill,stop twin works too
         raise SystemExit(f"--chaos-signals: unknown {', '.join(unknown)}; choose from {', '.join(SIGNALS)}")
-    defaults = ChaosConfig()
-    return ChaosConfig(
-        duration_s=args.chaos_duration or preset["duration_s"],
+    return (QUICK if args.quick else FULL).but(
+        duration_s=args.chaos_duration,
         workers=args.chaos_workers,
         rate=args.chaos_rate,
-        interval_s=args.chaos_interval or preset["interval_s"],
+        interval_s=args.chaos_interval,
         signals=tuple(dict.fromkeys(args.chaos_signals)),
-        n_adapters=args.n_adapters[0] if args.n_adapters else defaults.n_adapters,
+        n_adapters=args.n_adapters[0] if args.n_adapters else None,
         alpha=args.alpha,
-        input_len=tuple(args.input_len) if args.input_len else defaults.input_len,
-        output_len=tuple(args.output_len) if args.output_len else defaults.output_len,
+        input_len=tuple(args.input_len) if args.input_len else None,
+        output_len=tuple(args.output_len) if args.output_len else None,
         ranks=tuple(args.ranks),
         seed=args.seed,
         stop_s=args.chaos_stop,
         drain_timeout_s=args.chaos_drain_timeout,
         max_batch_size=args.chaos_max_batch_size,
-        pool_pages=args.pool_pages or defaults.pool_pages,
+        pool_pages=args.pool_pages,
     )
 
 
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    quiet = max(logging.WARNING, logging.getLogger().level)
-    logging.getLogger("loraserve.worker").setLevel(quiet)
+    quiet(None)
     result = run_chaos(config, args.model)
     print_chaos_report(result["summary"], config)
+    summary, disruptions = result["summary"], result["disruptions"]
+    fields = {"config": asdict(config), "summary": summary, "disruptions": disruptions}
+    publish(args.out, "chaos", disruptions, machine_extra=cpu_fields(), targets=chaos_targets(summary), **fields)
     if args.out:
-        path = write_results(
-            args.out,
-            "chaos",
-            result["disruptions"],
-            machine_extra=cpu_fields(),
-            config=asdict(config),
-            summary=result["summary"],
-            disruptions=result["disruptions"],
-            targets=chaos_targets(result["summary"]),
-        )
-        with (args.out / "streams.jsonl").open("w") as f:
-            f.writelines(json.dumps(s) + "\n" for s in result["streams"])
-        print(f"results: {path}")
-    return 0 if result["summary"]["mismatches"] == 0 else 1
+        write_jsonl(args.out / "streams.jsonl", result["streams"])
+    return 0 if summary["mismatches"] == 0 else 1

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from loraserve.bench.common.engine_run import alternate, bench_cache, quiet
 from loraserve.bench.common.preset import Preset
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import publish
 from loraserve.config_cli import setting
 
 
@@ -128,6 +128,5 @@ def main(args: argparse.Namespace) -> int:
             f"{r['ttft_ms_alone']:.0f} ms ({r['ttft_speedup']:.2f}x); all done {r['total_ms_shared']:.0f} ms / "
             f"{r['total_ms_alone']:.0f} ms ({r['total_speedup']:.2f}x)"
         )
-    if args.out:
-        print(f"results: {write_results(args.out, 'choices', records, threads=args.threads)}")
+    publish(args.out, "choices", records, threads=args.threads)
     return 0

@@ -1,6 +1,6 @@
 """Fetch + load alone, store → a worker's pool, for a 7B-shaped adapter, against the machine's memcpy bandwidth.
 
-The adapter store runs as a real process (`bench/common/store_process.py` starts it, preloading a rank-16 fp16
+The adapter store runs as a real process (`bench/common/stack_run.py` starts it, preloading a rank-16 fp16
 adapter on q/k/v/o of a Llama-7B-shaped model: 33.6 MB); this process plays the worker with the workers'
 own code: `AdapterFetcher`, then what the worker's fetch thread does, then `UnifiedPool.ensure` (the copy
 into pool rows, a float16 pool on the CPU). Each path is timed from the fetch request to the rows in the
@@ -32,7 +32,7 @@ import torch
 
 from loraserve.adapter_store.client import AdapterFetcher, FetchedRows
 from loraserve.bench.common.llama7b_files import write_adapter, write_model
-from loraserve.bench.common.store_process import ADAPTER_NAME, store_process
+from loraserve.bench.common.stack_run import ADAPTER_NAME, store_process
 from loraserve.shared_memory import user_dir
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.adapter_rows import rows_adapter

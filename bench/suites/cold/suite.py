@@ -14,12 +14,22 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from loraserve.bench.common.engine_run import bench_cache
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.engine_run import bench_cache, quiet
+from loraserve.bench.common.preset import Preset
+from loraserve.bench.common.results import publish
 from loraserve.bench.suites.cold.targets import targets
 from loraserve.config_cli import setting
 
-FULL_RANKS = (8, 16, 32, 64, 128)
+
+@dataclass(frozen=True)
+class ColdPreset(Preset):
+    load_iterations: int  # timed fetch + loads of each path
+    ranks: tuple[int, ...]
+    trials: int  # cold adapters per rank
+    models: tuple[str, ...] = ("demo", "random-100m")
+
+
+FULL, QUICK = ColdPreset(30, (8, 16, 32, 64, 128), trials=12), ColdPreset(10, (8, 64), trials=4)
 
 
 @dataclass(frozen=True)
@@ -48,36 +58,25 @@ def _option(spec: str) -> tuple[str, object]:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
     from loraserve.bench.common.random_model import model_dir
     from loraserve.bench.suites.cold.load import PATHS, measure_load
     from loraserve.bench.suites.cold.stack import StackSettings, measure_stack
 
-    torch.set_num_threads(args.threads)
+    models = tuple(args.cold_models) if args.cold_models else None
+    preset = (QUICK if args.quick else FULL).but(trials=args.cold_trials, models=models)
+    quiet(args.threads)
     cache = bench_cache(args.adapter_cache)
     records: list[dict] = []
     if "load" in args.cold_parts:
-        for record in measure_load(10 if args.quick else 30, PATHS):
+        for record in measure_load(preset.load_iterations, PATHS):
             records.append({"part": "load", **record})
             print(record)
     if "stack" in args.cold_parts:
-        trials = args.cold_trials or (4 if args.quick else 12)
-        ranks = (8, 64) if args.quick else FULL_RANKS
         options = tuple(_option(s) for s in args.cold_stack_option)
-        settings = StackSettings(
-            ranks, trials, prompt_words=32, new_tokens=4, torch_threads=args.threads, stack_options=options
-        )
-        for model in args.cold_models or ["demo", "random-100m"]:
+        settings = StackSettings(preset.ranks, preset.trials, 32, 4, torch_threads=args.threads, stack_options=options)
+        for model in preset.models:
             for record in measure_stack(model_dir(model, cache), settings):
                 records.append({"part": "stack", "model": model, **record})
                 print(records[-1])
-    if args.out:
-        verdicts = targets(records)
-        for t in verdicts:
-            print(f"{t['name']}: {t['value']} ({t['goal']}): {'met' if t['met'] else 'missed'}")
-        path = write_results(
-            args.out, "cold", records, threads=args.threads, targets=verdicts, options=args.cold_stack_option
-        )
-        print(f"results: {path}")
+    publish(args.out, "cold", records, args.threads, targets=targets(records), options=args.cold_stack_option)
     return 0

@@ -10,7 +10,7 @@ A part not run has none.
 
 from __future__ import annotations
 
-from loraserve.bench.common.results import target
+from loraserve.bench.common.results import judged
 
 TARGET_COLD_OVER_WARM = 1.25  # cold p50 TTFT ≤ 1.25 × warm
 TARGET_FRACTION_OF_MEMCPY = 0.5  # same-host fetch + load ≥ 50 % of memcpy bandwidth
@@ -23,10 +23,9 @@ def targets(records: list[dict]) -> list[dict]:
     for model in dict.fromkeys(r["model"] for r in stack):
         worst = max(r["cold_over_warm_p50"] for r in stack if r["model"] == model)
         name = f"cold ÷ warm p50 TTFT, {model}, highest over ranks"
-        out.append(target(name, f"<= {TARGET_COLD_OVER_WARM}", worst, worst <= TARGET_COLD_OVER_WARM))
+        out.append(judged(name, f"<= {TARGET_COLD_OVER_WARM}", worst))
     load = next((r for r in records if r["part"] == "load" and r["path"] == SAME_HOST_PATH), None)
     if load is not None:
-        value = load["fraction_of_memcpy"]
         name = "7B-shaped adapter fetch + load in shared memory, fraction of memcpy"
-        out.append(target(name, f">= {TARGET_FRACTION_OF_MEMCPY}", value, value >= TARGET_FRACTION_OF_MEMCPY))
+        out.append(judged(name, f">= {TARGET_FRACTION_OF_MEMCPY}", load["fraction_of_memcpy"]))
     return out

@@ -6,10 +6,12 @@ and how long each decision takes, at 64 workers and 10,000 adapters.
 
 The scheduler process is real (`loraserve scheduler`, the policy under test); the workers are
 `--cp-workers` emulated ones in one process (`workers.py`, which also records the decision
-latencies), and this process stands for the gateways: it submits over gRPC (prompt ids, the adapter
-with its rank and weights' hash, a tenant of 8, sampling), open loop at each offered rate for the
-preset's phase, on `--cp-clients` channels, either `stream` (batched on one SubmitStream call per
-channel, as gateways send them) or `unary` (one Submit call each).
+latencies), both started by the launcher's supervisor (`stack_run.supervised`: 64 real workers
+would not fit the machine, so this is not `up`'s stack). This process stands for the gateways: it
+submits over gRPC (prompt ids, the adapter with its rank and weights' hash, a tenant of 8,
+sampling), open loop at each offered rate for the preset's phase, on `--cp-clients` channels, either
+`stream` (batched on one SubmitStream call per channel, as gateways send them) or `unary` (one
+Submit call each).
 
 Per offered rate: admitted req/s, refusals, the Submit call's latency, the decision latency inside
 the scheduler and end to end, and the scheduler's CPU use (psutil: at one full core it is saturated).
@@ -24,8 +26,6 @@ import json
 import logging
 import os
 import pstats
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +37,9 @@ import numpy as np
 import psutil
 import zmq
 
-from loraserve.bench.common.results import cpu_fields, target, write_results
+from loraserve.bench.common.preset import Preset
+from loraserve.bench.common.results import cpu_fields, judged, publish
+from loraserve.bench.common.stack_run import supervised
 from loraserve.bench.common.stats import quantile
 from loraserve.bench.suites.control_plane import profile_split
 from loraserve.bench.workloads.slora import power_law_shares
@@ -45,6 +47,7 @@ from loraserve.config_cli import setting
 from loraserve.errors import LoraserveError
 from loraserve.gateway.submit_stream import SubmitStream
 from loraserve.launcher.ports import free_port_block
+from loraserve.launcher.supervisor import Role
 from loraserve.scheduler.policy import POLICIES
 from loraserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -58,8 +61,18 @@ PROMPT = 32  # tokens per request
 NEW_TOKENS = 16  # steps a request runs on its emulated worker
 STEP_S = 0.02  # an emulated worker's step: 50 reports a second from each busy worker
 SUBMITS = ("stream", "unary")  # how Submits travel: batched on a SubmitStream call, or one call each
-QUICK = {"rates": (250, 1000, 2500, 5000), "phase_s": 4.0, "policies": ("adaptive",), "submits": ("stream",)}
-FULL = {"rates": (250, 500, 1000, 1500, 2000, 3000, 5000), "phase_s": 8.0, "policies": POLICIES, "submits": SUBMITS}
+
+
+@dataclass(frozen=True)
+class ControlPlanePreset(Preset):
+    rates: tuple[float, ...]  # offered Submit rates, req/s, one phase each
+    phase_s: float
+    policies: tuple[str, ...]
+    submits: tuple[str, ...]
+
+
+QUICK = ControlPlanePreset((250, 1000, 2500, 5000), 4.0, ("adaptive",), ("stream",))
+FULL = ControlPlanePreset((250, 500, 1000, 1500, 2000, 3000, 5000), 8.0, POLICIES, SUBMITS)
 TARGET_RATE = 5000.0  # req/s admitted
 TARGET_P99_S = 0.001  # decision latency
 SUBMIT_TIMEOUT_S = 30.0
@@ -187,18 +200,16 @@ class Clients:
             await channel.close()
 
 
-def start_scheduler(policy: str, grpc_address: str, worker_address: str, profile: Path | None) -> subprocess.Popen:
+def roles(policy: str, base: int, args: argparse.Namespace, latencies: Path, profile: Path | None) -> list[Role]:
+    """The scheduler under test (under cProfile with `profile`) and the emulated fleet, which writes the
+    decision latencies to `latencies` when stopped (first: the fleet stops before the scheduler)."""
     python = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else [])]
-    args = [*python, "-m", "loraserve.cli", "--log-level", "ERROR", "scheduler"]
-    args += ["--bind", grpc_address, "--worker-address", worker_address, "--policy", policy]
-    args += ["--max-queue-length", "4096"]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def start_workers(worker_address: str, workers: int, adapters: int, step_s: float, out: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "loraserve.bench.suites.control_plane.workers", "--scheduler", worker_address]
-    args += ["--workers", str(workers), "--adapters", str(adapters), "--step-s", str(step_s), "--out", str(out)]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    grpc_address, worker_address = f"127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
+    scheduler = [*python, "-m", "loraserve.cli", "--log-level", "ERROR", "scheduler", "--bind", grpc_address]
+    scheduler += ["--worker-address", worker_address, "--policy", policy, "--max-queue-length", "4096"]
+    fleet = [sys.executable, "-m", "loraserve.bench.suites.control_plane.workers", "--scheduler", worker_address]
+    fleet += ["--workers", str(args.cp_workers), "--adapters", str(args.cp_adapters), "--step-s", str(args.cp_step_s)]
+    return [Role("scheduler", scheduler, stop_group=1), Role("workers", [*fleet, "--out", str(latencies)])]
 
 
 async def wait_ready(address: str, workers: int, timeout_s: float = 60.0) -> None:
@@ -218,52 +229,39 @@ async def wait_ready(address: str, workers: int, timeout_s: float = 60.0) -> Non
 
 
 async def measure(
-    policy: str,
-    submit: str,
-    rates: list[float],
-    phase_s: float,
-    args: argparse.Namespace,
-    scratch: Path,
-    profile: Path | None,
+    policy: str, submit: str, preset: ControlPlanePreset, args: argparse.Namespace, scratch: Path, profile: Path | None
 ) -> dict:
+    """One policy and way of submitting, on a fresh scheduler and fleet: a phase per offered rate."""
     base = free_port_block(3)
-    grpc_address, worker_address = f"127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
-    reply_to = f"tcp://127.0.0.1:{base + 2}"
     ctx = zmq.Context()
     sink = ctx.socket(zmq.PULL)  # failures the scheduler sends "gateways" (there should be none)
+    reply_to = f"tcp://127.0.0.1:{base + 2}"
     sink.bind(reply_to)
     latencies_file = scratch / f"workers-{policy}-{submit}.json"
-    scheduler = start_scheduler(policy, grpc_address, worker_address, profile)
-    workers = start_workers(worker_address, args.cp_workers, args.cp_adapters, args.cp_step_s, latencies_file)
     phases = []
     try:
-        await wait_ready(grpc_address, args.cp_workers)
-        cpu = psutil.Process(scheduler.pid)
-        catalogue = Catalogue(args.cp_adapters, args.seed)
-        clients = Clients(grpc_address, args.cp_clients, reply_to, catalogue, args.seed, submit)
-        await clients.phase("warm", 200.0, 1.0)
-        await asyncio.sleep(1.0)
-        for rate in rates:
-            name = f"r{int(rate)}"
-            before, wall = cpu.cpu_times(), time.monotonic()
-            result = await clients.phase(name, rate, phase_s)
-            used = cpu.cpu_times()
-            result["scheduler_cpu"] = round(
-                (used.user + used.system - before.user - before.system) / (time.monotonic() - wall), 3
-            )
-            result["phase"] = name
-            phases.append(result)
-            log.info("%s %s %s: %s", policy, submit, name, {k: v for k, v in result.items() if k != "codes"})
-            await asyncio.sleep(1.0)  # the emulated workers finish what they hold
-        await clients.close()
+        with supervised(roles(policy, base, args, latencies_file, profile), stop_s=30.0) as fleet:
+            grpc_address = f"127.0.0.1:{base}"
+            await wait_ready(grpc_address, args.cp_workers)
+            cpu = psutil.Process(fleet.children["scheduler"].pid)
+            catalogue = Catalogue(args.cp_adapters, args.seed)
+            clients = Clients(grpc_address, args.cp_clients, reply_to, catalogue, args.seed, submit)
+            await clients.phase("warm", 200.0, 1.0)
+            await asyncio.sleep(1.0)
+            for rate in preset.rates:
+                name = f"r{int(rate)}"
+                before, wall = cpu.cpu_times(), time.monotonic()
+                result = await clients.phase(name, rate, preset.phase_s)
+                used = cpu.cpu_times()
+                result["scheduler_cpu"] = round(
+                    (used.user + used.system - before.user - before.system) / (time.monotonic() - wall), 3
+                )
+                result["phase"] = name
+                phases.append(result)
+                log.info("%s %s %s: %s", policy, submit, name, {k: v for k, v in result.items() if k != "codes"})
+                await asyncio.sleep(1.0)  # the emulated workers finish what they hold
+            await clients.close()
     finally:
-        workers.send_signal(signal.SIGTERM)
-        workers.wait(timeout=30)
-        scheduler.send_signal(signal.SIGTERM)
-        try:
-            scheduler.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            scheduler.kill()
         sink.close(linger=0)
         ctx.term()
     recorded = json.loads(latencies_file.read_text())["phases"]
@@ -299,48 +297,37 @@ def verdict(runs: list[dict]) -> list[dict]:
         best = max((p["admitted_req_per_s"] for p in kept), default=0.0)
         at_target = next((p for p in run["phases"] if p["offered_req_per_s"] >= TARGET_RATE), None)
         p99 = at_target["decision_p99_s"] if at_target else None
-        out.append(target("admitted req/s", f">= {TARGET_RATE:g}", best, best >= TARGET_RATE))
-        name = f"decision p99 at {TARGET_RATE:g} req/s offered (s)"
-        out.append(target(name, f"<= {TARGET_P99_S}", p99, p99 is not None and p99 <= TARGET_P99_S))
+        out.append(judged("admitted req/s", f">= {TARGET_RATE:g}", best))
+        out.append(judged(f"decision p99 at {TARGET_RATE:g} req/s offered (s)", f"<= {TARGET_P99_S}", p99))
     return out
 
 
 def main(args: argparse.Namespace) -> int:
-    preset = QUICK if args.quick else FULL
-    rates = list(args.cp_rates or preset["rates"])
-    chosen = list(args.cp_policies or preset["policies"])
-    submits = list(args.cp_submit or preset["submits"])
+    preset = (QUICK if args.quick else FULL).but(rates=args.cp_rates, policies=args.cp_policies, submits=args.cp_submit)
     out = args.out or Path(tempfile.mkdtemp(prefix="loraserve-cp-"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     runs = []
     profiles: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="loraserve-cp-") as scratch:
-        for policy in chosen:
-            for submit in submits:
+        for policy in preset.policies:
+            for submit in preset.submits:
                 profile = out / f"scheduler-{policy}-{submit}.prof" if args.cp_profile else None
-                phase_s = preset["phase_s"]
-                runs.append(asyncio.run(measure(policy, submit, rates, phase_s, args, Path(scratch), profile)))
+                runs.append(asyncio.run(measure(policy, submit, preset, args, Path(scratch), profile)))
                 if profile is not None and profile.exists():
                     profiles[f"{policy}-{submit}"] = profile_split.split(profile)
                     print(f"--- the scheduler under {policy}, {submit} Submits: where its time went ({profile})")
                     pstats.Stats(str(profile)).sort_stats("tottime").print_stats(25)
-    result = {
+    fields = {
         "what": "a real scheduler process; emulated workers in one process speaking the worker protocol; "
         "this process submitting as gateways do (stream) or one call per Submit (unary)",
         "workers": args.cp_workers,
         "adapters": args.cp_adapters,
         "step_s": args.cp_step_s,
-        "phase_s": preset["phase_s"],
-        "machine": cpu_fields() | {"pid_cpus": len(os.sched_getaffinity(0))},
-        "runs": runs,
+        "phase_s": preset.phase_s,
         "targets": verdict(runs),
         "wall_s": round(time.perf_counter() - started, 1),
-    }
-    if profiles:
-        result["profile"] = profiles
-    fields = {k: v for k, v in result.items() if k not in ("suite", "machine", "runs")}
-    path = write_results(out, "control-plane", runs, machine_extra=result["machine"], runs=runs, **fields)
+    } | ({"profile": profiles} if profiles else {})
     for run in runs:
         for p in run["phases"]:
             print(
@@ -350,7 +337,6 @@ def main(args: argparse.Namespace) -> int:
                 f"end to end p99 {p['end_to_end_p99_s']} s, scheduler CPU {p['scheduler_cpu']}"
                 f"{'' if p['kept_up'] else ' (fell behind)'}"
             )
-    for t in result["targets"]:
-        print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {t['value']} (goal {t['goal']})")
-    print(f"results: {path}")
+    machine = cpu_fields() | {"pid_cpus": len(os.sched_getaffinity(0))}
+    publish(out, "control-plane", runs, machine_extra=machine, runs=runs, **fields)
     return 0

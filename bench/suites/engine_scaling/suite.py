@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from loraserve.bench.common.engine_run import quiet
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import judged, publish
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, adapter_stats_since, warm_up
 from loraserve.bench.workloads.slora import DEFAULT_RANKS, FIRST_TOKEN_ID, round_robin_ranks
@@ -78,11 +78,8 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
-
     from loraserve.worker.config import EngineConfig
 
-    torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(FIRST_TOKEN_ID, 1024, size=args.prompt_len)] for _ in range(args.requests)]
     config = EngineConfig(
@@ -123,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
 def targets(rows: list[dict], ratio: float) -> list[dict]:
     """The target: throughput at the largest adapter count over the smallest, >= TARGET."""
     name = f"throughput(n={rows[-1]['n_adapters']}) / throughput(n={rows[0]['n_adapters']})"
-    return [{"name": name, "goal": f">= {TARGET}", "value": ratio, "met": ratio >= TARGET}]
+    return [judged(name, f">= {TARGET}", ratio)]
 
 
 @dataclass(frozen=True)
@@ -150,9 +147,7 @@ SETTINGS = EngineScalingSettings
 
 
 def main(args: argparse.Namespace) -> int:
-    quiet(None)
+    quiet(args.threads)
     result = run(args)
-    if args.out is not None:
-        rows = result.pop("rows")
-        print(f"results: {write_results(args.out, 'engine-scaling', rows, threads=args.threads, **result)}")
+    publish(args.out, "engine-scaling", result.pop("rows"), threads=args.threads, **result)
     return 0

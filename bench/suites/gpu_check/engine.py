@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from loraserve.bench.common.metrics import summarize
-from loraserve.bench.common.random_model import write_llama_checkpoint
+from loraserve.bench.common.random_model import write_once
 from loraserve.bench.common.stats import ratio
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.gpu_check.preset import GpuPreset
@@ -57,17 +57,9 @@ class SharedWeightsBank(AdapterBank):
 
 def model_dir(preset: GpuPreset, work: Path) -> tuple[Path, float]:
     """The preset's random checkpoint under `work` (written once); returns it and seconds spent writing."""
-    path = work / f"llama-{preset.shape.hidden}x{preset.shape.layers}-{preset.dtype}"
-    if (path / "config.json").is_file():
-        return path, 0.0
     start = time.perf_counter()
-    tmp = path.with_name(path.name + ".partial")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    write_llama_checkpoint(tmp, preset.shape, dtype=preset.torch_dtype, device=preset.device)
-    tmp.rename(path)
+    path = work / f"llama-{preset.shape.hidden}x{preset.shape.layers}-{preset.dtype}"
+    write_once(path, preset.shape, dtype=preset.torch_dtype, device=preset.device)
     return path, time.perf_counter() - start
 
 

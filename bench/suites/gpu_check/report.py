@@ -5,38 +5,19 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from loraserve.bench.common.results import write_results
-from loraserve.bench.common.tables import markdown_table
+from loraserve.bench.common.results import judged, target, write_results
+from loraserve.bench.common.tables import fmt, markdown_table
 
-# (name, target text, how to read the value from the results, predicate on the value)
+KERNEL_HEAD = "kernels.summary.lora_decode_b64_distinct_r16"
+# (name, goal, where the value is in the results: part.key.key...); a goal "yes" is met by a true value
 TARGETS = [
-    (
-        "LoRA decode kernel, batch 64 distinct rank 16, h 4096: time / roofline",
-        "<= 2",
-        ("kernels", "summary", "lora_decode_b64_distinct_r16", "x_roofline"),
-        lambda v: v <= 2,
-    ),
-    (
-        "Triton LoRA faster than gather-bmm at every point",
-        "yes",
-        ("kernels", "summary", "faster_than_bmm_everywhere"),
-        bool,
-    ),
-    ("engine throughput n=1000 / n=1", ">= 0.9", ("engine", "ratios", "high_over_low"), lambda v: v >= 0.9),
-    ("LoRA overhead vs the base model", "<= 0.10", ("engine", "ratios", "lora_overhead"), lambda v: v <= 0.10),
-    (
-        "decode step with CUDA graphs, batch 64, most adapters: eager ms / graph ms",
-        "> 1",
-        ("engine", "graph_speedup"),
-        lambda v: v > 1,
-    ),
-    ("loraserve / PEFT throughput (same trace)", ">= 30", ("engine", "ratios", "over_peft"), lambda v: v >= 30),
-    (
-        "stack: added latency per token (p50 TPOT difference), ms",
-        "< 1",
-        ("stack", "stack_vs_engine", "added_tpot_p50_ms"),
-        lambda v: v < 1,
-    ),
+    ("LoRA decode kernel, batch 64 distinct rank 16, h 4096: time / roofline", "<= 2", f"{KERNEL_HEAD}.x_roofline"),
+    ("Triton LoRA faster than gather-bmm at every point", "yes", "kernels.summary.faster_than_bmm_everywhere"),
+    ("engine throughput n=1000 / n=1", ">= 0.9", "engine.ratios.high_over_low"),
+    ("LoRA overhead vs the base model", "<= 0.10", "engine.ratios.lora_overhead"),
+    ("decode step with CUDA graphs, batch 64, most adapters: eager ms / graph ms", "> 1", "engine.graph_speedup"),
+    ("loraserve / PEFT throughput (same trace)", ">= 30", "engine.ratios.over_peft"),
+    ("stack: added latency per token (p50 TPOT difference), ms", "< 1", "stack.stack_vs_engine.added_tpot_p50_ms"),
 ]
 
 
@@ -60,10 +41,10 @@ def junit_counts(path: Path) -> dict:
     return counts | {"failures": failures}
 
 
-def _lookup(results: dict, path: tuple[str, ...]):
-    part = results["parts"].get(path[0], {})
-    value = part.get("data")  # a part cut at its limit keeps the figures it had
-    for key in path[1:]:
+def _lookup(results: dict, path: str):
+    name, *keys = path.split(".")
+    value = results["parts"].get(name, {}).get("data")  # a part cut at its limit keeps the figures it had
+    for key in keys:
         if not isinstance(value, dict):
             return None
         value = value.get(key)
@@ -72,38 +53,22 @@ def _lookup(results: dict, path: tuple[str, ...]):
 
 def targets(results: dict) -> list[dict]:
     rows = []
-    for name, target, path, met in TARGETS:
+    for name, goal, path in TARGETS:
         value = _lookup(results, path)
-        rows.append({"name": name, "goal": target, "value": value, "met": None if value is None else bool(met(value))})
+        if goal == "yes":
+            rows.append(target(name, goal, value, None if value is None else bool(value)))
+        else:
+            rows.append(judged(name, goal, value, None))
     return rows
 
 
 def _table(header: list[str], rows: list[list]) -> str:
-    def cell(v) -> str:
-        if v is None:
-            return "–"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return str(v)
-
-    return markdown_table(header, [[cell(v) for v in row] for row in rows])
+    return markdown_table(header, [[fmt(v) for v in row] for row in rows])
 
 
 def _engine_md(data: dict) -> str:
-    cols = [
-        "system",
-        "n_adapters",
-        "finished",
-        "requests",
-        "tokens_per_s",
-        "req_per_s",
-        "ttft_p50_s",
-        "tpot_p50_s",
-        "mean_batch_size",
-        "adapter_loads",
-        "prefetch_hit_rate",
-        "wall_s",
-    ]
+    cols = ["system", "n_adapters", "finished", "requests", "tokens_per_s", "req_per_s", "ttft_p50_s", "tpot_p50_s"]
+    cols += ["mean_batch_size", "adapter_loads", "prefetch_hit_rate", "wall_s"]
     rows = [[r.get(c, r.get("error") if c == "tokens_per_s" else None) for c in cols] for r in data["rows"]]
     model = data["model"]
     head = (

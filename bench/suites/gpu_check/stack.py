@@ -14,7 +14,6 @@ host to device        the same adapter: packing it into pool rows on the host, p
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from loraserve.bench.common.metrics import summarize
+from loraserve.bench.common.results import suite_results
 from loraserve.bench.common.stats import median_seconds
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.gpu_check.engine import engine_config, free_device_memory, model_dir
@@ -81,13 +81,9 @@ def stack_vs_engine(preset: GpuPreset, path: Path, log=print) -> dict:
 
 def adapter_fetch(preset: GpuPreset, work: Path) -> dict:
     """`loraserve bench --suite adapter-fetch` over loopback TCP at the preset's iterations; its figures."""
-    from loraserve.bench import cli
-
-    out = work / "adapter-fetch"
-    argv = ["--suite", "adapter-fetch", "--rank", str(FETCH_RANK), "--modules", *FETCH_MODULES, "--transport", "tcp"]
-    argv += ["--iterations", str(preset.fetch_iterations), "--warmup", "2", "--out", str(out)]
-    cli.run([*argv, "--torch-threads", str(torch.get_num_threads())])  # this part's threads, unchanged
-    records = json.loads((out / "results.json").read_text())["records"]
+    argv = ["--rank", str(FETCH_RANK), "--modules", *FETCH_MODULES, "--transport", "tcp", "--warmup", "2"]
+    argv += ["--iterations", str(preset.fetch_iterations), "--torch-threads", str(torch.get_num_threads())]
+    records = suite_results("adapter-fetch", work / "adapter-fetch", *argv)["records"]  # this part's threads
     own = ("transport", "first_fetch_ms")
     results = [{k: v for k, v in r.items() if k not in own} for r in records]
     return {"first_fetch_ms": round(records[0]["first_fetch_ms"], 2), "results": results}

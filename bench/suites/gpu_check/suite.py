@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraserve.bench.common.results import suite_results
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.suites.gpu_check import report as gpu_report
 from loraserve.bench.suites.gpu_check.preset import DRY_RUN, GPU, GpuPreset
@@ -119,48 +120,28 @@ def run_tests(args: argparse.Namespace, out: Path) -> dict:
     still shows how far it got and what each test took.
     """
     junit = out / "junit.xml"
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "gpu",
-        "-v",
-        "--durations=15",
-        "-p",
-        "no:cacheprovider",
-        "--junitxml",
-        str(junit),
-        str(args.tests_dir),
-    ]
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--durations=15", "-p", "no:cacheprovider"]
     start = time.perf_counter()
     sys.stdout.flush()
-    done = subprocess.run(command, check=False)
+    done = subprocess.run([*command, "--junitxml", str(junit), str(args.tests_dir)], check=False)
     result = gpu_report.junit_counts(junit) if junit.is_file() else {"error": "pytest wrote no JUnit XML"}
     return result | {"exit_code": done.returncode, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def run_kernels(args: argparse.Namespace, out: Path) -> dict:
     """`loraserve bench --suite kernels --gpu-suite` (`--dry-run`: on the CPU): its report from its results.json."""
-    from loraserve.bench import cli
-
-    argv = ["--suite", "kernels", "--dry-run" if args.dry_run else "--gpu-suite", "--out", str(out / "kernels")]
-    cli.run(argv)
-    saved = json.loads((out / "kernels" / "results.json").read_text())
+    saved = suite_results("kernels", out / "kernels", "--dry-run" if args.dry_run else "--gpu-suite")
     return {"lora": saved["records"], **{k: saved[k] for k in ("meta", "attention", "summary", "markdown")}}
 
 
 def run_overhead(args: argparse.Namespace, preset: GpuPreset, out: Path, work: Path) -> dict:
     """`loraserve bench --suite overhead --quick` on the preset's device and backend; its results.json."""
-    from loraserve.bench import cli
-
-    argv = ["--suite", "overhead", "--quick", "--out", str(out / "overhead"), "--adapter-cache", str(work)]
-    argv += ["--overhead-device", preset.device, "--overhead-backend", preset.backend, "--no-progress"]
+    argv = ["--quick", "--adapter-cache", str(work), "--no-progress"]
+    argv += ["--overhead-device", preset.device, "--overhead-backend", preset.backend]
     if args.dry_run:
         argv += ["--overhead-models", "demo", "--overhead-batch", "8", "--overhead-adapters", "4"]
         argv += ["--overhead-output-len", "3", "6", "--overhead-repeats", "1", "--overhead-scaling-n", "6"]
-    cli.run(argv)
-    return json.loads((out / "overhead" / "results.json").read_text())
+    return suite_results("overhead", out / "overhead", *argv)
 
 
 def run_tensor_parallel(args: argparse.Namespace, out: Path, work: Path) -> dict:
@@ -168,17 +149,7 @@ def run_tensor_parallel(args: argparse.Namespace, out: Path, work: Path) -> dict
     with one GPU); its results.json."""
     import torch
 
-    from loraserve.bench import cli
-
-    argv = [
-        "--suite",
-        "tensor-parallel",
-        "--quick",
-        "--out",
-        str(out / "tensor-parallel"),
-        "--adapter-cache",
-        str(work),
-    ]
+    argv = ["--quick", "--adapter-cache", str(work)]
     if args.dry_run:
         argv += ["--tp-models", "demo", "--tp-batch", "4", "--tp-output", "3", "--tp-repeats", "1"]
     else:
@@ -187,8 +158,7 @@ def run_tensor_parallel(args: argparse.Namespace, out: Path, work: Path) -> dict
             return {"skipped": f"needs at least 2 CUDA devices; this machine has {gpus}"}
         sizes = ["1", "2", "4"] if gpus >= 4 else ["1", "2"]
         argv += ["--tp-device", "cuda", "--tp-models", "demo", "random-100m", "--tp-sizes", *sizes]
-    cli.run(argv)
-    return json.loads((out / "tensor-parallel" / "results.json").read_text())
+    return suite_results("tensor-parallel", out / "tensor-parallel", *argv)
 
 
 def run_part(
@@ -239,20 +209,8 @@ def part_main(args: argparse.Namespace) -> int:
 # ---- the driver ------------------------------------------------------------------------------------
 def spawn_part(name: str, args: argparse.Namespace, limit_s: float) -> dict:
     """Run one part in a child process under `limit_s`; its record (or why there is none)."""
-    command = [
-        sys.executable,
-        "-m",
-        "loraserve.cli",
-        "bench",
-        "--suite",
-        "gpu-check",
-        "--part",
-        name,
-        "--out",
-        str(args.out),
-        "--tests-dir",
-        str(args.tests_dir),
-    ]
+    command = [sys.executable, "-m", "loraserve.cli", "bench", "--suite", "gpu-check", "--part", name]
+    command += ["--out", str(args.out), "--tests-dir", str(args.tests_dir)]
     if args.work:
         command += ["--work", str(args.work)]
     if args.dry_run:

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 from loraserve.bench.common.kernel_cases import make_uniform_attention_case
 from loraserve.bench.common.stats import ratio
-from loraserve.bench.common.tables import markdown_table
+from loraserve.bench.common.tables import fmt, markdown_table
 from loraserve.bench.suites.kernels.device import ensure_interpreter, suite_meta
-from loraserve.bench.suites.kernels.results import fmt, write_report
+from loraserve.bench.suites.kernels.results import write_report
 from loraserve.bench.suites.kernels.timing import Timers, cuda_timers, timed, wall_timers
 from loraserve.config_cli import setting
 

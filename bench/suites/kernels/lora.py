@@ -23,7 +23,7 @@ from loraserve.bench.common.kernel_cases import (
     make_lora_plan,
 )
 from loraserve.bench.common.stats import ratio
-from loraserve.bench.suites.kernels.results import fmt
+from loraserve.bench.common.tables import fmt
 from loraserve.bench.suites.kernels.timing import Fn, Timers, timed
 from loraserve.kernels.lora_bmm import lora_apply_bmm, prepare_lora_bmm
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch

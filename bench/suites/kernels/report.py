@@ -13,12 +13,12 @@ from typing import Any
 import torch
 
 from loraserve.bench.common.stats import ratio
-from loraserve.bench.common.tables import markdown_table
+from loraserve.bench.common.tables import fmt, markdown_table
 from loraserve.bench.suites.kernels import attention as attention_bench
 from loraserve.bench.suites.kernels.attention import attention_markdown
 from loraserve.bench.suites.kernels.device import ensure_interpreter, suite_meta
 from loraserve.bench.suites.kernels.lora import SUITE_BUDGET_S, Case, LoraConfig, Result, benchmark, format_table
-from loraserve.bench.suites.kernels.results import ROOFLINE_FACTOR, fmt
+from loraserve.bench.suites.kernels.results import ROOFLINE_FACTOR
 from loraserve.bench.suites.kernels.timing import cuda_timers, wall_timers
 
 

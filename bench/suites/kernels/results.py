@@ -6,8 +6,7 @@ writes {"suite", "machine", "commit", "records", "targets", ...}: the records ar
 (`report[rows_key]`), the machine names the GPU (`gpu`) when the run had one, and the rest of the
 report (meta, attention rows, summary, markdown) rides along under its own keys. The targets come
 from the report's summary, each {"name", "goal", "value", "met"}; a dry run's times are the
-interpreter's, so its timing targets say `met: None` (only correctness is judged). `fmt` formats the
-numbers of the suites' tables.
+interpreter's, so its timing targets say `met: None` (only correctness is judged).
 """
 
 from __future__ import annotations
@@ -18,13 +17,6 @@ from typing import Any
 from loraserve.bench.common.results import target, write_results
 
 ROOFLINE_FACTOR = 2.0  # LoRA decode b64 distinct r16 within 2x of the roofline
-
-
-def fmt(value: float | None, spec: str | None = None) -> str:
-    """value in `spec`; by default 3 significant digits below 1000 (5.47, 0.00422), whole numbers above."""
-    if value is None:
-        return "-"
-    return format(value, spec or (".3g" if abs(value) < 1000 else ".0f"))
 
 
 def targets(summary: dict[str, Any], dry_run: bool) -> list[dict[str, Any]]:

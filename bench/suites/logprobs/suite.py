@@ -29,7 +29,7 @@ from pathlib import Path
 
 from loraserve.bench.common.engine_run import demo_engine, full_batch_steps, quiet
 from loraserve.bench.common.preset import Preset
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import publish
 from loraserve.config_cli import setting
 
 PROMPT = "the quiet king"
@@ -166,9 +166,5 @@ def main(args: argparse.Namespace) -> int:
             f" logits vocab {r['vocab']:>6} rows {r['rows']:>2} top {r['top']:>2}: {r['ms']:.3f} ms "
             f"(log-softmax alone {r['log_softmax_ms']:.3f} ms)"
         )
-    if args.out:
-        path = write_results(
-            args.out, "logprobs", records["decode"], args.threads, prefill=records["prefill"], logits=records["logits"]
-        )
-        print(f"results: {path}")
+    publish(args.out, "logprobs", records["decode"], args.threads, prefill=records["prefill"], logits=records["logits"])
     return 0

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from loraserve.bench.common.engine_run import alternate, bench_cache, quiet
 from loraserve.bench.common.preset import Preset
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import publish
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.common.tables import rich_table, wide_console
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, warm_up
@@ -332,5 +332,5 @@ def main(args: argparse.Namespace) -> int:
         machine = None
         if args.overhead_device.startswith("cuda"):
             machine = {"gpu": torch.cuda.get_device_name(torch.device(args.overhead_device))}
-        print(f"results: {write_results(args.out, 'overhead', records, args.threads, machine_extra=machine)}")
+        publish(args.out, "overhead", records, args.threads, machine_extra=machine)
     return 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from loraserve.bench.common.results import target
+from loraserve.bench.common.results import judged, target
 from loraserve.bench.common.stats import quantile, ratio
 from loraserve.bench.suites.peer.client import Completion
 from loraserve.bench.suites.peer.plan import Run
@@ -128,7 +128,7 @@ def targets(records: Sequence[dict], agreements: dict[str, dict], adapters: int)
         ("loraserve base / vLLM compiled base (tokens/s, median of runs)", BASE_TARGET, base),
         (f"loraserve with {adapters} adapters / vLLM compiled base (tokens/s, median of runs)", LORA_TARGET, lora),
     ]
-    out = [target(n, f">= {goal}", v, v is not None and v >= goal) for n, goal, v in rows]
+    out = [judged(n, f">= {goal}", v) for n, goal, v in rows]
     for pairing in ("base", "lora"):
         value = (agreements.get(pairing) or {}).get("fraction")
         name = f"greedy agreement with vLLM, {pairing} pairing (requests with identical tokens)"

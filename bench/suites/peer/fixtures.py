@@ -8,12 +8,9 @@ uploaded.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
 from pathlib import Path
 
-from loraserve.bench.common.random_model import write_random_llama
+from loraserve.bench.common.random_model import DEMO_VOCAB, RANDOM_POSITIONS, LlamaShape, write_once
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.peer.plan import adapter_ranks
 
@@ -26,17 +23,7 @@ def ensure_model(cache_dir: Path, shape: tuple[int, ...], seed: int) -> Path:
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"shape {shape}: hidden must be a multiple of heads, and heads of kv heads")
     path = cache_dir / f"llama-{hidden}-{layers}-{heads}-{kv_heads}-{intermediate}-s{seed}"
-    if (path / "config.json").is_file():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache_dir)) / "model"  # private to this writer
-    write_random_llama(
-        tmp, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate, seed=seed
-    )
-    with contextlib.suppress(OSError):  # another writer finished first: its model is the same
-        tmp.replace(path)
-    shutil.rmtree(tmp.parent, ignore_errors=True)
-    return path
+    return write_once(path, LlamaShape(*shape, vocab=DEMO_VOCAB), seed=seed, positions=RANDOM_POSITIONS)
 
 
 def adapter_dirs(model_dir: Path, count: int, ranks: tuple[int, ...], cache_dir: Path, seed: int) -> dict[str, Path]:

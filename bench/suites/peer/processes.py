@@ -1,5 +1,5 @@
-"""A server's process tree, as the peer suite measures and waits for it: CPU time read from /proc,
-and an HTTP health check. Linux only (both servers run here).
+"""A server's process tree, as the peer suite measures and waits for it: CPU time (psutil), and an HTTP
+health check.
 
     cpu = tree_cpu_seconds([server.pid])        # user + system seconds of it and every descendant
 """
@@ -13,8 +13,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Protocol
+
+import psutil
 
 
 class Server(Protocol):
@@ -34,46 +35,25 @@ class Server(Protocol):
     def stop(self) -> None: ...
 
 
-TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads); 0 when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()  # fields from the 3rd (state) on: comm may hold spaces
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: the 14th and 15th
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
-def tree(roots: Iterable[int]) -> list[int]:
+def tree(roots: Iterable[int]) -> list[psutil.Process]:
     """`roots` and every live descendant."""
-    seen: list[int] = []
-    pending = list(roots)
-    while pending:
-        pid = pending.pop()
-        if pid in seen or not Path(f"/proc/{pid}").exists():
-            continue
-        seen.append(pid)
-        pending += _children(pid)
-    return seen
+    found: list[psutil.Process] = []
+    for pid in roots:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            found += [root, *root.children(recursive=True)]
+    return found
 
 
 def tree_cpu_seconds(roots: Iterable[int]) -> float:
-    """CPU seconds used so far by the live processes of the trees under `roots` (a process that
-    exited between two readings takes its time with it: servers keep theirs)."""
-    return sum(_cpu_seconds(pid) for pid in tree(roots))
+    """CPU seconds (user + system) used so far by the live processes of the trees under `roots` (a process
+    that exited between two readings takes its time with it: servers keep theirs)."""
+    total = 0.0
+    for process in tree(roots):
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def wait_healthy(

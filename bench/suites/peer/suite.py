@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from loraserve.bench.common.preset import Preset
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import publish
 from loraserve.bench.common.settings import config_from_args
 from loraserve.bench.suites.peer import figures
 from loraserve.bench.suites.peer.client import Completion, send_all
@@ -123,12 +123,7 @@ def main(args: argparse.Namespace) -> int:
     result = run(settings)
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     print(f"peer suite: {result['elapsed_s']:.0f} s")
-    for t in result["targets"]:
-        print(f"  {t['name']}: {t['value']} (goal {t['goal']}: {'met' if t['met'] else 'missed'})")
-    if settings.out is not None:
-        records = result.pop("records")
-        path = write_results(settings.out, "peer", records, threads=settings.threads, **result)
-        print(f"results: {path}")
+    publish(settings.out, "peer", result.pop("records"), threads=settings.threads, **result)
     return 0
 
 

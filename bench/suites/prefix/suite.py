@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loraserve.bench.common.engine_run import bench_cache, quiet
 from loraserve.bench.common.preset import Preset
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import publish
 from loraserve.bench.suites.prefix.targets import ratios, targets
 from loraserve.bench.suites.prefix.workloads import WORKLOADS
 from loraserve.config_cli import setting
@@ -112,21 +112,8 @@ def main(args: argparse.Namespace) -> int:
     summary = ratios(records)
     for name, value in summary.items():
         print(f"{name}: {'–' if value is None else f'{value:.2f}'}")
-    verdicts = targets(summary)
-    for t in verdicts:
-        print(f"{t['name']}: {t['value']} ({t['goal']}: {'met' if t['met'] else 'missed'})")
-    if args.out:
-        path = write_results(
-            args.out,
-            "prefix",
-            records,
-            threads=args.threads,
-            model=preset.model,
-            preset=vars(preset),
-            ratios=summary,
-            targets=verdicts,
-        )
-        print(f"results: {path}")
+    fields = {"model": preset.model, "preset": vars(preset), "ratios": summary, "targets": targets(summary)}
+    publish(args.out, "prefix", records, threads=args.threads, **fields)
     return 0
 
 

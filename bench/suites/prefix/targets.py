@@ -8,6 +8,7 @@ repeats (unique prompts) it costs at most 3 %, in throughput and in p99 time to 
 
 from __future__ import annotations
 
+from loraserve.bench.common.results import judged
 from loraserve.bench.common.stats import ratio
 
 
@@ -30,14 +31,11 @@ def ratios(records: list[dict]) -> dict[str, float | None]:
 def targets(summary: dict[str, float | None]) -> list[dict]:
     """The suite's targets from `ratios`' summary, each `{"name", "goal", "value", "met"}`."""
     wanted = [
-        ("multi-turn TTFT p50, cache off / on", "multi-turn_ttft_p50_speedup", ">= 3", lambda v: v >= 3),
-        ("multi-turn throughput, cache on / off", "multi-turn_throughput_ratio", ">= 1.5", lambda v: v >= 1.5),
-        ("multi-turn TTFT p99, cache on / off", "multi-turn_ttft_p99_ratio", "<= 1.0", lambda v: v <= 1.0),
-        ("unique throughput, cache on / off", "unique_throughput_ratio", ">= 0.97", lambda v: v >= 0.97),
-        ("unique TTFT p99, cache on / off", "unique_ttft_p99_ratio", "<= 1.03", lambda v: v <= 1.03),
+        ("multi-turn TTFT p50, cache off / on", "multi-turn_ttft_p50_speedup", ">= 3"),
+        ("multi-turn throughput, cache on / off", "multi-turn_throughput_ratio", ">= 1.5"),
+        ("multi-turn TTFT p99, cache on / off", "multi-turn_ttft_p99_ratio", "<= 1.0"),
+        ("unique throughput, cache on / off", "unique_throughput_ratio", ">= 0.97"),
+        ("unique TTFT p99, cache on / off", "unique_ttft_p99_ratio", "<= 1.03"),
     ]
-    out = []
-    for name, key, goal, met in wanted:
-        value = None if summary.get(key) is None else round(summary[key], 3)  # judged as the docs show it
-        out.append({"name": name, "goal": goal, "value": value, "met": value is not None and met(value)})
-    return out
+    rounded = {k: None if v is None else round(v, 3) for k, v in summary.items()}  # judged as the docs show it
+    return [judged(name, goal, rounded.get(key)) for name, key, goal in wanted]

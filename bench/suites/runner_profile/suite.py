@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.common.calibration import calibration_adapters
+from loraserve.bench.common.engine_run import quiet
 from loraserve.bench.common.profile_fit import GRIDS, PROFILE_FILE, TOLERANCE, in_sample_met, write_profile
-from loraserve.bench.common.results import target, write_results
+from loraserve.bench.common.results import publish, target
 from loraserve.bench.suites.runner_profile.check import out_of_sample, within
 from loraserve.bench.suites.runner_profile.roofline import PRESETS, write_roofline_profile
 from loraserve.config_cli import setting
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("--suite runner-profile needs --out DIR (it writes DIR/runner_profile.json)")
     if getattr(args, "roofline", None):
         return _roofline(args.roofline, args.out)
-    logging.getLogger("loraserve.worker").setLevel(max(logging.WARNING, logging.getLogger().level))
+    quiet(None)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / PROFILE_FILE
     grid = GRIDS["quick" if args.quick else "full"]
@@ -82,12 +82,10 @@ def main(args: argparse.Namespace) -> int:
     met = targets(in_sample, checked, source=given)
     records = [{"sample": "in", **in_sample}, {"sample": "out", **checked}]
     source = {"profile": str(given) if given else "calibrated by this run", "grid": dataclasses.asdict(grid)}
-    write_results(args.out, "runner-profile", records, threads=1, targets=met, **source)
     fit = profile.costs.measured_on.get("fit_median_rel_error")
     print(f"runner profile of {args.model} on {profile.costs.measured_on.get('cpu_model')}: fit median error {fit}")
-    for t in met:
-        print(f"  {t['name']}: {t['value']} ({'met' if t['met'] else 'MISSED'}: {t['goal']})")
-    print(f"profile: {path}; results: {args.out / 'results.json'}")
+    print(f"profile: {path}")
+    publish(args.out, "runner-profile", records, threads=1, targets=met, **source)
     return 0 if all(t["met"] for t in met) else 1
 
 
@@ -123,6 +121,6 @@ def _roofline(preset: str, out: Path) -> int:
     for name, t in about["examples"].items():
         print(f"  {name}: {t['ms']} ms (memory {t['memory_ms']} ms, compute {t['compute_ms']} ms)")
     records = [{"step": name, **t} for name, t in about["examples"].items()]
-    results = write_results(out, "runner-profile", records, roofline=preset, profile=str(path), kind=about["kind"])
-    print(f"profile: {path}; results: {results}")
+    print(f"profile: {path}")
+    publish(out, "runner-profile", records, roofline=preset, profile=str(path), kind=about["kind"])
     return 0

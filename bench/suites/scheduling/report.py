@@ -33,12 +33,10 @@ def markdown_table(records: list[dict]) -> str:
     return tables.markdown_table(list(COLUMNS), rows(records))
 
 
-def print_report(records: list[dict], run: dict) -> None:
+def print_report(records: list[dict]) -> None:
     title = "loraserve bench --suite scheduling --stack (the real stack, emulated workers)"
     console = tables.wide_console(160)
     console.print(tables.rich_table(title, list(COLUMNS), rows(records), {"scenario", "policy", "tenant"}))
-    for t in run.get("targets", []):
-        console.print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {_fmt(t['value'])} (goal {t['goal']})")
 
 
 def _label(r: dict) -> str:

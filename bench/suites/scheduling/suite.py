@@ -37,7 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loraserve.bench.common.results import cpu_fields, write_results
+from loraserve.bench.common.engine_run import quiet
+from loraserve.bench.common.preset import Preset
+from loraserve.bench.common.results import cpu_fields, publish, write_jsonl
 from loraserve.bench.suites.scheduling import report as scheduling_report
 from loraserve.bench.suites.scheduling.stack import Phase, StackConfig, StackRun, StackRunner, upload_adapters
 from loraserve.bench.suites.scheduling.summary import record_groups, request_rows, summarize
@@ -45,6 +47,7 @@ from loraserve.bench.suites.scheduling.targets import add_ratios, targets
 from loraserve.bench.workloads import scheduling as traces
 from loraserve.bench.workloads.scheduling import SchedRequest, SchedTrace
 from loraserve.config_cli import setting
+from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.model_config import ModelConfig
 from loraserve.scheduler.policy import POLICIES, PolicyConfig
 from loraserve.worker.runner_profile import load_profile
@@ -61,10 +64,6 @@ SLO_FACTOR = 5.0
 WORKERS = 4
 TIME_SCALE = 6.0  # the emulated device: the runner profile's, this many times slower
 
-FULL = {"duration_s": {"heavy-tail": 60.0, "flood": 30.0, "popularity": 60.0, "conversations": 60.0}}
-FULL |= {"burst": 800, "probe": 12, "drain_s": 30.0}  # bursts: several times the batch slots
-QUICK = {"duration_s": {"heavy-tail": 20.0, "flood": 15.0, "popularity": 20.0, "conversations": 20.0}}
-QUICK |= {"burst": 400, "probe": 6, "drain_s": 20.0}
 POOL_PAGES = {"heavy-tail": 1536, "flood": 1536, "popularity": 512, "conversations": 512}
 ADAPTERS = {"heavy-tail": 64, "popularity": 1000, "conversations": 1000}
 
@@ -124,22 +123,28 @@ def probe_trace(trace: SchedTrace, n: int) -> SchedTrace:
 
 
 # ---- the suite ---------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class SuiteSettings:
-    model_dir: Path
+@dataclass(frozen=True)
+class SchedulingPreset(Preset):
+    """A run's sizes: FULL or QUICK, with the flags' settings put in by `main`."""
+
+    duration_s: dict[str, float]  # each scenario's trace
+    burst: int  # requests of the capacity burst: several times the batch slots
+    probe: int  # requests of each size class sent one at a time (the unloaded TTFT)
+    drain_s: float
+    model_dir: Path = DEMO_MODEL_DIR
     scenarios: tuple[str, ...] = SCENARIOS
-    duration_s: dict = dataclasses.field(default_factory=lambda: dict(QUICK["duration_s"]))
     workers: int = WORKERS
     max_batch_size: int = 32
     time_scale: float = TIME_SCALE
     seed: int = 0
-    burst: int = QUICK["burst"]
-    probe: int = QUICK["probe"]
-    drain_s: float = QUICK["drain_s"]
+
+
+FULL = SchedulingPreset({"heavy-tail": 60.0, "flood": 30.0, "popularity": 60.0, "conversations": 60.0}, 800, 12, 30.0)
+QUICK = SchedulingPreset({"heavy-tail": 20.0, "flood": 15.0, "popularity": 20.0, "conversations": 20.0}, 400, 6, 20.0)
 
 
 def run_suite(
-    settings: SuiteSettings, profile: Path, data_dir: Path, rows: list[dict] | None = None
+    settings: SchedulingPreset, profile: Path, data_dir: Path, rows: list[dict] | None = None
 ) -> tuple[list[dict], dict]:
     """Every scenario under both policies on the real stack; returns (records, per-scenario settings).
     Appends one row per request to `rows` when given."""
@@ -269,17 +274,14 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--sched-scenarios: unknown {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     preset = QUICK if args.quick else FULL
-    settings = SuiteSettings(
+    settings = preset.but(
         model_dir=args.model,
         scenarios=tuple(s for s in SCENARIOS if s in args.sched_scenarios),
-        duration_s={k: v * args.sched_duration_scale for k, v in preset["duration_s"].items()},
+        duration_s={k: v * args.sched_duration_scale for k, v in preset.duration_s.items()},
         workers=args.sched_workers,
         max_batch_size=args.max_batch_size,
         time_scale=args.sched_time_scale,
         seed=args.seed,
-        burst=preset["burst"],
-        probe=preset["probe"],
-        drain_s=preset["drain_s"],
     )
     out = args.out or Path(tempfile.mkdtemp(prefix="loraserve-sched-out-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -288,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
     if args.runner_profile:
         measured = load_profile(args.runner_profile, model)
     else:
-        logging.getLogger("loraserve.worker").setLevel(max(logging.WARNING, logging.getLogger().level))
+        quiet(None)
         measured = write_profile(args.model, GRIDS["quick"], out / PROFILE_FILE, args.seed)
     profile_path = out / "runner_profile_scaled.json"
     measured.scaled(settings.time_scale).write(profile_path)
@@ -317,23 +319,12 @@ def main(args: argparse.Namespace) -> int:
         "targets": targets(records),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    scheduling_report.print_report(records, run)
-    write_results(
-        out,
-        "scheduling",
-        records,
-        machine_extra=cpu_fields(),
-        runner_profile=profile_about(
-            args.runner_profile or out / PROFILE_FILE, not args.runner_profile, settings.time_scale
-        ),
-        policies=run["policies"],
-        targets=run["targets"],
-        scenarios=scenarios,
-        wall_s=run["wall_s"],
-    )
+    scheduling_report.print_report(records)
+    about = profile_about(args.runner_profile or out / PROFILE_FILE, not args.runner_profile, settings.time_scale)
+    fields = {k: run[k] for k in ("policies", "targets", "scenarios", "wall_s")}
+    publish(out, "scheduling", records, machine_extra=cpu_fields(), runner_profile=about, **fields)
     (out / "run.json").write_text(json.dumps(run, indent=1) + "\n")
-    (out / "requests.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_jsonl(out / "requests.jsonl", rows)
     for path in scheduling_report.plot(records, out):
         log.info("wrote %s", path)
-    print(f"results: {out / 'results.json'}")
     return 0

@@ -8,7 +8,7 @@ tenant and run (None where one side has no value: the comparison is then missed,
 
 from __future__ import annotations
 
-from loraserve.bench.common import results
+from loraserve.bench.common.results import judged
 from loraserve.bench.common.stats import ratio
 
 NO_WORSE = 0.95  # the default policy's completed requests and req/s, at least this × fcfs's
@@ -65,54 +65,39 @@ def targets(records: list[dict]) -> list[dict]:
 
         return next((r for r in records if matches(r)), None)
 
-    def target(name: str, goal: str, value: float | None, met: bool) -> dict:
-        return results.target(name, goal, value, bool(value is not None and met))
-
     out = []
     if (ht := find("heavy-tail")) is not None:
-        value = ht.get("ttft_p99_improvement_vs_fcfs")
-        out.append(target("heavy-tail p99 TTFT, fcfs / default", ">= 3", value, value is not None and value >= 3))
+        out.append(judged("heavy-tail p99 TTFT, fcfs / default", ">= 3", ht.get("ttft_p99_improvement_vs_fcfs")))
     flooded, calm = find("flood", tenant="victim", flood=True), find("flood", tenant="victim", flood=False)
     if flooded is not None and calm is not None:
         value = ratio(flooded["ttft_p99_s"], calm["ttft_p99_s"], 3)
-        name = "victim p99 TTFT, flood / calm (default policy)"
-        out.append(target(name, "<= 1.5", value, value is not None and value <= 1.5))
+        out.append(judged("victim p99 TTFT, flood / calm (default policy)", "<= 1.5", value))
     for scenario in ("conversations", "popularity"):
         off = find(scenario, prefetch=False)
         if off is not None and "load_wait_vs_prefetch" in off:
-            value = off["load_wait_vs_prefetch"]
-            out.append(target(f"{scenario} load wait, prefetch off / on", ">= 5", value, value >= 5))
+            out.append(judged(f"{scenario} load wait, prefetch off / on", ">= 5", off["load_wait_vs_prefetch"]))
     if (conv := find("conversations")) is not None:
-        value = conv["prefetch_hit_rate"]
-        out.append(target("conversations prefetch hit rate (default policy)", ">= 0.5", value, value >= 0.5))
+        out.append(judged("conversations prefetch hit rate (default policy)", ">= 0.5", conv["prefetch_hit_rate"]))
     if flooded is not None and (b := _baseline_of(records, flooded)) is not None:
         mine, theirs = flooded.get("slo_attainment"), b.get("slo_attainment")
         value = None if mine is None or theirs is None else round(mine - theirs, 4)
-        name = "flood (victim, flooded) SLO attainment, default − fcfs"
-        out.append(target(name, ">= 0", value, value is not None and value >= 0))
+        out.append(judged("flood (victim, flooded) SLO attainment, default − fcfs", ">= 0", value))
     for r in records:
         if r["role"] != "default" or not r["prefetch"] or r.get("tenant") == "flooder":
             continue
-        label = _label(r)
         checks = [
-            ("ttft_p50_vs_fcfs", "TTFT p50, default / fcfs", f"<= {NO_WORSE_LATENCY}", lambda v: v <= NO_WORSE_LATENCY),
-            ("ttft_p99_vs_fcfs", "TTFT p99, default / fcfs", f"<= {NO_WORSE_LATENCY}", lambda v: v <= NO_WORSE_LATENCY),
-            ("req_per_s_vs_fcfs", "req/s, default / fcfs", f">= {NO_WORSE}", lambda v: v >= NO_WORSE),
+            ("ttft_p50_vs_fcfs", "TTFT p50, default / fcfs", f"<= {NO_WORSE_LATENCY}"),
+            ("ttft_p99_vs_fcfs", "TTFT p99, default / fcfs", f"<= {NO_WORSE_LATENCY}"),
+            ("req_per_s_vs_fcfs", "req/s, default / fcfs", f">= {NO_WORSE}"),
         ]
         if r.get("whole_run"):  # every tenant of the run: what was served and what was turned away
             checks += [
-                ("completed_vs_fcfs", "completed, default / fcfs", f">= {NO_WORSE}", lambda v: v >= NO_WORSE),
-                (
-                    "refused_beyond_fcfs",
-                    "refused, (default − fcfs) / sent",
-                    f"<= {MORE_REFUSED}",
-                    lambda v: v <= MORE_REFUSED,
-                ),
+                ("completed_vs_fcfs", "completed, default / fcfs", f">= {NO_WORSE}"),
+                ("refused_beyond_fcfs", "refused, (default − fcfs) / sent", f"<= {MORE_REFUSED}"),
             ]
-        for key, what, goal, ok in checks:
+        for key, what, goal in checks:
             if key in r:  # set by add_ratios wherever fcfs has a record (None: a side has no value)
-                value = r[key]
-                out.append(target(f"{label} {what}", goal, value, value is not None and ok(value)))
+                out.append(judged(f"{_label(r)} {what}", goal, r[key]))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from loraserve.bench.common.results import judged
 from loraserve.bench.common.tables import rich_table, wide_console
 from loraserve.bench.systems.engine import LORASERVE_VARIANTS
 
@@ -64,12 +65,10 @@ def targets(rows: list[dict], rate: float) -> list[dict]:
     above merge-and-swap's. A system that did not run gives value and met None."""
     ls = _row(rows, "loraserve", TARGET_N, rate)
     out = []
-    for other, goal, threshold in (("peft", f">= {PEFT_GOAL:g}", PEFT_GOAL), ("merge-and-swap", "> 1", None)):
+    for other, goal in (("peft", f">= {PEFT_GOAL:g}"), ("merge-and-swap", "> 1")):
         o = _row(rows, other, TARGET_N, rate)
         value = round(ls["req_per_s"] / o["req_per_s"], 3) if ls and o and o.get("req_per_s") else None
-        met = None if value is None else (value >= threshold if threshold is not None else value > 1)
-        name = f"throughput, loraserve / {other}, n = {TARGET_N}, R = {rate:g} req/s"
-        out.append({"name": name, "goal": goal, "value": value, "met": met})
+        out.append(judged(f"throughput, loraserve / {other}, n = {TARGET_N}, R = {rate:g} req/s", goal, value, None))
     return out
 
 

@@ -20,7 +20,7 @@ The other suites: `loraserve bench --suite NAME` (bench/cli.py).
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -28,7 +28,8 @@ from pathlib import Path
 
 from loraserve.bench.common.engine_run import quiet
 from loraserve.bench.common.metrics import summarize
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.preset import Preset
+from loraserve.bench.common.results import publish, write_jsonl
 from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.serving.report import BASELINES, STACK, print_report, ratios, targets
@@ -43,15 +44,28 @@ log = logging.getLogger(__name__)
 
 SYSTEMS = (*LORASERVE_VARIANTS, STACK, *BASELINES)
 
-# Options a preset may set (each flag's default is None: the preset's value, else FULL's, applies).
-FULL = {"n_adapters": [1, 10, 100, 1000], "rates": [40.0, 20.0, 60.0, 80.0], "rate_sweep_n": 100, "duration": 60.0}
-FULL |= {"input_len": [8, 64], "output_len": [8, 64], "drain": 60.0, "pool_pages": 768}
-QUICK = {"n_adapters": [1, 100, 1000], "rates": [60.0, 30.0, 120.0], "rate_sweep_n": 100, "duration": 5.0}
-QUICK |= {"input_len": [8, 32], "output_len": [8, 24], "drain": 3.0, "pool_pages": 384}
+
+@dataclass(frozen=True)
+class ServingPreset(Preset):
+    """What `--quick` and the full run set; each flag left unset (None) takes its preset's value."""
+
+    n_adapters: tuple[int, ...]
+    rates: tuple[float, ...]
+    rate_sweep_n: int
+    duration: float
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    drain: float
+    pool_pages: int
+
+
+FULL = ServingPreset((1, 10, 100, 1000), (40.0, 20.0, 60.0, 80.0), 100, 60.0, (8, 64), (8, 64), 60.0, 768)
+QUICK = ServingPreset((1, 100, 1000), (60.0, 30.0, 120.0), 100, 5.0, (8, 32), (8, 24), 3.0, 384)
+PRESET_FIELDS = tuple(f.name for f in dataclasses.fields(ServingPreset))
 
 
 def _preset(key: str) -> str:
-    return f"(full: {FULL[key]}; quick: {QUICK[key]})"
+    return f"(full: {getattr(FULL, key)}; quick: {getattr(QUICK, key)})"
 
 
 @dataclass(frozen=True)
@@ -112,10 +126,9 @@ def _resolved(args: argparse.Namespace) -> argparse.Namespace:
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:  # checked here, not with choices=, so the LORASERVE_SYSTEMS=a,b twin works too
         raise SystemExit(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    preset = QUICK if args.quick else FULL
-    for key, value in preset.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    preset = (QUICK if args.quick else FULL).but(**{key: getattr(args, key) for key in PRESET_FIELDS})
+    for key in PRESET_FIELDS:
+        setattr(args, key, getattr(preset, key))
     return args
 
 
@@ -223,24 +236,14 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
             records += [
                 {"system": name, "n_adapters": point.n_adapters, "rate": point.rate, **r.as_dict()} for r in result
             ]
-            log.info(
-                "%s n=%d rate=%g: %.2f req/s, %.0f tok/s, ttft p50 %s s, SLO %.0f%%, %d/%d finished",
-                name,
-                point.n_adapters,
-                point.rate,
-                row["req_per_s"],
-                row["tokens_per_s"],
-                row["ttft_p50_s"],
-                100 * row["slo_attainment"],
-                row["finished"],
-                row["requests"],
-            )
+            shown = ("req_per_s", "tokens_per_s", "ttft_p50_s", "slo_attainment", "finished", "requests")
+            log.info("%s n=%d rate=%g: %s", name, point.n_adapters, point.rate, {k: row[k] for k in shown})
     if args.out:
         _write(args, rows, records, round(time.perf_counter() - began, 1))
     return rows
 
 
-PRESET_KEYS = ("quick", *FULL, "alpha", "cv", "ranks", "seed", "max_batch_size", "slo", "model", "trace")
+PRESET_KEYS = ("quick", *PRESET_FIELDS, "alpha", "cv", "ranks", "seed", "max_batch_size", "slo", "model", "trace")
 
 
 def _write(args: argparse.Namespace, rows: list[dict], records: list[dict], run_s: float) -> None:
@@ -249,18 +252,10 @@ def _write(args: argparse.Namespace, rows: list[dict], records: list[dict], run_
     from loraserve.bench.suites.serving.plots import plot_results
 
     out, rate = args.out, rows[0]["rate"] if rows else 0.0
-    write_results(
-        out,
-        "serving",
-        rows,
-        args.threads,
-        settings={key: getattr(args, key) for key in PRESET_KEYS},
-        run_s=run_s,
-        ratios=dict(ratios(rows, rate)),
-        targets=targets(rows, rate),
-    )
-    with (out / "records.jsonl").open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+    settings = {key: getattr(args, key) for key in PRESET_KEYS}
+    fields = {"settings": settings, "run_s": run_s, "ratios": dict(ratios(rows, rate)), "targets": targets(rows, rate)}
+    publish(out, "serving", rows, args.threads, **fields)
+    write_jsonl(out / "records.jsonl", records)
     for path in plot_results(rows, out):
         log.info("wrote %s", path)
 
@@ -270,6 +265,4 @@ def main(args: argparse.Namespace) -> int:
     quiet(None, "transformers", "peft")  # one line per adapter registered is too many
     rows = run_benchmark(args)
     print_report(rows, rows[0]["rate"] if rows else 0.0)
-    if args.out:
-        print(f"results: {args.out / 'results.json'}")
     return 0

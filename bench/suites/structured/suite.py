@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from loraserve.bench.common.engine_run import alternate, demo_engine, full_batch_steps, quiet
 from loraserve.bench.common.preset import Preset
-from loraserve.bench.common.results import write_results
+from loraserve.bench.common.results import publish
 from loraserve.config_cli import setting
 
 RECORDS_SCHEMA = {
@@ -135,6 +135,5 @@ def main(args: argparse.Namespace) -> int:
             f"mask {r['mask_ms_per_request']:.3f} ms per request, "
             f"{r['mask_wait_ms_per_step']:.3f} ms per step not hidden"
         )
-    if args.out:
-        print(f"results: {write_results(args.out, 'structured', records, threads=args.threads)}")
+    publish(args.out, "structured", records, threads=args.threads)
     return 0
