@@ -5,13 +5,12 @@ the adapter routes of `adapter_routes.py`: `/v1/load_lora_adapter`, `/v1/unload_
 A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
 name. A request becomes one draft per choice (`drafts.py`: a `GenerationRequest`'s fields), each run by
 the generation core (`gateway/core.py`) as a gRPC request is, so keys, tenants, quotas, validation, tracing and failover
-are the gRPC API's; this file translates requests in and answers out (`responses.py`), and failures
-into OpenAI's error shape (`errors.py`).
+are the gRPC API's; this file translates requests in, `answering.py` runs them and answers in the API's
+shape (`responses.py`), and failures leave in OpenAI's error shape (`errors.py`).
 Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
 token ids (both in the tokenizer's threads, `gateway/tokenizing.py`). The Responses API takes the same
-path: its request is mapped onto chat's pieces (`responses_api.py`: conversation, tools, output
-constraint), rendered and generated as a chat completion is, and answered in its own shapes
-(`responses_events.py`, `responses_answering.py`). `BodyGuard` (`body_guard.py`) stands in front of
+path: its request becomes the chat completion it asks for (`responses_api.py`), rendered and generated
+as one, and answered in its own shapes (`responses_events.py`). `BodyGuard` (`body_guard.py`) stands in front of
 every route: a caller without a valid key gets 401, and a body over the cap 413, before any byte of
 the body is read; the routes then authenticate again (the principal they act for).
 """
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -38,16 +36,28 @@ from loraserve.gateway.http import responses_api
 from loraserve.gateway.http.adapter_routes import AdapterRoutes
 from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.body_guard import BodyGuard
-from loraserve.gateway.http.drafts import sampling_fields, with_sampling
-from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
+from loraserve.gateway.http.drafts import with_sampling
+from loraserve.gateway.http.errors import (
+    CHAT_PARAMS,
+    PARAMS,
+    RESPONSES_PARAMS,
+    HttpError,
+    bad_request,
+    error_body,
+    http_error,
+)
 from loraserve.gateway.http.generation import http_metadata
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
 from loraserve.gateway.http.responses import Answers
-from loraserve.gateway.http.responses_answering import respond
 from loraserve.gateway.http.responses_events import Reply
-from loraserve.gateway.http.responses_schema import ResponsesRequest
-from loraserve.gateway.http.schemas import INVALID_UNICODE, ChatCompletionRequest, CompletionRequest, Tool
+from loraserve.gateway.http.schemas import (
+    INVALID_UNICODE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    Tool,
+)
 from loraserve.gateway.http.structured import requested_constraint
 from loraserve.gateway.http.tool_calling import ToolChoice, tool_choice
 from loraserve.gateway.namespaces import Namespace
@@ -145,94 +155,38 @@ class OpenAiRoutes:
 
     # ---- generation -----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request, principal: Caller) -> Response:
-        answer_id = f"cmpl-{uuid.uuid4().hex}"
-        drafts = []
-        draft = self._draft(body)
+        answer_id, draft, drafts = f"cmpl-{uuid.uuid4().hex}", self._draft(body), []
         for index, prompt in enumerate(body.prompt_values()):
-            if isinstance(prompt, str):
-                prompted = {**draft, "prompt_text": prompt}
-            else:
-                prompted = {**draft, "prompt_ids": list(prompt)}
-            drafts += _choices(prompted, body, f"{answer_id}-{index}")
-        keep_special = body.skip_special_tokens is False
+            given = {"prompt_text": prompt} if isinstance(prompt, str) else {"prompt_ids": list(prompt)}
+            drafts += _choices(draft | given, body, f"{answer_id}-{index}")
         texts = [  # the prompts given as ids, decoded in a tokenizer thread
-            p if isinstance(p, str) else await self.core.tokenizing.decode(p, not keep_special)
+            p if isinstance(p, str) else await self.core.tokenizing.decode(p, not body.keep_special_tokens)
             for p in (body.prompt_values() if body.echo else ())
         ]
-        answers = Answers(
-            answer_id,
-            body.model,
-            chat=False,
-            include_usage=body.include_usage,
-            continuous_usage=body.continuous_usage,
-            logprobs=self._logprob_format(body.logprobs is not None, chat=False, keep_special=keep_special),
-            echo=[t for t in texts for _ in range(body.choices)] if body.echo else None,
-            choices_per_prompt=body.choices,
-            prompt_only=body.prompt_only,
-        )
-        return await answer(
-            self.core,
-            drafts,
-            answers,
-            request,
-            bool(body.stream),
-            "prompt",
-            candidates=body.candidates,
-            end_user=body.user,
-        )
+        echo = [t for t in texts for _ in range(body.choices)] if body.echo else None
+        answers = Answers(answer_id, body, self._logprobs(body.logprobs is not None, body), echo)
+        return await answer(self.core, drafts, answers, request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
         template = self._template("messages")
         tools = self._tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls)
-        draft = self._draft(body, None if tools is None else tools.constraint())
-        draft = await self._chat_prompt(draft, template, body.conversation(), body.tools, "messages")
-        answers = Answers(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            body.model,
-            chat=True,
-            include_usage=body.include_usage,
-            continuous_usage=body.continuous_usage,
-            logprobs=self._logprob_format(
-                bool(body.logprobs), chat=True, keep_special=body.skip_special_tokens is False
-            ),
-            tools=tools,
-            choices_per_prompt=body.choices,
-        )
-        drafts = _choices(draft, body, answers.id)
-        return await answer(
-            self.core,
-            drafts,
-            answers,
-            request,
-            bool(body.stream),
-            "messages",
-            candidates=body.candidates,
-            end_user=body.user,
-        )
+        draft = self._draft(body, tools, CHAT_PARAMS)
+        draft = await self._chat_prompt(draft, template, body.conversation(), body.tools, CHAT_PARAMS)
+        answers = Answers(f"chatcmpl-{uuid.uuid4().hex}", body, self._logprobs(bool(body.logprobs), body), tools=tools)
+        return await answer(self.core, _choices(draft, body, answers.id), answers, request)
 
     async def responses(self, body: ResponsesRequest, request: Request, principal: Caller) -> Response:
-        """OpenAI's Responses API, served by the chat path (`responses_api.py` maps the request onto it);
-        every failure names the Responses API's parameters."""
-        try:
-            template = self._template("input")
-            refused = body.unsupported()
-            if refused is not None:
-                raise bad_request(*refused)
-            listed = responses_api.chat_tools(body)
-            choice = responses_api.chat_tool_choice(body)
-            tools = self._tool_choice(listed, choice, body.parallel_tool_calls, max_calls=body.max_tool_calls)
-            constraint = self._constraint(responses_api.text_constraint, body)
-            draft = {
-                "adapter": self._adapter(body.model),
-                "sampling": sampling_fields(responses_api.sampling(body), body.max_output_tokens or 0),
-                "constraint": _one_constraint(constraint, None if tools is None else tools.constraint()),
-            }
-            conversation = responses_api.chat_conversation(body)
-            draft = await self._chat_prompt(draft, template, conversation, listed, "input")
-        except HttpError as e:
-            raise responses_api.renamed(e) from None
-        reply = Reply(f"resp_{uuid.uuid4().hex}", body.model, responses_api.echo(body), tools)
-        return await respond(self.core, draft, reply, request, bool(body.stream), end_user=body.user)
+        """OpenAI's Responses API, served as the chat completion it asks for (`responses_api.py`); every
+        failure names the Responses API's parameters."""
+        template = self._template("input")
+        refused = body.unsupported()
+        if refused is not None:
+            raise bad_request(*refused)
+        chat = responses_api.chat_request(body)
+        tools = self._tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls, body.max_tool_calls)
+        draft = self._draft(chat, tools, RESPONSES_PARAMS)
+        draft = await self._chat_prompt(draft, template, chat.conversation(), chat.tools, RESPONSES_PARAMS)
+        return await answer(self.core, [draft], Reply(f"resp_{uuid.uuid4().hex}", body, tools), request)
 
     def _template(self, param: str) -> ChatTemplate:
         """The model's chat template; a 400 naming `param` when it has none."""
@@ -259,58 +213,60 @@ class OpenAiRoutes:
         template: ChatTemplate,
         conversation: list[dict[str, Any]],
         tools: list[Tool] | None,
-        param: str,
+        params: dict[str, str],
     ) -> Fields:
         """`draft` with its prompt: `conversation` rendered by the chat template (`tools` listed for it), as
-        token ids, both in the tokenizer's threads; a problem with it is a 400 naming `param`. With no max
-        tokens asked for, the answer may run to the end of the context (as OpenAI and vLLM do)."""
+        token ids, both in the tokenizer's threads; a problem with it is a 400 naming the API's (`params`)
+        parameter for the messages. With no max tokens asked for, the answer may run to the end of the
+        context (as OpenAI and vLLM do)."""
         limits = self.core.limits
         try:
             listed = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
             text = await self.core.tokenizing.render(template, conversation, listed)
             if len(text.encode()) > limits.max_prompt_bytes:
-                raise InvalidRequestError(param, f"are longer than {limits.max_prompt_bytes} bytes")
-            ids = await self.core.tokenizing.encode(text, param, add_special_tokens=False)
+                raise InvalidRequestError("messages", f"are longer than {limits.max_prompt_bytes} bytes")
+            ids = await self.core.tokenizing.encode(text, "messages", add_special_tokens=False)
         except LoraserveError as e:
-            raise http_error(e, param) from None
+            raise http_error(e, params) from None
         draft = {**draft, "prompt_ids": list(ids)}
         if not draft["sampling"]["max_new_tokens"]:
             draft = with_sampling(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
         return draft
 
-    def _logprob_format(self, asked: bool, chat: bool, keep_special: bool) -> LogprobFormat | None:
-        return LogprobFormat(self.core.tokenizer, chat, keep_special) if asked else None
+    def _logprobs(self, asked: bool, body: CompletionRequest | ChatCompletionRequest) -> LogprobFormat | None:
+        chat = isinstance(body, ChatCompletionRequest)
+        return LogprobFormat(self.core.tokenizer, chat, body.keep_special_tokens) if asked else None
 
     def _draft(
-        self, body: CompletionRequest | ChatCompletionRequest, tool_constraint: Constraint | None = None
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        tools: ToolChoice | None = None,
+        params: dict[str, str] = PARAMS,
     ) -> Fields:
-        """The request's generation (no prompt yet). `tool_constraint`: the structured output its tool
-        choice needs, which the body may not ask for a constraint of its own beside. The constraint stays
-        uncompiled: the generation core compiles it after validation, in the gateway's sandbox."""
+        """The request's generation (no prompt yet). `tools`: its tool choice, whose structured output the
+        body may not ask for a constraint of its own beside; a problem with either names the API's
+        parameter (`params`). The constraint stays uncompiled: the generation core compiles it after
+        validation, in the gateway's sandbox."""
         refused = body.unsupported()
         if refused is not None:
             raise bad_request(*refused)
-        constraint = _one_constraint(self._constraint(requested_constraint, body.constraint_fields()), tool_constraint)
+        try:
+            constraint = _one_constraint(requested_constraint(body.constraint_fields()), tools)
+        except LoraserveError as e:
+            raise http_error(e, params) from None
         return body.generation_fields() | {"adapter": self._adapter(body.model), "constraint": constraint}
 
     def _adapter(self, model: str) -> str:
         """The adapter a model id names ("": the base model)."""
         return "" if model == self.base_model else model
 
-    @staticmethod
-    def _constraint(read: Callable[[Any], Constraint | None], fields: Any) -> Constraint | None:
-        """The output constraint `read` finds in `fields`, or a 400 naming the parameter at fault."""
-        try:
-            return read(fields)
-        except LoraserveError as e:
-            raise http_error(e) from None
 
-
-def _one_constraint(constraint: Constraint | None, tool_constraint: Constraint | None) -> Constraint | None:
+def _one_constraint(constraint: Constraint | None, tools: ToolChoice | None) -> Constraint | None:
     """The request's one output constraint: its own, or the one its tool choice needs; a 400 when it asks
     for both (one grammar per request)."""
+    tool_constraint = None if tools is None else tools.constraint()
     if constraint is not None and tool_constraint is not None:
-        raise bad_request(
+        raise InvalidRequestError(
             constraint.field,
             "cannot be combined with tool_choice 'required', a named function, or 'auto' with strict tools",
         )

@@ -4,8 +4,9 @@ Every failure leaves as `{"error": {"message", "type", "param", "code"}}` with t
 table gives its gRPC status name (`LoraserveError.status`), so the two edges can never disagree about
 what a failure is; a `TooLargeError` (INVALID_ARGUMENT, e.g. an adapter over the store's
 --max-adapter-mb) is 413. `param` names the OpenAI request parameter at fault: the inner code names its own
-fields (`max_new_tokens`, `sampling.temperature`, `adapter`), and `PARAMS` says which parameter each
-one came from. Anything that is not a LoraserveError is logged with an incident id and leaves as 500.
+fields (`max_new_tokens`, `sampling.temperature`, `adapter`), and each API's table (`PARAMS` for
+completions, `CHAT_PARAMS`, `RESPONSES_PARAMS`) says which parameter each one came from. Anything that is
+not a LoraserveError is logged with an incident id and leaves as 500.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from loraserve import errors
@@ -39,12 +41,15 @@ HTTP_STATUS: dict[str, tuple[int, str]] = {
 }
 CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
 
-# the inner code's field -> the OpenAI parameter it came from (`sampling.` is dropped first)
-PARAMS = {
-    "adapter": "model",
-    "max_new_tokens": "max_tokens",
-    "prompt.text": "prompt",
-    "prompt.token_ids": "prompt",
+# the inner code's field -> the OpenAI parameter it came from (`sampling.` is dropped first; `prompt`: the
+# prompt's, whichever field of it), per API: completions, chat completions, the Responses API
+PARAMS = {"adapter": "model", "max_new_tokens": "max_tokens", "prompt": "prompt"}
+CHAT_PARAMS = PARAMS | {"prompt": "messages"}
+RESPONSES_PARAMS = PARAMS | {
+    "max_new_tokens": "max_output_tokens",
+    "prompt": "input",
+    "messages": "input",
+    "response_format": "text.format",
 }
 
 
@@ -65,10 +70,10 @@ def bad_request(param: str, message: str) -> HttpError:
     return HttpError(400, error_body(f"{param}: {message}", "invalid_request_error", param))
 
 
-def http_error(exc: BaseException, prompt_param: str = "prompt", retry_after_s: float | None = None) -> HttpError:
-    """`exc` as an HTTP failure. `prompt_param` is the parameter a prompt problem names (`messages` for
-    chat); `retry_after_s` becomes a Retry-After header (a quota refusal's hint), as does the hint a
-    refusal carries itself (`retry_after_ms`) when none is given."""
+def http_error(exc: BaseException, params: Mapping[str, str] = PARAMS, retry_after_s: float | None = None) -> HttpError:
+    """`exc` as an HTTP failure, naming the parameter `params` (the API's table) says its field came from;
+    `retry_after_s` becomes a Retry-After header (a quota refusal's hint), as does the hint a refusal
+    carries itself (`retry_after_ms`) when none is given."""
     if not isinstance(exc, errors.LoraserveError):
         incident = uuid.uuid4().hex[:12]
         log.error("internal error %s", incident, exc_info=exc)
@@ -78,7 +83,7 @@ def http_error(exc: BaseException, prompt_param: str = "prompt", retry_after_s: 
     if isinstance(exc, errors.TooLargeError):  # over a configured size limit: 413, which clients do not retry
         status = 413
     field = getattr(exc, "field", None)
-    param = _param(field, prompt_param)
+    param = _param(field, params)
     message = str(exc) if field is None else f"{param}: {str(exc).split(': ', 1)[-1]}"
     if param == "model" and status == 400:  # a name no adapter can have: as unknown as a missing one
         status, kind = HTTP_STATUS["NOT_FOUND"]
@@ -90,10 +95,8 @@ def http_error(exc: BaseException, prompt_param: str = "prompt", retry_after_s: 
     return HttpError(status, error_body(message, kind, param, CODES.get(status)), headers)
 
 
-def _param(field: str | None, prompt_param: str) -> str | None:
+def _param(field: str | None, params: Mapping[str, str]) -> str | None:
     if field is None:
         return None
     field = field.removeprefix("sampling.")
-    if field == "prompt" or field.startswith("prompt."):
-        return prompt_param
-    return PARAMS.get(field, field)
+    return params.get("prompt" if field.startswith("prompt.") else field, field)

@@ -1,11 +1,13 @@
-"""One generation seen from the HTTP edge: the generation core's events, read as plain values.
+"""One generation seen from the HTTP edge: the generation core's own events (`gateway/events.py`), read as
+they are asked for.
 
 `http_metadata` presents a request's headers as the call metadata the core reads (`authorization`,
 `traceparent`). `Generation` reads `GenerationCore.generate` directly, in whichever task asks for its
-next event (no task or queue of its own): text pieces, then a `Final`; a refusal's retry hint is kept
-for a Retry-After header. Once the summary has come it reads the core's events to their end (its
-outcome: OK). `close` stops it early — the client went away — which cancels the request downstream
-exactly as a gRPC client's cancel does; a reader of a closed generation gets `GenerationCancelled`.
+next event (no task or queue of its own): `Chunk`s with text or log-probabilities (a chunk with neither is
+joined to the next, so its tokens still count), then the `Summary`; a refusal's retry hint is kept for a
+Retry-After header. Once the summary has come it reads the core's events to their end (its outcome: OK).
+`close` stops it early — the client went away — which cancels the request downstream exactly as a gRPC
+client's cancel does; a reader of a closed generation gets `GenerationCancelled`.
 A dropped client is noticed where the request waits: `until_disconnected` watches the connection while
 a request is generated before its answer begins (cancelling the read cancels the generation);
 Starlette does the same for a stream, and `GenerationStream` closes its generations however the
@@ -22,11 +24,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from loraserve.errors import LoraserveError
-from loraserve.gateway.events import Event, RetryLaterError, Summary
-from loraserve.gateway.http.responses import FINISH_REASONS as OPENAI_FINISH_REASONS
-from loraserve.gateway.http.responses import STREAM_HEADERS, Final, Piece
+from loraserve.gateway.events import Chunk, Event, RetryLaterError, Summary
 
 T = TypeVar("T")
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it, the log does
 
 
 class ClientGone(Exception):
@@ -46,51 +48,43 @@ def http_metadata(headers: Mapping[str, str], extra: Mapping[str, str] | None = 
 
 
 class Generation:
-    """The events of one generation as `Piece`s, then a `Final`, read from the core as they are asked for."""
+    """The events of one generation, read from the core as they are asked for."""
 
     def __init__(self, events: AsyncIterator[Event]):
         self._events = events
-        self._generated = 0  # tokens so far, shown or not (a piece's usage counts them all)
         self._closed = False
         self.retry_after_s: float | None = None  # a refusal's hint of when to retry
 
-    async def next(self) -> Piece | Final:
-        """The next piece, or the `Final`; raises the generation's failure."""
+    async def next(self) -> Event:
+        """The next chunk with text or log-probabilities, or the summary; raises the generation's failure."""
         if self._closed:
             raise GenerationCancelled("the generation was cancelled")
+        silent: list[Chunk] = []  # chunks with tokens alone, joined to the next
         try:
-            while True:
-                event = await anext(self._events, None)
-                if event is None:
-                    raise LoraserveError("the generation ended without a summary")
+            while (event := await anext(self._events, None)) is not None:
                 if isinstance(event, Summary):
                     await anext(self._events, None)  # past the summary, to its end: its outcome is OK
-                    return _final(event)
-                self._generated += len(event.token_ids)
+                    return event
                 if event.text or event.logprobs or event.prompt_logprobs:
-                    usage = Final("", event.prompt_tokens, self._generated, event.cached_tokens)
-                    return Piece(event.text, event.logprobs, event.prompt_logprobs, usage)
+                    return Chunk.joined([*silent, event]) if silent else event
+                silent.append(event)
         except RetryLaterError as e:
             self.retry_after_s = e.retry_after_ms / 1000
             raise
+        raise LoraserveError("the generation ended without a summary")
 
-    async def collect(self) -> tuple[Piece, Final]:
-        """The whole generation: its pieces joined, and how it ended."""
-        pieces = []
-        while not isinstance(item := await self.next(), Final):
-            pieces.append(item)
-        return Piece.joined(pieces), item
+    async def collect(self) -> tuple[Chunk, Summary]:
+        """The whole generation: its chunks joined, and its summary."""
+        chunks = []
+        while not isinstance(event := await self.next(), Summary):
+            chunks.append(event)
+        return Chunk.joined(chunks) if chunks else Chunk(""), event
 
     async def close(self) -> None:
         """Stop generating, which cancels the request downstream; a no-op once it has ended (a generation read
         past its summary ended OK)."""
         self._closed = True
         await self._events.aclose()
-
-
-def _final(summary: Summary) -> Final:
-    reason = summary.finish_reason if summary.finish_reason in OPENAI_FINISH_REASONS else "stop"
-    return Final(OPENAI_FINISH_REASONS[reason], summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -1,4 +1,5 @@
-"""OpenAI-shaped answers: whole completions, stream chunks and their SSE framing. Pure functions.
+"""OpenAI-shaped answers of completions and chat completions, written from the generation core's events
+(`Chunk`s, then a `Summary`): whole completions, stream chunks and their SSE framing.
 
 A stream is a sequence of `data: <json>\\n\\n` events: (chat only) a first chunk with the assistant
 role for each choice, one chunk per piece of text, a last chunk with the finish reason, then, with
@@ -6,8 +7,12 @@ role for each choice, one chunk per piece of text, a last chunk with the finish 
 carries `"usage": null`), and finally `data: [DONE]`. With `stream_options.continuous_usage_stats`
 (vLLM's) every chunk carries its choice's usage so far instead: its prompt's tokens and the tokens
 generated up to that chunk (the role chunk: none yet; the finish chunk: all). A failure after the
-stream has begun is one event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts interleaves
-their chunks, each choice carrying its prompt's `index`, and its usage is their sum.
+stream has begun is one event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts
+interleaves their chunks, each choice carrying its prompt's `index`, and its usage is their sum.
+
+The answer has one choice per generation, `index` = prompt's place × n + the choice's, and the usage
+summed (each prompt's tokens once). With best_of above n, each prompt runs best_of candidates and the n
+with the highest log-probability are answered, likeliest first; the usage counts every candidate's tokens.
 
 A chat answer with tools in use (`tool_calling.py`) carries its tool calls in the message; streamed,
 its text is held back and sent whole after the role chunk, with the calls (each with its `index`),
@@ -23,68 +28,54 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from loraserve.gateway.events import Logprob
+from loraserve.gateway.events import Chunk, Event, Summary
+from loraserve.gateway.http.answering import merged
+from loraserve.gateway.http.errors import CHAT_PARAMS, PARAMS, HttpError, http_error
+from loraserve.gateway.http.generation import Generation
 from loraserve.gateway.http.logprobs import LogprobFormat
+from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.http.tool_calling import ToolChoice, tool_calls_json
 
 DONE = b"data: [DONE]\n\n"
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-CLIENT_CLOSED = 499  # nginx's status for a client that went away; nobody reads it, the log does
 FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length"}  # loraserve's -> OpenAI's
 
 
-@dataclass(frozen=True)
-class Final:
-    """How a generation ended: OpenAI's finish reason and the token counts."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV was found cached (prefix caching)
-
-    def usage(self) -> dict[str, Any]:
-        total = self.prompt_tokens + self.completion_tokens
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": total,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-    @staticmethod
-    def summed(finals: list[Final], per_prompt: int = 1) -> Final:
-        """The token counts of several generations together (a batch of prompts' usage): every
-        generation's completion tokens, and each prompt's tokens once (`finals` in prompt order,
-        `per_prompt` generations of each: its choices share its prompt)."""
-        firsts = finals[::per_prompt]
-        completion = sum(f.completion_tokens for f in finals)
-        return Final("", sum(f.prompt_tokens for f in firsts), completion, sum(f.cached_tokens for f in firsts))
+def finish_reason(summary: Summary) -> str:
+    """OpenAI's finish reason for how a generation ended (one it has no name for: "stop")."""
+    return FINISH_REASONS.get(summary.finish_reason, "stop")
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Text a generation produced, with the log-probabilities of its tokens when they were asked for
-    (and, on a generation's first piece, its prompt's), and the generation's usage so far: its prompt's
-    tokens and the tokens generated up to and including this piece's."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
-    text: str
-    logprobs: Sequence[Logprob] = ()
-    prompt_logprobs: Sequence[Logprob] = ()
-    usage: Final = Final("", 0, 0)
 
-    @staticmethod
-    def joined(pieces: list[Piece]) -> Piece:
-        """A whole generation's pieces as one (its usage: the last piece's)."""
-        return Piece(
-            "".join(p.text for p in pieces),
-            [e for p in pieces for e in p.logprobs],
-            [e for p in pieces for e in p.prompt_logprobs],
-            pieces[-1].usage if pieces else Final("", 0, 0),
-        )
+def summed_usage(summaries: Sequence[Summary], per_prompt: int = 1) -> dict[str, Any]:
+    """The usage of generations together (`summaries` in prompt order, `per_prompt` of each): every
+    generation's completion tokens, and each prompt's tokens once (its choices share it)."""
+    firsts = summaries[::per_prompt]
+    completion = sum(s.completion_tokens for s in summaries)
+    return usage(sum(s.prompt_tokens for s in firsts), completion, sum(s.cached_tokens for s in firsts))
+
+
+def best_of(results: list[tuple[Chunk, Summary]], candidates: int, n: int) -> list[tuple[Chunk, Summary]]:
+    """Of each prompt's `candidates` results (consecutive), the `n` with the highest log-probability
+    (the sum of their tokens'), likeliest first; all of them, in order, when there are only n."""
+    if candidates == n:
+        return results
+    kept = []
+    for start in range(0, len(results), candidates):
+        block = results[start : start + candidates]
+        kept += sorted(block, key=lambda result: -sum(e.logprob for e in result[0].logprobs))[:n]
+    return kept
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -93,81 +84,110 @@ def sse(event: dict[str, Any]) -> bytes:
 
 @dataclass(frozen=True)
 class Answers:
-    """The answers of one request: a completion (`chat` False) or a chat completion."""
+    """The answers of one completions or chat completions request (`body`)."""
 
     id: str
-    model: str
-    chat: bool
-    include_usage: bool = False
-    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far
-    created: int = field(default_factory=lambda: int(time.time()))
+    body: CompletionRequest | ChatCompletionRequest
     logprobs: LogprobFormat | None = None  # None: not asked for
-    echo: Sequence[str] | None = None  # completions with echo: each prompt's text
+    echo: Sequence[str] | None = None  # completions with echo: each choice's prompt text
     tools: ToolChoice | None = None  # chat with tools in use: the text is parsed into tool calls
-    choices_per_prompt: int = 1  # n: choice i is prompt i // n's
-    prompt_only: bool = False  # completions' `max_tokens: 0` with echo: what was generated is left out
+    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
-    def buffered(self) -> bool:
-        """A stream whose text is only sent whole, in its closing chunks (tool calls are parsed from all of it)."""
-        return self.tools is not None
+    def chat(self) -> bool:
+        return isinstance(self.body, ChatCompletionRequest)
 
-    def whole(self, results: list[tuple[Piece, Final]], usage: Final | None = None) -> dict[str, Any]:
-        """The non-streaming answer to one or several prompts: choice i is the i-th result (prompt
-        i // n's), the usage their sum unless given (best_of: every candidate's, not only the kept)."""
-        results = [(self.shown(piece), self.shown(final)) for piece, final in results]
-        usage = usage and self.shown(usage)
+    def error(self, exc: BaseException, retry_after_s: float | None = None) -> HttpError:
+        return http_error(exc, CHAT_PARAMS if self.chat else PARAMS, retry_after_s)
+
+    def whole(self, results: list[tuple[Chunk, Summary]]) -> dict[str, Any]:
+        """The non-streaming answer to one or several prompts: choice i is the i-th kept result (prompt
+        i // n's), the usage every generation's (best_of: every candidate's, not only the kept)."""
         choices = []
-        for index, (piece, final) in enumerate(results):
-            text = self._echo(index) + piece.text
-            message = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            reason = final.finish_reason
+        for index, (kept, ended) in enumerate(best_of(results, self.body.candidates, self.body.choices)):
+            chunk, summary = self.shown(kept), self.shown(ended)
+            text, reason = self._echo(index) + chunk.text, finish_reason(summary)
             if self.tools is not None:
-                message["message"], reason = self._with_tool_calls(text, reason)
-            logprobs = self._logprobs(piece, index, True)
-            choices.append({"index": index, **message, "logprobs": logprobs, "finish_reason": reason})
-        usage = usage or Final.summed([final for _, final in results], self.choices_per_prompt)
-        return self._object(self.chat and "chat.completion", choices) | {"usage": usage.usage()}
+                message, reason = self._with_tool_calls(text, reason)
+                content: dict[str, Any] = {"message": message}
+            else:
+                content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            logprobs = self._logprobs(chunk, index, True)
+            choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": reason})
+        total = summed_usage([self.shown(s) for _, s in results], self.body.candidates)
+        return self._object(self.chat and "chat.completion", choices) | {"usage": total}
 
-    def shown(self, item: Piece | Final) -> Piece | Final:
-        """`item` as the answer shows it: with `prompt_only`, the prompt's log-probabilities alone, and
+    def shown(self, event: Event) -> Event:
+        """`event` as the answer shows it: with `prompt_only`, the prompt's log-probabilities alone, and
         a `length` finish with no completion tokens."""
-        if not self.prompt_only:
-            return item
-        if isinstance(item, Final):
-            return Final("length", item.prompt_tokens, 0, item.cached_tokens)
-        return Piece("", (), item.prompt_logprobs, self.shown(item.usage))
+        if not self.body.prompt_only:
+            return event
+        if isinstance(event, Summary):
+            return replace(event, finish_reason="length", completion_tokens=0)
+        return replace(event, text="", token_ids=(), logprobs=())
 
-    def opening(self, first: Piece | Final, index: int = 0) -> dict[str, Any] | None:
+    def opening(self, first: Event, index: int = 0) -> dict[str, Any] | None:
         """The chunk before any text of choice `index` (chat: the assistant's role), or None; `first`:
         the choice's first event (its prompt's usage, nothing generated yet)."""
         if not self.chat:
             return None
-        usage = first if isinstance(first, Final) else first.usage
-        return self._chunk({"role": "assistant", "content": ""}, None, index, replace(usage, completion_tokens=0))
+        return self._chunk({"role": "assistant", "content": ""}, None, index, first, 0)
 
-    def piece(self, piece: Piece, index: int = 0, first: bool = False) -> dict[str, Any]:
-        """The chunk of a piece of choice `index`'s text; `first`: its first (which an echo begins)."""
-        text = self._echo(index) + piece.text if first else piece.text
-        chunk = self._chunk({"content": text} if self.chat else text, None, index, piece.usage)
-        chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, first)
-        return chunk
+    def piece(self, chunk: Chunk, index: int = 0, first: bool = False, generated: int = 0) -> dict[str, Any]:
+        """The chunk of a piece of choice `index`'s text; `first`: its first (which an echo begins);
+        `generated`: the choice's tokens so far."""
+        text = self._echo(index) + chunk.text if first else chunk.text
+        sent = self._chunk({"content": text} if self.chat else text, None, index, chunk, generated)
+        sent["choices"][0]["logprobs"] = self._logprobs(chunk, index, first)
+        return sent
 
-    def closing(self, final: Final, index: int = 0, first: bool = False) -> dict[str, Any]:
+    def closing(self, summary: Summary, index: int = 0, first: bool = False) -> dict[str, Any]:
         """The chunk with choice `index`'s finish reason; `first`: no piece of it was sent (which an echo begins)."""
         text = self._echo(index) if first else ""
-        return self._chunk({} if self.chat else text, final.finish_reason, index, final)
+        return self._chunk({} if self.chat else text, finish_reason(summary), index, summary, summary.completion_tokens)
 
-    def settled(self, piece: Piece, final: Final, index: int = 0) -> list[dict[str, Any]]:
-        """A buffered stream's last chunks: its whole text as content and tool calls (each call with its
+    def settled(self, chunk: Chunk, summary: Summary, index: int = 0) -> list[dict[str, Any]]:
+        """A stream of tool calls' last chunks: its whole text as content and tool calls (each call with its
         `index`), then the finish reason."""
-        message, reason = self._with_tool_calls(piece.text, final.finish_reason)
+        message, reason = self._with_tool_calls(chunk.text, finish_reason(summary))
         delta = {k: v for k, v in message.items() if k != "role" and v is not None}
         for i, call in enumerate(delta.get("tool_calls", ())):
             call["index"] = i
-        chunk = self._chunk(delta, None, index, final)
-        chunk["choices"][0]["logprobs"] = self._logprobs(piece, index, True)
-        return [chunk, self._chunk({}, reason, index, final)]
+        sent = self._chunk(delta, None, index, summary, summary.completion_tokens)
+        sent["choices"][0]["logprobs"] = self._logprobs(chunk, index, True)
+        return [sent, self._chunk({}, reason, index, summary, summary.completion_tokens)]
+
+    def usage(self, summaries: Sequence[Summary]) -> dict[str, Any]:
+        """The include_usage chunk: no choices, the choices' summed usage."""
+        total = summed_usage(summaries, self.body.choices)
+        return self._object(self.chat and "chat.completion.chunk", []) | {"usage": total}
+
+    async def stream(self, firsts: list[Event], generations: list[Generation]) -> AsyncIterator[bytes]:
+        """The SSE stream, from the generations' first events on (`GenerationStream` stops them after it). A
+        lone generation is read here, in the response's task; several through one merge."""
+        written = _Written(self)
+        try:
+            for index in range(len(generations)):  # chat: each choice's role
+                opening = self.opening(firsts[index], index)
+                if opening is not None:
+                    yield sse(opening)
+            if len(generations) == 1:
+                event, generation = firsts[0], generations[0]
+                while True:
+                    for sent in written.of(0, event):
+                        yield sent
+                    if isinstance(event, Summary):
+                        break
+                    event = await generation.next()
+            else:
+                async for index, event in merged(firsts, generations):
+                    for sent in written.of(index, event):
+                        yield sent
+            if self.body.include_usage:
+                yield sse(self.usage([written.summaries[i] for i in sorted(written.summaries)]))
+        except Exception as e:  # after the status line: the failure goes in the stream
+            yield sse(self.error(e).body)
+        yield DONE
 
     def _with_tool_calls(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
         """The assistant message of `text` with its tool calls parsed out, and the finish reason."""
@@ -177,31 +197,62 @@ class Answers:
             message["tool_calls"] = tool_calls_json(parsed.tool_calls)
         return message, self.tools.finish_reason(parsed, reason)
 
-    def usage(self, final: Final) -> dict[str, Any]:
-        """The include_usage chunk: no choices, the usage."""
-        return self._object(self.chat and "chat.completion.chunk", []) | {"usage": final.usage()}
-
     def _echo(self, index: int) -> str:
         """The text choice `index` begins with: its prompt's, with `echo`."""
         return "" if self.echo is None else self.echo[index]
 
-    def _logprobs(self, piece: Piece, index: int, first: bool) -> dict[str, Any] | None:
+    def _logprobs(self, chunk: Chunk, index: int, first: bool) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        entries = [*piece.prompt_logprobs, *piece.logprobs] if first and self.echo is not None else piece.logprobs
+        entries = [*chunk.prompt_logprobs, *chunk.logprobs] if first and self.echo is not None else chunk.logprobs
         return self.logprobs.format(entries, index)
 
     def _chunk(
-        self, content: dict[str, Any] | str, finish_reason: str | None, index: int, usage: Final
+        self, content: dict[str, Any] | str, reason: str | None, index: int, counted: Event, generated: int
     ) -> dict[str, Any]:
-        """A chunk of choice `index`; `usage`: the choice's so far (sent with `continuous_usage`)."""
+        """A chunk of choice `index`; its usage so far (sent with `continuous_usage`): the prompt's tokens as
+        `counted` has them, and `generated` tokens."""
         choice = {"index": index, "delta": content} if self.chat else {"index": index, "text": content}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
-        chunk = self._object(self.chat and "chat.completion.chunk", [choice])
-        if self.continuous_usage:
-            return chunk | {"usage": usage.usage()}
-        return chunk | {"usage": None} if self.include_usage else chunk
+        choice |= {"logprobs": None, "finish_reason": reason}
+        sent = self._object(self.chat and "chat.completion.chunk", [choice])
+        if self.body.continuous_usage:
+            return sent | {"usage": usage(counted.prompt_tokens, generated, counted.cached_tokens)}
+        return sent | {"usage": None} if self.body.include_usage else sent
 
     def _object(self, chat_kind: str | bool, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = chat_kind or "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.body.model, "choices": choices}
+
+
+class _Written:
+    """What each choice's events become on the stream: text as it comes (or held until the choice ends,
+    for tool calls, which are parsed from the whole text), then its closing chunk."""
+
+    def __init__(self, answers: Answers):
+        self.answers = answers
+        self.summaries: dict[int, Summary] = {}
+        self._generated: dict[int, int] = {}  # tokens so far per choice, shown or not (the usage so far)
+        self._started: set[int] = set()  # the choices whose first text was sent
+        self._held: dict[int, list[Chunk]] = {}  # a tool calls answer's chunks, per choice
+
+    def of(self, index: int, event: Event) -> list[bytes]:
+        """The SSE events for one event of choice `index`."""
+        answers, event = self.answers, self.answers.shown(event)
+        if isinstance(event, Summary):
+            self.summaries[index] = event
+            if answers.tools is not None:
+                return [sse(c) for c in answers.settled(_joined(self._held.pop(index, [])), event, index)]
+            return [sse(answers.closing(event, index, first=index not in self._started))]
+        self._generated[index] = generated = self._generated.get(index, 0) + len(event.token_ids)
+        if not (event.text or event.logprobs or event.prompt_logprobs):
+            return []  # all of it left out (`prompt_only`)
+        if answers.tools is not None:
+            self._held.setdefault(index, []).append(event)
+            return []
+        first = index not in self._started
+        self._started.add(index)
+        return [sse(answers.piece(event, index, first, generated))]
+
+
+def _joined(chunks: list[Chunk]) -> Chunk:
+    return Chunk.joined(chunks) if chunks else Chunk("")

@@ -1,4 +1,5 @@
-"""The Responses API's answers: the `response` object, its output items, and a stream's events. Pure.
+"""The Responses API's answers, written from the generation core's events (its one generation's `Chunk`s,
+then its `Summary`): the `response` object, its output items, and a stream's events.
 
 A response has `status` "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens"
 when that length cut the output; its `usage` is `input_tokens` (with `input_tokens_details.cached_tokens`,
@@ -19,18 +20,25 @@ from 0: `response.created` and `response.in_progress` (the response, no output y
 `response.function_call_arguments.delta` and `.done`, then `response.output_item.done`; last
 `response.completed` (`response.incomplete` when cut) with the whole response. Text is sent as it comes;
 with tools in use it is sent whole at the end, as chat's is (a call is parsed from all of it). A failure
-after the stream began is one `error` event (`code`, `message`, `param`), and the stream ends.
+after the stream began is one `error` event (`code`, `message`, `param`), and the stream ends. Failures name
+the Responses API's parameters (`errors.RESPONSES_PARAMS`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.gateway.http.responses import Final
+from loraserve.gateway.events import Chunk, Event, Summary
+from loraserve.gateway.http import responses_api
+from loraserve.gateway.http.errors import RESPONSES_PARAMS, HttpError, http_error
+from loraserve.gateway.http.generation import Generation
+from loraserve.gateway.http.schemas import ResponsesRequest
 from loraserve.gateway.http.tool_calling import ToolChoice
 from loraserve.gateway.tool_parsers import call_id
 
@@ -42,13 +50,13 @@ def item_id(kind: str) -> str:
     return f"{kind}_{uuid.uuid4().hex}"
 
 
-def usage(final: Final) -> dict[str, Any]:
+def usage(summary: Summary) -> dict[str, Any]:
     return {
-        "input_tokens": final.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": final.cached_tokens},
-        "output_tokens": final.completion_tokens,
+        "input_tokens": summary.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": summary.cached_tokens},
+        "output_tokens": summary.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "total_tokens": summary.prompt_tokens + summary.completion_tokens,
     }
 
 
@@ -58,24 +66,31 @@ def text_part(text: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Reply:
-    """The answer to one Responses API request. `echo`: the request's parameters as the response repeats
-    them; `tools`: the tool choice in use (the text is parsed into calls), or None."""
+    """The answer to one Responses API request (`body`). `tools`: the tool choice in use (the text is parsed
+    into calls), or None."""
 
     id: str
-    model: str
-    echo: dict[str, Any]
+    body: ResponsesRequest
     tools: ToolChoice | None = None
     created_at: int = field(default_factory=lambda: int(time.time()))
     message_id: str = field(default_factory=lambda: item_id("msg"))
+
+    @functools.cached_property
+    def echo(self) -> dict[str, Any]:
+        """The request's parameters as the response repeats them (`responses_api.echo`)."""
+        return responses_api.echo(self.body)
 
     @property
     def buffered(self) -> bool:
         """A stream whose text is sent whole at its end (calls are parsed from all of it)."""
         return self.tools is not None
 
-    def response(self, output: list[dict[str, Any]] | None = None, final: Final | None = None) -> dict[str, Any]:
-        """The response object: in progress (no `final` yet), else finished with `output`."""
-        status = "in_progress" if final is None else _status(final)
+    def error(self, exc: BaseException, retry_after_s: float | None = None) -> HttpError:
+        return http_error(exc, RESPONSES_PARAMS, retry_after_s)
+
+    def response(self, output: list[dict[str, Any]] | None = None, summary: Summary | None = None) -> dict[str, Any]:
+        """The response object: in progress (no `summary` yet), else finished with `output`."""
+        status = "in_progress" if summary is None else _status(summary)
         return {
             "id": self.id,
             "object": "response",
@@ -84,22 +99,22 @@ class Reply:
             "status": status,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "model": self.model,
+            "model": self.body.model,
             "output": output or [],
-            "usage": None if final is None else usage(final),
+            "usage": None if summary is None else usage(summary),
             **self.echo,
         }
 
-    def output(self, text: str, final: Final) -> list[dict[str, Any]]:
+    def output(self, text: str, summary: Summary) -> list[dict[str, Any]]:
         """The output items of the whole generated `text`."""
         if self.tools is None:
             items = [self.message(text)]
         else:
-            parsed = self.tools.parse(text, cut=final.finish_reason == INCOMPLETE)
+            parsed = self.tools.parse(text, cut=summary.finish_reason == INCOMPLETE)
             items = [] if parsed.content is None else [self.message(parsed.content)]
             items += [function_call(c.name, c.arguments) for c in parsed.tool_calls]
             items = items or [self.message("")]
-        if _status(final) == "incomplete":
+        if _status(summary) == "incomplete":
             items[-1] = items[-1] | {"status": "incomplete"}
         return items
 
@@ -107,9 +122,14 @@ class Reply:
         content = [text_part(text)] if status != "in_progress" else []
         return {"type": "message", "id": self.message_id, "role": "assistant", "status": status, "content": content}
 
-    def whole(self, text: str, final: Final) -> dict[str, Any]:
-        """The non-streamed answer."""
-        return self.response(self.output(text, final), final)
+    def whole(self, results: list[tuple[Chunk, Summary]]) -> dict[str, Any]:
+        """The non-streamed answer (of its one generation)."""
+        [(chunk, summary)] = results
+        return self.response(self.output(chunk.text, summary), summary)
+
+    def stream(self, firsts: list[Event], generations: list[Generation]) -> AsyncIterator[bytes]:
+        """The SSE stream, from the generation's first event on (`GenerationStream` stops it after it)."""
+        return ResponseEvents(self).stream(firsts[0], generations[0])
 
 
 def function_call(name: str, arguments: str) -> dict[str, Any]:
@@ -123,8 +143,8 @@ def function_call(name: str, arguments: str) -> dict[str, Any]:
     }
 
 
-def _status(final: Final) -> str:
-    return "incomplete" if final.finish_reason == INCOMPLETE else "completed"
+def _status(summary: Summary) -> str:
+    return "incomplete" if summary.finish_reason == INCOMPLETE else "completed"
 
 
 class ResponseEvents:
@@ -194,15 +214,32 @@ class ResponseEvents:
             return self.message_closing(0, output[0])
         return [event for index, item in enumerate(output) for event in self.whole_item(index, item)]
 
-    def closing(self, output: list[dict[str, Any]], final: Final) -> dict[str, Any]:
+    def closing(self, output: list[dict[str, Any]], summary: Summary) -> dict[str, Any]:
         """`response.completed` (or `response.incomplete`) with the whole response."""
-        response = self.reply.response(output, final)
+        response = self.reply.response(output, summary)
         return self.event(f"response.{response['status']}", response=response)
 
-    def error(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The event of a failure after the stream began; `body`: the failure in OpenAI's error shape."""
-        error = body["error"]
+    def error(self, exc: BaseException) -> dict[str, Any]:
+        """The event of a failure after the stream began."""
+        error = self.reply.error(exc).body["error"]
         return self.event("error", code=error["code"] or error["type"], message=error["message"], param=error["param"])
+
+    async def stream(self, first: Event, generation: Generation) -> AsyncIterator[bytes]:
+        """The SSE stream of `generation`, from its `first` event on."""
+        try:
+            for event in self.opening():
+                yield sse(event)
+            texts, event = [], first
+            while not isinstance(event, Summary):
+                texts.append(event.text)
+                if event.text and not self.reply.buffered:
+                    yield sse(self.text_delta(0, event.text))
+                event = await generation.next()
+            output = self.reply.output("".join(texts), event)
+            for made in [*self.settled(output), self.closing(output, event)]:
+                yield sse(made)
+        except Exception as e:  # after the status line: the failure goes in the stream, and ends it
+            yield sse(self.error(e))
 
 
 def sse(event: dict[str, Any]) -> bytes:

@@ -1,23 +1,37 @@
-"""The OpenAI request bodies, as pydantic models: types and ranges that the wire format needs.
+"""The OpenAI request bodies, as pydantic models, and what of them is refused: the one schema module of the
+HTTP edge (completions, chat completions, the Responses API, and the operational routes' bodies).
 
-Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter);
-what the values mean (temperature ranges, context length, stop limits, adapter names) is checked by
-the same struct and checks the gRPC API's requests get (`gateway/generation_request.py`), once the body
-is a draft of its fields (`drafts.py`).
-Structured output's fields (`response_format`, vLLM's `guided_*` and `structured_outputs`) are read by
-`structured.py`. Tool calling's fields (`tools`, `tool_choice`, `parallel_tool_calls`) are read by `tool_calling.py`.
-Fields OpenAI defines that loraserve does not serve (`logit_bias`, `suffix`) are accepted only at
-their do-nothing values; `unsupported()` names any other. Unknown fields are ignored, as
-OpenAI-compatible servers do, except the ones that ask for what loraserve does not do — vLLM's
-extensions it does not implement and OpenAI's fields for other features (the tables of
-`refusals.py`): those are accepted only at the values that ask for nothing (null, or what loraserve
-does anyway) and refused by name otherwise.
-`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens` and `cache_salt` are extensions (vLLM's names). `user` (OpenAI's end-user id)
-goes on the request's trace, as the gRPC metadata `x-loraserve-end-user` does.
-Every string anywhere in a body (values and keys, known fields or not) must be Unicode text: JSON can
-spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused whole
-(`invalid_unicode`, naming where the surrogate is) before any field is looked at.
+Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter); what the
+values mean (temperature ranges, context length, stop limits, adapter names) is checked by the same struct
+and checks the gRPC API's requests get (`gateway/generation_request.py`), once the body is a draft of its
+fields (`drafts.py`). Every string anywhere in a body (values and keys, known fields or not) must be Unicode
+text: JSON can spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused
+whole (`invalid_unicode`, naming where the surrogate is) before any field is looked at.
+
+Completions and chat completions. Structured output's fields (`response_format`, vLLM's `guided_*` and
+`structured_outputs`) are read by `structured.py`, tool calling's (`tools`, `tool_choice`,
+`parallel_tool_calls`) by `tool_calling.py`. `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and `cache_salt` are extensions
+(vLLM's names). `user` (OpenAI's end-user id) goes on the request's trace, as the gRPC metadata
+`x-loraserve-end-user` does. Unknown fields are ignored, as OpenAI-compatible servers do, except the ones
+that ask for what loraserve does not do — vLLM's extensions it does not implement and OpenAI's fields for
+other features (`NOT_IMPLEMENTED` and the endpoints' tables; the README's table of refusals lists them):
+those are accepted only at the values that ask for nothing (null, or what loraserve does anyway: vLLM's
+defaults, `use_beam_search: false`, `min_tokens: 0`, ...) and refused with a 400 naming them otherwise,
+never ignored. `logit_bias` and `suffix` are accepted only empty. `unsupported()` names the first refusal.
+
+The Responses API (`responses_api.py` maps a request onto the chat path). Served: `model`, `input` (a
+string: one user message; or a list of items: `message`s of role user, system, developer or assistant whose
+content is a string or `input_text`/`output_text` parts, `function_call` items — earlier calls — and
+`function_call_output` items — their results), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
+`tools` (function tools), `tool_choice`, `parallel_tool_calls`, `max_tool_calls`, `text.format`, `metadata`
+(echoed back), `user` and `stream`. Everything else is refused by name, unless its value asks for nothing:
+null, false, an empty string, list or object (an object of such values), or a value listed in `NOT_SERVED`
+(what loraserve does anyway: `truncation: "disabled"`, `service_tier: "auto"`, ...). `NOT_SERVED` says why
+for the fields OpenAI defines; an unknown field is "not supported" (OpenAI refuses unknown fields too), with
+the Responses API's spelling for the chat completions fields sent here by mistake. The same rule holds
+inside items, content parts, tools and `text`. Nothing is stored: `store: true`, `previous_response_id` and
+`conversation` are refused, and a conversation is sent whole in `input`.
 """
 
 from __future__ import annotations
@@ -25,18 +39,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from loraserve.gateway.generation_request import MAX_CLIENT_ID
 from loraserve.gateway.http.drafts import sampling_fields
-from loraserve.gateway.http.refusals import (
-    CHAT_NOT_IMPLEMENTED,
-    COMPLETION_NOT_IMPLEMENTED,
-    NOT_IMPLEMENTED,
-    NOT_SUPPORTED,
-    asks_for_nothing,
-)
 from loraserve.gateway.validation import MAX_END_USER_CHARS
 from loraserve.params import MAX_LOGPROBS
 
@@ -45,9 +52,89 @@ MAX_PROMPTS = 64  # prompts in one completions request (each is scheduled as a r
 MAX_GENERATIONS = 64  # generations of one request: prompts × choices (n, or best_of candidates)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+Identifier = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for function names
 INVALID_UNICODE = "invalid_unicode"  # the pydantic error type of a body holding a lone surrogate
+TOP_P_ZERO = "must be in (0, 1], got 0 (for greedy decoding set temperature to 0)"  # 0: the gRPC API's "unset"
+
+# ---- refusals ---------------------------------------------------------------------------------------
+NOT_SUPPORTED = "is not supported"
+Refusals = dict[str, tuple[tuple[Any, ...], str]]  # name -> (the values besides null that ask for nothing, why)
+NOT_IMPLEMENTED: Refusals = {  # completions and chat
+    # vLLM's sampling and text extensions
+    "min_tokens": ((0,), NOT_SUPPORTED),
+    "use_beam_search": ((False,), NOT_SUPPORTED),
+    "length_penalty": ((1,), NOT_SUPPORTED),
+    "bad_words": (([],), NOT_SUPPORTED),
+    "allowed_token_ids": ((), NOT_SUPPORTED),
+    "logits_processors": (([],), NOT_SUPPORTED),
+    "prompt_logprobs": ((), "is not supported: prompt log-probabilities come with echo (completions)"),
+    "truncate_prompt_tokens": ((), NOT_SUPPORTED),
+    "spaces_between_special_tokens": ((), NOT_SUPPORTED),
+    "return_tokens_as_token_ids": ((False,), NOT_SUPPORTED),
+    "guided_whitespace_pattern": ((), "is not supported: JSON is written compactly"),
+    "priority": ((0,), "is not supported: requests are scheduled by tenant fairness and deadlines"),
+    # OpenAI's
+    "prediction": ((), "is not supported (predicted outputs)"),
+    "store": ((False,), "is not supported: loraserve keeps no completions"),
+}
+CHAT_NOT_IMPLEMENTED: Refusals = {
+    "functions": (([],), "is not supported: use tools"),
+    "function_call": ((), "is not supported: use tool_choice"),
+    "audio": ((), "is not supported: text models only"),
+    "modalities": ((["text"],), "is not supported: text models only"),
+    "web_search_options": ((), NOT_SUPPORTED),
+    "reasoning_effort": ((), NOT_SUPPORTED),
+    # vLLM's chat extensions
+    "echo": ((False,), "is not supported in chat (completions have it)"),
+    "add_generation_prompt": ((True,), "is not supported: the template always opens the assistant's turn"),
+    "continue_final_message": ((False,), NOT_SUPPORTED),
+    "add_special_tokens": ((False,), "is not supported: the chat template writes the special tokens"),
+    "chat_template": ((), "is not supported: the model's own template renders every conversation"),
+    "chat_template_kwargs": (({},), NOT_SUPPORTED),
+    "documents": ((), NOT_SUPPORTED),
+}
+COMPLETION_NOT_IMPLEMENTED: Refusals = {
+    "add_special_tokens": ((True,), "is not supported: a text prompt begins with BOS (send token ids to choose)"),
+    "prompt_embeds": ((), NOT_SUPPORTED),
+}
+NOT_SERVED: Refusals = {  # the Responses API's fields (besides false and empty values, which ask for nothing)
+    "previous_response_id": ((), "is not supported: responses are not stored; send the whole conversation in input"),
+    "conversation": ((), "is not supported: conversations are not stored; send the whole conversation in input"),
+    "store": ((), "is not supported: responses are not stored; send store: false or leave it out"),
+    "background": ((), "is not supported: a response is answered while its request waits (stream it to read it early)"),
+    "prompt": ((), "is not supported: no prompt templates are stored; send instructions and input"),
+    "reasoning": (({"effort": "none"},), "is not supported: the model answers without a reasoning phase"),
+    "include": ((), "is not supported: answers carry no extra data (no log-probabilities, sources or reasoning)"),
+    "top_logprobs": ((0,), "is not supported: answers carry no log-probabilities"),
+    "truncation": (("disabled",), "is not supported: an input longer than the context is refused, never truncated"),
+    "service_tier": (("auto", "default"), "is not supported: one tier serves every request"),
+    "prompt_cache_key": ((), "is not supported: prefix caching needs no key (a tenant's equal prefixes share it)"),
+    "prompt_cache_retention": ((), "is not supported: cached prefixes are kept while memory allows"),
+    "safety_identifier": ((), "is not supported: send user (the end user, recorded on the request's trace)"),
+    "stream_options": ((), "is not supported: stream events are not obfuscated"),
+    "max_tokens": ((), "is not a Responses API parameter: send max_output_tokens"),
+    "max_completion_tokens": ((), "is not a Responses API parameter: send max_output_tokens"),
+    "messages": ((), "is not a Responses API parameter: send input"),
+    "response_format": ((), "is not a Responses API parameter: send text.format"),
+}
 
 
+def asks_for_nothing(value: Any, nothing: tuple[Any, ...] = (), empty: bool = False) -> bool:
+    """Whether `value` is null or one of `nothing` (a bool only equal to a bool: `0` is not `False`); with
+    `empty` (the Responses API's rule) also false, empty, or an object of such values (an object is compared
+    with `nothing` without its keys that ask for nothing)."""
+    if value is None:
+        return True
+    if empty and (value is False or value in ("", [], {})):
+        return True
+    if empty and isinstance(value, dict):
+        value = {k: v for k, v in value.items() if not asks_for_nothing(v, empty=True)}
+        if not value:
+            return True
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in nothing)
+
+
+# ---- every body -------------------------------------------------------------------------------------
 def lone_surrogate(value: Any) -> tuple[list[str | int], str, bool] | None:
     """(path, character, in a key) of a string in `value` (JSON as Python: dicts, lists, scalars) that
     holds a lone surrogate; None when every string is Unicode text. The walk keeps its own stack: a
@@ -78,6 +165,11 @@ def _surrogate(text: str) -> str | None:
     return None
 
 
+def _printable(text: str) -> str:
+    """`text` with any surrogate written as its escape (`\\ud800`), safe to put in an answer."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
 class _Body(BaseModel):
     """A request body: refused whole when any string in it is not Unicode text."""
 
@@ -99,11 +191,7 @@ class _Body(BaseModel):
         return data
 
 
-def _printable(text: str) -> str:
-    """`text` with any surrogate written as its escape (`\\ud800`), safe to put in an answer."""
-    return text.encode("utf-8", "backslashreplace").decode()
-
-
+# ---- completions and chat completions -------------------------------------------------------------
 class StreamOptions(BaseModel):
     """`stream_options`: every field vLLM accepts. Unknown fields are refused (they would ask for
     something loraserve cannot know how to do)."""
@@ -161,6 +249,9 @@ class _Generation(_Body):
     # extension (vLLM's): cached KV shared only within it
     cache_salt: str | None = Field(None, max_length=MAX_CLIENT_ID)
 
+    not_implemented: ClassVar[Refusals] = NOT_IMPLEMENTED  # and the endpoint's
+    prompt_only: ClassVar[bool] = False  # completions' `max_tokens: 0` with echo (`CompletionRequest`)
+
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -174,9 +265,26 @@ class _Generation(_Body):
         return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
     @property
+    def keep_special_tokens(self) -> bool:
+        return self.skip_special_tokens is False
+
+    @property
     def new_tokens(self) -> int:
         """max_tokens; 0 (unset) means the gateway's default."""
         return self.max_tokens or 0
+
+    @property
+    def choices(self) -> int:
+        """Choices per prompt (n)."""
+        return self.n or 1
+
+    @property
+    def candidates(self) -> int:
+        """Generations per prompt: n, or best_of (the n best of them are answered)."""
+        return self.choices
+
+    def prompt_count(self) -> int:
+        return 1
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields of this request, by their `SamplingParams` names (as the gRPC API's
@@ -208,33 +316,17 @@ class _Generation(_Body):
             "stop": self.stops,
             "include_stop": bool(self.include_stop_str_in_output),
             "cache_salt": self.cache_salt or "",
-            "keep_special_tokens": self.skip_special_tokens is False,
+            "keep_special_tokens": self.keep_special_tokens,
         }
 
     def constraint_fields(self) -> dict[str, Any]:
         """The fields that may ask for structured output (`structured.requested_constraint` reads them)."""
         return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
-    @property
-    def choices(self) -> int:
-        """Choices per prompt (n)."""
-        return self.n or 1
-
-    @property
-    def candidates(self) -> int:
-        """Generations per prompt: n, or best_of (the n best of them are answered)."""
-        return self.choices
-
-    def prompt_count(self) -> int:
-        return 1
-
-    not_implemented: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NOT_IMPLEMENTED  # and the endpoint's
-
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter set to something loraserve does not do; else None."""
         extra = self.model_extra or {}
         generations = self.prompt_count() * self.candidates
-        stream_options = self.stream_options
         refusals = [
             (
                 generations > MAX_GENERATIONS,
@@ -242,14 +334,14 @@ class _Generation(_Body):
                 f"a request runs at most {MAX_GENERATIONS} generations (prompts × choices), got {generations}",
             ),
             # 0 is the gRPC API's "unset" for these two: refused here rather than read as 1
-            (self.top_p == 0, "top_p", "must be in (0, 1], got 0 (for greedy decoding set temperature to 0)"),
+            (self.top_p == 0, "top_p", TOP_P_ZERO),
             (self.repetition_penalty == 0, "repetition_penalty", "must be in [0.01, 10] (1 turns it off), got 0"),
             *(
                 (name in extra and not asks_for_nothing(extra[name], nothing), name, why)
                 for name, (nothing, why) in self.not_implemented.items()
             ),
             (bool(self.logit_bias), "logit_bias", NOT_SUPPORTED),
-            (stream_options is not None and not self.stream, "stream_options", "needs stream: true"),
+            (self.stream_options is not None and not self.stream, "stream_options", "needs stream: true"),
         ]
         return next(((name, why) for refused, name, why in refusals if refused), None)
 
@@ -264,7 +356,7 @@ class CompletionRequest(_Generation):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per token: its own and the k most likely
     suffix: str | None = None
 
-    not_implemented: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NOT_IMPLEMENTED | COMPLETION_NOT_IMPLEMENTED
+    not_implemented: ClassVar[Refusals] = NOT_IMPLEMENTED | COMPLETION_NOT_IMPLEMENTED
 
     def logprob_fields(self) -> dict[str, int]:
         if self.logprobs is None:
@@ -272,7 +364,7 @@ class CompletionRequest(_Generation):
         return {"logprobs": self.logprobs} | ({"prompt_logprobs": self.logprobs} if self.echo else {})
 
     @property
-    def prompt_only(self) -> bool:
+    def prompt_only(self) -> bool:  # type: ignore[override]
         """`max_tokens: 0` with echo: the prompt's text and log-probabilities, nothing generated (one
         token is, to score the prompt: the answer leaves it out)."""
         return self.max_tokens == 0
@@ -280,19 +372,6 @@ class CompletionRequest(_Generation):
     @property
     def new_tokens(self) -> int:
         return 1 if self.prompt_only else super().new_tokens
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.max_tokens == 0 and not self.echo:
-            return "max_tokens", "must be at least 1 (0 only with echo: the prompt scored, nothing generated)"
-        if len(self.prompt_values()) > MAX_PROMPTS:
-            return "prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(self.prompt_values())}"
-        if self.best_of is not None and self.best_of < self.choices:
-            return "best_of", f"must be at least n ({self.choices}), got {self.best_of}"
-        if self.stream and self.candidates > self.choices:
-            return "best_of", "cannot be streamed when above n (the best are known only at the end)"
-        if self.suffix:
-            return "suffix", "is not supported"
-        return super().unsupported()
 
     @property
     def candidates(self) -> int:
@@ -308,18 +387,27 @@ class CompletionRequest(_Generation):
             return list(prompt)  # type: ignore[arg-type]
         return [prompt]  # type: ignore[list-item]
 
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "must be at least 1 (0 only with echo: the prompt scored, nothing generated)"
+        if len(self.prompt_values()) > MAX_PROMPTS:
+            return "prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(self.prompt_values())}"
+        if self.best_of is not None and self.best_of < self.choices:
+            return "best_of", f"must be at least n ({self.choices}), got {self.best_of}"
+        if self.stream and self.candidates > self.choices:
+            return "best_of", "cannot be streamed when above n (the best are known only at the end)"
+        if self.suffix:
+            return "suffix", NOT_SUPPORTED
+        return super().unsupported()
+
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: str
     text: str | None = None
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    name: Identifier
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none: no arguments
     strict: bool | None = None  # the arguments are always held to `parameters` when the output is constrained
@@ -330,8 +418,6 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -346,8 +432,6 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -374,7 +458,7 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    not_implemented: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = NOT_IMPLEMENTED | CHAT_NOT_IMPLEMENTED
+    not_implemented: ClassVar[Refusals] = NOT_IMPLEMENTED | CHAT_NOT_IMPLEMENTED
 
     @property
     def new_tokens(self) -> int:
@@ -422,10 +506,273 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     return call | {"function": function | {"arguments": arguments}}
 
 
-class TokenizeRequest(_Body):
-    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+# ---- the Responses API ----------------------------------------------------------------------------
+ROLES = ("user", "system", "developer", "assistant")  # a message's
+NON_TEXT = "is not served: only text (input_text and output_text parts), text models only"
 
-    model_config = ConfigDict(extra="ignore")
+
+class _Open(BaseModel):
+    """A part of a Responses API body whose undeclared fields are kept, to be refused unless they ask for
+    nothing (`refused`; the body's own fields by `NOT_SERVED`, with its reasons)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    not_served: ClassVar[Refusals] = {}
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        """(parameter, why) for the first field beyond the declared ones that asks for something; `where`:
+        this part's place in the body (`input[0].`, `text.`)."""
+        for name, value in (self.model_extra or {}).items():
+            nothing, why = self.not_served.get(name, ((), NOT_SUPPORTED))
+            if not asks_for_nothing(value, nothing, empty=True):
+                return f"{where}{name}", why
+        return None
+
+
+class InputPart(_Open):
+    """A message's content part: `input_text` or `output_text` (an earlier answer's; its annotations and
+    log-probabilities describe that answer and change nothing); any other type is refused."""
+
+    type: str
+    text: str | None = None
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        if self.type not in ("input_text", "output_text"):
+            return f"{where}type", f"{self.type!r} {NON_TEXT}"
+        if self.text is None:
+            return f"{where}text", "is missing"
+        return super().refused(where)
+
+
+Content = str | list[InputPart]
+
+
+def text_of(content: Content) -> str:
+    """The text of a content (its parts' joined)."""
+    return content if isinstance(content, str) else "".join(part.text or "" for part in content)
+
+
+def _parts_refused(content: Content, where: str) -> tuple[str, str] | None:
+    parts = () if isinstance(content, str) else content
+    return next((r for i, p in enumerate(parts) if (r := p.refused(f"{where}[{i}].")) is not None), None)
+
+
+class _Item(_Open):
+    """An input item. `id` and `status` name and describe an earlier output item: they change nothing."""
+
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class MessageItem(_Item):
+    """A message (`type` may be left out). `phase` labels an earlier assistant message: it changes nothing."""
+
+    type: Literal["message"] = "message"
+    role: str
+    content: Content
+    phase: Literal["commentary", "final_answer"] | None = None
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        if self.role not in ROLES:
+            why = "a tool's result is a function_call_output item" if self.role == "tool" else "is not a role"
+            return f"{where}role", f"{self.role!r}: {why} (roles: {', '.join(ROLES)})"
+        return _parts_refused(self.content, f"{where}content") or super().refused(where)
+
+
+class FunctionCallItem(_Item):
+    """A call the model made earlier."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputItem(_Item):
+    """A call's result."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Content
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        return _parts_refused(self.output, f"{where}output") or super().refused(where)
+
+
+class OtherItem(_Open):
+    """An item of any other type (reasoning, item references, built-in tools' calls): refused by name."""
+
+    type: str
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        why = "is not served: input items are messages, function_call and function_call_output"
+        if self.type == "item_reference":
+            why = "is not served: items are not stored; send the item itself"
+        return f"{where}type", f"{self.type!r} {why}"
+
+
+def _kind(known: tuple[str, ...], default: str | None = None):
+    """A discriminator: an object's `type` when it is one of `known` (missing: `default`), else "other"."""
+
+    def kind(value: Any) -> str | None:
+        if isinstance(value, BaseModel):
+            return value.type if value.type in known else "other"
+        if not isinstance(value, dict):
+            return None
+        found = value.get("type", default)
+        return found if found in known else "other"
+
+    return kind
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[OtherItem, Tag("other")],
+    Discriminator(_kind(("message", "function_call", "function_call_output"), "message")),
+]
+
+
+class FunctionTool(_Open, FunctionDefinition):
+    """A function tool: chat's function, flat. `strict` (null: true, the Responses API's default) holds
+    `tool_choice: "auto"`'s calls to the arguments' schema, as chat's strict tools are."""
+
+    type: Literal["function"]
+
+
+class OtherTool(_Open):
+    """A built-in tool (web_search, file_search, code_interpreter, mcp, ...): refused by name."""
+
+    type: str
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        return f"{where}type", f"{self.type!r} is not served: only function tools (loraserve runs no built-in tools)"
+
+
+ToolItem = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+    Discriminator(_kind(("function",))),
+]
+
+
+class FunctionChoice(BaseModel):
+    """`tool_choice: {"type": "function", "name": N}`: a call of N."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: str
+
+
+class OtherChoice(_Open):
+    """Any other object (`allowed_tools`, a built-in tool, ...): refused."""
+
+    type: str
+
+
+ToolChoiceValue = Annotated[
+    Annotated[FunctionChoice, Tag("function")] | Annotated[OtherChoice, Tag("other")],
+    Discriminator(_kind(("function",))),
+]
+
+
+class TextFormat(_Open):
+    """`text.format`: `text`, `json_object`, or `json_schema` with `name`, `schema`, `strict` (the schema is
+    enforced whatever `strict` says) and `description`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Identifier | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    def chat_format(self) -> dict[str, Any]:
+        """The same format as chat's `response_format` spells it (`structured.requested_constraint` reads it)."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        spec = {"name": self.name, "schema": self.schema_, "strict": self.strict, "description": self.description}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            return "text.format", "type 'json_schema' needs name and schema"
+        return super().refused(where)
+
+
+class TextConfig(_Open):
+    """`text`: its `format`; `verbosity` only at OpenAI's default, "medium" (the length is the model's)."""
+
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+    def refused(self, where: str) -> tuple[str, str] | None:
+        if self.verbosity not in (None, "medium"):
+            return "text.verbosity", "is not supported: bound the answer with max_output_tokens"
+        return (self.format and self.format.refused("text.format.")) or super().refused(where)
+
+
+MetadataKey = Annotated[str, Field(max_length=64)]  # OpenAI's bounds: 16 pairs, keys of 64 characters,
+MetadataValue = Annotated[str, Field(max_length=512)]  # values of 512
+
+
+class ResponsesRequest(_Body, _Open):
+    """POST /v1/responses."""
+
+    not_served: ClassVar[Refusals] = NOT_SERVED
+
+    model: str = Field(min_length=1)
+    input: list[InputItem] | str  # the list first: what fails in an item is what a refusal reports
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ToolItem] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceValue | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None  # checked by `tool_calling.tool_choice` (1 to its MAX_TOOL_CALLS)
+    text: TextConfig | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+    user: str | None = Field(None, max_length=MAX_END_USER_CHARS)  # the end user, recorded on the request's trace
+    stream: bool | None = False
+
+    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+        """`input` as items (a string: one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)  # type: ignore[arg-type]  # OtherItem is refused by unsupported()
+
+    def function_tools(self) -> list[FunctionTool]:
+        return [t for t in self.tools or () if isinstance(t, FunctionTool)]
+
+    def text_format(self) -> TextFormat | None:
+        return self.text.format if self.text is not None else None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for the first thing asked for that loraserve does not serve; else None."""
+        if self.top_p == 0:
+            return "top_p", TOP_P_ZERO
+        if isinstance(self.input, list) and not self.input:
+            return "input", "holds no items"
+        if isinstance(self.tool_choice, OtherChoice):
+            why = "only 'none', 'auto', 'required' or {'type': 'function', 'name': ...} (function tools only)"
+            return "tool_choice", f"type {self.tool_choice.type!r} is not served: {why}"
+        checks = (
+            self.refused(""),
+            *(
+                item.refused(f"input[{i}].")
+                for i, item in enumerate(self.input if isinstance(self.input, list) else ())
+            ),
+            *(tool.refused(f"tools[{i}].") for i, tool in enumerate(self.tools or ())),
+            self.text.refused("text.") if self.text is not None else None,
+        )
+        return next((refused for refused in checks if refused is not None), None)
+
+
+# ---- the operational routes (vLLM's shapes) --------------------------------------------------------
+class TokenizeRequest(_Body):
+    """POST /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
 
     model: str | None = Field(None, min_length=1)
     prompt: str | None = None
@@ -435,27 +782,21 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    """POST /detokenize (vLLM's shape)."""
-
-    model_config = ConfigDict(extra="ignore")
+    """POST /detokenize."""
 
     model: str | None = Field(None, min_length=1)
     tokens: list[TokenId]
 
 
 class LoadLoraAdapterRequest(_Body):
-    """POST /v1/load_lora_adapter (vLLM's shape)."""
-
-    model_config = ConfigDict(extra="ignore")
+    """POST /v1/load_lora_adapter."""
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
 class UnloadLoraAdapterRequest(_Body):
-    """POST /v1/unload_lora_adapter (vLLM's shape; adapters are named, `lora_int_id` is refused)."""
-
-    model_config = ConfigDict(extra="ignore")
+    """POST /v1/unload_lora_adapter (adapters are named, `lora_int_id` is refused)."""
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None

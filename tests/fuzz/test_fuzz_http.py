@@ -28,8 +28,13 @@ from hypothesis import strategies as st
 from stack import LocalStack, free_port_block
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
-from loraserve.gateway.http.refusals import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
-from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
+from loraserve.gateway.http.schemas import (
+    CHAT_NOT_IMPLEMENTED,
+    COMPLETION_NOT_IMPLEMENTED,
+    NOT_IMPLEMENTED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "60"))

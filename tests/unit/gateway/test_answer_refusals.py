@@ -22,6 +22,7 @@ from loraserve.gateway.events import Chunk, Event
 from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.errors import HttpError
 from loraserve.gateway.http.responses import Answers
+from loraserve.gateway.http.schemas import CompletionRequest
 from loraserve.gateway.slots import SlotLimitError
 from loraserve.gateway.validation import Limits
 
@@ -61,9 +62,10 @@ class Connected:
 )
 def test_a_refused_choice_leaves_no_reader_behind_and_nothing_in_the_log(caplog, stream, refusal):
     async def request() -> int:  # one HTTP request: answered, and everything it held dropped
-        drafts, answers = [{"adapter": "", "prompt_text": "the quiet king"}] * 3, Answers("c-1", "m", chat=False)
+        body = CompletionRequest(model="m", prompt="the quiet king", n=3, stream=stream)
+        drafts, answers = [{"adapter": "", "prompt_text": "the quiet king"}] * 3, Answers("c-1", body)
         try:
-            await answer(ScriptedCore(refusal()), drafts, answers, Connected(), stream, "prompt")
+            await answer(ScriptedCore(refusal()), drafts, answers, Connected())
         except HttpError as e:
             return e.status
         raise AssertionError("a choice was refused: the request must fail")

@@ -26,6 +26,7 @@ from loraserve.gateway.generation_request import grpc_fields
 from loraserve.gateway.http.answering import answer
 from loraserve.gateway.http.drafts import sampling_fields
 from loraserve.gateway.http.responses import Answers
+from loraserve.gateway.http.schemas import CompletionRequest
 from loraserve.gateway.service import GenerationService
 from loraserve.gateway.token_sink import TokenSink
 from loraserve.gateway.validation import Limits
@@ -194,9 +195,7 @@ def test_a_token_crosses_four_async_frames_on_either_edge():
         grpc_chain = WatchedQueue.chains[-1]
 
         drafts = [{"adapter": "", "prompt_text": "a prompt", "sampling": sampling_fields({}, 2)}]
-        reading = asyncio.ensure_future(
-            answer(core, drafts, Answers("cmpl-1", "m", chat=False), Request(HTTP_SCOPE, _silent), True, "prompt")
-        )
+        reading = asyncio.ensure_future(answer(core, drafts, Answers("cmpl-1", STREAMED), Request(HTTP_SCOPE, _silent)))
         attempt = await submitted(scheduler, 2)
         sink._deliver(Tokens(attempt, TOKENS[:1]))
         stream = await reading  # its first piece was read before the response began
@@ -210,11 +209,12 @@ def test_a_token_crosses_four_async_frames_on_either_edge():
             "GenerationService.GenerateStream",
             "_wrap_stream.<locals>.wrapper",
         ]
-        assert http_chain == ["FailoverStream.messages", "GenerationCore.generate", "Generation.next", "_events"]
+        assert http_chain == ["FailoverStream.messages", "GenerationCore.generate", "Generation.next", "Answers.stream"]
 
     run(scenario)
 
 
+STREAMED = CompletionRequest(model="m", prompt="a prompt", stream=True)
 HTTP_SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
 
 

@@ -10,16 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
+from test_openai_streams import answers, piece, summary
 
 from loraserve import errors
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.chat_template import ChatTemplate
-from loraserve.gateway.events import Logprob, TopLogprob
+from loraserve.gateway.events import Chunk, Logprob, Summary, TopLogprob
 from loraserve.gateway.http.app import OpenAiRoutes
-from loraserve.gateway.http.errors import HTTP_STATUS, HttpError, http_error
+from loraserve.gateway.http.errors import CHAT_PARAMS, HTTP_STATUS, HttpError, http_error
+from loraserve.gateway.http.generation import Generation
 from loraserve.gateway.http.logprobs import LogprobFormat
-from loraserve.gateway.http.responses import Answers, Final, Piece
+from loraserve.gateway.http.responses import DONE
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.http.structured import requested_constraint
 from loraserve.gateway.slots import SlotLimitError
@@ -125,13 +127,13 @@ def test_every_grpc_status_a_request_can_end_with_has_an_http_status():
 
 
 def test_errors_name_the_openai_parameter():
-    def param(field: str, prompt_param: str = "prompt") -> tuple[str | None, str]:
-        error = http_error(InvalidRequestError(field, "is wrong"), prompt_param).body["error"]
+    def param(field: str, params: dict[str, str] | None = None) -> tuple[str | None, str]:
+        error = http_error(InvalidRequestError(field, "is wrong"), *([params] if params else [])).body["error"]
         return error["param"], error["message"]
 
     assert param("sampling.temperature") == ("temperature", "temperature: is wrong")
     assert param("max_new_tokens") == ("max_tokens", "max_tokens: is wrong")
-    assert param("prompt.text")[0] == "prompt" and param("prompt", "messages")[0] == "messages"
+    assert param("prompt.text")[0] == "prompt" and param("prompt", CHAT_PARAMS)[0] == "messages"
     assert http_error(InvalidRequestError("adapter", "bad name")).status == 404  # no such model can exist
     assert http_error(errors.AdapterNotFoundError("x")).body["error"]["code"] == "model_not_found"
     refused = http_error(SlotLimitError("over", 2.2), retry_after_s=2.2)
@@ -222,8 +224,8 @@ def test_sampling_defaults_are_openais():
 
 
 def test_answers_have_openais_shape():
-    final = Final("length", prompt_tokens=4, completion_tokens=2)
-    whole = Answers("chatcmpl-1", "upper", chat=True).whole([(Piece("AB"), final)])
+    final = summary("length", prompt_tokens=4, completion_tokens=2)
+    whole = answers(chat=True).whole([(piece("AB"), final)])
     assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {
         "role": "assistant",
         "content": "AB",
@@ -234,33 +236,48 @@ def test_answers_have_openais_shape():
         "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
-    text = Answers("cmpl-1", "upper", chat=False, include_usage=True)
-    assert text.opening(Piece("A")) is None and text.piece(Piece("A"))["usage"] is None
+    text = answers(stream={"include_usage": True})
+    assert text.opening(piece("A")) is None and text.piece(piece("A"))["usage"] is None
     assert text.closing(final)["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
-    assert text.usage(final)["choices"] == [] and text.usage(final)["object"] == "text_completion"
+    assert text.usage([final])["choices"] == [] and text.usage([final])["object"] == "text_completion"
 
 
 def test_continuous_usage_puts_each_choices_usage_so_far_in_every_chunk():
     """vLLM's continuous_usage_stats: the role chunk counts the prompt alone, each piece the tokens up to
     it, the finish chunk (and a tool answer's settled chunks) all of them; include_usage's last chunk
     still sums the choices."""
-    final = Final("length", prompt_tokens=4, completion_tokens=3, cached_tokens=2)
-    first = Piece("A", usage=Final("", 4, 1, 2))
+    final = summary("length", prompt_tokens=4, completion_tokens=3, cached_tokens=2)
+    first = Chunk("A", [7], prompt_tokens=4, cached_tokens=2)
 
     def counts(chunk):
         usage = chunk["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         return usage["prompt_tokens"], usage["completion_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
 
-    chat = Answers("chatcmpl-1", "upper", chat=True, continuous_usage=True)
+    chat = answers(chat=True, stream={"continuous_usage_stats": True})
     assert counts(chat.opening(first)) == (4, 0, 2) and counts(chat.opening(final)) == (4, 0, 2)
-    assert counts(chat.piece(first)) == (4, 1, 2) and counts(chat.closing(final)) == (4, 3, 2)
-    text = Answers("cmpl-1", "upper", chat=False, include_usage=True, continuous_usage=True)
-    assert counts(text.piece(Piece("B", usage=Final("", 4, 2)), first=True)) == (4, 2, 0)
-    assert text.usage(final)["choices"] == [] and counts(text.usage(final)) == (4, 3, 2)
-    assert Piece.joined([first, Piece("B", usage=Final("", 4, 3, 2))]).usage == Final("", 4, 3, 2)
-    scoring = Answers("cmpl-2", "upper", chat=False, continuous_usage=True, prompt_only=True)
-    assert scoring.shown(first).usage.completion_tokens == 0  # nothing generated is shown
+    assert counts(chat.piece(first, generated=1)) == (4, 1, 2) and counts(chat.closing(final)) == (4, 3, 2)
+    text = answers(stream={"include_usage": True, "continuous_usage_stats": True})
+    assert counts(text.piece(Chunk("B", [8], prompt_tokens=4), first=True, generated=2)) == (4, 2, 0)
+    assert text.usage([final])["choices"] == [] and counts(text.usage([final])) == (4, 3, 2)
+    scoring = answers(prompt_only=True, stream={"continuous_usage_stats": True})
+    assert (
+        scoring.shown(first).token_ids == () and scoring.shown(final).completion_tokens == 0
+    )  # nothing generated is shown
+    streamed = asyncio.run(_sent(chat, [first, Chunk("", [9]), Chunk("B", [10], prompt_tokens=4), final]))
+    assert [counts(c) for c in streamed] == [(4, 0, 2), (4, 1, 2), (4, 3, 0), (4, 3, 2)]  # the silent token counts
+
+
+async def _sent(asked, script: list) -> list[dict]:
+    """The chunks a stream of the core's events `script` sends, as `Generation` hands them over."""
+    generation = Generation(_events(script))
+    first = await generation.next()
+    return [json.loads(e.removeprefix(b"data: ")) async for e in asked.stream([first], [generation]) if e != DONE]
+
+
+async def _events(script: list):
+    for event in script:
+        yield event
 
 
 def test_logprob_parameters_become_sampling_fields():
@@ -330,17 +347,17 @@ def test_logprobs_have_openais_shapes():
 
 def test_echo_begins_the_text_and_the_logprobs_with_the_prompts():
     tokenizer = _tokenizer({i: f"<{i}>" for i in range(10)})
-    final = Final("length", prompt_tokens=2, completion_tokens=1)
-    answers = Answers("cmpl-1", "m", chat=False, logprobs=LogprobFormat(tokenizer, chat=False), echo=["P0", "P1"])
-    piece = Piece("x", [_entry(9, -1.0)], [_entry(5, None), _entry(6, -2.0)])
-    whole = answers.whole([(piece, final), (piece, final)])
+    final = summary("length", prompt_tokens=2, completion_tokens=1)
+    echoed = answers(logprobs=LogprobFormat(tokenizer, chat=False), echo=["P0", "P1"])
+    text = piece("x", [_entry(9, -1.0)], [_entry(5, None), _entry(6, -2.0)])
+    whole = echoed.whole([(text, final), (text, final)])
     assert [c["text"] for c in whole["choices"]] == ["P0x", "P1x"]
     assert whole["choices"][1]["logprobs"]["tokens"] == ["<5>", "<6>", "<9>"]
     assert whole["choices"][1]["logprobs"]["token_logprobs"] == [None, -2.0, -1.0]
-    streamed = Answers("cmpl-2", "m", chat=False, logprobs=LogprobFormat(tokenizer, chat=False), echo=["P0"])
-    first = streamed.piece(piece, 0, first=True)["choices"][0]
+    streamed = answers(logprobs=LogprobFormat(tokenizer, chat=False), echo=["P0"])
+    first = streamed.piece(text, 0, first=True)["choices"][0]
     assert first["text"] == "P0x" and first["logprobs"]["tokens"] == ["<5>", "<6>", "<9>"]
-    then = streamed.piece(Piece("y", [_entry(7, -0.5)]), 0)["choices"][0]
+    then = streamed.piece(piece("y", [_entry(7, -0.5)]), 0)["choices"][0]
     assert then["text"] == "y" and then["logprobs"]["tokens"] == ["<7>"] and then["logprobs"]["text_offset"] == [9]
 
 
@@ -461,8 +478,8 @@ def test_tool_choice_modes_and_their_answers():
     auto = tool_choice(_tools("f", "g"), None, None, hermes)  # auto is the default with tools
     assert auto.mode == "auto" and auto.constraint() is None
     text = "sure. " + hermes.format_call(ToolCall("f", '{"x": 1}')) + hermes.format_call(ToolCall("g", '{"x": 2}'))
-    answers = Answers("id", "m", chat=True, tools=auto)
-    choice = answers.whole([(Piece(text), Final("stop", 3, 9))])["choices"][0]
+    answered = answers(chat=True, tools=auto)
+    choice = answered.whole([(piece(text), summary("stop", 3, 9))])["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "sure."
     assert [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]
@@ -478,7 +495,7 @@ def test_tool_choice_modes_and_their_answers():
     assert (held.kind, held.field) == ("grammar", "tools")
     assert held.value == hermes.strict_grammar(auto.functions, MAX_TOOL_CALLS)
     assert grammar_for(held.kind, held.value, held.field)  # llguidance takes it
-    plain = answers.whole([(Piece("just text"), Final("stop", 3, 2))])["choices"][0]
+    plain = answered.whole([(piece("just text"), summary("stop", 3, 2))])["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": "just text"}
 
     required = tool_choice(_tools("f", "g"), "required", False, hermes)
@@ -505,11 +522,11 @@ def test_tool_choice_modes_and_their_answers():
     assert function.constraint().value["required"] == ["x"]
     parsed = function.parse('{"x":3}')
     assert parsed.tool_calls == [ToolCall("f", '{"x": 3}')] and function.finish_reason(parsed, "stop") == "stop"
-    length = Answers("id", "m", chat=True, tools=function).whole([(Piece('{"x":3'), Final("length", 3, 4))])
+    length = answers(chat=True, tools=function).whole([(piece('{"x":3'), summary("length", 3, 4))])
     message = length["choices"][0]["message"]  # cut: the call with its arguments as generated, finish length
     assert message["content"] is None and message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x":3'}
     assert length["choices"][0]["finish_reason"] == "length"
-    chunks = Answers("id", "m", chat=True, tools=function).settled(Piece('{"x":3}'), Final("stop", 3, 4))
+    chunks = answers(chat=True, tools=function).settled(piece('{"x":3}'), summary("stop", 3, 4))
     call = chunks[0]["choices"][0]["delta"]["tool_calls"][0]
     assert (call["index"], call["function"]) == (0, {"name": "f", "arguments": '{"x": 3}'})
     assert chunks[1]["choices"][0]["finish_reason"] == "stop"
@@ -535,11 +552,11 @@ def test_past_tool_calls_reach_the_template_with_object_arguments():
 
 
 def test_best_of_keeps_each_prompts_likeliest_and_usage_counts_each_prompt_once():
-    from loraserve.gateway.http.answering import best_of
+    from loraserve.gateway.http.responses import best_of, summed_usage
 
-    def result(text: str, *logprobs: float) -> tuple[Piece, Final]:
+    def result(text: str, *logprobs: float) -> tuple[Chunk, Summary]:
         entries = [Logprob(1, v) for v in logprobs]
-        return Piece(text, entries), Final("stop", 10, len(logprobs))
+        return piece(text, entries), summary("stop", 10, len(logprobs))
 
     # two prompts, three candidates each
     results = [
@@ -552,8 +569,8 @@ def test_best_of_keeps_each_prompts_likeliest_and_usage_counts_each_prompt_once(
     ]
     assert [p.text for p, _ in best_of(results, 3, 2)] == ["b", "a", "e", "d"]
     assert best_of(results, 3, 3) == results
-    usage = Final.summed([f for _, f in results], 3)
-    assert (usage.prompt_tokens, usage.completion_tokens) == (20, 8)
+    usage = summed_usage([f for _, f in results], 3)
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (20, 8)
 
 
 # Every field a request body accepts takes effect (or is refused at other values). Most reach the
@@ -628,7 +645,7 @@ def test_the_readme_lists_every_refusal():
     """The README's one table of refusals names every field the schemas refuse by name."""
     from pathlib import Path
 
-    from loraserve.gateway.http.refusals import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
+    from loraserve.gateway.http.schemas import CHAT_NOT_IMPLEMENTED, COMPLETION_NOT_IMPLEMENTED, NOT_IMPLEMENTED
 
     readme = (Path(__file__).parents[3] / "README.md").read_text()
     table = readme[readme.index("| refused | why |") :]

@@ -1,4 +1,4 @@
-"""Answering a Responses API request (`responses_answering.respond`) over a scripted generation core, without
+"""Answering a Responses API request (`answering.answer` with a `Reply`) over a scripted generation core, without
 processes: a client that leaves cancels the generation, whole or streamed, and a request refused before its
 first token is an HTTP error naming the Responses API's parameter."""
 
@@ -12,11 +12,11 @@ from starlette.requests import Request
 
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.events import Chunk
+from loraserve.gateway.http.answering import answer as respond
 from loraserve.gateway.http.errors import HttpError
-from loraserve.gateway.http.generation import GenerationStream
-from loraserve.gateway.http.responses import CLIENT_CLOSED
-from loraserve.gateway.http.responses_answering import respond
+from loraserve.gateway.http.generation import CLIENT_CLOSED, GenerationStream
 from loraserve.gateway.http.responses_events import Reply
+from loraserve.gateway.http.schemas import ResponsesRequest
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/responses", "headers": [], "query_string": b""}
 
@@ -58,8 +58,8 @@ def leaving_after(seconds: float):
 
 
 def answer(core: EndlessCore, stream: bool, receive) -> object:
-    reply = Reply("resp_1", "m", {})
-    return respond(core, {"adapter": ""}, reply, Request(SCOPE, receive), stream)
+    reply = Reply("resp_1", ResponsesRequest(model="m", input="the quiet king", stream=stream))
+    return respond(core, [{"adapter": ""}], reply, Request(SCOPE, receive))
 
 
 def test_a_client_that_leaves_a_whole_answer_cancels_its_generation():

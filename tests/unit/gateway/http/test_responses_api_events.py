@@ -1,5 +1,5 @@
 """The Responses API's answers, without processes: the response object and the stream's events
-(`responses_events.py`, driven by `responses_answering.events` over scripted generations) are what the
+(`responses_events.py`, `Reply.stream` over scripted generations) are what the
 `openai` SDK's typed models accept, and a stream, accumulated by the SDK's own stream state (what
 `responses.stream()` runs), ends with the response a whole answer gives for the same generation."""
 
@@ -15,14 +15,13 @@ from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, ValidationError
-from test_openai_streams import Scripted
+from test_openai_streams import Scripted, piece, summary
 
 from loraserve.errors import InvalidRequestError
+from loraserve.gateway.events import Chunk, Event, Summary
 from loraserve.gateway.http import responses_api
-from loraserve.gateway.http.responses import Final, Piece
-from loraserve.gateway.http.responses_answering import events
 from loraserve.gateway.http.responses_events import Reply
-from loraserve.gateway.http.responses_schema import ResponsesRequest
+from loraserve.gateway.http.schemas import ResponsesRequest
 from loraserve.gateway.http.tool_calling import tool_choice
 from loraserve.gateway.tool_parsers import HermesParser
 
@@ -44,19 +43,23 @@ def typed(kind: type[BaseModel], value: dict[str, Any]) -> Any:
 
 def reply(**fields) -> Reply:
     body = ResponsesRequest.model_validate({"model": "m", "input": "the quiet king"} | fields)
-    tools = tool_choice(
-        responses_api.chat_tools(body), responses_api.chat_tool_choice(body), body.parallel_tool_calls, HermesParser()
-    )
-    return Reply("resp_1", "m", responses_api.echo(body), tools)
+    chat = responses_api.chat_request(body)
+    tools = tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls, HermesParser())
+    return Reply("resp_1", body, tools)
 
 
-def streamed(answer: Reply, script: list[Piece | Final | Exception]) -> list[dict[str, Any]]:
+def answered(answer: Reply, text: str, ended: Summary) -> dict[str, Any]:
+    """The non-streamed answer of a generation of `text`."""
+    return answer.whole([(Chunk(text), ended)])
+
+
+def streamed(answer: Reply, script: list[Event | Exception]) -> list[dict[str, Any]]:
     """The stream's events, checked against the SSE framing: `event: TYPE`, then its data."""
 
     async def run() -> list[bytes]:
         generation = Scripted(script)
         generation.next = _raising(generation.next)
-        return [frame async for frame in events(await generation.next(), generation, answer)]
+        return [frame async for frame in answer.stream([await generation.next()], [generation])]
 
     out = []
     for frame in asyncio.run(run()):
@@ -99,19 +102,19 @@ def unparsed(value: Any) -> Any:
     return [unparsed(v) for v in value] if isinstance(value, list) else value
 
 
-def pieces(*texts: str, reason: str = "stop") -> list[Piece | Final]:
-    return [*(Piece(t) for t in texts), Final(reason, 4, len(texts), 2)]
+def pieces(*texts: str, reason: str = "stop") -> list[Event]:
+    return [*(piece(t) for t in texts), summary(reason, 4, len(texts), 2)]
 
 
 def test_a_whole_answer_is_an_sdk_response():
     answer = reply(metadata={"k": "v"}, instructions="be brief", max_output_tokens=9)
-    whole = answer.whole('{"a": 1}', Final("stop", 4, 3, 2))
+    whole = answered(answer, '{"a": 1}', summary("stop", 4, 3, 2))
     response = typed(Response, whole)
     assert response.output_text == '{"a": 1}' and response.status == "completed"
     assert response.usage.input_tokens_details.cached_tokens == 2 and response.usage.total_tokens == 7
     assert (response.metadata, response.instructions, response.max_output_tokens) == ({"k": "v"}, "be brief", 9)
     assert response.output[0].id == answer.message_id and response.incomplete_details is None
-    cut = typed(Response, answer.whole("the quiet", Final("length", 4, 9)))
+    cut = typed(Response, answered(answer, "the quiet", summary("length", 4, 9)))
     assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert cut.output[0].status == "incomplete"
     assert cut.completed_at is None
@@ -134,7 +137,7 @@ def test_text_streams_as_it_comes_and_ends_as_the_whole_answer():
     assert [e["delta"] for e in stream if e["type"].endswith(".delta")] == ['{"a"', ": 1", "}"]
     assert stream[0]["response"]["status"] == "in_progress" and stream[0]["response"]["output"] == []
     assert accumulated(stream, Counted).output_parsed == Counted(a=1)  # responses.stream(text_format=...)
-    whole = typed(Response, answer.whole('{"a": 1}', Final("stop", 4, 3, 2)))
+    whole = typed(Response, answered(answer, '{"a": 1}', summary("stop", 4, 3, 2)))
     final = accumulated(stream).model_dump(exclude={"completed_at"})
     assert unparsed(final) == whole.model_dump(exclude={"completed_at"})
 
@@ -149,7 +152,7 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete():
 def test_with_tools_the_text_is_parsed_into_a_message_and_calls_sent_at_the_end():
     answer = reply(tools=[TOOL], tool_choice="auto", parallel_tool_calls=True)
     text = "it rains " + CALL + "\n" + CALL
-    whole = typed(Response, answer.whole(text, Final("stop", 4, 30)))
+    whole = typed(Response, answered(answer, text, summary("stop", 4, 30)))
     assert [item.type for item in whole.output] == ["message", "function_call", "function_call"]
     assert whole.output[0].content[0].text == "it rains" and whole.output[1].arguments == '{"city": "rome"}'
     assert whole.output[1].call_id != whole.output[2].call_id and whole.output[1].id.startswith("fc_")
@@ -171,7 +174,7 @@ def test_with_tools_the_text_is_parsed_into_a_message_and_calls_sent_at_the_end(
 
 def test_a_call_cut_by_max_output_tokens_is_a_call_with_its_arguments_as_generated():
     answer = reply(tools=[TOOL], tool_choice={"type": "function", "name": "weather"})
-    whole = typed(Response, answer.whole('{"city": "ro', Final("length", 4, 5)))
+    whole = typed(Response, answered(answer, '{"city": "ro', summary("length", 4, 5)))
     (call,) = whole.output
     assert (call.type, call.arguments, call.status, whole.status) == (
         "function_call",
@@ -182,7 +185,7 @@ def test_a_call_cut_by_max_output_tokens_is_a_call_with_its_arguments_as_generat
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event_that_ends_it():
-    stream = streamed(reply(), [Piece("the"), InvalidRequestError("max_new_tokens", "is too many")])
+    stream = streamed(reply(), [piece("the"), InvalidRequestError("max_new_tokens", "is too many")])
     assert stream[-1] == {
         "type": "error",
         "sequence_number": len(stream) - 1,
@@ -196,5 +199,5 @@ def test_a_failure_after_the_stream_began_is_an_error_event_that_ends_it():
 @pytest.mark.parametrize("text", ["", "   "])
 def test_an_empty_answer_is_an_empty_message(text):
     answer = reply(tools=[TOOL], tool_choice="auto")
-    response = typed(Response, answer.whole(text, Final("stop", 4, 1)))
+    response = typed(Response, answered(answer, text, summary("stop", 4, 1)))
     assert [item.type for item in response.output] == ["message"] and response.output_text == ""

@@ -1,7 +1,7 @@
-"""The Responses API's request side, without processes: what a body may ask for (`responses_schema.py`), and
-how it maps onto the chat path (`responses_api.py`): the conversation the chat template renders, the tools
-and tool choice, the output constraint, the sampling, the parameters the response repeats, and the names
-failures give. `test_responses_api.py` (stack) runs the route against a real stack."""
+"""The Responses API's request side, without processes: what a body may ask for (`schemas.py`), and
+how it maps onto a chat completion (`responses_api.chat_request`): the conversation the chat template
+renders, the tools and tool choice, the output constraint, the sampling, the parameters the response
+repeats, and the names failures give. `test_responses_api.py` (stack) runs the route against a real stack."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.http import responses_api
-from loraserve.gateway.http.errors import bad_request, http_error
-from loraserve.gateway.http.responses_schema import ResponsesRequest
-from loraserve.gateway.http.schemas import ChatCompletionRequest, NamedToolChoice
+from loraserve.gateway.http.errors import RESPONSES_PARAMS, http_error
+from loraserve.gateway.http.schemas import ChatCompletionRequest, NamedToolChoice, ResponsesRequest
+from loraserve.gateway.http.structured import requested_constraint
 from loraserve.gateway.http.tool_calling import MAX_TOOL_CALLS, tool_choice
 from loraserve.gateway.tool_parsers import HermesParser
 from loraserve.structured import Constraint
@@ -43,8 +43,13 @@ def body(**fields) -> ResponsesRequest:
     return ResponsesRequest.model_validate({"model": "m", "input": "the quiet king"} | fields)
 
 
+def chat(**fields) -> ChatCompletionRequest:
+    """The chat completion a Responses API body of `fields` is served as."""
+    return responses_api.chat_request(body(**fields))
+
+
 def test_the_conversation_is_the_instructions_then_the_items_as_chat_messages():
-    conversation = responses_api.chat_conversation(body(instructions="be brief", input=ITEMS))
+    conversation = chat(instructions="be brief", input=ITEMS).conversation()
     call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "rome"}}}
     assert conversation == [
         {"role": "system", "content": "be brief"},
@@ -59,7 +64,7 @@ def test_the_conversation_is_the_instructions_then_the_items_as_chat_messages():
         {"role": "tool", "content": "rain", "tool_call_id": "call_2"},
         {"role": "assistant", "content": "", "tool_calls": [_call("call_3", {})]},  # a call with no message opens one
     ]
-    assert responses_api.chat_conversation(body()) == [{"role": "user", "content": "the quiet king"}]
+    assert chat().conversation() == [{"role": "user", "content": "the quiet king"}]
 
 
 def _call(call_id: str, arguments: dict) -> dict:
@@ -73,21 +78,21 @@ def test_the_template_renders_the_conversation_as_the_same_chat_messages():
         {"role": "assistant", "content": "", "tool_calls": [_call("call_1", {"city": "rome"})]},
         {"role": "tool", "content": "finds a boat", "tool_call_id": "call_1"},
     ]
-    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    sent = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
     items = [ITEMS[1], ITEMS[3] | {"call_id": "call_1"}, {**ITEMS[5], "output": "finds a boat"}]
     template = ChatTemplate.from_model_dir(DEMO_MODEL_DIR)
-    rendered = template.render(responses_api.chat_conversation(body(input=items)))
-    assert rendered == template.render(chat.conversation()) == "<s>the quiet king  finds a boat"
+    rendered = template.render(chat(input=items).conversation())
+    assert rendered == template.render(sent.conversation()) == "<s>the quiet king  finds a boat"
 
 
 def test_tools_are_chat_tools_strict_unless_they_say_otherwise():
-    tools = responses_api.chat_tools(body(tools=[TOOL, TOOL | {"name": "other", "strict": False}]))
+    tools = chat(tools=[TOOL, TOOL | {"name": "other", "strict": False}]).tools
     assert [(t.function.name, t.function.strict, t.function.parameters) for t in tools] == [
         ("weather", True, WEATHER),  # strict null: the Responses API's default, true
         ("other", False, WEATHER),
     ]
-    assert responses_api.chat_tools(body()) is None
-    assert tool_choice(None, responses_api.chat_tool_choice(body()), None, None) is None  # no tools: text
+    assert chat().tools is None
+    assert tool_choice(None, chat().tool_choice, None, None) is None  # no tools: text
 
 
 @pytest.mark.parametrize(
@@ -100,22 +105,22 @@ def test_tools_are_chat_tools_strict_unless_they_say_otherwise():
     ],
 )
 def test_tool_choice_is_chats(choice, mode, name):
-    asked = body(tools=[TOOL], tool_choice=choice)
-    chosen = responses_api.chat_tool_choice(asked)
+    asked = chat(tools=[TOOL], tool_choice=choice)
     if name is not None:
-        assert chosen == NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
-    tools = tool_choice(responses_api.chat_tools(asked), chosen, None, HermesParser())
+        assert asked.tool_choice == NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
+    tools = tool_choice(asked.tools, asked.tool_choice, None, HermesParser())
     assert (tools.mode, tools.name) == (mode, name)
 
 
 def test_parallel_tool_calls_and_max_tool_calls_bound_the_calls():
     asked = body(tools=[TOOL], tool_choice="required", max_tool_calls=3)
-    tools = tool_choice(responses_api.chat_tools(asked), "required", None, None, max_calls=asked.max_tool_calls)
+    listed = responses_api.chat_request(asked).tools
+    tools = tool_choice(listed, "required", None, None, max_calls=asked.max_tool_calls)
     assert tools.constraint().value["maxItems"] == 3
-    tools = tool_choice(responses_api.chat_tools(asked), "required", False, None, max_calls=3)
+    tools = tool_choice(listed, "required", False, None, max_calls=3)
     assert tools.constraint().value["maxItems"] == 1
     with pytest.raises(InvalidRequestError, match="max_tool_calls"):
-        tool_choice(responses_api.chat_tools(asked), "required", None, None, max_calls=MAX_TOOL_CALLS + 1)
+        tool_choice(listed, "required", None, None, max_calls=MAX_TOOL_CALLS + 1)
 
 
 @pytest.mark.parametrize(
@@ -123,16 +128,16 @@ def test_parallel_tool_calls_and_max_tool_calls_bound_the_calls():
     [
         (None, None),
         ({"format": {"type": "text"}}, None),
-        ({"format": {"type": "json_object"}}, Constraint("json_object", True, "text.format")),
+        ({"format": {"type": "json_object"}}, Constraint("json_object", True, "response_format")),
         (
             {"format": {"type": "json_schema", "name": "city", "schema": WEATHER, "strict": True}},
-            Constraint("json_schema", WEATHER, "text.format"),
+            Constraint("json_schema", WEATHER, "response_format"),  # named text.format (RESPONSES_PARAMS)
         ),
         ({"verbosity": "medium"}, None),
     ],
 )
 def test_text_format_is_the_output_constraint(text, constraint):
-    assert responses_api.text_constraint(body(text=text)) == constraint
+    assert requested_constraint(chat(text=text).constraint_fields()) == constraint
 
 
 def test_sampling_and_what_the_response_repeats():
@@ -145,8 +150,9 @@ def test_sampling_and_what_the_response_repeats():
         tools=[TOOL],
         parallel_tool_calls=False,
     )
-    assert responses_api.sampling(asked) == {"temperature": 0, "top_p": 1.0}
-    assert responses_api.sampling(body()) == {"temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults
+    sampling = responses_api.chat_request(asked).sampling()
+    assert (sampling["temperature"], sampling["top_p"], responses_api.chat_request(asked).new_tokens) == (0, 1.0, 9)
+    assert chat().sampling() == ChatCompletionRequest(model="m", messages=[{"role": "u"}]).sampling()  # OpenAI's
     echo = responses_api.echo(asked)
     assert echo["instructions"] == "be brief" and echo["metadata"] == {"k": "v"} and echo["user"] == "u"
     assert (echo["max_output_tokens"], echo["temperature"], echo["parallel_tool_calls"]) == (9, 0, False)
@@ -240,10 +246,17 @@ def test_malformed_bodies_fail_validation(fields):
 
 
 def test_failures_name_the_responses_api_parameters():
-    error = responses_api.renamed(http_error(InvalidRequestError("max_new_tokens", "must be at most 10")))
-    assert error.body["error"]["param"] == "max_output_tokens"
-    assert error.body["error"]["message"] == "max_output_tokens: must be at most 10"
-    error = responses_api.renamed(bad_request("messages", "roles must alternate"))
-    assert (error.body["error"]["param"], error.body["error"]["message"]) == ("input", "input: roles must alternate")
-    kept = bad_request("temperature", "too hot")
-    assert responses_api.renamed(kept) is kept
+    def named(field: str, why: str) -> tuple[str, str]:
+        error = http_error(InvalidRequestError(field, why), RESPONSES_PARAMS).body["error"]
+        return error["param"], error["message"]
+
+    assert named("max_new_tokens", "must be at most 10") == (
+        "max_output_tokens",
+        "max_output_tokens: must be at most 10",
+    )
+    assert named("messages", "roles must alternate") == ("input", "input: roles must alternate")
+    assert named("prompt.token_ids", "too long") == ("input", "input: too long")
+    assert named("sampling.temperature", "too hot") == ("temperature", "temperature: too hot")
+    assert named("response_format", "bad schema") == ("text.format", "text.format: bad schema")
+    refused = body(max_tokens=4).unsupported()  # chat's name, sent here: named as sent
+    assert refused == ("max_tokens", "is not a Responses API parameter: send max_output_tokens")
