@@ -22,6 +22,7 @@ from loraserve.shared_defaults import (
     STORE_DATA_ADDRESS,
 )
 from loraserve.wire import MAX_BATCH
+from loraserve.worker.cpu_cores import parse_cores
 
 if TYPE_CHECKING:
     import torch
@@ -247,6 +248,11 @@ class WorkerConfig:
     torch_threads: int | None = setting(
         None, "torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)"
     )
+    cpu_cores: str = setting(
+        "",
+        'CPU cores this worker runs on, such as "1" or "2-5,8": its step loop, torch threads and the rest of '
+        "its threads; the other roles keep the other cores (empty: wherever the OS puts them)",
+    )
     heartbeat_interval_s: float = setting(
         0.25,
         "seconds between heartbeats to the scheduler, sent by the I/O thread however long a step takes",
@@ -256,6 +262,7 @@ class WorkerConfig:
     keys: InternalKeys | None = None  # CURVE keys: talk to the scheduler, store and gateways as a worker
 
     def __post_init__(self) -> None:
+        parse_cores(self.cpu_cores)  # InvalidConfigError naming a malformed list or a core not available
         if not (self.report_interval_s > 0 and self.heartbeat_interval_s > 0 and self.grammar_threads >= 1):
             raise InvalidConfigError(
                 "the report and heartbeat intervals must be positive and grammar_threads at least 1: "

@@ -14,6 +14,7 @@ from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import RoleFailed
 from loraserve.worker.cli import add_engine_arguments, engine_config_from_args
 from loraserve.worker.config import WorkerConfig
+from loraserve.worker.cpu_cores import parse_cores, pin, pinned
 from loraserve.worker.engine import Engine
 from loraserve.worker.service import WorkerService
 
@@ -36,11 +37,15 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
     keys = load_optional(args.internal_keys, "worker")
     check_open_planes("worker", keys, [], args.insecure_no_internal_auth)  # it listens nowhere: a warning
     config = config_from_args(WorkerConfig, args, worker_id=worker_id, keys=keys)
-    if config.torch_threads:
-        import torch
+    cores = parse_cores(config.cpu_cores)
+    with pinned(cores):  # torch's threads start here, and stay on those cores
+        if config.torch_threads:
+            import torch
 
-        torch.set_num_threads(config.torch_threads)
-    service = WorkerService(Engine(args.model, engine_config_from_args(args)), config)
+            torch.set_num_threads(config.torch_threads)
+        engine = Engine(args.model, engine_config_from_args(args))
+    service = WorkerService(engine, config)  # its I/O, fetch and build threads (and ZMQ's): on any core
+    pin(cores)  # the step loop
     if args.metrics_port:
         from prometheus_client import REGISTRY
 

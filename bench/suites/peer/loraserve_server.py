@@ -1,15 +1,18 @@
 """loraserve as the peer suite runs it: the real stack (adapter store, scheduler, one worker,
 gateway) as local processes, its OpenAI-compatible HTTP edge on a loopback port, and the adapters
-uploaded through the public gRPC API — what a user of `loraserve up --http-bind` gets.
+uploaded through the public gRPC API — what a user of `loraserve up --http-bind` gets. The CPU set-up
+vLLM's guide advises, for both: the worker on vLLM's OpenMP cores (`--cpu-cores`), tcmalloc preloaded.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraserve.bench.suites.peer.processes import wait_healthy
+from loraserve.bench.suites.peer.vllm import bound_cores, tcmalloc
 from loraserve.client import Client
 from loraserve.launcher.local_stack import LocalStack
 from loraserve.launcher.ports import free_port_block
@@ -48,7 +51,10 @@ class LoraserveServer:
             cpu_pool_memory_gb=options.pool_gb,
             prefix_cache=False,  # every run prefills every prompt, as vLLM's does here
             data_dir=data_dir.name,
+            cpu_cores=bound_cores(options.threads),  # the cores vLLM binds its OpenMP threads to
         )
+        if allocator := tcmalloc():  # every role's, as vLLM's processes
+            stack.stack.env = {**os.environ, "LD_PRELOAD": allocator}
         print(f"loraserve: starting the stack, HTTP on port {port}", flush=True)
         stack.start(timeout_s)
         server = cls(stack, port, data_dir)

@@ -217,21 +217,15 @@ def _start_vllm(
 ) -> VllmServer | None:
     """The pairing's vLLM server, or None with the reason in `vllm["servers"]`."""
     options = VllmOptions(
-        model_dir=model_dir,
-        served_name=base_name,
-        dtype=settings.dtype,
-        max_model_len=config.max_position_embeddings,
-        max_num_seqs=settings.concurrency,
-        threads=settings.threads,
-        kvcache_gb=settings.vllm_kvcache_gb,
-        seed=settings.seed,
-    )
+        model_dir, base_name, settings.dtype, config.max_position_embeddings, settings.concurrency,
+        settings.threads, settings.vllm_kvcache_gb, settings.seed,
+    )  # fmt: skip
     log_file = settings.cache_dir / "logs" / f"vllm-{pairing}.log"  # the last start's, kept beside the model
     entry: dict = {"pairing": pairing, "log": str(log_file), "started_s": None, "notes": [], "error": None}
     vllm["servers"].append(entry)
-    lora = adapters if pairing == "lora" else None
+    lora, ranks = adapters if pairing == "lora" else None, max(settings.ranks)
     try:
-        server = VllmServer.start(python, options, log_file, settings.vllm_start_timeout, lora, max(settings.ranks))
+        server = VllmServer.start(python, options, log_file, settings.vllm_start_timeout, lora, ranks)
     except VllmUnavailable as e:
         entry["error"] = str(e)
         print(f"vLLM ({pairing}) did not start: {e}", flush=True)

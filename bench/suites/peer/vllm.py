@@ -77,20 +77,20 @@ def tail(path: Path, chars: int = 2000) -> str:
 
 def preload(venv: Path) -> tuple[list[str], list[str]]:
     """(libraries for LD_PRELOAD, notes on what is missing): tcmalloc, then the wheel's libiomp5."""
-    libs, notes = [], []
-    tcmalloc = sorted(Path("/usr/lib").glob("libtcmalloc_minimal.so*")) + sorted(
-        Path("/usr/lib").glob("*/libtcmalloc_minimal.so*")  # Debian's multiarch folder
-    )
-    if tcmalloc:
-        libs.append(str(tcmalloc[0]))
-    else:
-        notes.append("libtcmalloc_minimal not found (apt-get install libtcmalloc-minimal4): running without it")
+    libs = [lib for lib in [tcmalloc()] if lib]
+    notes = [] if libs else ["libtcmalloc_minimal not found (apt-get install libtcmalloc-minimal4): running without it"]
     iomp = sorted((venv / "lib").rglob("libiomp5.so"))
     if iomp:
         libs.append(str(iomp[0]))
     else:
         notes.append(f"libiomp5.so not found under {venv / 'lib'}: running with the default OpenMP")
     return libs, notes
+
+
+def tcmalloc() -> str | None:
+    """This host's tcmalloc (Debian's libtcmalloc-minimal4, multiarch or not), if installed: both systems use it."""
+    found = [*Path("/usr/lib").glob("libtcmalloc_minimal.so*"), *Path("/usr/lib").glob("*/libtcmalloc_minimal.so*")]
+    return str(min(found)) if found else None
 
 
 def bound_cores(threads: int) -> str:

@@ -1,0 +1,71 @@
+"""`--cpu-cores`: a CPU worker pinned to cores, its threads with it (`worker/cpu_cores.py`).
+
+- Lists of cores parse as Linux writes them; anything else, or a core this process may not use, is an
+  InvalidConfigError naming it (the worker's config refuses it at start).
+- A real worker process started with `--cpu-cores` runs its step loop on that core only, and the threads
+  that wait on sockets (its I/O thread, which sends the heartbeats, and ZMQ's) wherever the OS puts them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loraserve.demo.assets import DEMO_MODEL_DIR
+from loraserve.errors import InvalidConfigError
+from loraserve.worker.config import WorkerConfig
+from loraserve.worker.cpu_cores import parse_cores
+
+ALLOWED = sorted(os.sched_getaffinity(0))
+
+
+def test_lists_of_cores_parse_as_linux_writes_them():
+    first = ALLOWED[0]
+    assert parse_cores("") == frozenset()
+    assert parse_cores(f"{first}") == {first}
+    assert parse_cores(",".join(map(str, ALLOWED))) == set(ALLOWED)
+    assert parse_cores(f" {first}-{first} , {first}") == {first}
+
+
+@pytest.mark.parametrize("text", ["x", "1-", "-1", "3-1", "1.5", "1;2"])
+def test_a_malformed_list_is_refused_naming_the_part(text):
+    with pytest.raises(InvalidConfigError, match="is not a core or a range of cores"):
+        parse_cores(text)
+
+
+def test_a_core_this_process_may_not_use_is_refused_by_the_workers_config():
+    missing = max(ALLOWED) + 1
+    with pytest.raises(InvalidConfigError, match=rf"cores \[{missing}\] are not among this process's"):
+        WorkerConfig(cpu_cores=f"{ALLOWED[0]},{missing}")
+
+
+def _allowed(task: Path) -> str:
+    line = next(x for x in (task / "status").read_text().splitlines() if x.startswith("Cpus_allowed_list"))
+    return line.split(":")[1].strip()
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two cores to pin to one")
+def test_a_worker_started_with_cpu_cores_runs_its_threads_there(tmp_path):
+    core = ALLOWED[-1]
+    argv = [sys.executable, "-m", "loraserve.cli", "worker", "--model", str(DEMO_MODEL_DIR), "--cpu-cores", str(core)]
+    argv += ["--torch-threads", "1", "--scheduler-address", "tcp://127.0.0.1:9"]  # no scheduler: it warms up alone
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in log.read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        tasks = {t.name: t for t in Path(f"/proc/{worker.pid}/task").iterdir()}
+        assert _allowed(tasks[str(worker.pid)]) == str(core)  # the step loop (the main thread)
+        zmq_io = [t for t in tasks.values() if (t / "comm").read_text().startswith("ZMQbg/IO")]
+        assert zmq_io and all(_allowed(t) == _allowed(Path("/proc/self")) for t in zmq_io)
+    finally:
+        worker.terminate()
+        worker.wait(30)
