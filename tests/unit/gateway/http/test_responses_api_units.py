@@ -260,3 +260,4 @@ def test_failures_name_the_responses_api_parameters():
     assert named("response_format", "bad schema") == ("text.format", "text.format: bad schema")
     refused = body(max_tokens=4).unsupported()  # chat's name, sent here: named as sent
     assert refused == ("max_tokens", "is not a Responses API parameter: send max_output_tokens")
+    assert named(*refused) == ("max_tokens", "max_tokens: is not a Responses API parameter: send max_output_tokens")
