@@ -248,17 +248,17 @@ class WorkerConfig:
     torch_threads: int | None = setting(
         None, "torch intra-op CPU threads (default: torch's choice; fewer when other roles share the CPU)"
     )
-    cpu_cores: str = setting(
-        "",
-        'CPU cores this worker runs on, such as "1" or "2-5,8": its step loop, torch threads and the rest of '
-        "its threads; the other roles keep the other cores (empty: wherever the OS puts them)",
-    )
     heartbeat_interval_s: float = setting(
         0.25,
         "seconds between heartbeats to the scheduler, sent by the I/O thread however long a step takes",
         flag="--heartbeat-interval",
     )
     grammar_threads: int = setting(2, "threads building structured-output matchers (and first masks) off the step loop")
+    cpu_cores: str = setting(
+        "",
+        'CPU cores this worker computes on, such as "1" or "2-5,8": its step loop and torch\'s threads (its '
+        "threads that wait on sockets run anywhere); empty: wherever the OS puts them",
+    )
     keys: InternalKeys | None = None  # CURVE keys: talk to the scheduler, store and gateways as a worker
 
     def __post_init__(self) -> None:

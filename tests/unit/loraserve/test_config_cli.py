@@ -4,6 +4,7 @@ configurations written back as flags (what `loraserve up` hands each role)."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -202,7 +203,8 @@ def test_every_setting_changed_round_trips(tmp_path):
     _round_trip(engine, EngineConfig)
     _round_trip(engine, EngineConfig, WORKER_ENGINE_DEFAULTS)
     fetch = FetchConfig("tcp://b:2", 2.0, 4, False, None, True)
-    _round_trip(WorkerConfig("w-1", "tcp://a:1", fetch, 0.5, 3.0, 3, 0.5, 4), WorkerConfig)
+    core = str(min(os.sched_getaffinity(0)))
+    _round_trip(WorkerConfig("w-1", "tcp://a:1", fetch, 0.5, 3.0, 3, 0.5, 4, cpu_cores=core), WorkerConfig)
     _round_trip(WorkerConfig(fetch=FetchConfig(shm_root=tmp_path)), WorkerConfig)
     store = StoreConfig(
         model_dir=tmp_path,
