@@ -210,21 +210,18 @@ def layout_spec(model: ModelConfig, layout: AdapterLayout, dtype: str, shard: Sh
     return RowsSpec(dtype, model.num_layers, layout.num_rows, local_model(model, shard).kv_width)
 
 
-def rows_spec(model: ModelConfig, checked: CheckedAdapter, shard: Shard = ONE_RANK) -> RowsSpec:
-    layout = adapter_rows_layout(model, checked.config.rank, checked.modules, shard)
-    return layout_spec(model, layout, rows_dtype(checked), shard)
+def rows_spec(model: ModelConfig, checked: CheckedAdapter) -> RowsSpec:
+    layout = adapter_rows_layout(model, checked.config.rank, checked.modules)
+    return layout_spec(model, layout, rows_dtype(checked))
 
 
-def pack_rows(checked: CheckedAdapter, model: ModelConfig, out: np.ndarray, shard: Shard = ONE_RANK) -> None:
-    """Write the adapter's rows (`shard`'s part of them) into `out`, a zeroed uint8 buffer of
-    `rows_spec(model, checked, shard).nbytes`."""
-    spec = rows_spec(model, checked, shard)
+def pack_rows(checked: CheckedAdapter, model: ModelConfig, out: np.ndarray) -> None:
+    """Write the adapter's rows into `out`, a zeroed uint8 buffer of `rows_spec(model, checked).nbytes`."""
+    spec = rows_spec(model, checked)
     rows = _rows_array(out, spec)
-    layout = adapter_rows_layout(model, checked.config.rank, checked.modules, shard)
-    r = checked.config.rank
+    layout = adapter_rows_layout(model, checked.config.rank, checked.modules)
     for (layer, module), (a, b) in checked.weights.items():
-        part = lora_slice(model, module, r, shard)
-        _write_block(rows, layer, layout, module, *_part(_values(a, spec.dtype), _values(b, spec.dtype).T, part))
+        _write_block(rows, layer, layout, module, _values(a, spec.dtype), _values(b, spec.dtype).T)
 
 
 def shard_rows(

@@ -11,14 +11,12 @@ import logging
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import zmq
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from loraserve.adapter_format import check_adapter_bytes
 from loraserve.adapter_store.client import AdapterFetcher
 from loraserve.adapter_store.config import MIB, StoreLimits
 from loraserve.adapter_store.data_plane import DataPlane
@@ -41,9 +39,10 @@ from loraserve.errors import (
 )
 from loraserve.model_config import ModelConfig
 from loraserve.partition import Shard, local_model
-from loraserve.pool_rows import pack_rows, rows_spec
 from loraserve.sockets import make_socket, send
 from loraserve.wire import AdapterPayload, AdapterRows, FetchAdapter, decode
+from loraserve.worker.adapters import load_adapter_bytes
+from loraserve.worker.pool_layout import PoolLayout
 
 MODEL = ModelConfig.from_dir(DEMO_MODEL_DIR)
 
@@ -391,7 +390,7 @@ def test_a_tensor_parallel_rank_fetches_its_own_part_of_the_rows():
     store = AdapterStore(MODEL, StoreLimits(max_adapter_bytes=MIB, budget_bytes=64 * MIB), rows=RowsMaker(MODEL, None))
     config, weights = files("upper")
     store.register("u", config, weights)
-    checked = check_adapter_bytes(config, weights, MODEL, 64)
+    adapter = load_adapter_bytes(config, weights, MODEL, 64)  # the worker's own packing, in torch
     plane = DataPlane(store, "tcp://127.0.0.1:*")
     plane.start()
     fetcher = AdapterFetcher(plane.endpoint, timeout_s=5)
@@ -399,10 +398,9 @@ def test_a_tensor_parallel_rank_fetches_its_own_part_of_the_rows():
         for shard in (Shard(2, 0), Shard(2, 1)):
             width = local_model(MODEL, shard).kv_width
             got = fetcher.fetch_rows("u", 1, width, MODEL.num_layers, shard=shard)
-            own = np.zeros(rows_spec(MODEL, checked, shard).nbytes, dtype=np.uint8)
-            pack_rows(checked, MODEL, own, shard)
+            own = adapter.pack(PoolLayout.for_model(MODEL, 2, 1, shard), MODEL, torch.float32)
             assert (got.header.tp_size, got.header.tp_rank) == (shard.size, shard.index)
-            assert bytes(got.rows) == own.tobytes() and len(own) < store.get_rows("u", 1)[2].spec.nbytes
+            assert bytes(got.rows) == own.numpy().tobytes() and own.nbytes < store.get_rows("u", 1)[2].spec.nbytes
         with pytest.raises(InvalidAdapterError, match="tensor_parallel 3 does not divide the model's num_attention"):
             fetcher.fetch_rows("u", 1, MODEL.kv_width, MODEL.num_layers, shard=Shard(3, 1))
         refused = plane._answer(FetchAdapter("u", 1, row_width=MODEL.kv_width, num_layers=4, tp_size=2, tp_rank=2))

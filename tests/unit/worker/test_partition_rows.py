@@ -1,6 +1,6 @@
 """Each tensor-parallel rank's part of an adapter, packed into its pool rows (`loraserve/partition.py`): the
 same from the adapter's weights (a file) as from the whole rows the adapter store keeps, the same as the
-store's part for that rank, and, reassembled over the ranks, the adapter's whole A and B (zero-padded to a
+part the store cuts for that rank, and, reassembled over the ranks, the adapter's whole A and B (zero-padded to a
 rank every ranks count divides)."""
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def _array_rows(buffer, spec: RowsSpec) -> torch.Tensor:
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_stores_part_for_each_rank_is_what_that_rank_packs(tiny_model, tiny_adapters, rank_three, size, dtype):
-    """Three ways to one rank's rows, bit for bit: the store packing the weights for that rank (numpy), the
-    store cutting them from its whole rows (numpy, what it sends a rank), the rank packing the weights
-    itself (torch, what the PEFT-exact tests run); ranks 3 to 64, every target or some, layers skipped."""
+    """Two ways to one rank's rows, bit for bit: the store cutting them from its whole rows (numpy, what it
+    sends a rank) and the rank packing the weights itself (torch, what the PEFT-exact tests run); ranks 3 to
+    64, every target or some, layers skipped."""
     model = ModelConfig.from_dir(tiny_model)
     for directory in [*tiny_adapters.values(), rank_three]:
         config, weights = _stored(directory, dtype)
@@ -100,11 +100,7 @@ def test_the_stores_part_for_each_rank_is_what_that_rank_packs(tiny_model, tiny_
         adapter = load_adapter_bytes(config, weights, model, 64)
         for i in range(size):
             shard = Shard(size, i)
-            spec = rows_spec(model, checked, shard)
-            packed = np.zeros(spec.nbytes, dtype=np.uint8)
-            pack_rows(checked, model, packed, shard)
-            cut_spec, cut = shard_rows(whole.data, whole_spec, model, checked.config.rank, checked.modules,
-                                       checked.layers, shard)  # fmt: skip
-            assert cut_spec == spec and bytes(cut) == packed.tobytes(), (directory.name, i)
+            spec, cut = shard_rows(whole.data, whole_spec, model, checked.config.rank, checked.modules,
+                                   checked.layers, shard)  # fmt: skip
             layout = PoolLayout.for_model(model, 32, 64, shard)
             assert torch.equal(_array_rows(cut, spec), adapter.pack(layout, model, dtype)), (directory.name, i)
