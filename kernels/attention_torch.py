@@ -12,7 +12,9 @@ A group's K and V rows come out of the pool in one gather. A key slot past its s
 (padding, or a page's stale rows, which may hold another request's values, NaN included) reads
 the sequence's own first key instead, which the mask then excludes: a masked weight of 0 times a
 NaN would still be NaN. A decode group whose tokens are one span of the step reads and writes
-that span in place.
+that span in place. A decode group in float32 on the CPU runs `attention_cpu`'s C kernel instead,
+which reads each sequence's keys where they lie, over its own context only; `native=False` keeps
+every group on SDPA (the reference the kernel is tested against).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loraserve.kernels import attention_cpu
 from loraserve.kernels.metadata import AttentionBatch
 
 
@@ -39,6 +42,7 @@ class _Group:
     span: slice | None  # decode groups: the group's tokens when they are one span of the step, in order
     kv_rows: torch.Tensor  # int64 [G, 2 * Smax]: K row of each key slot, then its V row
     mask: torch.Tensor  # bool  [G, 1, Qmax, Smax]: True where a query may attend a key
+    keys: tuple[torch.Tensor, torch.Tensor] | None  # decode groups: int64 [G] first and end slot of the keys
 
 
 def _groups(batch: AttentionBatch) -> list[_Group]:
@@ -82,15 +86,26 @@ def _build_group(batch: AttentionBatch, seqs: list[int]) -> _Group:
     mask &= query_valid[:, :, None]
     mask[:, :, 0] |= ~query_valid  # padded query slots attend key 0 rather than nothing (no NaN)
     kv_rows = torch.cat((key_rows, key_rows + tp), dim=1)
-    return _Group(query_index, query_valid, _decode_span(batch, seqs), kv_rows, mask[:, None])
+    keys = None
+    if q_max == 1:  # a decode token attends keys [ctx - window, ctx) of its sequence
+        keys = ((ctx - batch.sliding_window).clamp(min=0) if batch.sliding_window else torch.zeros_like(ctx), ctx)
+    return _Group(query_index, query_valid, _decode_span(batch, seqs), kv_rows, mask[:, None], keys)
 
 
 def attention_torch(
-    q: torch.Tensor, pool_layer: torch.Tensor, batch: AttentionBatch, num_kv_heads: int, scale: float
+    q: torch.Tensor,
+    pool_layer: torch.Tensor,
+    batch: AttentionBatch,
+    num_kv_heads: int,
+    scale: float,
+    native: bool = True,
 ) -> torch.Tensor:
     _, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     for group in _groups(batch):
+        if native and group.keys is not None and attention_cpu.usable(q, pool_layer):  # decode, f32, CPU: in C
+            _decode_in_c(q, pool_layer, group, scale, out)
+            continue
         g, s_max = group.kv_rows.shape[0], group.kv_rows.shape[1] // 2
         kv = pool_layer.index_select(0, group.kv_rows.view(-1)).view(g, 2 * s_max, -1)  # [G, 2 * Smax, H_kv * D]
         k = kv[:, :s_max].view(g, s_max, num_kv_heads, head_dim).transpose(1, 2)
@@ -108,3 +123,15 @@ def attention_torch(
         else:
             out[group.query_index[group.query_valid]] = attended[group.query_valid]
     return out
+
+
+def _decode_in_c(q: torch.Tensor, pool_layer: torch.Tensor, group: _Group, scale: float, out: torch.Tensor) -> None:
+    """A decode group through `attention_cpu`'s kernel: into out's span in place, or gathered and scattered."""
+    kernel, (first, last) = attention_cpu.decode_kernel(), group.keys
+    if group.span is not None:
+        kernel(q[group.span], pool_layer, group.kv_rows, first, last, scale, out[group.span])
+        return
+    tokens = group.query_index[:, 0]
+    attended = q.new_empty((tokens.shape[0], *q.shape[1:]))
+    kernel(q[tokens], pool_layer, group.kv_rows, first, last, scale, attended)
+    out[tokens] = attended

@@ -119,6 +119,14 @@ class EngineConfig:
         "(`loraserve bench --suite runner-profile --out DIR` writes DIR/runner_profile.json)",
         metavar="FILE",
     )
+    # The layers compiled by inductor around the attention and LoRA operators (`worker/compiled_forward.py`):
+    # on the CPU, on one rank; the warm-up compiles them before serving.
+    compile_model: bool = setting(
+        False,
+        "compile the model's layers with inductor, attention and LoRA as custom operators (CPU, one rank; "
+        "compiled at start-up, cached on disk)",
+        flag="--compile",
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -169,6 +177,12 @@ class EngineConfig:
             bad("tensor_parallel", "the emulated runner has no model to split: leave it 1")
         if self.tensor_parallel > 1 and self.backend not in ("auto", "torch"):
             bad("tensor_parallel", "a split model runs the torch kernel backend: leave backend auto or torch")
+        if self.compile_model and self.tensor_parallel > 1:
+            bad("compile_model", "a split model runs its steps eagerly: --compile needs one rank")
+        if self.compile_model and self.runner == "emulated":
+            bad("compile_model", "the emulated runner has no model to compile")
+        if self.compile_model and self.device.startswith("cuda"):
+            bad("compile_model", "--compile is for the CPU; on CUDA decode steps replay CUDA graphs")
         if self.tensor_parallel > 1 and self.cuda_graphs == "uncaptured":
             bad("tensor_parallel", "a split model runs its steps eagerly: cuda_graphs uncaptured needs one rank")
 

@@ -46,13 +46,15 @@ class DenseLinear(torch.nn.Module):
         super().__init__()
         self.widths = [w.shape[0] for w in weights]
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-        self.bias = None
+        bias = None
         if any(b is not None for b in biases):
             zeros = [w.new_zeros(w.shape[0]) for w in weights]
-            self.bias = torch.cat([z if b is None else b for z, b in zip(zeros, biases, strict=True)])
+            bias = torch.cat([z if b is None else b for z, b in zip(zeros, biases, strict=True)])
         packed = _onednn_weight(weight)
         self.onednn = packed is not None
-        self.weight = packed if self.onednn else weight
+        # buffers, so that a compiled graph takes them as inputs rather than copying them in as constants
+        self.register_buffer("weight", packed if self.onednn else weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """The one GEMM's output: [T, sum of widths], projection after projection."""

@@ -101,12 +101,14 @@ def model_runner(
     backend = select_backend(backend_name(config), device)
     capacity = step_capacity(config, layout, model_config, max_model_len)
     graphs = graph_mode(config, backend, device)
-    warm = config.warm_up == "on" or (config.warm_up == "auto" and device.type == "cuda")
+    if config.compile_model and device.type != "cpu":
+        raise InvalidConfigError(f"engine config compile_model=True: --compile is for the CPU, the device is {device}")
+    warm = config.warm_up == "on" or (config.warm_up == "auto" and (device.type == "cuda" or config.compile_model))
     # The scratch page: padded decode steps' pads and the warm-up's dummy steps write there.
     scratch = pool.reserve_kv_page(PAD_SEQUENCE) if config.pad_decode_steps or graphs or warm else None
     padding = DecodePadding(tuple(config.decode_buckets()), scratch) if config.pad_decode_steps or graphs else None
     if leader is None:
-        runner = ModelRunner(model, pool.tensor, layout, backend, capacity, padding)
+        runner = ModelRunner(model, pool.tensor, layout, backend, capacity, padding, compiled=config.compile_model)
     else:
         runner = LeaderRunner(model, pool.tensor, layout, backend, capacity, padding, leader=leader, copier=pool.copier)
         leader.ready(layout.num_pages, scratch)

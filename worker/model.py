@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._opaque_base import OpaqueBase
 
 from loraserve.errors import InvalidModelError
 from loraserve.kernels.backend import KernelBackend
@@ -37,9 +39,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class StepOps(Protocol):
+    """What the model asks of its step: `ForwardBatch` eagerly, `compiled_forward.TracedStep` compiled."""
+
+    positions: torch.Tensor  # int64 [T]
+
+    def add_lora(self, layer: int, group: int, x: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None: ...
+
+    def add_lora_and_reduce(self, layer: int, group: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int, scale: float
+    ) -> torch.Tensor: ...
+
+
 @dataclass
-class ForwardBatch:
-    """Everything a forward pass needs besides the token ids."""
+class ForwardBatch(OpaqueBase):
+    """Everything a forward pass needs besides the token ids (an `OpaqueBase`: a compiled graph and its custom
+    operators take it as an opaque reference, `worker/compiled_forward.py`)."""
 
     positions: torch.Tensor  # int64 [T]
     attention: AttentionBatch
@@ -49,7 +66,7 @@ class ForwardBatch:
     copies: tuple[LayerProgress, ...] = ()  # adapters of the step still being copied in, layer by layer
     tp: Collectives | None = None  # one rank of a tensor-parallel worker: its communication (None: one rank)
 
-    def add_lora(self, layer: int, group: int, x: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
+    def add_lora(self, layer: int, group: int, x: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
         """outputs[i] += the LoRA term of module LORA_GROUPS[group][i] on input x, for every adapter token;
         first waits for the layer's rows of every adapter still being copied (`worker/layer_progress.py`)."""
         for copy in self.copies:
@@ -66,6 +83,15 @@ class ForwardBatch:
             return y
         self.add_lora(layer, group, x, (y[:, self.tp.hidden_part(y.shape[1])],))
         return self.tp.all_reduce(y)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int, scale: float
+    ) -> torch.Tensor:
+        """The new tokens' k [T, kv_heads * D] and v written to the pool, then their queries q [T, H, D]
+        attended over their sequences' keys: [T, H, D]."""
+        pool_layer = self.pool[layer]
+        self.backend.write_kv(pool_layer, k, v, self.attention)
+        return self.backend.attention(q, pool_layer, self.attention, kv_heads, scale)
 
 
 # Index of each projection group in LORA_GROUPS, as the model applies them.
@@ -129,16 +155,14 @@ class Attention(nn.Module):
     def pack(self) -> None:
         self.qkv, self.o = pack(self, ("q_proj", "k_proj", "v_proj")), pack(self, ("o_proj",))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepOps) -> torch.Tensor:
         t, heads = x.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv.fused(x)  # [T, q | k | v]
         q, k, v = qkv.split(self.qkv.widths, dim=-1)
         batch.add_lora(self.layer, QKV, x, (q, k, v))  # into qkv's columns, in place
         qk = rope(qkv[:, : heads * self.head_dim].view(t, heads, self.head_dim), cos, sin)  # q and k at once
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        pool_layer = batch.pool[self.layer]
-        batch.backend.write_kv(pool_layer, k.reshape(t, -1), v, batch.attention)
-        out = batch.backend.attention(q, pool_layer, batch.attention, self.num_kv_heads, self.scale).reshape(t, -1)
+        out = batch.attend(self.layer, q, k.reshape(t, -1), v, self.num_kv_heads, self.scale).reshape(t, -1)
         (y,) = self.o(out)
         return batch.add_lora_and_reduce(self.layer, O_PROJ, out, y)
 
@@ -155,7 +179,7 @@ class MLP(nn.Module):
     def pack(self) -> None:
         self.gate_up, self.down = pack(self, ("gate_proj", "up_proj")), pack(self, ("down_proj",))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: StepOps) -> torch.Tensor:
         gate, up = self.gate_up(x)
         batch.add_lora(self.layer, GATE_UP, x, (gate, up))
         hidden = F.silu(gate) * up
@@ -171,7 +195,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layer)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepOps) -> torch.Tensor:
         """cos, sin: [T, 1, D], sin with its first half negated (`rope`)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
         return x + self.mlp(self.post_attention_layernorm(x), batch)
@@ -210,7 +234,7 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.parameter_count = 0  # the checkpoint's, set by `load_model` (packing leaves no nn.Parameter to count)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: StepOps) -> torch.Tensor:
         """Hidden states after the final norm. input_ids: [T] -> [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 as in HF

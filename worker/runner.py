@@ -28,6 +28,7 @@ from loraserve.kernels.step_buffers import StepBuffers, StepCapacity
 from loraserve.model_config import LORA_MODULES, ModelConfig
 from loraserve.partition import a_rank_divisor, lora_slice
 from loraserve.wire import TokenLogprob
+from loraserve.worker.compiled_forward import CompiledForward
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.decode_graphs import DecodeGraphs
 from loraserve.worker.grammar import MaskComputer, unpack
@@ -114,8 +115,12 @@ class ModelRunner:
         capacity: StepCapacity | None = None,
         decode_padding: DecodePadding | None = None,
         tp: Collectives | None = None,
+        compiled: bool = False,
     ):
         self.model, self.pool_tensor, self.layout, self.backend = model, pool_tensor, layout, backend
+        # the forward pass: the model's, or its layers compiled (`worker/compiled_forward.py`)
+        self.compiled = compiled
+        self.forward = CompiledForward(model) if compiled else model
         self.device = pool_tensor.device
         parts = [lora_slice(model.full_config, m, 1, layout.shard) for m in LORA_MODULES]  # this rank's widths
         self.geometry = LoraGeometry(
@@ -169,7 +174,7 @@ class ModelRunner:
             forward = ForwardBatch(
                 step.positions, step.attention, step.lora, self.pool_tensor, self.backend, copies, self.tp
             )
-            hidden = self.model(step.input_ids, forward)
+            hidden = self.forward(step.input_ids, forward)
         prompt_logprobs = self._score_prompts(batch, step, hidden)
         if not sampling:
             return RunnerOutput({}, prompt_logprobs=prompt_logprobs)

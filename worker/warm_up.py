@@ -8,10 +8,12 @@ path's tile height; attention's from decode or prefill, and split or not.
 
 The warm-up runs dummy steps through the runner that cover them all: for each rank block, a decode
 step (with a long context, so attention splits its keys) and prefill chunks of 2 and 33 tokens,
-each with a *warm-up adapter* of that rank. Every page of that adapter, and of those sequences, is
-the engine's scratch page (the one padded decode steps write to), so the steps read whatever is
-there and write only there: they compute nothing anybody reads, touch no real KV or adapter page,
-and sample nothing. Then the decode graphs are captured (`ModelRunner.capture_decode_graphs`).
+each with a *warm-up adapter* of that rank, and a prefill chunk with no adapter (a compiled forward
+pass, `worker/compiled_forward.py`, has a graph with adapters and one without). Every page of that
+adapter, and of those sequences, is the engine's scratch page (the one padded decode steps write to),
+so the steps read whatever is there and write only there: they compute nothing anybody reads, touch
+no real KV or adapter page, and sample nothing. Then the decode graphs are captured
+(`ModelRunner.capture_decode_graphs`).
 """
 
 from __future__ import annotations
@@ -58,15 +60,17 @@ def warm_up(runner: ModelRunner, scratch_page: int, max_rank: int, graphs: str |
     tp = layout.tokens_per_page
     longest = min(capacity.max_seq_pages * tp, config.max_position_embeddings)
 
-    def chunk(tokens: int, start: int, adapter: WarmUpAdapter) -> SeqChunk:
+    def chunk(tokens: int, start: int, adapter: WarmUpAdapter | None) -> SeqChunk:
         return SeqChunk("", [0] * tokens, start, [scratch_page] * ceil_div(start + tokens, tp), adapter, None)
 
     for block in rank_blocks(max_rank):
         rank = min(block, max_rank)
         shape = layout.adapter_layout(config, rank, LORA_MODULES)
+        if shape.num_pages > capacity.max_adapter_pages:  # on every module, this rank (and any larger) outgrows
+            break  # the pool: an adapter of it on fewer modules compiles its kernel variants when first served
         adapter = WarmUpAdapter(
             rank,
-            (scratch_page,) * min(shape.num_pages, capacity.max_adapter_pages),
+            (scratch_page,) * shape.num_pages,
             tuple(shape.a_offsets),
             tuple(shape.b_offsets),
             (True,) * layout.num_layers,
@@ -75,11 +79,13 @@ def warm_up(runner: ModelRunner, scratch_page: int, max_rank: int, graphs: str |
         for tokens in PREFILL_TOKENS:
             if tokens <= capacity.max_tokens and ceil_div(tokens, tp) <= capacity.max_seq_pages:
                 runner.execute([chunk(tokens, 0, adapter)])
+    runner.execute([chunk(PREFILL_TOKENS[0], 0, None)])  # and none: a compiled forward pass has a graph without
     if graphs is not None:
         runner.capture_decode_graphs(graphs, max_rank)
     seconds = time.perf_counter() - started
     log.info(
-        "warm-up: kernels for rank blocks %s, decode graphs %s (%s), %.1f s",
+        "warm-up: %s forward pass, kernels for rank blocks %s, decode graphs %s (%s), %.1f s",
+        "compiled" if runner.compiled else "eager",
         rank_blocks(max_rank),
         runner.graphs.sizes() if runner.graphs else "none",
         graphs or "eager",

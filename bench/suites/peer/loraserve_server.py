@@ -27,6 +27,7 @@ class LoraserveOptions:
     max_batch_size: int
     threads: int  # the worker's torch threads
     pool_gb: float
+    compile_model: bool  # --compile: the worker's layers compiled by inductor
 
 
 class LoraserveServer:
@@ -52,6 +53,7 @@ class LoraserveServer:
             prefix_cache=False,  # every run prefills every prompt, as vLLM's does here
             data_dir=data_dir.name,
             cpu_cores=bound_cores(options.threads),  # the cores vLLM binds its OpenMP threads to
+            compile=options.compile_model,  # `up --compile`
         )
         if allocator := tcmalloc():  # every role's, as vLLM's processes
             stack.stack.env = {**os.environ, "LD_PRELOAD": allocator}
@@ -79,11 +81,10 @@ class LoraserveServer:
         return all(p.poll() is None for p in self.stack.stack.children.values())
 
     def pause(self) -> None:
-        """Nothing: stopped roles would come back to a scheduler that counts the silence as a dead
-        worker. Idle, the stack uses little CPU (the suite measures it)."""
+        """Nothing (nor does `resume`): stopped roles would come back to a scheduler that counts the silence
+        as a dead worker. Idle, the stack uses little CPU (the suite measures it)."""
 
-    def resume(self) -> None:
-        """Nothing (see `pause`)."""
+    resume = pause
 
     def stop(self) -> None:
         try:

@@ -6,8 +6,8 @@
 
 Both systems serve a random Llama (`bench/common/random_model.py`, `--shape`) or `--model DIR`, with
 `--adapters` synthetic PEFT adapters on every projection, written once under `--cache-dir`: vLLM from
-its own venv (`vllm.py`), loraserve as the real stack with its OpenAI HTTP edge
-(`loraserve_server.py`), both in `--dtype`, on `--threads` compute threads, prefix caching off.
+its own venv (`vllm.py`), loraserve as the real stack with its OpenAI HTTP edge (`loraserve_server.py`,
+layers compiled unless `--no-loraserve-compile`), both in `--dtype`, on `--threads` threads, no prefix cache.
 
 Pairings (`--peer-pairings`, `plan.py`): `base`, vLLM without --enable-lora (its compiled path)
 against requests that name no adapter; `lora`, vLLM with the adapters against requests round-robin
@@ -91,6 +91,7 @@ class PeerSettings:
     dtype: str = setting("float32", "both systems' dtype", choices=("float32", "bfloat16"))
     threads: int = setting(1, "compute threads of each system (the other cores serve HTTP and the roles)")
     pool_gb: float = setting(1.0, "loraserve's page pool (GiB)")
+    loraserve_compile: bool = setting(True, "loraserve's worker with --compile (its layers compiled, as vLLM's base)")
     vllm_kvcache_gb: int = setting(1, "vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     vllm_venv: Path = setting(CACHE / "vllm-venv", "vLLM's venv (installed there the first time)")
     vllm_start_timeout: float = setting(900.0, "seconds to wait for a vLLM server's /health (it compiles first)")
@@ -150,16 +151,9 @@ def run(settings: PeerSettings) -> dict:
     records: list[dict] = []
     agreement: dict[str, dict] = {}
     idle_cpu: dict[str, dict[str, float | None]] = {}  # pairing -> system -> CPU s/s used idle
-    loraserve = LoraserveServer.start(
-        LoraserveOptions(
-            model_dir=Path(model_dir),
-            dtype=settings.dtype,
-            max_batch_size=settings.concurrency,
-            threads=settings.threads,
-            pool_gb=settings.pool_gb,
-        ),
-        adapters if "lora" in settings.peer_pairings else {},
-    )
+    s = settings
+    options = LoraserveOptions(Path(model_dir), s.dtype, s.concurrency, s.threads, s.pool_gb, s.loraserve_compile)
+    loraserve = LoraserveServer.start(options, adapters if "lora" in s.peer_pairings else {})
     try:
         for pairing in settings.peer_pairings:
             servers: dict[str, Server] = {}
