@@ -7,6 +7,8 @@ ARG TORCH_SPEC="torch>=2.4"
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 
+# A C and C++ compiler: `--compile` (inductor) and the CPU decode-attention kernel are built with it at start-up.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN pip install $TORCH_SPEC
 COPY pyproject.toml README.md ./
 COPY loraserve loraserve

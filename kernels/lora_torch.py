@@ -23,6 +23,10 @@ usually one contiguous span of the step: x is then read as a view and y updated 
 `baddbmm_` (or a bmm added to y, when y is a column view of a fused projection's output), with no
 gather or scatter of activations. Any other order works through index tables.
 
+In float32 on a CPU computing on one thread, a bucket of one token per tile (decode) is one call of
+`lora_cpu`'s C kernel over the same tables, which reads the rows where they lie; `native=False` keeps
+every bucket on the torch calls above (the reference).
+
 On a rank of a tensor-parallel worker (`loraserve/partition.py`) a bucket's A blocks hold that rank's share
 of the rank vectors (column-parallel groups) or of the input (row-parallel groups);
 `lora_apply_torch_partitioned` computes every bucket's v first, exchanges them all between the ranks in one
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loraserve.kernels import lora_cpu
 from loraserve.kernels.batch import page_rows
 from loraserve.kernels.metadata import LoraPlan
 
@@ -107,10 +112,16 @@ def lora_apply_torch(
     plan: LoraPlan,
     layer: int,
     group: int,
+    native: bool = True,
 ) -> None:
-    """outputs[i] += the LoRA term of module plan.groups[group][i], for every adapter token of the step."""
+    """outputs[i] += the LoRA term of module plan.groups[group][i], for every adapter token of the step; a
+    bucket of one token per tile in C where `lora_cpu` can (`native=False`: in torch, the reference)."""
+    in_c = native and lora_cpu.usable(x, pool_layer)
     for b in plan.prepared[group]:
-        _expand(b, _shrink(b, x, pool_layer, layer), outputs, pool_layer)
+        if in_c and b.t <= lora_cpu.MAX_TILE_TOKENS:
+            lora_cpu.apply_bucket(b, x, pool_layer, layer, outputs)
+        else:
+            _expand(b, _shrink(b, x, pool_layer, layer), outputs, pool_layer)
 
 
 # Turns each bucket's shrink output, [n, t, k, r'] (k modules, r' rank vectors of each held here), into what its

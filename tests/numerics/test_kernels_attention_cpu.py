@@ -15,7 +15,7 @@ import torch
 from test_kernels_attention import HEADS, dense_reference
 
 from loraserve.bench.common.kernel_cases import make_attention_case
-from loraserve.kernels import attention_cpu
+from loraserve.kernels import attention_cpu, native
 from loraserve.kernels.attention_torch import attention_torch, write_kv_torch
 
 TOL = 1e-5
@@ -87,7 +87,7 @@ def test_with_more_threads_sdpa_runs():
 
 def test_without_a_compiler_the_torch_path_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(attention_cpu, "CACHE", tmp_path / "kernels")
-    with caplog.at_level("INFO", logger=attention_cpu.__name__):
-        assert attention_cpu.decode_kernel.__wrapped__() is None
+    monkeypatch.setattr(native, "CACHE", tmp_path / "kernels")
+    with caplog.at_level("INFO", logger=native.__name__):
+        assert native.library.__wrapped__("decode_attention.c") is None
     assert "the torch path runs" in caplog.text

@@ -22,7 +22,7 @@ from loraserve.bench.common.kernel_cases import (
     make_lora_plan,
     make_lora_pool,
 )
-from loraserve.kernels import lora_torch
+from loraserve.kernels import lora_cpu, lora_torch
 from loraserve.kernels.batch import FUSED_SHRINK_MAX_RANK, ReusePrepared, lora_order
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 from loraserve.kernels.lora_triton import lora_apply_triton_group, prepare_lora_triton
@@ -94,10 +94,15 @@ def _ordered(requests):
 @pytest.mark.parametrize("lengths", [[1], [1, 2, 3], [1, 1, 12, 1, 30]], ids=["decode", "short", "mixed"])
 @pytest.mark.parametrize("order", ["as-given", "runner"])
 @pytest.mark.parametrize("reads", ["gathered", "in-place"])
-def test_groups_match_dense(pool, popularity, lengths, order, reads, monkeypatch):
+@pytest.mark.parametrize("path", ["torch", "c"])
+def test_groups_match_dense(pool, popularity, lengths, order, reads, path, monkeypatch):
     """Gathered: every bucket's rows copied out of the pool; in place: every adapter whose rows for a group lie in
-    runs of the pool gets a bucket of its own that reads them there (`lora_torch._Tile.direct`)."""
+    runs of the pool gets a bucket of its own that reads them there (`lora_torch._Tile.direct`). Path c: torch on
+    one thread, so buckets of one token per tile run `lora_cpu`'s C kernel, which reads the rows where they lie
+    in both cases (the plan's tables name them)."""
     monkeypatch.setattr(lora_torch, "DIRECT_MIN_BYTES", 0 if reads == "in-place" else 2**62)
+    in_c, apply_bucket = [], lora_cpu.apply_bucket
+    monkeypatch.setattr(lora_cpu, "apply_bucket", lambda b, *args: in_c.append(b.t) or apply_bucket(b, *args))
     weights, adapters = pool
     n = 24
     assigned = assign_adapters(popularity, n, seed=2)
@@ -114,7 +119,14 @@ def test_groups_match_dense(pool, popularity, lengths, order, reads, monkeypatch
     in_place = [isinstance(b.a_rows, slice) for buckets in plan.prepared for b in buckets]
     uses_consecutive = any(a is not None and a in CONSECUTIVE for a, _ in requests)
     assert any(in_place) == (reads == "in-place" and uses_consecutive)
-    _every_group_matches_dense(lora_apply_torch, weights, adapters, requests, plan, "cpu", seed=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if path == "c" else max(threads, 2))
+    try:
+        _every_group_matches_dense(lora_apply_torch, weights, adapters, requests, plan, "cpu", seed=1)
+    finally:
+        torch.set_num_threads(threads)
+    one_token_tiles = any(b.t == 1 for buckets in plan.prepared for b in buckets)
+    assert bool(in_c) == (path == "c" and one_token_tiles) and set(in_c) <= {1}
 
 
 @pytest.mark.parametrize("lengths", [[1], [1, 1, 12, 1, 3]], ids=["decode", "mixed"])

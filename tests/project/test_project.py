@@ -15,6 +15,34 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLE_FOLDERS = ["gateway", "scheduler", "adapter_store", "worker", "launcher", "kernels", "bench", "demo", "proto"]
 
 
+def _setuptools() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_folder_of_python_code_is_an_installed_package():
+    """A wheel (the image's install) carries only the packages pyproject lists: a subfolder left out
+    installs a loraserve that cannot import it."""
+    config = _setuptools()
+    folders = {package: ROOT / folder for package, folder in config["package-dir"].items()}
+    code = {
+        ".".join((package, *d.relative_to(root).parts)).rstrip(".")
+        for package, root in folders.items()
+        for d in [root, *root.rglob("*")]
+        if d.is_dir() and "__pycache__" not in d.parts and any(d.glob("*.py"))
+    }
+    assert sorted(code - set(config["packages"])) == []
+
+
+def test_the_c_kernel_source_is_package_data():
+    from fnmatch import fnmatch
+
+    patterns = _setuptools()["package-data"]["loraserve.kernels"]
+    sources = [p.relative_to(ROOT / "kernels").as_posix() for p in (ROOT / "kernels").rglob("*.c")]
+    assert sources and all(any(fnmatch(s, pattern) for pattern in patterns) for s in sources)
+
+
 def test_generated_stubs_match_the_protos(tmp_path):
     from loraserve.protos import OUT, generate
 
