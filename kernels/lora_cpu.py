@@ -1,9 +1,10 @@
 """LoRA of decode buckets in C, on the CPU in float32 (`kernels/csrc/lora_decode.c`).
 
-A bucket of the torch path (`kernels/lora_torch.py`) whose tiles hold one token each — a decode step's
-adapters — is computed by one C call that reads each adapter's A and B rows where they lie in the pool,
-once: no gather of the rows into a contiguous copy, no bmm over it, no per-module calls. Buckets of
-longer tiles (prefill chunks), where a GEMM over the gathered rows pays, keep the torch path.
+A bucket of the torch path (`kernels/lora_torch.py`) whose tiles hold a few tokens each — a decode step's
+adapters, each with one or a few sequences — is computed by one C call that reads each adapter's A and
+B rows where they lie in the pool, once per tile: no gather of the rows into a contiguous copy, no bmm
+over it, no per-module calls. Buckets of longer tiles (prefill chunks), where a GEMM over the gathered
+rows pays, keep the torch path (`MAX_TILE_TOKENS`).
 `lora_apply_torch` calls it where `usable` (float32, the CPU, one torch thread: `kernels/native.py`
 builds and loads it) and is its reference (tests/numerics/test_kernels_lora_cpu.py).
 """
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
     from loraserve.kernels.lora_torch import _Bucket
 
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
-MAX_TILE_TOKENS = 1  # tiles of more tokens keep the torch path (a GEMM reads each row once for all of them)
+# Tiles of more tokens keep the torch path: there a GEMM over the gathered rows computes faster than the C
+# loops (which read each row once per tile, as it does, but multiply one token at a time).
+MAX_TILE_TOKENS = 8
 
 
 @functools.cache
@@ -59,7 +62,7 @@ def apply_bucket(
         return (I64 * k)(*values)
 
     vectors = k * b.rank
-    v = torch.empty(vectors, dtype=torch.float32)  # the shrink's output, one token at a time
+    v = torch.empty(b.t * vectors, dtype=torch.float32)  # the tile's shrinks
     bucket_kernel()(
         x.data_ptr(), x.stride(0), tokens.data_ptr(), b.n, b.t,
         pool_layer.data_ptr(), pool_layer.shape[1], a_table, a_start, vectors, b.c_in, b.d_in, scale.data_ptr(),

@@ -23,7 +23,7 @@ usually one contiguous span of the step: x is then read as a view and y updated 
 `baddbmm_` (or a bmm added to y, when y is a column view of a fused projection's output), with no
 gather or scatter of activations. Any other order works through index tables.
 
-In float32 on a CPU computing on one thread, a bucket of one token per tile (decode) is one call of
+In float32 on a CPU computing on one thread, a bucket of a few tokens per tile (decode) is one call of
 `lora_cpu`'s C kernel over the same tables, which reads the rows where they lie; `native=False` keeps
 every bucket on the torch calls above (the reference).
 
@@ -115,7 +115,7 @@ def lora_apply_torch(
     native: bool = True,
 ) -> None:
     """outputs[i] += the LoRA term of module plan.groups[group][i], for every adapter token of the step; a
-    bucket of one token per tile in C where `lora_cpu` can (`native=False`: in torch, the reference)."""
+    bucket of a few tokens per tile in C where `lora_cpu` can (`native=False`: in torch, the reference)."""
     in_c = native and lora_cpu.usable(x, pool_layer)
     for b in plan.prepared[group]:
         if in_c and b.t <= lora_cpu.MAX_TILE_TOKENS:

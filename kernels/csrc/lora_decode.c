@@ -1,6 +1,6 @@
 /* LoRA of one bucket's tiles on the CPU, float32, reading the adapters' rows where they lie in the
  * unified pool (no gather, no intermediate copy). The torch path (kernels/lora_torch.py) is the reference;
- * kernels/lora_cpu.py builds this file and calls it for buckets of one token per tile (decode).
+ * kernels/lora_cpu.py builds this file and calls it for buckets of a few tokens per tile (decode).
  *
  *   for each tile i (one adapter) and each of its t tokens x = x[token]:
  *       v[q]  = (x . A_i[q]) * scale[i]                     q < vectors: the group's A rank vectors, stacked
@@ -10,6 +10,7 @@
  * pool rows are W floats. Row of A chunk c of vector q of tile i: a_rows[(i * vectors + q) * c_in + c],
  * or a_start + that index when a_rows is NULL (rows read in place); B likewise from b_rows + b_start[o]
  * (or b_start[o] + index when b_rows is NULL). y_o is a column view: row `token` at y[o] + token * y_stride[o].
+ * Each row is read once per tile, for all its tokens; v holds the tile's shrinks (t * vectors floats).
  */
 #include <stdint.h>
 
@@ -23,28 +24,30 @@ void lora_bucket_f32(const float *x, int64_t x_stride, const int64_t *tokens, in
                      const int64_t *b_start, const int64_t *v_col, const int64_t *c_out, const int64_t *d_out,
                      float *const *y, const int64_t *y_stride, int64_t rank, float *v) {
     for (int64_t i = 0; i < tiles; i++) {
-        for (int64_t j = 0; j < t; j++) {
-            const int64_t token = tokens[i * t + j];
-            const float *xr = x + token * x_stride;
-            for (int64_t q = 0; q < vectors; q++) {
-                float dot = 0.0f;
-                for (int64_t c = 0; c < c_in; c++) {
-                    const float *a = pool + row_of(a_rows, a_start, (i * vectors + q) * c_in + c) * w;
-                    const float *xc = xr + c * w;
-                    const int64_t n = d_in - c * w < w ? d_in - c * w : w;
+        const int64_t *tile = tokens + i * t;
+        for (int64_t k = 0; k < t * vectors; k++) v[k] = 0.0f; /* v[j * vectors + q]: token j's shrink */
+        for (int64_t q = 0; q < vectors; q++) {
+            for (int64_t c = 0; c < c_in; c++) { /* each A row read once, for every token of the tile */
+                const float *a = pool + row_of(a_rows, a_start, (i * vectors + q) * c_in + c) * w;
+                const int64_t n = d_in - c * w < w ? d_in - c * w : w;
+                for (int64_t j = 0; j < t; j++) {
+                    const float *xc = x + tile[j] * x_stride + c * w;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                     for (int64_t d = 0; d < n; d++) dot += xc[d] * a[d];
+                    v[j * vectors + q] += dot;
                 }
-                v[q] = dot * scale[i];
             }
-            for (int64_t o = 0; o < outputs; o++) {
-                float *yr = y[o] + token * y_stride[o];
-                for (int64_t q = 0; q < rank; q++) {
-                    const float p = v[v_col[o] + q];
-                    for (int64_t c = 0; c < c_out[o]; c++) {
-                        const float *b = pool + row_of(b_rows, b_start[o], (i * rank + q) * c_out[o] + c) * w;
-                        float *yc = yr + c * w;
-                        const int64_t n = d_out[o] - c * w < w ? d_out[o] - c * w : w;
+        }
+        for (int64_t k = 0; k < t * vectors; k++) v[k] *= scale[i];
+        for (int64_t o = 0; o < outputs; o++) {
+            for (int64_t q = 0; q < rank; q++) {
+                for (int64_t c = 0; c < c_out[o]; c++) { /* each B row read once, for every token */
+                    const float *b = pool + row_of(b_rows, b_start[o], (i * rank + q) * c_out[o] + c) * w;
+                    const int64_t n = d_out[o] - c * w < w ? d_out[o] - c * w : w;
+                    for (int64_t j = 0; j < t; j++) {
+                        const float p = v[j * vectors + v_col[o] + q];
+                        float *yc = y[o] + tile[j] * y_stride[o] + c * w;
 #pragma omp simd
                         for (int64_t d = 0; d < n; d++) yc[d] += p * b[d];
                     }
