@@ -273,10 +273,17 @@ class WorkerConfig:
         'CPU cores this worker computes on, such as "1" or "2-5,8": its step loop and torch\'s threads (its '
         "threads that wait on sockets run anywhere); empty: wherever the OS puts them",
     )
+    pin_all_threads: bool = setting(
+        False,
+        "with --cpu-cores, every thread of the worker on those cores, its socket threads too: none then holds "
+        "the interpreter on another core while the step waits (a busy neighbour there can delay its heartbeats)",
+    )
     keys: InternalKeys | None = None  # CURVE keys: talk to the scheduler, store and gateways as a worker
 
     def __post_init__(self) -> None:
         parse_cores(self.cpu_cores)  # InvalidConfigError naming a malformed list or a core not available
+        if self.pin_all_threads and not self.cpu_cores:
+            raise InvalidConfigError("pin_all_threads needs cpu_cores (--cpu-cores): the cores to pin them to")
         if not (self.report_interval_s > 0 and self.heartbeat_interval_s > 0 and self.grammar_threads >= 1):
             raise InvalidConfigError(
                 "the report and heartbeat intervals must be positive and grammar_threads at least 1: "

@@ -12,6 +12,10 @@ engine, so that torch's threads start on those cores, lets the threads that only
 I/O thread, which sends the heartbeats, ZMQ's own, the fetches and builds) start anywhere, then pins
 the step loop. The step then runs where nothing else of the stack is put, its weights in that core's
 caches, and a busy neighbour on those cores cannot starve the heartbeats. Empty `cores`: nothing is pinned.
+
+With `--pin-all-threads` every thread is then put on those cores too: the socket threads share the
+interpreter with the step loop, and one that holds it while descheduled on a busy other core makes the
+step wait (measured served: ITL p50 18.6 ms against 19.2-19.8 ms, `docs/benchmarks.md`, the peer suite).
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ def pin(cores: frozenset[int]) -> None:
     """Run the calling thread, and the threads it starts from now on, on `cores` only (empty: as it is)."""
     if cores:
         os.sched_setaffinity(0, cores)
+
+
+def pin_every_thread(cores: frozenset[int]) -> None:
+    """Every thread of this process on `cores` (`--pin-all-threads`); threads started later inherit their
+    creator's cores."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cores)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from loraserve.process import add_service_arguments, run_service
 from loraserve.supervise import RoleFailed
 from loraserve.worker.cli import add_engine_arguments, engine_config_from_args
 from loraserve.worker.config import WorkerConfig
-from loraserve.worker.cpu_cores import parse_cores, pin, pinned
+from loraserve.worker.cpu_cores import parse_cores, pin, pin_every_thread, pinned
 from loraserve.worker.engine import Engine
 from loraserve.worker.service import WorkerService
 
@@ -46,6 +46,8 @@ def serve(args: argparse.Namespace, worker_id: str, stop: threading.Event) -> No
         engine = Engine(args.model, engine_config_from_args(args))
     service = WorkerService(engine, config)  # its I/O, fetch and build threads (and ZMQ's): on any core
     pin(cores)  # the step loop
+    if config.pin_all_threads:
+        pin_every_thread(cores)
     if args.metrics_port:
         from prometheus_client import REGISTRY
 

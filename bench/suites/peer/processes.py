@@ -1,7 +1,6 @@
-"""A server's process tree, as the peer suite measures and waits for it: CPU time (psutil), and an HTTP
-health check.
+"""A server's process tree, as the peer suite measures and waits for it: CPU time (psutil), HTTP health.
 
-    cpu = tree_cpu_seconds([server.pid])        # user + system seconds of it and every descendant
+cpu = tree_cpu_seconds([server.pid])        # user + system seconds of it and every descendant
 """
 
 from __future__ import annotations

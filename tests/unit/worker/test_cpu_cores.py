@@ -49,19 +49,29 @@ def _allowed(task: Path) -> str:
     return line.split(":")[1].strip()
 
 
+def _started(argv: list[str], log: Path) -> subprocess.Popen:
+    """A worker process (no scheduler: it warms up alone) once it says it is ready."""
+    with log.open("w") as out:
+        worker = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "ready" not in log.read_text():
+        if worker.poll() is not None or time.monotonic() > deadline:
+            worker.kill()
+            raise AssertionError(log.read_text()[-2000:])
+        time.sleep(0.2)
+    return worker
+
+
+def _worker_argv(*flags: str) -> list[str]:
+    argv = [sys.executable, "-m", "loraserve.cli", "worker", "--model", str(DEMO_MODEL_DIR), *flags]
+    return [*argv, "--torch-threads", "1", "--scheduler-address", "tcp://127.0.0.1:9"]
+
+
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two cores to pin to one")
 def test_a_worker_started_with_cpu_cores_runs_its_threads_there(tmp_path):
     core = ALLOWED[-1]
-    argv = [sys.executable, "-m", "loraserve.cli", "worker", "--model", str(DEMO_MODEL_DIR), "--cpu-cores", str(core)]
-    argv += ["--torch-threads", "1", "--scheduler-address", "tcp://127.0.0.1:9"]  # no scheduler: it warms up alone
-    log = tmp_path / "worker.log"
-    with log.open("w") as out:
-        worker = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    worker = _started(_worker_argv("--cpu-cores", str(core)), tmp_path / "worker.log")
     try:
-        deadline = time.monotonic() + 60
-        while "ready" not in log.read_text():
-            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.2)
         tasks = {t.name: t for t in Path(f"/proc/{worker.pid}/task").iterdir()}
         assert _allowed(tasks[str(worker.pid)]) == str(core)  # the step loop (the main thread)
         zmq_io = [t for t in tasks.values() if (t / "comm").read_text().startswith("ZMQbg/IO")]
@@ -69,3 +79,21 @@ def test_a_worker_started_with_cpu_cores_runs_its_threads_there(tmp_path):
     finally:
         worker.terminate()
         worker.wait(30)
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two cores to pin to one")
+def test_pin_all_threads_puts_every_thread_on_those_cores(tmp_path):
+    core = ALLOWED[-1]
+    worker = _started(_worker_argv("--cpu-cores", str(core), "--pin-all-threads"), tmp_path / "worker.log")
+    try:
+        tasks = list(Path(f"/proc/{worker.pid}/task").iterdir())
+        assert any((t / "comm").read_text().startswith("ZMQbg/IO") for t in tasks)
+        assert {t.name: _allowed(t) for t in tasks} == {t.name: str(core) for t in tasks}
+    finally:
+        worker.terminate()
+        worker.wait(30)
+
+
+def test_pin_all_threads_without_cores_is_refused():
+    with pytest.raises(InvalidConfigError, match="pin_all_threads needs cpu_cores"):
+        WorkerConfig(pin_all_threads=True)
