@@ -1,7 +1,7 @@
 """loraserve as the peer suite runs it: the real stack (adapter store, scheduler, one worker,
 gateway) as local processes, its OpenAI-compatible HTTP edge on a loopback port, and the adapters
-uploaded through the public gRPC API — what a user of `loraserve up --http-bind` gets. The CPU set-up vLLM's
-guide advises, for both: the worker on vLLM's OpenMP cores (`--cpu-cores --pin-all-threads`), tcmalloc preloaded.
+uploaded through the public gRPC API — what a user of `loraserve up --http-bind` gets. The CPU set-up
+vLLM's guide advises, for both: the worker on vLLM's OpenMP cores (`--cpu-cores`), tcmalloc preloaded.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ class LoraserveServer:
             prefix_cache=False,  # every run prefills every prompt, as vLLM's does here
             data_dir=data_dir.name,
             cpu_cores=bound_cores(options.threads),  # the cores vLLM binds its OpenMP threads to
-            pin_all_threads=True,  # its socket threads too: vLLM's engine shares no interpreter with them
             compile=options.compile_model,  # `up --compile`
         )
         if allocator := tcmalloc():  # every role's, as vLLM's processes

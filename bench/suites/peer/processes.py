@@ -1,6 +1,7 @@
-"""A server's process tree, as the peer suite measures and waits for it: CPU time (psutil), HTTP health.
+"""A server's process tree, as the peer suite measures and waits for it: CPU time (psutil), and an HTTP
+health check.
 
-cpu = tree_cpu_seconds([server.pid])        # user + system seconds of it and every descendant
+    cpu = tree_cpu_seconds([server.pid])        # user + system seconds of it and every descendant
 """
 
 from __future__ import annotations
