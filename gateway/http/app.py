@@ -1,18 +1,15 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`
-(and the operational routes of `operations.py`: `/health`, `/version`, `/tokenize`, `/detokenize`, and
-the adapter routes of `adapter_routes.py`: `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
+(the operational ones are `operations.py`'s).
 
 A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
-name. A request becomes one draft per choice (`drafts.py`: a `GenerationRequest`'s fields), each run by
-the generation core (`gateway/core.py`) as a gRPC request is, so keys, tenants, quotas, validation, tracing and failover
-are the gRPC API's; this file translates requests in, `answering.py` runs them and answers in the API's
-shape (`responses.py`), and failures leave in OpenAI's error shape (`errors.py`).
-Chat renders `messages` with the model's chat template (`gateway/chat_template.py`) and sends the
-token ids (both in the tokenizer's threads, `gateway/tokenizing.py`). The Responses API takes the same
-path: its request becomes the chat completion it asks for (`responses_api.py`), rendered and generated
-as one, and answered in its own shapes (`responses_events.py`). `BodyGuard` (`body_guard.py`) stands in front of
-every route: a caller without a valid key gets 401, and a body over the cap 413, before any byte of
-the body is read; the routes then authenticate again (the principal they act for).
+name. A request becomes one draft per choice (`drafts.py`: a `GenerationRequest`'s fields), which
+`answering.py` has the generation core run and answers in the API's shape (`responses.py`,
+`responses_events.py`); failures leave in OpenAI's error shape (`errors.py`). Chat renders `messages`
+with the model's chat template (`gateway/chat_template.py`) and sends the token ids (both in the
+tokenizer's threads, `gateway/tokenizing.py`). The Responses API takes the same path: its request
+becomes the chat completion it asks for (`responses_api.py`). `BodyGuard` (`body_guard.py`) stands in
+front of every route: a caller without a valid key gets 401, and a body over the cap 413, before any
+byte of the body is read; the routes then authenticate again (the principal they act for).
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.core import GenerationCore
 from loraserve.gateway.generation_request import Fields
 from loraserve.gateway.http import responses_api
-from loraserve.gateway.http.adapter_routes import AdapterRoutes
-from loraserve.gateway.http.answering import answer
+from loraserve.gateway.http.answering import answer, http_metadata
 from loraserve.gateway.http.body_guard import BodyGuard
 from loraserve.gateway.http.drafts import with_sampling
 from loraserve.gateway.http.errors import (
@@ -46,9 +42,8 @@ from loraserve.gateway.http.errors import (
     error_body,
     http_error,
 )
-from loraserve.gateway.http.generation import http_metadata
 from loraserve.gateway.http.logprobs import LogprobFormat
-from loraserve.gateway.http.operations import OPEN_PATHS, OperationRoutes
+from loraserve.gateway.http.operations import OPEN_PATHS, AdapterRoutes, OperationRoutes
 from loraserve.gateway.http.responses import Answers
 from loraserve.gateway.http.responses_events import Reply
 from loraserve.gateway.http.schemas import (
@@ -56,7 +51,6 @@ from loraserve.gateway.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
-    Tool,
 )
 from loraserve.gateway.http.structured import requested_constraint
 from loraserve.gateway.http.tool_calling import ToolChoice, tool_choice
@@ -168,10 +162,7 @@ class OpenAiRoutes:
         return await answer(self.core, drafts, answers, request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request, principal: Caller) -> Response:
-        template = self._template("messages")
-        tools = self._tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls)
-        draft = self._draft(body, tools, CHAT_PARAMS)
-        draft = await self._chat_prompt(draft, template, body.conversation(), body.tools, CHAT_PARAMS)
+        draft, tools = await self._chat(body, self._template("messages"), CHAT_PARAMS)
         answers = Answers(f"chatcmpl-{uuid.uuid4().hex}", body, self._logprobs(bool(body.logprobs), body), tools=tools)
         return await answer(self.core, _choices(draft, body, answers.id), answers, request)
 
@@ -183,9 +174,7 @@ class OpenAiRoutes:
         if refused is not None:
             raise bad_request(*refused)
         chat = responses_api.chat_request(body)
-        tools = self._tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls, body.max_tool_calls)
-        draft = self._draft(chat, tools, RESPONSES_PARAMS)
-        draft = await self._chat_prompt(draft, template, chat.conversation(), chat.tools, RESPONSES_PARAMS)
+        draft, tools = await self._chat(chat, template, RESPONSES_PARAMS, body.max_tool_calls)
         return await answer(self.core, [draft], Reply(f"resp_{uuid.uuid4().hex}", body, tools), request)
 
     def _template(self, param: str) -> ChatTemplate:
@@ -198,31 +187,22 @@ class OpenAiRoutes:
             )
         return self.chat_template
 
-    def _tool_choice(
-        self, tools: list[Tool] | None, choice: Any, parallel: bool | None, max_calls: int | None = None
-    ) -> ToolChoice | None:
-        """The request's use of its tools (`tool_calling.tool_choice`), or a 400 naming what cannot be served."""
+    async def _chat(
+        self, chat: ChatCompletionRequest, template: ChatTemplate, params: dict[str, str], max_calls: int | None = None
+    ) -> tuple[Fields, ToolChoice | None]:
+        """A chat request's draft, with its prompt, and its use of its tools (`tool_calling.tool_choice`;
+        `max_calls`: the Responses API's). The prompt is the conversation rendered by the chat template (the
+        tools listed for it), as token ids, both in the tokenizer's threads; a problem with it is a 400
+        naming the API's (`params`) parameter for the messages. With no max tokens asked for, the answer
+        may run to the end of the context (as OpenAI and vLLM do)."""
         try:
-            return tool_choice(tools, choice, parallel, self.tool_parser, max_calls=max_calls)
+            tools = tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls, self.tool_parser, max_calls)
         except LoraserveError as e:
             raise http_error(e) from None
-
-    async def _chat_prompt(
-        self,
-        draft: Fields,
-        template: ChatTemplate,
-        conversation: list[dict[str, Any]],
-        tools: list[Tool] | None,
-        params: dict[str, str],
-    ) -> Fields:
-        """`draft` with its prompt: `conversation` rendered by the chat template (`tools` listed for it), as
-        token ids, both in the tokenizer's threads; a problem with it is a 400 naming the API's (`params`)
-        parameter for the messages. With no max tokens asked for, the answer may run to the end of the
-        context (as OpenAI and vLLM do)."""
-        limits = self.core.limits
+        draft, limits = self._draft(chat, tools, params), self.core.limits
         try:
-            listed = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
-            text = await self.core.tokenizing.render(template, conversation, listed)
+            listed = None if chat.tools is None else [t.model_dump(exclude_none=True) for t in chat.tools]
+            text = await self.core.tokenizing.render(template, chat.conversation(), listed)
             if len(text.encode()) > limits.max_prompt_bytes:
                 raise InvalidRequestError("messages", f"are longer than {limits.max_prompt_bytes} bytes")
             ids = await self.core.tokenizing.encode(text, "messages", add_special_tokens=False)
@@ -231,7 +211,7 @@ class OpenAiRoutes:
         draft = {**draft, "prompt_ids": list(ids)}
         if not draft["sampling"]["max_new_tokens"]:
             draft = with_sampling(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
-        return draft
+        return draft, tools
 
     def _logprobs(self, asked: bool, body: CompletionRequest | ChatCompletionRequest) -> LogprobFormat | None:
         chat = isinstance(body, ChatCompletionRequest)

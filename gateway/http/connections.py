@@ -1,38 +1,31 @@
-"""How many HTTP connections the gateway holds, and how long a client may take to send a request.
+"""How many HTTP connections the gateway holds, and how long a client may take to send a request (the
+README's HTTP API section states the rules for clients).
 
 uvicorn alone accepts every connection and waits forever for a request head or body, so idle or
 trickling clients with no key can hold sockets until the process runs out of file descriptors and
 fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with these bounds:
 
 - **a connection limit**: with `max_connections` open, a new connection takes the place of one that
-  is waiting for the client: first the one that has waited longest for its first request head
-  (answered `503` and closed), else the one idle longest between requests (a keep-alive connection
-  whose response is sent and of whose next request nothing has come: closed with no answer, as its
-  keep-alive timeout would, so the client sends its next request on a new connection). Connections
-  that never send a request, or send one and then sit idle, cannot keep a well-behaved client out,
-  however many there are. Only when every open connection is in the middle of a request is the new
-  one answered `503` and closed at once. Either way the gateway's descriptors stay bounded whatever
-  clients do;
-- **a request-head deadline**: from the moment a connection is ready for its first request (accepted),
-  or from the first byte of a later one, the whole head must arrive within `header_timeout_s`, however
-  it is trickled (uvicorn's keep-alive timer stops at the first byte);
-- **a request-body deadline**: once the head is in, the whole body must arrive within
-  `body_timeout_s`;
+  waits for its client: the one that has waited longest for its first request head (answered `503`
+  and closed), else the one idle longest between requests (response sent, nothing of the next request
+  yet: closed with no answer, as its keep-alive timeout would). Only when every open connection is in
+  the middle of a request is the new one answered `503` and closed. Either way the descriptors stay
+  bounded, and connections that send nothing cannot keep a well-behaved client out;
+- **a request-head deadline**: from accept, or from the first byte of a later request, the whole head
+  must arrive within `header_timeout_s`, however it is trickled (uvicorn's keep-alive timer stops at
+  the first byte); **a request-body deadline**: then the whole body within `body_timeout_s`;
 - **a keep-alive timeout**: a connection idle between requests is closed (with no answer) after
   `keep_alive_s`, by uvicorn's own timer; the head deadline does not run while it is idle.
 
-A client that misses a deadline gets `408` (when no response has begun) and the connection is
-closed. Under TLS the protocol starts once the handshake is done: `server.py` gives the handshake
-`header_timeout_s` (not the loop's 60 s), so a connection in its handshake, which the limit does
-not count yet, is bounded in time. While the gateway answers (a generation, a stream) no deadline runs: the client owes
-nothing then.
+A client that misses a deadline gets `408` (when no response has begun) and is closed. While the
+gateway answers (a generation, a stream) no deadline runs. Under TLS the protocol starts once the
+handshake is done: `server.py` bounds the handshake by `header_timeout_s` (not the loop's 60 s).
 
-`keep_alive_s` is 75 s by default (nginx's and Go's net/http's idle timeouts are 75 s and longer), well
-past the idle expiry of common client pools (httpx, which the openai SDK uses: 5 s; undici/node: 4 s;
-aiohttp: 15 s). A client pool must be the one to drop an idle connection: when the server closes it at
-the moment the client reuses it (equal timeouts race), the request is lost on the wire and the client
-sees "Server disconnected without sending a response". Idle connections cost a descriptor each, and at
-`max_connections` the idle ones make room for new ones (above), so the long timeout cannot starve the port.
+`keep_alive_s` (75 s, as nginx's and Go's idle timeouts) outlasts common client pools' idle expiry
+(httpx and so the openai SDK: 5 s; undici/node: 4 s; aiohttp: 15 s): the pool must be the one to drop
+an idle connection, since a server closing it as the client reuses it (equal timeouts race) loses the
+request on the wire ("Server disconnected without sending a response"). Idle connections make room
+for new ones at `max_connections`, so the long timeout cannot starve the port.
 """
 
 from __future__ import annotations

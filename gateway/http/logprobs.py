@@ -1,12 +1,7 @@
-"""Log-probabilities in OpenAI's two shapes, from the generation's `Logprob`s (formatting only, no I/O).
-
-- Completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, lists
-  with one item per token; `top_logprobs[i]` maps the k most likely tokens' text to their
-  log-probabilities, and the token's own too (as OpenAI and vLLM: up to k + 1 entries, so `logprobs:
-  0` gives the token's alone). With `echo`, the prompt's tokens come first, the very first with
-  `null`s (nothing predicts it).
-- Chat (`logprobs: true, top_logprobs: k`): `{"content": [{"token", "logprob", "bytes",
-  "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...], "refusal": null}` (exactly the k most likely).
+"""Log-probabilities in OpenAI's two shapes, from the generation's `Logprob`s (formatting only, no I/O): a
+completion's `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (`top_logprobs` with the
+token's own beside the k likeliest, as OpenAI and vLLM: up to k + 1 entries), and chat's `{"content":
+[{"token", "logprob", "bytes", "top_logprobs"}, ...], "refusal": null}` (exactly the k likeliest).
 
 A token's text is the tokenizer's decoding of that token alone (special tokens included), its
 `bytes` that text's UTF-8. `text_offset` is where each token's text begins in the choice's text:

@@ -1,4 +1,5 @@
-"""The HTTP port's operational routes, in vLLM's shapes: `/health`, `/version`, `/tokenize`, `/detokenize`.
+"""The HTTP port's operational routes, in vLLM's shapes (the README lists their bodies and answers):
+`/health`, `/version`, `/tokenize`, `/detokenize`, `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
 
 `/health` and `/version` need no key (probes and load balancers carry none, as gRPC health needs
 none): `/health` answers 200 with an empty body while at least one worker is ready and the gateway
@@ -7,33 +8,43 @@ for an authenticated caller and are metered as the gRPC `Tokenize` and `Detokeni
 (`gateway/metered.py`: scope `generate`, one of the tenant's in-flight slots, the request counter);
 they use the base model's tokenizer, which every adapter shares, in its threads
 (`gateway/tokenizing.py`: a text too long to fit the context is refused 400 before it is tokenized);
-a `model` they are given must be one the caller can use. Over gRPC the version is
-`ModelInfo.server_version`, and `max_model_len` `max_context_length`.
+a `model` they are given must be one the caller can use.
 
-    POST /tokenize    {"prompt": str} or {"messages": [...]}, "add_special_tokens", "return_token_strs"
-                      -> {"count", "max_model_len", "tokens": [ids], "token_strs": [str] | null}
-    POST /detokenize  {"tokens": [ids]} -> {"prompt": str}
+The adapter routes are the gRPC `RegisterAdapterFromPath` and `DeleteAdapter`, run by the same adapter
+admin (`gateway/admin_service.py`): its scope (`adapters`), namespace, path rule (`--adapter-root`),
+audit log and rollout; a name that exists already gets a new version. Their failures name `lora_name` or
+`lora_path`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from loraserve.errors import AdapterNotFoundError, InvalidRequestError
+from loraserve.errors import AdapterNotFoundError, InvalidRequestError, LoraserveError
+from loraserve.gateway.admin_service import AdapterAdminService
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.core import GenerationCore
-from loraserve.gateway.http.errors import HttpError, error_body
-from loraserve.gateway.http.generation import http_metadata
-from loraserve.gateway.http.schemas import DetokenizeRequest, TokenizeRequest, conversation
+from loraserve.gateway.http.answering import http_metadata
+from loraserve.gateway.http.errors import HttpError, bad_request, error_body, http_error
+from loraserve.gateway.http.schemas import (
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+    conversation,
+)
 from loraserve.gateway.metered import metered
 from loraserve.gateway.model_service import package_version
+from loraserve.v1 import gateway_pb2
 
 OPEN_PATHS = frozenset({"/health", "/version"})  # answered without a key
+ADAPTER_PARAMS = {"name": "lora_name", "path": "lora_path"}  # the gRPC request's fields, as these routes name them
 
 FindModel = Callable[[str, Principal], Awaitable[Any]]  # raises a 404 HttpError for a model the caller lacks
 
@@ -98,3 +109,41 @@ class OperationRoutes:
 
 def _unavailable(why: str) -> JSONResponse:
     return JSONResponse(error_body(why, "service_unavailable_error", code="unavailable"), status_code=503)
+
+
+class AdapterRoutes:
+    def __init__(self, admin: AdapterAdminService):
+        self.admin = admin
+
+    async def load(self, body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+        call = gateway_pb2.RegisterAdapterFromPathRequest(name=body.lora_name, path=body.lora_path)
+        try:
+            await self.admin.register(http_metadata(request.headers), call)
+        except LoraserveError as e:
+            raise _named(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload(self, body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+        if body.lora_int_id is not None:
+            raise bad_request("lora_int_id", "adapters are named here: give lora_name alone")
+        try:
+            await self.admin.delete(http_metadata(request.headers), body.lora_name)
+        except LoraserveError as e:
+            raise _named(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _named(e: LoraserveError) -> HttpError:
+    """`e` as an HTTP failure whose `param` is this API's name for the field: the store's refusals come
+    back over gRPC as messages that start with the field's name; a missing adapter names the model
+    (here: lora_name)."""
+    error = http_error(e)
+    body = error.body["error"]
+    first_word = re.match(r"\w*", body["message"]).group()  # "path: ...", "path '...': no such directory"
+    if first_word in ADAPTER_PARAMS:
+        body["param"] = ADAPTER_PARAMS[first_word]
+    elif error.status == 413:  # the adapter at the path is over the store's --max-adapter-mb
+        body["param"] = "lora_path"
+    elif body["param"] in ("model", "name"):
+        body["param"] = "lora_name"
+    return error

@@ -1,27 +1,20 @@
 """OpenAI-shaped answers of completions and chat completions, written from the generation core's events
-(`Chunk`s, then a `Summary`): whole completions, stream chunks and their SSE framing.
+(`Chunk`s, then a `Summary`): whole completions, stream chunks and their SSE framing (the README's
+"POST /v1/completions" says what a client sees).
 
-A stream is a sequence of `data: <json>\\n\\n` events: (chat only) a first chunk with the assistant
-role for each choice, one chunk per piece of text, a last chunk with the finish reason, then, with
-`stream_options.include_usage`, a chunk with no choices and the usage (every other chunk then
-carries `"usage": null`), and finally `data: [DONE]`. With `stream_options.continuous_usage_stats`
-(vLLM's) every chunk carries its choice's usage so far instead: its prompt's tokens and the tokens
-generated up to that chunk (the role chunk: none yet; the finish chunk: all). A failure after the
-stream has begun is one event `data: {"error": {...}}`, then `data: [DONE]`. A completion of several prompts
-interleaves their chunks, each choice carrying its prompt's `index`, and its usage is their sum.
+A stream is `data: <json>\\n\\n` events: (chat only) a role chunk per choice, a chunk per piece of text,
+a chunk with the finish reason, the usage chunk (`include_usage`; every other chunk then carries
+`"usage": null`), and `data: [DONE]`; with `continuous_usage_stats` every chunk carries its choice's
+usage so far instead. A failure after the stream has begun is one `data: {"error": {...}}` event before
+`[DONE]`. Several generations' chunks interleave, each choice with its `index` (the prompt's place × n +
+the choice's); the usage counts each prompt's tokens once and every generation's (best_of: every
+candidate's, though only the n likeliest are answered). Most chunks hold text alone, written into a
+template of their choice's chunk (`Answers.text_piece`) rather than encoded whole per token.
 
-The answer has one choice per generation, `index` = prompt's place × n + the choice's, and the usage
-summed (each prompt's tokens once). With best_of above n, each prompt runs best_of candidates and the n
-with the highest log-probability are answered, likeliest first; the usage counts every candidate's tokens.
-
-A chat answer with tools in use (`tool_calling.py`) carries its tool calls in the message; streamed,
-its text is held back and sent whole after the role chunk, with the calls (each with its `index`),
-because a call can only be parsed from the whole text.
-
-With log-probabilities asked for, each choice (whole or chunk) carries those of its tokens
-(`logprobs.py`); with `echo`, a completion's text (its first chunk's, in a stream) begins with the
-prompt, and its log-probabilities with the prompt's (a choice that ends before any text still
-begins with it: its closing chunk carries the echo).
+A chat answer with tools in use (`tool_calling.py`) carries its tool calls in the message; streamed, its
+text is held back and sent whole at the end, with the calls, because a call can only be parsed from the
+whole text. With `echo`, a completion's text and log-probabilities (`logprobs.py`) begin with the
+prompt's, in a stream in its first chunk (a choice that ends before any text: its closing chunk).
 """
 
 from __future__ import annotations
@@ -30,17 +23,18 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from loraserve.gateway.events import Chunk, Event, Summary
-from loraserve.gateway.http.answering import merged
+from loraserve.gateway.http.answering import Generation, merged
 from loraserve.gateway.http.errors import CHAT_PARAMS, PARAMS, HttpError, http_error
-from loraserve.gateway.http.generation import Generation
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.http.tool_calling import ToolChoice, tool_calls_json
 
 DONE = b"data: [DONE]\n\n"
+HOLE = "\x00text\x00"  # where a piece's text goes in its chunk's template (`Answers.text_piece`)
 FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length"}  # loraserve's -> OpenAI's
 
 
@@ -92,6 +86,7 @@ class Answers:
     echo: Sequence[str] | None = None  # completions with echo: each choice's prompt text
     tools: ToolChoice | None = None  # chat with tools in use: the text is parsed into tool calls
     created: int = field(default_factory=lambda: int(time.time()))
+    _templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def chat(self) -> bool:
@@ -140,6 +135,16 @@ class Answers:
         sent = self._chunk({"content": text} if self.chat else text, None, index, chunk, generated)
         sent["choices"][0]["logprobs"] = self._logprobs(chunk, index, first)
         return sent
+
+    def text_piece(self, text: str, index: int = 0) -> bytes:
+        """`piece`'s SSE event for text alone (not the first piece, no log-probabilities, no usage so far):
+        the chunk encoded once per choice around a hole for the text, which alone is encoded per token
+        (as `json.dumps` encodes it)."""
+        template = self._templates.get(index)
+        if template is None:
+            head, _, tail = sse(self.piece(Chunk(HOLE), index)).rpartition(encode_basestring_ascii(HOLE).encode())
+            template = self._templates[index] = head, tail
+        return template[0] + encode_basestring_ascii(text).encode() + template[1]
 
     def closing(self, summary: Summary, index: int = 0, first: bool = False) -> dict[str, Any]:
         """The chunk with choice `index`'s finish reason; `first`: no piece of it was sent (which an echo begins)."""
@@ -234,10 +239,13 @@ class _Written:
         self._generated: dict[int, int] = {}  # tokens so far per choice, shown or not (the usage so far)
         self._started: set[int] = set()  # the choices whose first text was sent
         self._held: dict[int, list[Chunk]] = {}  # a tool calls answer's chunks, per choice
+        self._shown = answers.body.prompt_only  # events are changed before they are shown (`Answers.shown`)
+        self._plain = answers.logprobs is None and not answers.body.continuous_usage  # text alone: `text_piece`
 
     def of(self, index: int, event: Event) -> list[bytes]:
         """The SSE events for one event of choice `index`."""
-        answers, event = self.answers, self.answers.shown(event)
+        answers = self.answers
+        event = answers.shown(event) if self._shown else event
         if isinstance(event, Summary):
             self.summaries[index] = event
             if answers.tools is not None:
@@ -249,6 +257,8 @@ class _Written:
         if answers.tools is not None:
             self._held.setdefault(index, []).append(event)
             return []
+        if self._plain and index in self._started:
+            return [answers.text_piece(event.text, index)]
         first = index not in self._started
         self._started.add(index)
         return [sse(answers.piece(event, index, first, generated))]

@@ -2,19 +2,14 @@
 (`app.py`) renders, constrains and generates it exactly as it does a chat completion.
 
 - The conversation: `instructions` first, as a system message; then `input`'s items in order, as chat
-  messages (rendered by the model's chat template as chat's `messages` are): a message keeps its role
-  (`developer` becomes `system`: chat templates know no developer role) and its text; a `function_call`
-  joins the assistant message just before it (or opens one) as one of its `tool_calls`, and a
-  `function_call_output` is a `tool` message answering its `call_id`.
-- Tools: each function tool as chat's, `strict` null read as true (the Responses API's default);
-  `tool_choice` as chat's, `{"type": "function", "name": N}` as a named function; `parallel_tool_calls`
-  as chat's, and `max_tool_calls` (`tool_calling.tool_choice`'s `max_calls`).
-- `text.format` as chat's `response_format`; `temperature` (OpenAI's default 1; 0 is greedy) and `top_p`
-  as chat's; `max_output_tokens` as chat's `max_tokens`.
-- What the response repeats (`echo`): the parameters as they took effect.
-- A failure names the Responses API's parameters (`errors.RESPONSES_PARAMS`): `max_output_tokens` where
-  chat's would name `max_tokens`, `input` where it would name `messages`, `text.format` where it would
-  name `response_format`.
+  messages: a message keeps its role (`developer` becomes `system`: chat templates know no developer
+  role) and its text; a `function_call` joins the assistant message just before it (or opens one) as one
+  of its `tool_calls`, and a `function_call_output` is a `tool` message answering its `call_id`.
+- The rest as chat's: function tools (`strict` null read as true, the Responses API's default),
+  `tool_choice` (`{"type": "function", "name": N}` a named function), `parallel_tool_calls`,
+  `text.format` as `response_format`, `max_output_tokens` as `max_tokens`; `max_tool_calls` is
+  `tool_calling.tool_choice`'s `max_calls`. A failure names the Responses API's parameters
+  (`errors.RESPONSES_PARAMS`). The response repeats the parameters as they took effect (`echo`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """The Responses API's answers, written from the generation core's events (its one generation's `Chunk`s,
-then its `Summary`): the `response` object, its output items, and a stream's events.
+then its `Summary`): the `response` object, its output items, and a stream's events, in the shapes the
+README's "POST /v1/responses" lists.
 
-A response has `status` "completed", or "incomplete" with `incomplete_details.reason` "max_output_tokens"
-when that length cut the output; its `usage` is `input_tokens` (with `input_tokens_details.cached_tokens`,
-the prompt tokens found in the prefix cache), `output_tokens` (`output_tokens_details.reasoning_tokens`:
-always 0) and `total_tokens`. It repeats the request's parameters as they took effect (`echo`, from
-`responses_api.py`): `instructions`, `metadata`, `temperature`, `tools`, ...
-
-Its `output`: without tools in use, one `message` item holding one `output_text` part, the generated text.
-With tools in use (`tool_calling.py`) the text is parsed: what is not a call (if anything) is the message,
-then each call is a `function_call` item (`call_id`, `name`, `arguments` as JSON text). A call that
-max_output_tokens cut short is still a call, its arguments as far as they were generated, and the last
-item of a cut response has status "incomplete".
-
-A stream is SSE events, each `event: TYPE` and `data: JSON` (no `[DONE]`), numbered by `sequence_number`
-from 0: `response.created` and `response.in_progress` (the response, no output yet); for each output item
-`response.output_item.added`, then for a message `response.content_part.added`, `response.output_text.delta`s,
-`response.output_text.done` and `response.content_part.done`, for a call
-`response.function_call_arguments.delta` and `.done`, then `response.output_item.done`; last
-`response.completed` (`response.incomplete` when cut) with the whole response. Text is sent as it comes;
-with tools in use it is sent whole at the end, as chat's is (a call is parsed from all of it). A failure
-after the stream began is one `error` event (`code`, `message`, `param`), and the stream ends. Failures name
-the Responses API's parameters (`errors.RESPONSES_PARAMS`).
+A response is "incomplete" (`incomplete_details.reason` "max_output_tokens") when that length cut the
+output, else "completed", and repeats the request's parameters as they took effect (`responses_api.echo`).
+Its output is one `message` item holding one `output_text` part; with tools in use (`tool_calling.py`)
+the text is parsed: what is not a call (if anything) is the message, then a `function_call` item per call
+(one cut short keeps its arguments as generated, and the last item of a cut response is "incomplete").
+A stream's events are numbered by `sequence_number` from 0, with no `[DONE]`; its text is sent as it
+comes, or with tools in use whole at the end (a call is parsed from all of it). A failure after the
+stream began is one `error` event, which ends it; failures name the Responses API's parameters
+(`errors.RESPONSES_PARAMS`).
 """
 
 from __future__ import annotations
@@ -36,8 +25,8 @@ from typing import Any
 
 from loraserve.gateway.events import Chunk, Event, Summary
 from loraserve.gateway.http import responses_api
+from loraserve.gateway.http.answering import Generation
 from loraserve.gateway.http.errors import RESPONSES_PARAMS, HttpError, http_error
-from loraserve.gateway.http.generation import Generation
 from loraserve.gateway.http.schemas import ResponsesRequest
 from loraserve.gateway.http.tool_calling import ToolChoice
 from loraserve.gateway.tool_parsers import call_id

@@ -1,5 +1,6 @@
 """The OpenAI request bodies, as pydantic models, and what of them is refused: the one schema module of the
-HTTP edge (completions, chat completions, the Responses API, and the operational routes' bodies).
+HTTP edge (completions, chat completions, the Responses API, and the operational routes' bodies). The
+README's HTTP API section lists every field served and every refusal.
 
 Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter); what the
 values mean (temperature ranges, context length, stop limits, adapter names) is checked by the same struct
@@ -8,30 +9,19 @@ fields (`drafts.py`). Every string anywhere in a body (values and keys, known fi
 text: JSON can spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused
 whole (`invalid_unicode`, naming where the surrogate is) before any field is looked at.
 
-Completions and chat completions. Structured output's fields (`response_format`, vLLM's `guided_*` and
-`structured_outputs`) are read by `structured.py`, tool calling's (`tools`, `tool_choice`,
-`parallel_tool_calls`) by `tool_calling.py`. `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and `cache_salt` are extensions
-(vLLM's names). `user` (OpenAI's end-user id) goes on the request's trace, as the gRPC metadata
-`x-loraserve-end-user` does. Unknown fields are ignored, as OpenAI-compatible servers do, except the ones
-that ask for what loraserve does not do — vLLM's extensions it does not implement and OpenAI's fields for
-other features (`NOT_IMPLEMENTED` and the endpoints' tables; the README's table of refusals lists them):
-those are accepted only at the values that ask for nothing (null, or what loraserve does anyway: vLLM's
-defaults, `use_beam_search: false`, `min_tokens: 0`, ...) and refused with a 400 naming them otherwise,
-never ignored. `logit_bias` and `suffix` are accepted only empty. `unsupported()` names the first refusal.
+Completions and chat completions (structured output's fields are read by `structured.py`, tool calling's
+by `tool_calling.py`; the fields marked "extension" are vLLM's). Unknown fields are ignored, as
+OpenAI-compatible servers do, except the ones that ask for what loraserve does not do (`NOT_IMPLEMENTED`
+and the endpoints' tables): those are accepted only at the values that ask for nothing (null, or what
+loraserve does anyway) and refused with a 400 naming them otherwise, never ignored. `unsupported()` names
+the first refusal.
 
-The Responses API (`responses_api.py` maps a request onto the chat path). Served: `model`, `input` (a
-string: one user message; or a list of items: `message`s of role user, system, developer or assistant whose
-content is a string or `input_text`/`output_text` parts, `function_call` items — earlier calls — and
-`function_call_output` items — their results), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
-`tools` (function tools), `tool_choice`, `parallel_tool_calls`, `max_tool_calls`, `text.format`, `metadata`
-(echoed back), `user` and `stream`. Everything else is refused by name, unless its value asks for nothing:
-null, false, an empty string, list or object (an object of such values), or a value listed in `NOT_SERVED`
-(what loraserve does anyway: `truncation: "disabled"`, `service_tier: "auto"`, ...). `NOT_SERVED` says why
-for the fields OpenAI defines; an unknown field is "not supported" (OpenAI refuses unknown fields too), with
-the Responses API's spelling for the chat completions fields sent here by mistake. The same rule holds
-inside items, content parts, tools and `text`. Nothing is stored: `store: true`, `previous_response_id` and
-`conversation` are refused, and a conversation is sent whole in `input`.
+The Responses API (`responses_api.py` maps a request onto the chat path): the fields `ResponsesRequest`
+declares are served. Everything else is refused by name, unless its value asks for nothing: null, false,
+an empty string, list or object (an object of such values), or a value listed in `NOT_SERVED` (what
+loraserve does anyway). `NOT_SERVED` says why for the fields OpenAI defines; an unknown field is "not
+supported" (OpenAI refuses unknown fields too). The same rule holds inside items, content parts, tools and
+`text`. Nothing is stored: a conversation is sent whole in `input`.
 """
 
 from __future__ import annotations
@@ -44,6 +34,7 @@ from pydantic_core import PydanticCustomError
 
 from loraserve.gateway.generation_request import MAX_CLIENT_ID
 from loraserve.gateway.http.drafts import sampling_fields
+from loraserve.gateway.http.structured import CONSTRAINT_FIELDS
 from loraserve.gateway.validation import MAX_END_USER_CHARS
 from loraserve.params import MAX_LOGPROBS
 
@@ -200,17 +191,6 @@ class StreamOptions(BaseModel):
 
     include_usage: bool | None = False  # a last chunk with the usage (summed over the choices)
     continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries its choice's usage so far
-
-
-CONSTRAINT_FIELDS = (
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "structured_outputs",
-)
 
 
 class _Generation(_Body):

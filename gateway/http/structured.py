@@ -1,18 +1,9 @@
-"""Structured output at the HTTP edge: the constraint a request body asks for, in any of the accepted spellings.
-
-- OpenAI's `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}`, or
-  `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`. The schema
-  is enforced whatever `strict` says: a constrained answer always matches it.
-- vLLM's `guided_json` (a schema, as an object or JSON text), `guided_regex`, `guided_choice` (a list
-  of strings) and `guided_grammar` (Lark or GBNF), with `guided_decoding_backend` "auto",
-  "llguidance" or "guidance" (the engine loraserve runs).
-- vLLM's newer `structured_outputs`: `{"json": ..., "regex": ..., "choice": [...], "grammar": ...,
-  "json_object": true}` (its other keys, such as `structural_tag` or `whitespace_pattern`, are refused).
-
-At most one constraint per request. It is read here and compiled once the request is validated, by the
-generation core in the gateway's sandbox processes (`gateway/constraints.py`), so a bad schema or regex
-(or one that would crash or wedge the compiler) is a 400 naming the parameter, and travels downstream
-as an llguidance grammar.
+"""Structured output at the HTTP edge: the one constraint a request body asks for, in any of the spellings
+the README's "Structured output" lists (OpenAI's `response_format`, vLLM's `guided_*` and
+`structured_outputs`; the tables below map them to `Constraint` kinds). It is read here and compiled once
+the request is validated, by the generation core in the gateway's sandbox processes
+(`gateway/constraints.py`), so a bad schema or regex (or one that would crash or wedge the compiler) is a
+400 naming the parameter, and travels downstream as an llguidance grammar.
 """
 
 from __future__ import annotations
@@ -31,6 +22,8 @@ STRUCTURED_OUTPUTS = {
     "json_object": "json_object",
 }
 BACKENDS = ("auto", "llguidance", "guidance")
+# the fields of a body that may ask for a constraint (`requested_constraint` reads them)
+CONSTRAINT_FIELDS = ("response_format", *GUIDED, "guided_decoding_backend", "structured_outputs")
 
 
 def requested_constraint(fields: dict[str, Any]) -> Constraint | None:

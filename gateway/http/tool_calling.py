@@ -1,28 +1,15 @@
-"""Tool calling on /v1/chat/completions: `tools` and `tool_choice`, and the answer's `tool_calls`.
+"""Tool calling on /v1/chat/completions (the Responses API's through it): `tools` and `tool_choice`, and
+the answer's `tool_calls` (the README's "Tools" says what each choice does for a client).
 
-What `tool_choice` does (the tools are given to the chat template as `tools` in every case, as
-transformers' `apply_chat_template` does):
-
-- `"none"`: the model answers in text; nothing is parsed.
-- `"auto"` (the default with tools): the model writes freely; its text is parsed into tool calls by
-  the model family's parser (`tool_parsers.py`), chosen with the gateway's `--tool-call-parser`.
-  Without that flag `"auto"` is refused: the gateway cannot know how the model writes a call. With
-  a tool marked `strict`, the output is constrained to the parser's grammar: free text, or calls in
-  the family's format, each naming a given tool with arguments valid against its `parameters`.
-- `"required"`: the output is constrained (structured output) to a JSON list of one or more calls,
-  `[{"name": ..., "parameters": {...}}]`, each naming a given tool with arguments valid against its
-  `parameters` schema.
-- `{"type": "function", "function": {"name": N}}`: the output is constrained to the arguments of N
-  (a JSON object valid against its `parameters`), answered as one call of N.
-
-Every grammar bounds the calls in one answer: at most MAX_TOOL_CALLS (or the request's own
-`max_calls`, the Responses API's `max_tool_calls`), one with `parallel_tool_calls: false`; so does
-the parsing of unconstrained `auto` output. Schemas are closed (`loraserve/closed_schemas.py`).
-
-The finish reason is `tool_calls` when calls were made under `auto` or `required`, `stop` under a
-named function (OpenAI's answers), and `length` whenever max_tokens cut the output. A call that
-max_tokens cut short is still answered as a call, its arguments as far as they were generated (as
-OpenAI does), never as raw call text in the content; free text under `auto` is answered as content.
+The tools go to the chat template as `tools` whatever the choice (as transformers' `apply_chat_template`
+gives them). `"none"` parses nothing; `"auto"` (the default with tools) parses the model's free text with
+the family's parser (`tool_parsers.py`, chosen with the gateway's `--tool-call-parser`, without which
+`"auto"` is refused), and with a `strict` tool holds it to the parser's grammar; `"required"` and a named
+function constrain the output (structured output) to a JSON list of calls, or to the function's
+arguments. Every grammar, and the parsing of unconstrained output, bounds the calls in one answer
+(MAX_TOOL_CALLS, or the request's `max_calls`; 1 without parallel calls); schemas are closed
+(`loraserve/closed_schemas.py`). A call that max_tokens cut short is still answered as a call, its
+arguments as far as they were generated, never as raw call text in the content.
 """
 
 from __future__ import annotations

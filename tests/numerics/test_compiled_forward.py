@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-from helpers import hf_greedy, hf_logits
-from test_engine_parity import GREEDY, LOGITS_TOL, NEW_TOKENS, PROMPTS, _engine, _mixed_requests
+from helpers import hf_greedy
+from test_engine_parity import GREEDY, NEW_TOKENS, PROMPTS, _engine, _mixed_requests, check_first_step_logits
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
@@ -109,25 +109,7 @@ def test_on_one_thread_decode_attention_runs_in_c(compiled, tiny_adapters, oracl
 
 
 def test_first_step_logits_match_peft(compiled, tiny_model, tiny_adapters):
-    engine, _ = compiled
-    seen: list[torch.Tensor] = []
-    original = engine.model.logits
-    engine.model.logits = lambda hidden: seen.append(original(hidden)) or seen[-1]
-    try:
-        requests = _mixed_requests(tiny_adapters)
-        for r in requests:
-            engine.add_request(r.prompt_ids, r.sampling, r.adapter)
-        engine.step()
-    finally:
-        engine.model.logits = original
-        while engine.has_unfinished():
-            engine.step()
-    first, unmatched = seen[0], list(range(len(requests)))
-    for r in requests:
-        expected = hf_logits(tiny_model, tiny_adapters.get(r.adapter), r.prompt_ids)
-        row = min(unmatched, key=lambda row: float((first[row] - expected).abs().max()))
-        torch.testing.assert_close(first[row], expected, atol=LOGITS_TOL["float32"], rtol=LOGITS_TOL["float32"])
-        unmatched.remove(row)
+    check_first_step_logits(compiled[0], tiny_model, tiny_adapters)
 
 
 def test_warm_up_on_a_pool_smaller_than_the_largest_adapter(tiny_model, tiny_adapters, oracle):

@@ -82,19 +82,28 @@ def test_benchmark_variants_are_token_exact(tiny_model, tiny_adapters, oracle, v
 
 
 def test_first_step_logits_match_peft(tiny_model, tiny_adapters):
-    engine = _engine(tiny_model, tiny_adapters)
+    check_first_step_logits(_engine(tiny_model, tiny_adapters), tiny_model, tiny_adapters)
+
+
+def check_first_step_logits(engine: Engine, model, adapters) -> None:
+    """The mixed requests' first-step logits in `engine` (left with nothing to run) against PEFT's."""
     seen: list[torch.Tensor] = []
     original = engine.model.logits
     engine.model.logits = lambda hidden: seen.append(original(hidden)) or seen[-1]  # observe, don't alter
-    requests = _mixed_requests(tiny_adapters)
-    for r in requests:
-        engine.add_request(r.prompt_ids, r.sampling, r.adapter)
-    engine.step()
+    requests = _mixed_requests(adapters)
+    try:
+        for r in requests:
+            engine.add_request(r.prompt_ids, r.sampling, r.adapter)
+        engine.step()
+    finally:
+        engine.model.logits = original
+        while engine.has_unfinished():
+            engine.step()
     first = seen[0]  # one row per request, in the runner's order (grouped by adapter, base-only last)
     assert first.shape[0] == len(requests)
     unmatched = list(range(len(requests)))
     for r in requests:
-        expected = hf_logits(tiny_model, tiny_adapters.get(r.adapter), r.prompt_ids)
+        expected = hf_logits(model, adapters.get(r.adapter), r.prompt_ids)
         # the request's row: the closest one; it must then match within the tolerance
         row = min(unmatched, key=lambda row: float((first[row] - expected).abs().max()))
         torch.testing.assert_close(first[row], expected, atol=LOGITS_TOL["float32"], rtol=LOGITS_TOL["float32"])

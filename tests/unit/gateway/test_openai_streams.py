@@ -17,7 +17,7 @@ import pytest
 
 from loraserve.gateway.events import Chunk, Event, Logprob, Summary, TopLogprob
 from loraserve.gateway.http.logprobs import LogprobFormat
-from loraserve.gateway.http.responses import Answers
+from loraserve.gateway.http.responses import Answers, sse
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 
 TEXTS = {i: f"<{i}>" for i in range(20)}
@@ -170,3 +170,18 @@ def test_streamed_text_offsets_go_on_from_chunk_to_chunk():
         for o in c["choices"][0]["logprobs"]["text_offset"]
     ]
     assert offsets == [0, 0, 3, 6]  # BOS (special, not in the text) takes no room
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [None, {"include_usage": True}])
+def test_a_text_piece_from_its_template_is_the_chunk_encoded_whole(chat, stream):
+    """`text_piece` writes a chunk's text into a template made once per choice: the bytes are exactly what
+    encoding the whole chunk gives, whatever the text holds (the template's own hole included), and a
+    stream of several pieces reads as the same text."""
+    made = answers(chat=chat, n=2, stream=stream)
+    texts = ["plain", 'a "quote" \\ and\nnewline', "é ünï 字 😀", "\x00text\x00", "", "\ud800"]
+    for index in (0, 1):
+        for text in texts:
+            assert made.text_piece(text, index) == sse(made.piece(Chunk(text), index)), (index, text)
+    streamed = _streamed(answers(chat=chat, stream=stream), [[piece("a"), piece('"b"'), piece("😀"), LENGTH]])
+    assert _joined(streamed, chat)[0]["text"] == 'a"b"😀'

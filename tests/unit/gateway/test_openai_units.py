@@ -17,9 +17,9 @@ from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.chat_template import ChatTemplate
 from loraserve.gateway.events import Chunk, Logprob, Summary, TopLogprob
+from loraserve.gateway.http.answering import Generation
 from loraserve.gateway.http.app import OpenAiRoutes
 from loraserve.gateway.http.errors import CHAT_PARAMS, HTTP_STATUS, HttpError, http_error
-from loraserve.gateway.http.generation import Generation
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.responses import DONE
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -376,7 +376,7 @@ def test_a_stream_cancelled_while_sending_still_cancels_its_generation():
     the generation at once, not when the suspended events generator is garbage-collected."""
     import asyncio
 
-    from loraserve.gateway.http.generation import GenerationStream
+    from loraserve.gateway.http.answering import GenerationStream
 
     class Recorder:
         cancelled = False

@@ -59,7 +59,7 @@ def test_engine_steps_refill_the_same_storage(tiny_model, tiny_adapters):
     engine = Engine(tiny_model, EngineConfig(device="cpu", pool_pages=96, max_batched_tokens=8))
     for name, path in tiny_adapters.items():
         engine.register_adapter(name, path)
-    recorder = engine.runner.model = _Recorder(engine.runner.model)
+    recorder = engine.runner.model = engine.runner.forward = _Recorder(engine.runner.model)
     staged: dict[str, set[int]] = {}
     put = engine.runner.buffers.put
 

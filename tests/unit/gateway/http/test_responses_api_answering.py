@@ -12,9 +12,9 @@ from starlette.requests import Request
 
 from loraserve.errors import InvalidRequestError
 from loraserve.gateway.events import Chunk
+from loraserve.gateway.http.answering import CLIENT_CLOSED, GenerationStream
 from loraserve.gateway.http.answering import answer as respond
 from loraserve.gateway.http.errors import HttpError
-from loraserve.gateway.http.generation import CLIENT_CLOSED, GenerationStream
 from loraserve.gateway.http.responses_events import Reply
 from loraserve.gateway.http.schemas import ResponsesRequest
 
