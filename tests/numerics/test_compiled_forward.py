@@ -17,7 +17,6 @@ import torch
 from helpers import hf_greedy
 from test_engine_parity import GREEDY, NEW_TOKENS, PROMPTS, _engine, _mixed_requests, check_first_step_logits
 
-from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.kernels import attention_cpu
 from loraserve.worker.config import EngineConfig
@@ -122,14 +121,15 @@ def test_warm_up_on_a_pool_smaller_than_the_largest_adapter(tiny_model, tiny_ada
         assert result.token_ids == oracle(request.prompt_ids, request.adapter), request.adapter
 
 
-def test_a_worker_started_with_compile_compiles_before_it_is_ready(tmp_path):
-    argv = [sys.executable, "-m", "loraserve.cli", "worker", "--model", str(DEMO_MODEL_DIR), "--compile"]
+def test_a_worker_started_with_compile_compiles_before_it_is_ready(compiled, tiny_model, tmp_path):
+    """A real worker process (the graphs of the same model as `compiled`'s: inductor's disk cache holds them)."""
+    argv = [sys.executable, "-m", "loraserve.cli", "worker", "--model", str(tiny_model), "--compile"]
     argv += ["--torch-threads", "1", "--scheduler-address", "tcp://127.0.0.1:9"]  # no scheduler: it warms up alone
     log = tmp_path / "worker.log"
     with log.open("w") as out:
         worker = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 240  # a cold inductor cache: about half a minute here
+        deadline = time.monotonic() + 240  # compiling with a cold inductor cache takes about half a minute here
         while "ready" not in log.read_text():
             assert worker.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.2)
