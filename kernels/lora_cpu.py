@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,27 +49,56 @@ def usable(x: torch.Tensor, pool_layer: torch.Tensor) -> bool:
     return contiguous and native.one_thread(x, pool_layer) and bucket_kernel() is not None
 
 
+@dataclass(frozen=True)
+class BucketCall:
+    """What a bucket's calls of the kernel share, built once with the bucket (`lora_torch.prepare_lora_torch`):
+    its token table, row tables, per-output geometry and scales, and the scratch for its shrinks."""
+
+    tokens: torch.Tensor  # int64 [n * t]
+    a_table: int | None  # pointer to the bucket's A rows, or None: read in place from a_start
+    a_start: int
+    b_table: int | None
+    vectors: int  # A rank vectors per tile: modules x rank
+    outputs: tuple[ctypes.Array, ...]  # b_start, v_col, c_out, d_out: one int64 per output each
+    scales: torch.Tensor  # float32 [L, n], contiguous
+    shrinks: torch.Tensor  # float32 [t * vectors]: the tile's shrinks, reused call after call
+
+    @classmethod
+    def of(cls, b: _Bucket) -> BucketCall:
+        k, spanned = len(b.outputs), b.tokens is None
+        in_place = isinstance(b.a_rows, slice)
+
+        def int64s(values) -> ctypes.Array:
+            return (I64 * k)(*values)
+
+        return cls(
+            torch.arange(b.span.start, b.span.stop) if spanned else b.tokens,
+            None if in_place else b.a_rows.data_ptr(),
+            b.a_rows.start if in_place else 0,
+            None if b.b_rows is None else b.b_rows.data_ptr(),
+            k * b.rank,
+            (
+                int64s(o.b_rows.start for o in b.outputs),
+                int64s(o.v_cols.start for o in b.outputs),
+                int64s(o.c_out for o in b.outputs),
+                int64s(o.d_out for o in b.outputs),
+            ),
+            b.weight.reshape(b.weight.shape[0], -1).float().contiguous(),
+            torch.empty(b.t * k * b.rank, dtype=torch.float32),
+        )
+
+
 def apply_bucket(
     b: _Bucket, x: torch.Tensor, pool_layer: torch.Tensor, layer: int, outputs: Sequence[torch.Tensor]
 ) -> None:
     """outputs += bucket b's LoRA terms for its tokens (as `lora_torch._shrink` then `_expand`)."""
-    tokens = b.tokens if b.tokens is not None else torch.arange(b.span.start, b.span.stop)
-    a_table, a_start = (None, b.a_rows.start) if isinstance(b.a_rows, slice) else (b.a_rows.data_ptr(), 0)
-    scale = b.weight[layer].reshape(-1).contiguous()
+    call = b.native or BucketCall.of(b)
     ys = [outputs[o.slot] for o in b.outputs]
-    k = len(b.outputs)
-
-    def int64s(values) -> ctypes.Array:
-        return (I64 * k)(*values)
-
-    vectors = k * b.rank
-    v = torch.empty(b.t * vectors, dtype=torch.float32)  # the tile's shrinks
+    k = len(ys)
     bucket_kernel()(
-        x.data_ptr(), x.stride(0), tokens.data_ptr(), b.n, b.t,
-        pool_layer.data_ptr(), pool_layer.shape[1], a_table, a_start, vectors, b.c_in, b.d_in, scale.data_ptr(),
-        None if b.b_rows is None else b.b_rows.data_ptr(), k,
-        int64s(o.b_rows.start for o in b.outputs), int64s(o.v_cols.start for o in b.outputs),
-        int64s(o.c_out for o in b.outputs), int64s(o.d_out for o in b.outputs),
-        (PTR * k)(*(y.data_ptr() for y in ys)), int64s(y.stride(0) for y in ys), b.rank,
-        v.data_ptr(),
+        x.data_ptr(), x.stride(0), call.tokens.data_ptr(), b.n, b.t,
+        pool_layer.data_ptr(), pool_layer.shape[1], call.a_table, call.a_start, call.vectors, b.c_in, b.d_in,
+        call.scales[layer].data_ptr(), call.b_table, k, *call.outputs,
+        (PTR * k)(*(y.data_ptr() for y in ys)), (I64 * k)(*(y.stride(0) for y in ys)), b.rank,
+        call.shrinks.data_ptr(),
     )  # fmt: skip

@@ -36,7 +36,7 @@ collective (all-gathered or summed), then expands.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -73,6 +73,7 @@ class _Bucket:
     c_in: int
     d_in: int
     outputs: tuple[_Output, ...]
+    native: lora_cpu.BucketCall | None = None  # what its C kernel calls share (a short tile's bucket on the CPU)
 
 
 def prepare_lora_torch(plan: LoraPlan, dtype: torch.dtype) -> list[list[_Bucket]]:
@@ -83,7 +84,11 @@ def prepare_lora_torch(plan: LoraPlan, dtype: torch.dtype) -> list[list[_Bucket]
     layers = np.asarray(plan.layers_active, dtype=np.float32).reshape(len(plan.ranks), -1)  # [A, L]
     weights = torch.from_numpy(layers * np.asarray(plan.scales, dtype=np.float32)[:, None]).to(dtype)
     row_bytes = plan.row_width * dtype.itemsize
-    return [_group_buckets(plan, group, tokens, weights, rows, device, row_bytes) for group in plan.groups]
+    groups = [_group_buckets(plan, group, tokens, weights, rows, device, row_bytes) for group in plan.groups]
+    if device.type != "cpu":
+        return groups
+    short = lora_cpu.MAX_TILE_TOKENS
+    return [[replace(b, native=lora_cpu.BucketCall.of(b)) if b.t <= short else b for b in g] for g in groups]
 
 
 class _StepRows:

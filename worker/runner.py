@@ -119,7 +119,6 @@ class ModelRunner:
     ):
         self.model, self.pool_tensor, self.layout, self.backend = model, pool_tensor, layout, backend
         # the forward pass: the model's, or its layers compiled (`worker/compiled_forward.py`)
-        self.compiled = compiled
         self.forward = CompiledForward(model) if compiled else model
         self.device = pool_tensor.device
         parts = [lora_slice(model.full_config, m, 1, layout.shard) for m in LORA_MODULES]  # this rank's widths
@@ -141,6 +140,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         self.masks = MaskComputer(model.config.vocab_size)  # structured output's, during the forward pass
         self.host_seconds = 0.0  # cumulative: building each step's metadata and plan, before its forward pass
+
+    @property
+    def compiled(self) -> bool:
+        return isinstance(self.forward, CompiledForward)
 
     @torch.inference_mode()
     def execute(self, batch: list[SeqChunk], kv_copies: list[tuple[int, int]] = ()) -> RunnerOutput:
