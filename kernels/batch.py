@@ -41,6 +41,20 @@ def page_rows(pages: Sequence[int], rows_per_page: int) -> torch.Tensor:
     return (first + torch.arange(rows_per_page)).view(-1)
 
 
+def row_packing(pool_dtype: torch.dtype, row_dtype: torch.dtype | None) -> int:
+    """Rows of `row_dtype` one pool row holds: 2 for half-precision adapter rows in a float32 pool, else 1."""
+    return 1 if row_dtype is None else pool_dtype.itemsize // row_dtype.itemsize
+
+
+def rows_view(pool: torch.Tensor, row_dtype: torch.dtype | None) -> torch.Tensor:
+    """The pool's rows ([rows, W] of one layer, or [L, rows, W]) read as rows of `row_dtype`: a float32 row is
+    two rows of a half type side by side, so half-precision row h of the view is half h % 2 of pool row h // 2
+    (an adapter on pages P then has rows_per_page x 2 rows per page). None or the pool's dtype: the pool."""
+    if row_dtype is None or row_dtype == pool.dtype:
+        return pool
+    return pool.view(row_dtype).view(*pool.shape[:-2], -1, pool.shape[-1])
+
+
 @dataclass(frozen=True)
 class LoraGeometry:
     """Widths of the 7 projections (LORA_MODULES order) and the pool's row/page shape."""
@@ -89,6 +103,7 @@ class PooledAdapter(Protocol):
     a_offsets: Sequence[int]  # [7]: first logical row of each module's A block, -1 if not targeted
     b_offsets: Sequence[int]
     layers: Sequence[bool]  # [L]: it has weights in that layer
+    row_dtype: torch.dtype | None  # the dtype of its rows when not the pool's (`rows_view`), else None
 
 
 def _staging(target: StepBuffers | torch.device | str, sizes: dict[str, int]) -> tuple[StepBuffers, bool]:
@@ -212,6 +227,7 @@ class ReusePrepared:
             tuple(plan.ranks),
             tuple(plan.scales),
             *(tuple(map(tuple, rows)) for rows in (plan.a_offsets, plan.b_offsets, plan.layers_active, plan.pages)),
+            tuple(plan.row_dtypes),
         )
         if key != self._key:
             self._key, self._prepared = key, self._prepare(plan)
@@ -301,6 +317,7 @@ def build_lora_plan(
         b_offsets=b_offsets,
         layers_active=layers,
         pages=pages,
+        row_dtypes=[a.row_dtype for a in adapters],
         shrinks=shrinks.shrinks,
         shrink_ranks=shrinks.ranks,
     )

@@ -20,6 +20,7 @@ from loraserve.kernels.metadata import LoraPlan
 
 def prepare_lora_bmm(plan: LoraPlan, dtype: torch.dtype) -> list[torch.Tensor]:
     """Per adapter: int64 physical row of each logical row, on the plan's device."""
+    plan.check_pool_dtype_rows("torch-bmm")
     return [page_rows(pages, plan.rows_per_page).to(plan.tables.rank.device) for pages in plan.pages]
 
 

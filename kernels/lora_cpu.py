@@ -5,8 +5,10 @@ adapters, each with one or a few sequences — is computed by one C call that re
 B rows where they lie in the pool, once per tile: no gather of the rows into a contiguous copy, no bmm
 over it, no per-module calls. Buckets of longer tiles (prefill chunks), where a GEMM over the gathered
 rows pays, keep the torch path (`MAX_TILE_TOKENS`).
-`lora_apply_torch` calls it where `usable` (float32, the CPU, one torch thread: `kernels/native.py`
-builds and loads it) and is its reference (tests/numerics/test_kernels_lora_cpu.py).
+`lora_apply_torch` calls it where `usable` (a float32 pool, the CPU, one torch thread: `kernels/native.py`
+builds and loads it) and is its reference (tests/numerics/test_lora_plan.py). Adapters whose rows are
+bfloat16 or float16 in the float32 pool (`kernels.batch.rows_view`) have a function of their own, which
+widens each value as it reads it.
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ I64, PTR = ctypes.c_int64, ctypes.c_void_p
 MAX_TILE_TOKENS = 8
 
 
+# the C function for each dtype of adapter rows (None: the pool's, float32)
+_FUNCTIONS = {None: "lora_bucket_f32", torch.bfloat16: "lora_bucket_bf16", torch.float16: "lora_bucket_f16"}
+
+
 @functools.cache
-def bucket_kernel() -> Callable | None:
-    """The C function (see its source's comment), or None where it cannot be built."""
+def bucket_kernel(row_dtype: torch.dtype | None = None) -> Callable | None:
+    """The C function for adapter rows of `row_dtype` (see its source's comment), or None where it cannot be
+    built."""
     library = native.library("lora_decode.c")
     if library is None:
         return None
-    function = library.lora_bucket_f32
+    function = getattr(library, _FUNCTIONS[row_dtype])
     function.restype = None
     function.argtypes = [PTR, I64, PTR, I64, I64, PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, I64]
     function.argtypes += [PTR, PTR, PTR, PTR, PTR, PTR, I64, PTR]
@@ -95,7 +102,7 @@ def apply_bucket(
     call = b.native or BucketCall.of(b)
     ys = [outputs[o.slot] for o in b.outputs]
     k = len(ys)
-    bucket_kernel()(
+    bucket_kernel(b.row_dtype)(
         x.data_ptr(), x.stride(0), call.tokens.data_ptr(), b.n, b.t,
         pool_layer.data_ptr(), pool_layer.shape[1], call.a_table, call.a_start, call.vectors, b.c_in, b.d_in,
         call.scales[layer].data_ptr(), call.b_table, k, *call.outputs,

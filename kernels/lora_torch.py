@@ -27,6 +27,10 @@ In float32 on a CPU computing on one thread, a bucket of a few tokens per tile (
 `lora_cpu`'s C kernel over the same tables, which reads the rows where they lie; `native=False` keeps
 every bucket on the torch calls above (the reference).
 
+An adapter may hold its rows at half precision in a float32 pool (`plan.row_dtypes`, `--adapter-dtype`):
+its row tables then index `rows_view(pool_layer, dtype)` (two half rows per pool row), its tiles go in
+buckets of their own, and the gathered rows are widened to the activations' dtype before the bmm.
+
 On a rank of a tensor-parallel worker (`loraserve/partition.py`) a bucket's A blocks hold that rank's share
 of the rank vectors (column-parallel groups) or of the input (row-parallel groups);
 `lora_apply_torch_partitioned` computes every bucket's v first, exchanges them all between the ranks in one
@@ -42,7 +46,7 @@ import numpy as np
 import torch
 
 from loraserve.kernels import lora_cpu
-from loraserve.kernels.batch import page_rows
+from loraserve.kernels.batch import page_rows, row_packing, rows_view
 from loraserve.kernels.metadata import LoraPlan
 
 
@@ -74,17 +78,17 @@ class _Bucket:
     d_in: int
     outputs: tuple[_Output, ...]
     native: lora_cpu.BucketCall | None = None  # what its C kernel calls share (a short tile's bucket on the CPU)
+    row_dtype: torch.dtype | None = None  # its adapters' rows' dtype when not the pool's: rows of `rows_view`
 
 
 def prepare_lora_torch(plan: LoraPlan, dtype: torch.dtype) -> list[list[_Bucket]]:
     """The buckets of every group of `plan.groups` (see the module docstring), built once per step."""
-    rows = _StepRows(plan)
+    rows = _StepRows(plan, dtype)
     tokens = _adapter_tokens(plan)
     device = plan.tables.rank.device
     layers = np.asarray(plan.layers_active, dtype=np.float32).reshape(len(plan.ranks), -1)  # [A, L]
     weights = torch.from_numpy(layers * np.asarray(plan.scales, dtype=np.float32)[:, None]).to(dtype)
-    row_bytes = plan.row_width * dtype.itemsize
-    groups = [_group_buckets(plan, group, tokens, weights, rows, device, row_bytes) for group in plan.groups]
+    groups = [_group_buckets(plan, group, tokens, weights, rows, device, dtype) for group in plan.groups]
     if device.type != "cpu":
         return groups
     short = lora_cpu.MAX_TILE_TOKENS
@@ -92,10 +96,12 @@ def prepare_lora_torch(plan: LoraPlan, dtype: torch.dtype) -> list[list[_Bucket]
 
 
 class _StepRows:
-    """The physical pool row of every logical row of every adapter of the step, in one array."""
+    """The physical pool row of every logical row of every adapter of the step, in one array (a row of
+    `rows_view(pool, the adapter's row dtype)`)."""
 
-    def __init__(self, plan: LoraPlan):
-        per_adapter = [page_rows(p, plan.rows_per_page).numpy() for p in plan.pages]
+    def __init__(self, plan: LoraPlan, pool_dtype: torch.dtype):
+        packing = [row_packing(pool_dtype, plan.row_dtype(a)) for a in range(len(plan.pages))]
+        per_adapter = [page_rows(p, plan.rows_per_page * k).numpy() for p, k in zip(plan.pages, packing, strict=True)]
         self.rows = np.concatenate(per_adapter)
         self.base = np.cumsum([0] + [len(r) for r in per_adapter[:-1]])  # [A]: where each adapter's rows start
         self.a_offsets = np.asarray(plan.a_offsets, dtype=np.int64)  # [A, M]
@@ -157,19 +163,19 @@ def lora_apply_torch_partitioned(
 
 def _shrink(b: _Bucket, x: torch.Tensor, pool_layer: torch.Tensor, layer: int) -> torch.Tensor:
     """[n, t, k * a_rank]: the bucket's tokens times the A blocks of its modules, scaled."""
-    w = pool_layer.shape[1]
+    w, pool = pool_layer.shape[1], rows_view(pool_layer, b.row_dtype)
     xs = x[b.span] if b.span is not None else x.index_select(0, b.tokens)
-    a = pool_layer[b.a_rows] if isinstance(b.a_rows, slice) else pool_layer.index_select(0, b.a_rows)
-    a = a.view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
+    a = pool[b.a_rows] if isinstance(b.a_rows, slice) else pool.index_select(0, b.a_rows)
+    a = a.to(x.dtype).view(b.n, -1, b.c_in * w)[:, :, : b.d_in]
     return torch.bmm(xs.view(b.n, b.t, -1), a.transpose(1, 2)).mul_(b.weight[layer])
 
 
 def _expand(b: _Bucket, v: torch.Tensor, outputs: Sequence[torch.Tensor], pool_layer: torch.Tensor) -> None:
     """outputs += v (n, t, k * rank) times each module's B block."""
-    w = pool_layer.shape[1]
-    bw = pool_layer if b.b_rows is None else pool_layer.index_select(0, b.b_rows)
+    w, pool = pool_layer.shape[1], rows_view(pool_layer, b.row_dtype)
+    bw = pool if b.b_rows is None else pool.index_select(0, b.b_rows)
     for out in b.outputs:
-        bm = bw[out.b_rows].view(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]  # a view: no copy
+        bm = bw[out.b_rows].to(v.dtype).view(b.n, b.rank, out.c_out * w)[:, :, : out.d_out]  # a view unless widened
         y, term = outputs[out.slot], v[:, :, out.v_cols]
         if b.span is None:
             y.index_add_(0, b.tokens, torch.bmm(term, bm).view(b.n * b.t, -1))
@@ -200,7 +206,7 @@ def _tiles(plan: LoraPlan, group: tuple[int, ...], tokens: list[np.ndarray]) -> 
         targeted = tuple(i for i, m in enumerate(group) if plan.a_offsets[a][m] >= 0)
         if not targeted:
             continue
-        key = (plan.ranks[a], targeted, len(tokens[a]))
+        key = (plan.ranks[a], targeted, len(tokens[a]), plan.row_dtype(a))
         if not _contiguous(tokens[a]):
             scattered.setdefault(key, []).append(a)
         elif spans and spans[-1][0] == key and int(tokens[spans[-1][1][-1]][-1]) + 1 == int(tokens[a][0]):
@@ -222,11 +228,12 @@ def _group_buckets(
     weights: torch.Tensor,
     rows: _StepRows,
     device: torch.device,
-    row_bytes: int,
+    pool_dtype: torch.dtype,
 ) -> list[_Bucket]:
     buckets = []
-    for (r, targeted, t, spanned), adapters in _tiles(plan, group, tokens):
-        tile = _Tile(plan, group, targeted, r, t, rows)
+    for (r, targeted, t, row_dtype, spanned), adapters in _tiles(plan, group, tokens):
+        tile = _Tile(plan, group, targeted, r, t, rows, row_dtype)
+        row_bytes = plan.row_width * (row_dtype or pool_dtype).itemsize
         direct = [a for a in adapters if tile.direct(a, row_bytes)]
         gathered = [a for a in adapters if a not in direct]
         for a in direct:  # a bucket of its own, its rows read in place
@@ -238,12 +245,20 @@ def _group_buckets(
 
 
 class _Tile:
-    """One bucket key of a group (rank, targeted modules, tokens per tile): its buckets' rows and outputs."""
+    """One bucket key of a group (rank, targeted modules, tokens per tile, row dtype): its buckets' rows and
+    outputs."""
 
     def __init__(
-        self, plan: LoraPlan, group: tuple[int, ...], targeted: tuple[int, ...], r: int, t: int, rows: _StepRows
+        self,
+        plan: LoraPlan,
+        group: tuple[int, ...],
+        targeted: tuple[int, ...],
+        r: int,
+        t: int,
+        rows: _StepRows,
+        row_dtype: torch.dtype | None,
     ):
-        self.plan, self.targeted, self.r, self.t, self.rows = plan, targeted, r, t, rows
+        self.plan, self.targeted, self.r, self.t, self.rows, self.row_dtype = plan, targeted, r, t, rows, row_dtype
         self.modules = [group[i] for i in targeted]
         self.c_in, self.c_out = plan.c_in[self.modules[0]], [plan.c_out[m] for m in self.modules]
         self.a_r = r // plan.a_divisor[self.modules[0]]  # A rank vectors held here (a tensor-parallel share)
@@ -298,6 +313,7 @@ class _Tile:
             c_in=self.c_in,
             d_in=plan.d_in[self.modules[0]],
             outputs=tuple(outputs),
+            row_dtype=self.row_dtype,
         )
 
 

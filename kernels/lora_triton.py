@@ -428,6 +428,7 @@ def prepare_lora_triton(
     tests and benchmarks; the result does not depend on them beyond rounding."""
     if path not in PATHS:
         raise ValueError(f"unknown path {path!r}; choose one of {', '.join(PATHS)}")
+    plan.check_pool_dtype_rows("triton")
     device = plan.tables.rank.device
     prepared = []
     for group in plan.groups:

@@ -75,6 +75,9 @@ class LoraPlan:
     b_offsets: list[list[int]]  # [A][M]
     layers_active: list[list[bool]]  # [A][L]
     pages: list[list[int]]  # [A]: each adapter's pages, in logical order
+    # [A]: the dtype of each adapter's rows where it is not the pool's (half-precision rows in a float32 pool,
+    # `kernels.batch.rows_view`: rows_per_page x 2 of them per page), else None
+    row_dtypes: list[torch.dtype | None] = field(default_factory=list)
     # The step's shrinks, in group order: the modules whose A blocks one shrink reads together. A
     # group is one shrink when every adapter of the step stacks its A blocks (as the engine's pool
     # does) and no adapter's stack exceeds FUSED_SHRINK_MAX_RANK rows; else each module its own.
@@ -84,6 +87,15 @@ class LoraPlan:
     # [M]: on a tensor-parallel rank, its adapters hold rank / a_divisor[m] of module m's A rank vectors (their
     # shrink's share, exchanged between ranks before the expand: `kernels.lora_torch`); 1 on one rank
     a_divisor: tuple[int, ...] = (1, 1, 1, 1, 1, 1, 1)
+
+    def row_dtype(self, adapter: int) -> torch.dtype | None:
+        """The dtype of adapter `adapter`'s rows, or None: the pool's."""
+        return self.row_dtypes[adapter] if self.row_dtypes else None
+
+    def check_pool_dtype_rows(self, backend: str) -> None:
+        """Raise unless every adapter's rows are at the pool's dtype (a backend that reads no half rows)."""
+        if any(d is not None for d in self.row_dtypes):
+            raise ValueError(f"the {backend} LoRA kernels read adapter rows at the pool's dtype only")
 
 
 @dataclass

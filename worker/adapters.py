@@ -58,6 +58,14 @@ class LoraAdapter:
         packed += sum(rows.nbytes for rows in self.rank_rows)
         return packed + sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """Its weights' dtype when they share one (float32 when they mix); with rows only, the rows'."""
+        if not self.weights and self.packed is not None:
+            return self.packed.dtype
+        dtypes = {t.dtype for pair in self.weights.values() for t in pair}
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
     def layout(self, pool: PoolLayout, model: ModelConfig) -> AdapterLayout:
         return pool.adapter_layout(model, self.rank, self.modules, active_layers=len(self.layers))
 

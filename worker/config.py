@@ -32,6 +32,7 @@ RUNNERS = ("real", "emulated")
 BACKENDS = ("auto", "torch", "triton", "torch-bmm")
 WARM_UP = ("auto", "on", "off")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+ADAPTER_DTYPES = ("pool", "auto", "bfloat16", "float16")  # `worker/adapter_precision.py`
 GIB = 2**30
 
 
@@ -61,6 +62,14 @@ class EngineConfig:
     cpu_pool_memory_gb: float = setting(0.5, "with neither --pool-pages nor --pool-memory-gb, on CPU: the pool's GiB")
     adapter_pool_fraction: float | None = setting(
         None, "give adapters this share of the pool and KV pages the rest (unset: one unified pool)"
+    )
+    # Adapter rows at half precision in a float32 pool, two to a pool row: half the bytes a step reads and the
+    # pages an adapter takes (`worker/adapter_precision.py`); the torch kernel backend on one rank.
+    adapter_dtype: str = setting(
+        "pool",
+        "adapters' precision in a float32 pool: pool (float32), auto (an adapter whose weights are float16 or "
+        "bfloat16 keeps them so, exactly; others float32), bfloat16 or float16 (every adapter, rounded)",
+        choices=ADAPTER_DTYPES,
     )
     prefetch: bool = setting(True, "prefetch predicted adapters")
     prefix_cache: bool = setting(
@@ -183,6 +192,14 @@ class EngineConfig:
             bad("compile_model", "the emulated runner has no model to compile")
         if self.compile_model and self.device.startswith("cuda"):
             bad("compile_model", "--compile is for the CPU; on CUDA decode steps replay CUDA graphs")
+        if self.adapter_dtype not in ADAPTER_DTYPES:
+            bad("adapter_dtype", f"choose {', '.join(ADAPTER_DTYPES)}")
+        if self.adapter_dtype != "pool" and self.tensor_parallel > 1:
+            bad("adapter_dtype", "a split model holds adapters at the pool's precision: leave adapter_dtype pool")
+        if self.adapter_dtype != "pool" and self.runner == "emulated":
+            bad("adapter_dtype", "the emulated runner reads no adapter rows: leave adapter_dtype pool")
+        if self.adapter_dtype != "pool" and self.backend not in ("auto", "torch"):
+            bad("adapter_dtype", "half-precision adapter rows are read by the torch kernel backend: leave backend auto")
         if self.tensor_parallel > 1 and self.cuda_graphs == "uncaptured":
             bad("tensor_parallel", "a split model runs its steps eagerly: cuda_graphs uncaptured needs one rank")
 

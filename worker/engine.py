@@ -151,6 +151,7 @@ class Engine:
             adapter_pages,
             zeroed=not emulated,
             copier=PoolCopier if self.leader is None else SharingCopier,
+            adapter_dtype=config.adapter_dtype,
         )
         self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
         queued = lambda: (r.spec.adapter_key for r in self.step_scheduler.waiting)  # noqa: E731

@@ -103,6 +103,12 @@ def model_runner(
     graphs = graph_mode(config, backend, device)
     if config.compile_model and device.type != "cpu":
         raise InvalidConfigError(f"engine config compile_model=True: --compile is for the CPU, the device is {device}")
+    if config.adapter_dtype != "pool" and (backend.name != "torch" or pool.tensor.dtype != torch.float32):
+        raise InvalidConfigError(
+            f"engine config adapter_dtype={config.adapter_dtype!r}: half-precision adapter rows are for a float32 pool "
+            f"read by the torch kernel backend; this pool is {str(pool.tensor.dtype).removeprefix('torch.')} with the "
+            f"{backend.name} backend: leave --adapter-dtype pool (a half-precision pool holds adapters so already)"
+        )
     warm = config.warm_up == "on" or (config.warm_up == "auto" and (device.type == "cuda" or config.compile_model))
     # The scratch page: padded decode steps' pads and the warm-up's dummy steps write there.
     scratch = pool.reserve_kv_page(PAD_SEQUENCE) if config.pad_decode_steps or graphs or warm else None

@@ -12,7 +12,8 @@ Copies go layer by layer, layer 0 first, each as few slice copies as the adapter
 contiguous runs, marking each layer done on the copy's `LayerProgress`. On CUDA a background copy
 is queued on the copier's own stream with an event per layer; on the CPU it runs on a thread, and a
 large copy is split by layers over a second thread (one memcpy thread gets about half the
-bandwidth).
+bandwidth). The copier also decides each adapter's precision in the pool (`adapter_precision.py`):
+half-precision rows go two to a pool row, through `rows_view`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from loraserve.kernels.batch import page_rows
+from loraserve.kernels.batch import page_rows, row_packing, rows_view
 from loraserve.model_config import ModelConfig
+from loraserve.worker import adapter_precision
 from loraserve.worker.adapters import LoraAdapter
 from loraserve.worker.layer_progress import LayerProgress
 from loraserve.worker.pool_layout import PoolLayout
@@ -61,8 +63,9 @@ class PoolCopier:
         device: torch.device,
         zeroed: bool = True,
         copy_threads: int = 2,
+        adapter_dtype: str = "pool",  # `adapter_precision.py`
     ) -> None:
-        self.layout, self.model, self.device = layout, model, device
+        self.layout, self.model, self.device, self.adapter_dtype = layout, model, device, adapter_dtype
         shape = (layout.num_layers, layout.rows_per_layer, layout.row_width)
         # Not `zeroed` (the emulated runner's pool, whose KV nothing reads): uninitialized, so the host
         # commits memory only for the pages written.
@@ -73,9 +76,18 @@ class PoolCopier:
         helpers = copy_threads - 1 if self._stream is None else 0
         self._helpers = ThreadPoolExecutor(helpers, thread_name_prefix="adapter-copy") if helpers > 0 else None
 
-    def row_index(self, pages: list[int], num_rows: int) -> torch.Tensor:
-        """int64 [num_rows] on the pool's device: the physical row of each logical row of an adapter."""
-        return page_rows(pages, self.layout.rows_per_page)[:num_rows].to(self.device)
+    def row_dtype(self, adapter: LoraAdapter) -> torch.dtype | None:
+        """The dtype of `adapter`'s rows in the pool when not the pool's (`adapter_precision.py`), else None."""
+        return adapter_precision.row_dtype(self.adapter_dtype, adapter.dtype, self.tensor.dtype)
+
+    def rows_per_page(self, row_dtype: torch.dtype | None) -> int:
+        """Rows of an adapter of `row_dtype` one page holds."""
+        return self.layout.rows_per_page * row_packing(self.tensor.dtype, row_dtype)
+
+    def row_index(self, pages: list[int], num_rows: int, row_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """int64 [num_rows] on the pool's device: the physical row of each logical row of an adapter (a row of
+        `rows_view(tensor, row_dtype)`)."""
+        return page_rows(pages, self.rows_per_page(row_dtype))[:num_rows].to(self.device)
 
     def prepare(self, adapter: LoraAdapter) -> LoraAdapter:
         """`adapter` with its rows packed for this pool, pinned when the pool is on CUDA: the host-side
@@ -90,7 +102,7 @@ class PoolCopier:
         as layers land; takes the adapter itself, as a background copy may outlive its host-cache entry."""
         try:
             rows = self._rows(adapter)  # [L, num_rows, W]
-            runs = contiguous_runs(pages, self.layout.rows_per_page, num_rows)
+            runs = contiguous_runs(pages, self.rows_per_page(rows.dtype), num_rows)
             layers = range(self.layout.num_layers)
             helper = None
             if self._helpers is not None and rows.nbytes >= SPLIT_COPY_BYTES:  # the upper half on a helper
@@ -127,8 +139,9 @@ class PoolCopier:
 
     def copy_layers(self, rows: torch.Tensor, runs: list[Run], layers: range, progress: LayerProgress | None) -> None:
         """Copy `layers` of `rows` as the slice copies `runs` name, marking each layer done."""
+        pool = rows_view(self.tensor, rows.dtype)
         for layer in layers:
-            target, source = self.tensor[layer], rows[layer]
+            target, source = pool[layer], rows[layer]
             for physical, logical, count in runs:
                 target[physical : physical + count].copy_(source[logical : logical + count], non_blocking=True)
             if progress is not None:
@@ -140,7 +153,8 @@ class PoolCopier:
                 pool.shutdown(wait=True)
 
     def _rows(self, adapter: LoraAdapter) -> torch.Tensor:
-        rows = adapter.rows(self.layout, self.model, self.tensor.dtype)  # rows the store sent: as they are
+        # rows the store sent: as they are, when they have the dtype they take in the pool
+        rows = adapter.rows(self.layout, self.model, self.row_dtype(adapter) or self.tensor.dtype)
         if self.device.type == "cuda" and not rows.is_pinned():
             rows = rows.pin_memory()
         return rows

@@ -45,6 +45,7 @@ import torch
 
 from loraserve.errors import ResourceExhaustedError
 from loraserve.model_config import ModelConfig
+from loraserve.pool_rows import ceil_div
 from loraserve.wire import AdapterKey
 from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.layer_progress import LayerProgress
@@ -95,7 +96,8 @@ class AdapterSlot:
     layers: list[bool]  # [L]: has weights in that layer
     pages: tuple[int, ...]  # its pages in logical order (host ints: the step's metadata builder reads them)
     row_index: torch.Tensor  # int64 [num_rows]: physical row of each logical row
-    useful_elements: int  # weights stored, over all layers (what a step reads)
+    useful_elements: int  # weights stored, over all layers (what a step reads), in pool elements
+    row_dtype: torch.dtype | None = None  # its rows' dtype when not the pool's (`adapter_precision.py`)
     ready: LayerProgress | None = field(default=None, repr=False)  # a background copy, until a step saw it done
     demand: bool = False  # that copy is for requests already waiting on it: a miss when used, not a hit
     counted: bool = False  # a step used it while it was being copied (its hit or miss is counted)
@@ -143,9 +145,10 @@ class UnifiedPool:
         zeroed: bool = True,
         copy_threads: int = 2,
         copier: type[PoolCopier] = PoolCopier,  # a tensor-parallel worker's rank 0 passes a SharingCopier
+        adapter_dtype: str = "pool",  # adapters' precision in the pool (`adapter_precision.py`)
     ) -> None:
         self.layout, self.model, self.host = layout, model, host
-        self.copier = copier(layout, model, dtype, device, zeroed, copy_threads)
+        self.copier = copier(layout, model, dtype, device, zeroed, copy_threads, adapter_dtype)
         self.tensor = self.copier.tensor  # [L, pages * R, W]: KV and adapters (the runner reads it)
         self.device = device
         self.pages = PagePool(layout, adapter_pages, policy)  # who owns which page: KV, adapters, pins, prefixes
@@ -300,9 +303,13 @@ class UnifiedPool:
         """Pages and a slot for `key`, evicting idle adapters not in `keep`; the data is not copied yet."""
         adapter = self.host.get(key)
         layout = adapter.layout(self.layout, self.model)
-        if not self.make_room(layout.num_pages + extra_pages, keep=keep):
+        row_dtype = self.copier.row_dtype(adapter)
+        per_page = self.copier.rows_per_page(row_dtype)
+        num_pages = ceil_div(layout.num_rows, per_page)
+        useful = layout.useful_elements * self.layout.rows_per_page // per_page
+        if not self.make_room(num_pages + extra_pages, keep=keep):
             return False
-        pages = self.pages.allocate_adapter(key, layout.num_pages, layout.useful_elements)
+        pages = self.pages.allocate_adapter(key, num_pages, useful)
         self._slots[key] = AdapterSlot(
             key,
             layout.rank,
@@ -311,8 +318,9 @@ class UnifiedPool:
             layout.b_offsets,
             [layer in adapter.layers for layer in range(self.layout.num_layers)],
             tuple(pages),
-            self.copier.row_index(pages, layout.num_rows),
-            layout.useful_elements,
+            self.copier.row_index(pages, layout.num_rows, row_dtype),
+            useful,
+            row_dtype,
         )
         return True
 

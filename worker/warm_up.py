@@ -43,6 +43,7 @@ class WarmUpAdapter:
     b_offsets: tuple[int, ...]
     layers: tuple[bool, ...]
     scale: float = 0.0
+    row_dtype: None = None  # at the pool's dtype (the kernels' variants do not depend on it)
 
 
 def rank_blocks(max_rank: int) -> list[int]:

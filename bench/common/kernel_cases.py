@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraserve.kernels import batch as step_batch
 from loraserve.kernels.batch import ONE_MODULE_GROUPS, LoraGeometry, build_attention_batch, build_lora_plan, page_rows
 from loraserve.kernels.batch import ceil_div as _ceil_div
 from loraserve.kernels.metadata import AttentionBatch, LoraPlan
@@ -41,7 +42,8 @@ class SyntheticAdapter:
     a_offsets: list[int]  # [7]: first logical row of each module's A block, -1 if not targeted
     b_offsets: list[int]
     pages: list[int]
-    row_index: torch.Tensor  # int64 [num_rows]: physical row of every logical row
+    row_index: torch.Tensor  # int64 [num_rows]: physical row of every logical row (of `rows_view(pool, row_dtype)`)
+    row_dtype: torch.dtype | None = None  # its rows' dtype when not the pool's (half rows in a float32 pool)
 
 
 def _chunk(matrix: torch.Tensor, chunks: int, width: int) -> torch.Tensor:
@@ -77,11 +79,13 @@ def make_lora_pool(
     spare_pages: int = 3,
     stacked: bool = False,
     consecutive: tuple[int, ...] = (),
+    row_dtypes: dict[int, torch.dtype] | None = None,
 ) -> tuple[torch.Tensor, list[SyntheticAdapter]]:
     """A pool [L, pages * R, W] holding one adapter per rank, in scattered pages (those in `consecutive`:
     on consecutive pages, at the top of the pool); the rest is noise.
 
-    modules[i]: module indices adapter i targets; inactive_layers[i]: layers where it has no weights.
+    modules[i]: module indices adapter i targets; inactive_layers[i]: layers where it has no weights;
+    row_dtypes[i]: its weights rounded to this half type and held so (two rows to a pool row: `rows_view`).
     `stacked`: lay each adapter out as the engine's pool does, the A blocks of each group of
     `LORA_GROUPS` stacked; else module by module, A then B (any layout the offsets describe works).
     Weights are N(0, 1/d) so that x @ A^T @ B stays O(|x|) whatever the widths and ranks.
@@ -91,7 +95,7 @@ def make_lora_pool(
     c_in, c_out = geometry.c_in, geometry.c_out
     packed: list[tuple[torch.Tensor, SyntheticAdapter]] = []
     for i, r in enumerate(ranks):
-        targeted = set(modules[i])
+        targeted, row_dtype = set(modules[i]), (row_dtypes or {}).get(i)
         a_offsets, b_offsets, off = _offsets(targeted, r, c_in, c_out, LORA_GROUPS if stacked else ONE_MODULE_GROUPS)
         inactive = set(inactive_layers[i]) if inactive_layers else set()
         layers = [layer not in inactive for layer in range(num_layers)]
@@ -101,16 +105,17 @@ def make_lora_pool(
             if not layers[layer]:
                 continue
             for m in sorted(targeted):
-                a = (torch.randn(r, geometry.d_in[m], generator=g) / math.sqrt(geometry.d_in[m])).to(dtype)
-                b = (torch.randn(r, geometry.d_out[m], generator=g) / math.sqrt(r)).to(dtype)
+                a = (torch.randn(r, geometry.d_in[m], generator=g) / math.sqrt(geometry.d_in[m])).to(row_dtype or dtype)
+                b = (torch.randn(r, geometry.d_out[m], generator=g) / math.sqrt(r)).to(row_dtype or dtype)
                 weights[(layer, m)] = (a.float(), b.float())
                 rows[layer, a_offsets[m] : a_offsets[m] + r * c_in[m]] = _chunk(a.float(), c_in[m], w)
                 rows[layer, b_offsets[m] : b_offsets[m] + r * c_out[m]] = _chunk(b.float(), c_out[m], w)
         scale = 0.5 * (1 + i % 4)  # distinct per adapter, so a mixed-up scale shows
-        adapter = SyntheticAdapter(r, scale, weights, layers, a_offsets, b_offsets, [], torch.empty(0))
+        adapter = SyntheticAdapter(r, scale, weights, layers, a_offsets, b_offsets, [], torch.empty(0), row_dtype)
         packed.append((rows, adapter))
 
-    need = [_ceil_div(rows.shape[1], rpp) for rows, _ in packed]
+    per_page = [rpp * step_batch.row_packing(dtype, adapter.row_dtype) for _, adapter in packed]
+    need = [_ceil_div(rows.shape[1], k) for (rows, _), k in zip(packed, per_page, strict=True)]
     num_pages = sum(need) + spare_pages
     top = num_pages - sum(need[i] for i in consecutive)
     runs = {}
@@ -123,8 +128,9 @@ def make_lora_pool(
             adapter.pages = runs[i]
         else:
             adapter.pages, order = order[:n], order[n:]
-        adapter.row_index = page_rows(adapter.pages, rpp)[: rows.shape[1]]
-        pool.index_copy_(1, adapter.row_index, rows.to(dtype))
+        adapter.row_index = page_rows(adapter.pages, per_page[i])[: rows.shape[1]]
+        view = step_batch.rows_view(pool, adapter.row_dtype)  # half-precision rows: two to a pool row
+        view.index_copy_(1, adapter.row_index, rows.to(adapter.row_dtype or dtype))
     for _, adapter in packed:
         adapter.row_index = adapter.row_index.to(device)
     return pool.to(device), [adapter for _, adapter in packed]

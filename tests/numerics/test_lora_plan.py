@@ -5,11 +5,14 @@ patterns, mixed ranks, adapters targeting different modules of one group, inacti
 base-only tokens, decode and prefill lengths; the step in any order (index tables) and in the
 runner's order (`lora_order`: contiguous spans, updated in place); the engine's pool layout (A
 blocks of a group stacked) and a module-by-module one. Then the engine's greedy tokens in both
-orders, and an adapter with non-finite weights sharing a bucket with healthy ones.
+orders, and an adapter with non-finite weights sharing a bucket with healthy ones. The test pool holds
+some adapters' rows at half precision (bfloat16 and float16, two to a float32 row), as `--adapter-dtype` does;
+the dense reference uses their rounded weights.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -40,6 +43,7 @@ RANKS = [1, 4, 8, 16, 64, 4, 16, 8, 2, 32, 8, 4]
 ALL = (0, 1, 2, 3, 4, 5, 6)
 CONSECUTIVE = tuple(range(0, len(RANKS), 3))  # adapters on consecutive pages in the test pool
 MODULES = [ALL] * 9 + [(1, 2), (0, 2, 6), (0, 4, 3)]  # the last three target parts of groups
+HALF_ROWS = {1: torch.bfloat16, 3: torch.bfloat16, 7: torch.bfloat16, 2: torch.float16, 6: torch.float16}
 
 
 def _dense(ys, x, adapters, requests, plan, layer, group):
@@ -68,8 +72,8 @@ def _every_group_matches_dense(apply, weights, adapters, requests, plan, device,
                 torch.testing.assert_close(y.cpu(), e, atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["stacked", "by-module"])
-def pool(request):
+@functools.cache
+def _pool(stacked: bool, half_rows: bool):
     inactive = [()] * 11 + [(1,)]
     return make_lora_pool(  # every third adapter on consecutive pages: read in place when large enough
         GEOMETRY,
@@ -78,9 +82,22 @@ def pool(request):
         torch.float32,
         seed=5,
         inactive_layers=inactive,
-        stacked=request.param,
+        stacked=stacked,
         consecutive=CONSECUTIVE,
+        row_dtypes=HALF_ROWS if half_rows else None,
     )
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["stacked", "by-module"])
+def pool(request):
+    """The torch path's pool: some adapters at half precision."""
+    return _pool(request.param, True)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["stacked", "by-module"])
+def float32_pool(request):
+    """The Triton path's pool: every adapter at the pool's dtype (the Triton kernels read no half rows)."""
+    return _pool(request.param, False)
 
 
 def _ordered(requests):
@@ -131,10 +148,10 @@ def test_groups_match_dense(pool, popularity, lengths, order, reads, path, monke
 
 @pytest.mark.parametrize("lengths", [[1], [1, 1, 12, 1, 3]], ids=["decode", "mixed"])
 @pytest.mark.parametrize("ranks", ["small", "all"])
-def test_triton_groups_match_dense(pool, lengths, ranks, kernel_device):
+def test_triton_groups_match_dense(float32_pool, lengths, ranks, kernel_device):
     """The Triton path per group: one shrink for a group whose A blocks every adapter stacks (at
     most FUSED_SHRINK_MAX_RANK rows each), else one per module; either way the dense result."""
-    weights, adapters = pool
+    weights, adapters = float32_pool
     stacked = adapters[0].a_offsets[1] == adapters[0].a_offsets[0] + RANKS[0] * GEOMETRY.c_in[0]
     usable = [a for a, r in enumerate(RANKS) if ranks == "all" or r <= 32]
     assigned = assign_adapters("uniform", 16, seed=3)

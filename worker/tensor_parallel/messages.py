@@ -49,6 +49,11 @@ class Slot(msgspec.Struct, array_like=True):
     b_offsets: list[int]
     layers: list[bool]
 
+    @property
+    def row_dtype(self) -> None:
+        """A split model holds its adapters at the pool's dtype (`worker/config.py` refuses half rows)."""
+        return None
+
 
 class Chunk(msgspec.Struct, array_like=True):
     token_ids: list[int]

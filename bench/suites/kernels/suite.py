@@ -6,31 +6,22 @@
     loraserve bench --suite kernels --gpu-suite [--out DIR]     LoRA and attention, the GPU suite's part
     loraserve bench --suite kernels --dry-run [--out DIR]   the same on CPU, tiny shapes, interpreter
 
-For each (phase, rank, batch size, popularity): a batch of requests (one token each when decoding,
---prefill-len tokens each when prefilling, at most --max-prefill-tokens in all: larger batches get
-fewer tokens per request, said in the row's note), adapters assigned by punica's popularity patterns,
-all packed in random pages of one pool, one projection hidden -> hidden. Rank "mixed": adapter i of
-the pool has rank (8, 16, 32, 64, 128)[i mod 5], so a batch of several adapters mixes ranks in one
-launch (a distinct batch of >= 5 has all five; identical uses adapter 0 alone, rank 8).
+For each (phase, rank, batch size, popularity): a batch of requests (one token each decoding, --prefill-len
+each prefilling, at most --max-prefill-tokens in all: larger batches get fewer per request, said in the
+row's note), adapters assigned by punica's popularity patterns, packed in random pages of one pool, one
+projection hidden -> hidden. Rank "mixed": adapter i has rank (8, 16, 32, 64, 128)[i mod 5], so a batch
+of several adapters mixes ranks in one launch (identical uses adapter 0 alone, rank 8).
 Measured in the same run:
 
     triton   lora_apply_triton (the token path for decode-shaped steps, the segment path otherwise)
-    loop     lora_apply_torch, the engine's torch path: adapters bucketed by rank and token count,
-             per bucket one gather of A and B from the pool and torch bmm calls. Its plan is
-             prepared once, as the engine prepares it once per step for every layer; planning is
-             not in the figure.
-    bmm      lora_apply_bmm: gather every adapter padded to the largest rank, then torch.bmm
-             (torch.nonzero synchronises: eager only)
-    roofline bytes that must move / measured bandwidth:
-             (T*d_in + 2*T*d_out + sum over distinct adapters r_a*(d_in + d_out)) * itemsize / bw
+    loop     lora_apply_torch, the engine's torch path (adapters bucketed by rank and token count, one gather
+             of A and B per bucket, then bmm; planned once, as the engine does per step: not timed)
+    bmm      lora_apply_bmm: every adapter gathered padded to the largest rank, then torch.bmm (eager only)
+    roofline (T*d_in + 2*T*d_out + sum over distinct adapters r_a*(d_in + d_out)) * itemsize / bandwidth
 
-Two times per implementation (microseconds, medians):
-
-    *_us        eager call, triton.testing.do_bench (CUDA events around each call, L2 flushed before
-                each): what an eager engine pays, host-side launch cost included when it exceeds
-                the device time
-    *_graph_us  device time: one call captured in a CUDA graph, events around each replay, L2
-                flushed (a 256 MiB buffer zeroed) before each replay; None when capture fails
+Times (microseconds, medians): *_us, an eager call under triton.testing.do_bench, L2 flushed before each
+(host-side launch cost included where it exceeds the device time); *_graph_us, the device time of one call
+captured in a CUDA graph, L2 flushed (256 MiB zeroed) before each replay, None when capture fails.
 
 Bandwidth: a device-to-device copy of 1 GiB, (bytes read + bytes written) / time, median of 5; the
 datasheet figure (H100 SXM 3.35, H200 4.8 TB/s) is reported beside it. Every case is also checked

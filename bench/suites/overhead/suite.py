@@ -8,9 +8,8 @@ requests queued at once (prompts of 8–32 random tokens, 16–128 output tokens
 request i using adapter i mod n (32 distinct adapters of ranks 8/16/32 on q/k/v/o by default). Each
 side runs `repeats` times and keeps its fastest run, so both are measured under the same conditions.
 The pool is sized from the model to hold a full batch's KV and every adapter at once, and every
-adapter is copied in before the clock starts: no run loads or evicts one.
-Models: the demo model and random Llamas of ~25M and ~100M parameters (`bench/common/random_model.py`,
-written once under the adapter cache).
+adapter is copied in before the clock starts: no run loads or evicts one. Models: the demo model and
+random Llamas of ~25M and ~100M parameters (`bench/common/random_model.py`, written once and cached).
 
 Then, on the ~25M model (else the first model measured), the scaling ratio: LoRA tokens/s with n
 distinct adapters (1000; 200 in --quick) over one adapter, saturated (every request queued at
@@ -41,6 +40,7 @@ from loraserve.bench.common.tables import rich_table, wide_console
 from loraserve.bench.systems.engine import AdapterBank, adapter_counters, warm_up
 from loraserve.bench.workloads.slora import round_robin_ranks
 from loraserve.config_cli import setting
+from loraserve.worker.config import ADAPTER_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class OverheadSettings:
     overhead_backend: str = setting(
         "auto", "overhead suite: the engine's kernel backend", choices=["auto", "torch", "triton", "torch-bmm"]
     )
+    overhead_adapter_dtype: str = setting("pool", "overhead suite: engine --adapter-dtype", choices=ADAPTER_DTYPES)
     overhead_breakdown: bool = setting(
         False, "overhead suite: also the pool's gather bandwidth and a profile of base and LoRA decode steps"
     )
@@ -167,6 +168,7 @@ def _prepared_engine(path: Path, args: argparse.Namespace, adapters: dict[str, i
     config = EngineConfig(
         device=args.overhead_device,
         backend=args.overhead_backend,
+        adapter_dtype=args.overhead_adapter_dtype,
         cuda_graphs=cuda_graphs,
         max_batch_size=args.overhead_batch,
         pool_pages=pages,
@@ -199,6 +201,7 @@ def _engine_fields(engine, args: argparse.Namespace) -> dict:
     return {
         "device": str(engine.device),
         "backend": engine.runner.backend.name,
+        "adapter_dtype": args.overhead_adapter_dtype,
         "cuda_graphs": engine.runner.graphs is not None,
         "threads": args.threads,
     }

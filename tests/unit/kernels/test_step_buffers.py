@@ -87,7 +87,9 @@ def test_engine_steps_refill_the_same_storage(tiny_model, tiny_adapters):
 
 def _adapter(rank: int, pages: list[int], layers=(True, True)) -> SimpleNamespace:
     offsets = [0, -1, 2 * rank, -1, -1, -1, -1]
-    return SimpleNamespace(rank=rank, scale=0.5, pages=pages, a_offsets=offsets, b_offsets=offsets, layers=list(layers))
+    return SimpleNamespace(
+        rank=rank, scale=0.5, pages=pages, a_offsets=offsets, b_offsets=offsets, layers=list(layers), row_dtype=None
+    )
 
 
 def _same(a, b, names) -> None:
