@@ -5,13 +5,14 @@ reads, an adapter costs its bytes. A float32 pool can hold an adapter's rows at 
 its rows in one pool row (`kernels.batch.rows_view`): half the bytes per step and half the pages. The kernels
 widen each value to float32 as they read it and compute in float32.
 
-    pool      every adapter at the pool's dtype (the default)
-    auto      an adapter whose weights are all float16, or all bfloat16, keeps them so: exact, as widening them
-              to float32 is; any other adapter at the pool's dtype
+    auto      (the default) an adapter whose weights are all float16, or all bfloat16, keeps them so: exact,
+              as widening them to float32 is; any other adapter at the pool's dtype
+    pool      every adapter at the pool's dtype
     bfloat16  every adapter rounded to bfloat16 (float16: to float16)
 
-Only a float32 pool holds half rows (a half-precision pool already holds adapters so); `engine_setup` refuses
-the setting elsewhere.
+Only a float32 pool read by the torch kernel backend on one rank holds half rows (a half-precision pool holds
+adapters at half precision already); elsewhere `auto` holds every adapter at the pool's dtype and the half
+types are refused (`engine_setup.adapter_dtype`).
 """
 
 from __future__ import annotations

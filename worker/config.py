@@ -64,11 +64,13 @@ class EngineConfig:
         None, "give adapters this share of the pool and KV pages the rest (unset: one unified pool)"
     )
     # Adapter rows at half precision in a float32 pool, two to a pool row: half the bytes a step reads and the
-    # pages an adapter takes (`worker/adapter_precision.py`); the torch kernel backend on one rank.
+    # pages an adapter takes (`worker/adapter_precision.py`); the torch kernel backend on one rank (`auto`
+    # holds adapters at the pool's dtype elsewhere; bfloat16 and float16 are refused there).
     adapter_dtype: str = setting(
-        "pool",
-        "adapters' precision in a float32 pool: pool (float32), auto (an adapter whose weights are float16 or "
-        "bfloat16 keeps them so, exactly; others float32), bfloat16 or float16 (every adapter, rounded)",
+        "auto",
+        "adapters' precision in a float32 pool: auto (an adapter whose weights are float16 or bfloat16 keeps them "
+        "so, exactly, where the pool allows it; others float32), pool (every adapter at the pool's dtype), "
+        "bfloat16 or float16 (every adapter, rounded)",
         choices=ADAPTER_DTYPES,
     )
     prefetch: bool = setting(True, "prefetch predicted adapters")
@@ -194,11 +196,12 @@ class EngineConfig:
             bad("compile_model", "--compile is for the CPU; on CUDA decode steps replay CUDA graphs")
         if self.adapter_dtype not in ADAPTER_DTYPES:
             bad("adapter_dtype", f"choose {', '.join(ADAPTER_DTYPES)}")
-        if self.adapter_dtype != "pool" and self.tensor_parallel > 1:
-            bad("adapter_dtype", "a split model holds adapters at the pool's precision: leave adapter_dtype pool")
-        if self.adapter_dtype != "pool" and self.runner == "emulated":
-            bad("adapter_dtype", "the emulated runner reads no adapter rows: leave adapter_dtype pool")
-        if self.adapter_dtype != "pool" and self.backend not in ("auto", "torch"):
+        rounded = self.adapter_dtype in ("bfloat16", "float16")
+        if rounded and self.tensor_parallel > 1:
+            bad("adapter_dtype", "a split model holds adapters at the pool's precision: leave adapter_dtype auto")
+        if rounded and self.runner == "emulated":
+            bad("adapter_dtype", "the emulated runner reads no adapter rows: leave adapter_dtype auto")
+        if rounded and self.backend not in ("auto", "torch"):
             bad("adapter_dtype", "half-precision adapter rows are read by the torch kernel backend: leave backend auto")
         if self.tensor_parallel > 1 and self.cuda_graphs == "uncaptured":
             bad("tensor_parallel", "a split model runs its steps eagerly: cuda_graphs uncaptured needs one rank")

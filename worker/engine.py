@@ -48,7 +48,14 @@ from loraserve.worker.adapter_cache import AdapterRegistry
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.emulated.runner import EmulatedRunner
 from loraserve.worker.engine_adapters import EngineAdapters
-from loraserve.worker.engine_setup import base_bytes, check_prompt, model_runner, pool_pages, start_ranks
+from loraserve.worker.engine_setup import (
+    adapter_dtype,
+    base_bytes,
+    check_prompt,
+    model_runner,
+    pool_pages,
+    start_ranks,
+)
 from loraserve.worker.grammar import GrammarMatchers
 from loraserve.worker.model import load_model
 from loraserve.worker.pool_copier import PoolCopier
@@ -151,7 +158,7 @@ class Engine:
             adapter_pages,
             zeroed=not emulated,
             copier=PoolCopier if self.leader is None else SharingCopier,
-            adapter_dtype=config.adapter_dtype,
+            adapter_dtype="pool" if emulated or self.leader else adapter_dtype(config, self.device, self.dtype),
         )
         self.step_scheduler = StepScheduler(self.pool, config.max_batch_size, config.max_batched_tokens)
         queued = lambda: (r.spec.adapter_key for r in self.step_scheduler.waiting)  # noqa: E731

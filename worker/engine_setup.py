@@ -85,6 +85,23 @@ def backend_name(config: EngineConfig) -> str:
     return "torch" if config.tensor_parallel > 1 and config.backend == "auto" else config.backend
 
 
+def adapter_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The adapters' precision the pool applies (`adapter_precision.py`): half rows need a float32 pool read by
+    the torch kernel backend on one rank, so elsewhere `auto` holds every adapter at the pool's dtype, and an
+    explicit half type is refused."""
+    backend = backend_name(config)
+    backend = ("triton" if device.type == "cuda" else "torch") if backend == "auto" else backend
+    if config.adapter_dtype == "pool" or (dtype == torch.float32 and backend == "torch"):
+        return config.adapter_dtype  # the config refused a split model and the emulated runner
+    if config.adapter_dtype == "auto":
+        return "pool"
+    raise InvalidConfigError(
+        f"engine config adapter_dtype={config.adapter_dtype!r}: half-precision adapter rows are for a float32 pool "
+        f"read by the torch kernel backend; this pool is {str(dtype).removeprefix('torch.')} with the {backend} "
+        "backend: leave --adapter-dtype auto (a half-precision pool holds adapters at half precision already)"
+    )
+
+
 def model_runner(
     config: EngineConfig,
     model: torch.nn.Module,
@@ -103,12 +120,6 @@ def model_runner(
     graphs = graph_mode(config, backend, device)
     if config.compile_model and device.type != "cpu":
         raise InvalidConfigError(f"engine config compile_model=True: --compile is for the CPU, the device is {device}")
-    if config.adapter_dtype != "pool" and (backend.name != "torch" or pool.tensor.dtype != torch.float32):
-        raise InvalidConfigError(
-            f"engine config adapter_dtype={config.adapter_dtype!r}: half-precision adapter rows are for a float32 pool "
-            f"read by the torch kernel backend; this pool is {str(pool.tensor.dtype).removeprefix('torch.')} with the "
-            f"{backend.name} backend: leave --adapter-dtype pool (a half-precision pool holds adapters so already)"
-        )
     warm = config.warm_up == "on" or (config.warm_up == "auto" and (device.type == "cuda" or config.compile_model))
     # The scratch page: padded decode steps' pads and the warm-up's dummy steps write there.
     scratch = pool.reserve_kv_page(PAD_SEQUENCE) if config.pad_decode_steps or graphs or warm else None

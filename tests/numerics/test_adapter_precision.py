@@ -108,10 +108,20 @@ def test_auto_keeps_bfloat16_adapters_exactly(tiny_model, tiny_adapters, bf16_ad
     assert held == {name: torch.bfloat16 if name == "r16-all-rslora" else None for name in mixed}
 
 
-def test_the_default_holds_bfloat16_adapters_at_the_pool_dtype(tiny_model, bf16_adapters, bf16_oracle):
-    engine = _engine(tiny_model, bf16_adapters)
+@pytest.mark.parametrize(("setting", "held"), [(None, torch.bfloat16), ("pool", None)], ids=["default", "pool"])
+def test_the_default_is_auto_and_pool_holds_every_adapter_at_the_pool_dtype(
+    tiny_model, bf16_adapters, bf16_oracle, setting, held
+):
+    engine = _engine(tiny_model, bf16_adapters, **({} if setting is None else {"adapter_dtype": setting}))
     assert [r.token_ids for r in engine.generate(_requests(bf16_adapters))] == bf16_oracle
-    assert {d for _, d in _pages_and_rows(engine, bf16_adapters).values()} == {None}
+    assert {d for _, d in _pages_and_rows(engine, bf16_adapters).values()} == {held}
+
+
+def test_auto_holds_adapters_at_a_half_precision_pools_dtype(tiny_model, bf16_adapters):
+    """Where half rows cannot be (a bfloat16 pool), auto is the pool's dtype, not an error."""
+    engine = _engine(tiny_model, bf16_adapters, dtype="bfloat16")
+    engine.generate(_requests(bf16_adapters))
+    assert {slot.row_dtype for slot in engine.pool._slots.values()} == {None}
 
 
 @pytest.mark.parametrize(
@@ -121,6 +131,7 @@ def test_the_default_holds_bfloat16_adapters_at_the_pool_dtype(tiny_model, bf16_
         ({"backend": "triton"}, "torch kernel backend"),
         ({"backend": "torch-bmm"}, "torch kernel backend"),
         ({"adapter_dtype": "float64"}, "choose pool, auto, bfloat16, float16"),
+        ({"runner": "emulated", "runner_profile": Path("p.json")}, "emulated runner"),
     ],
 )
 def test_settings_that_cannot_hold_half_rows_are_refused(overrides, message):
@@ -128,7 +139,7 @@ def test_settings_that_cannot_hold_half_rows_are_refused(overrides, message):
         EngineConfig(**{"adapter_dtype": "bfloat16", **overrides})
 
 
-def test_a_half_precision_pool_refuses_half_rows(tiny_model):
-    """A bfloat16 pool holds adapters at half precision already: the setting would mean nothing there."""
+def test_a_half_precision_pool_refuses_rounding_adapters(tiny_model):
+    """A bfloat16 pool holds adapters at half precision already: --adapter-dtype bfloat16 would mean nothing."""
     with pytest.raises(InvalidConfigError, match="float32 pool"):
         _engine(tiny_model, {}, adapter_dtype="bfloat16", dtype="bfloat16")
