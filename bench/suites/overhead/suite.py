@@ -11,12 +11,10 @@ The pool is sized from the model to hold a full batch's KV and every adapter at 
 adapter is copied in before the clock starts: no run loads or evicts one. Models: the demo model and
 random Llamas of ~25M and ~100M parameters (`bench/common/random_model.py`, written once and cached).
 
-Then, on the ~25M model (else the first model measured), the scaling ratio: LoRA tokens/s with n
-distinct adapters (1000; 200 in --quick) over one adapter, saturated (every request queued at
-once, batch 64).
+Then, on the ~25M model (else the first model measured), the scaling ratio: LoRA tokens/s with n distinct
+adapters (1000; 200 in --quick) over one adapter, saturated (every request queued at once, batch 64).
 
-On CUDA (`--overhead-device cuda`), each model is measured twice: with decode steps replayed from
-CUDA graphs and with every step eager (`--enforce-eager`).
+On CUDA (`--overhead-device cuda`), each model is measured with CUDA graphs and with eager steps.
 
 A record's `kind` is `overhead` (`overhead` = LoRA time / base time - 1, `host_ms_per_step` the
 runner's host-side planning), `scaling`, or with --overhead-breakdown, on the scaling model,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from loraserve.bench.common.random_model import DEMO_VOCAB, RANDOM_POSITIONS, LlamaShape, write_once
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.suites.peer.plan import adapter_ranks
@@ -26,9 +28,9 @@ def ensure_model(cache_dir: Path, shape: tuple[int, ...], seed: int) -> Path:
     return write_once(path, LlamaShape(*shape, vocab=DEMO_VOCAB), seed=seed, positions=RANDOM_POSITIONS)
 
 
-def adapter_dirs(model_dir: Path, count: int, ranks: tuple[int, ...], cache_dir: Path, seed: int) -> dict[str, Path]:
-    """{name: PEFT directory} of `count` adapters of `model_dir`, ranks round-robin."""
-    adapters = SyntheticAdapters(Path(model_dir), target_modules=ALL_PROJECTIONS, seed=seed)
+def adapter_dirs(model_dir: Path, count: int, ranks: tuple[int, ...], cache_dir: Path, seed: int, dtype: str):
+    """{name: PEFT directory} of `count` adapters of `model_dir`, ranks round-robin, saved in `dtype`."""
+    adapters = SyntheticAdapters(Path(model_dir), ALL_PROJECTIONS, seed, dtype=getattr(torch, dtype))
     return {
         name: adapters.write(name, rank, cache_dir / "adapters") for name, rank in adapter_ranks(count, ranks).items()
     }

@@ -4,23 +4,21 @@
     loraserve bench --suite peer --out /tmp/peer               # the full preset
     loraserve bench --suite peer --peer-systems loraserve --model DIR --out /tmp/p   # no vLLM at all
 
-Both systems serve a random Llama (`bench/common/random_model.py`, `--shape`) or `--model DIR`, with
-`--adapters` synthetic PEFT adapters on every projection, written once under `--cache-dir`: vLLM from
-its own venv (`vllm.py`), loraserve as the real stack with its OpenAI HTTP edge (`loraserve_server.py`,
-layers compiled unless `--no-loraserve-compile`), both in `--dtype`, on `--threads` threads, no prefix cache.
+Both serve a random Llama (`random_model.py`, `--shape`) or `--model DIR`, with `--adapters` synthetic
+PEFT adapters on every projection saved in `--peer-adapter-dtype` under `--cache-dir`: vLLM from its venv
+(`vllm.py`), loraserve as the real stack with its OpenAI HTTP edge (`loraserve_server.py`, compiled unless
+`--no-loraserve-compile`), both in `--dtype`, on `--threads` threads, no prefix cache.
 
-Pairings (`--peer-pairings`, `plan.py`): `base`, vLLM without --enable-lora (its compiled path)
-against requests that name no adapter; `lora`, vLLM with the adapters against requests round-robin
-over them. Each pairing starts its vLLM server, warms both up, then alternates timed runs
-(`--peer-repeats` each) of the same requests through one client (`client.py`); then an untimed check
-sends them once more with logprobs=0 for greedy agreement. Figures and targets: `figures.py`. Where
-vLLM cannot be installed or started the suite records why (a record with `error`) and runs
-loraserve's half; vLLM's targets then have value None, met False.
+Pairings (`--peer-pairings`, `plan.py`): `base` (vLLM without --enable-lora, its compiled path; requests
+name no adapter) and `lora` (vLLM with the adapters; requests round-robin over them). Each pairing starts
+its vLLM server, warms both up, alternates timed runs (`--peer-repeats` each) of the same requests through
+one client (`client.py`), then checks greedy agreement untimed (logprobs=0). Figures and targets:
+`figures.py`. Where vLLM cannot be installed or started, the suite records why (a record with `error`) and
+runs loraserve's half; vLLM's targets are then None, met False.
 
-Both servers of a pairing stay up during its runs; what each uses idle is `idle_cpu_s_per_s`. vLLM's
-engine polls (about a third of a core here), so during loraserve's runs its server is paused
-(SIGSTOP; `--no-pause-idle` keeps it running); loraserve's stack is not (its scheduler would count
-the stopped worker's silence as a failure).
+Both servers of a pairing stay up during its runs (`idle_cpu_s_per_s`: what each uses idle). vLLM's engine
+polls (a third of a core here), so it is paused (SIGSTOP) during loraserve's runs unless `--no-pause-idle`;
+loraserve's stack is not (its scheduler would count a stopped worker's silence as a failure).
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from loraserve.model_config import ModelConfig
 from loraserve.tokenizer import Tokenizer
 
 CACHE = Path.home() / ".cache" / "loraserve"
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,7 @@ class PeerSettings:
     prompt_len: int | None = setting(None, "prompt tokens per request (quick 32, full 64)")
     max_tokens: int | None = setting(None, "output tokens per request, EOS ignored (quick 64, full 128)")
     adapters: int = setting(16, "adapters in the lora pairing")
+    peer_adapter_dtype: str = setting("float32", "the adapters' files' dtype (both read the same)", choices=DTYPES)
     ranks: tuple[int, ...] = setting((8, 16, 32), "adapter ranks, round-robin", nargs="+")
     model: Path | None = setting(None, "model directory (default: a random Llama of --shape, written once)")
     shape: tuple[int, ...] = setting(
@@ -88,7 +88,7 @@ class PeerSettings:
         nargs=5,
         metavars=("HIDDEN", "LAYERS", "HEADS", "KV_HEADS", "INTERMEDIATE"),
     )
-    dtype: str = setting("float32", "both systems' dtype", choices=("float32", "bfloat16"))
+    dtype: str = setting("float32", "both systems' dtype", choices=DTYPES)
     threads: int = setting(1, "compute threads of each system (the other cores serve HTTP and the roles)")
     pool_gb: float = setting(1.0, "loraserve's page pool (GiB)")
     loraserve_compile: bool = setting(True, "loraserve's worker with --compile (its layers compiled, as vLLM's base)")
@@ -132,7 +132,8 @@ def run(settings: PeerSettings) -> dict:
     """Every pairing, both systems (or loraserve's half alone); the results' fields."""
     model_dir = settings.model or ensure_model(settings.cache_dir, settings.shape, settings.seed)
     config = ModelConfig.from_dir(model_dir)
-    adapters = adapter_dirs(model_dir, settings.adapters, settings.ranks, settings.cache_dir, settings.seed)
+    s = settings
+    adapters = adapter_dirs(model_dir, s.adapters, s.ranks, s.cache_dir, s.seed, s.peer_adapter_dtype)
     tokenizer = Tokenizer.from_model_dir(model_dir)
 
     def decode(token_id: int) -> str:  # one token alone, as loraserve's logprobs name it
@@ -151,7 +152,6 @@ def run(settings: PeerSettings) -> dict:
     records: list[dict] = []
     agreement: dict[str, dict] = {}
     idle_cpu: dict[str, dict[str, float | None]] = {}  # pairing -> system -> CPU s/s used idle
-    s = settings
     options = LoraserveOptions(Path(model_dir), s.dtype, s.concurrency, s.threads, s.pool_gb, s.loraserve_compile)
     loraserve = LoraserveServer.start(options, adapters if "lora" in s.peer_pairings else {})
     try:
