@@ -156,10 +156,14 @@ def _tokens(stack: LocalStack, adapter: str) -> list[int]:
     return list(stack.api.Generate(request, timeout=60).token_ids)
 
 
-def _restart_store(stack: LocalStack) -> None:
+def _restart_store(stack: LocalStack, wipe: Path | None = None) -> None:
+    """Kill -9 the store (then delete `wipe`, its data, when given), restart it, and wait until the gateway
+    reaches it again."""
     store = stack.process("adapter-store")
     store.send_signal(signal.SIGKILL)
     store.wait(10)
+    if wipe is not None:
+        shutil.rmtree(wipe)
     stack.stack.restart("adapter-store")
     wait_healthy([stack.ports.store], stack.stack, timeout_s=120)
     deadline = time.monotonic() + 10  # and until the gateway reaches it again (reconnect backoff <= 1 s)
@@ -211,12 +215,7 @@ def test_a_worker_never_serves_cached_weights_whose_hash_the_store_no_longer_has
         title, upper = _tokens(stack, "title"), _tokens(stack, "upper")
         assert _upload(stack, "x", "title") == 1
         assert _tokens(stack, "x") == title  # the worker now caches (x, 1) with title's weights
-        store = stack.process("adapter-store")
-        store.send_signal(signal.SIGKILL)
-        store.wait(10)
-        shutil.rmtree(data)
-        stack.stack.restart("adapter-store")
-        wait_healthy([stack.ports.store], stack.stack, timeout_s=120)
+        _restart_store(stack, wipe=data)  # an upload sent before the gateway reconnects may be told to retry
         assert _upload(stack, "x", "upper") == 1  # the same (name, version), other weights
         assert _tokens(stack, "x") == upper
     finally:
