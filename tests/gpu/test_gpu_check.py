@@ -33,7 +33,7 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
         "--out",
         str(out),
         "--tests-dir",
-        str(ROOT / "tests"),
+        str(ROOT / "tests" / "gpu"),  # the part's driver on a small folder (collecting all of tests/ takes ~30 s)
     ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     return done, out
@@ -52,7 +52,7 @@ def test_dry_run_runs_every_part(dry_run):
         assert (out / "parts" / f"{name}.json").is_file() and (out / "logs" / f"{name}.log").is_file()
 
     tests = parts["tests"]["data"]  # on CPU every gpu-marked test is collected and skipped
-    assert tests["failed"] == 0 and tests["passed"] == 0 and tests["skipped"] > 10
+    assert tests["failed"] == 0 and tests["passed"] == 0 and tests["skipped"] >= 3
 
     engine = parts["engine"]["data"]
     systems = {(r["system"], r["n_adapters"]) for r in engine["rows"]}
