@@ -3,7 +3,7 @@ README's HTTP API section states the rules for clients).
 
 uvicorn alone accepts every connection and waits forever for a request head or body, so idle or
 trickling clients with no key can hold sockets until the process runs out of file descriptors and
-fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with these bounds:
+fails its health checks. `guarded_protocol` returns uvicorn's httptools protocol with these bounds:
 
 - **a connection limit**: with `max_connections` open, a new connection takes the place of one that
   waits for its client: the one that has waited longest for its first request head (answered `503`
@@ -13,7 +13,9 @@ fails its health checks. `guarded_protocol` returns uvicorn's h11 protocol with 
   bounded, and connections that send nothing cannot keep a well-behaved client out;
 - **a request-head deadline**: from accept, or from the first byte of a later request, the whole head
   must arrive within `header_timeout_s`, however it is trickled (uvicorn's keep-alive timer stops at
-  the first byte); **a request-body deadline**: then the whole body within `body_timeout_s`;
+  the first byte), and hold at most 16 KiB until whole (else `400`: h11's bound, which llhttp lacks);
+  an HTTP/1.1 head without `Host` is answered `400` (RFC 9112, as h11 did; llhttp lets it through);
+  **a request-body deadline**: then the whole body within `body_timeout_s`;
 - **a keep-alive timeout**: a connection idle between requests is closed (with no answer) after
   `keep_alive_s`, by uvicorn's own timer; the head deadline does not run while it is idle.
 
@@ -34,19 +36,17 @@ import asyncio
 import logging
 import resource
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from loraserve.config_cli import setting
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway import metrics
 
-if TYPE_CHECKING:
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
 log = logging.getLogger(__name__)
 
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\nretry-after: 1\r\n\r\n"
 _TOO_SLOW = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+MAX_HEAD_BYTES = 16 * 1024  # h11's bound on a request head not yet whole
 
 
 @dataclass(frozen=True)
@@ -106,23 +106,24 @@ def ensure_descriptors(limits: ConnectionLimits) -> None:
         )
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with `limits` (pass it as `uvicorn.Config(http=...)`)."""
-    import h11  # here: the gateway imports this module whether or not it serves HTTP
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol class with `limits` (pass it as `uvicorn.Config(http=...)`): its parsing
+    and its framing of each streamed event are C and a few bytes joins, where h11's were pure Python."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # here: only an HTTP gateway needs it
 
-    class GuardedH11Protocol(H11Protocol):
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _limits = limits
         # Open connections that have not sent a whole request head yet, the longest waiting first, and those
         # idle between requests (response sent, nothing of the next request yet), the longest idle first.
-        _silent: ClassVar[dict[GuardedH11Protocol, None]] = {}  # one per server (this class is made per call)
-        _idle: ClassVar[dict[GuardedH11Protocol, None]] = {}
+        _silent: ClassVar[dict[GuardedHttpToolsProtocol, None]] = {}  # one per server (this class is made per call)
+        _idle: ClassVar[dict[GuardedHttpToolsProtocol, None]] = {}
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._refused = len(self.connections) >= self._limits.max_connections and not self._make_room()
             self._deadline: asyncio.TimerHandle | None = None
             self._owed: str | None = None  # what the client owes now: "head", "body" or nothing
-            self._between = False  # idle between requests: a response sent, nothing of the next request yet
+            self._reading: str | None = None  # what the parser's request has still to send: "head", "body", None
+            self._head_bytes = 0  # received since the parser's request began, while its head is not whole
             if self._refused:
                 metrics.HTTP_CONNECTIONS_REFUSED.labels("full").inc()
                 transport.write(_BUSY)
@@ -144,62 +145,61 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             """Close an open connection that waits for its client, to make room for this one: the one that has
             waited longest for its first request head (answered 503), else the one idle longest between requests
             (closed with no answer, as at its keep-alive timeout). False when every open one is mid-request."""
-            while self._silent:
-                other = next(iter(self._silent))
-                del self._silent[other]
-                if other.transport.is_closing():
-                    continue
-                metrics.HTTP_CONNECTIONS_REFUSED.labels("evicted").inc()
-                other._set_deadline(None)
-                other.transport.write(_BUSY)
-                other.transport.close()
-                return True
-            while self._idle:
-                other = next(iter(self._idle))
-                del self._idle[other]
-                if other.transport.is_closing() or not other._between:
-                    continue
-                metrics.HTTP_CONNECTIONS_REFUSED.labels("evicted").inc()
-                other.timeout_keep_alive_handler()  # what uvicorn does at the keep-alive timeout: close, no answer
-                return True
+            for waiting, answer in ((self._silent, _BUSY), (self._idle, b"")):  # an idle one: as its keep-alive timeout
+                while waiting:
+                    other = next(iter(waiting))
+                    del waiting[other]
+                    if other.transport.is_closing():
+                        continue
+                    metrics.HTTP_CONNECTIONS_REFUSED.labels("evicted").inc()
+                    other._set_deadline(None)
+                    if answer:
+                        other.transport.write(answer)
+                    other.transport.close()
+                    return True
             return False
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
-            if data and self._between:  # the next request has begun: its head deadline runs from now
-                self._between = False
+            if data:  # if it was idle between requests, the next one has begun: its head deadline runs from now
                 self._idle.pop(self, None)
             super().data_received(data)
-
-        def handle_events(self) -> None:
-            super().handle_events()
+            if self._reading == "head" and not self.transport.is_closing():
+                self._head_bytes += len(data)  # the head so far (and what came before it in its first read)
+                if self._head_bytes > MAX_HEAD_BYTES:  # as h11 refused it; answered as uvicorn answers a parse error
+                    self.send_400_response("Invalid HTTP request received.")
             self._track()
 
+        def on_message_begin(self) -> None:  # the parser's callbacks: a request's first byte, ...
+            super().on_message_begin()
+            self._reading, self._head_bytes = "head", 0
+
+        def on_headers_complete(self) -> None:  # ... its whole head (no longer silent), ...
+            if self.parser.get_http_version() == "1.1" and not any(name == b"host" for name, _ in self.headers):
+                raise ValueError("HTTP/1.1 request without Host")  # RFC 9112 3.2: answered 400 by data_received
+            super().on_headers_complete()
+            self._reading = "body"
+            self._silent.pop(self, None)
+
+        def on_message_complete(self) -> None:  # ... its whole body
+            super().on_message_complete()
+            self._reading = None
+
         def on_response_complete(self) -> None:
-            super().on_response_complete()  # arms uvicorn's keep-alive timer; handles a pipelined request
-            if (
-                not self.transport.is_closing()
-                and self.conn.their_state is h11.IDLE
-                and self.conn.our_state is h11.IDLE
-                and not self.conn.trailing_data[0]
-            ):
-                self._between = True
-                self._idle[self] = None
+            super().on_response_complete()  # arms uvicorn's keep-alive timer; starts a pipelined request
+            if not self.transport.is_closing() and self.cycle.response_complete and self._reading is None:
+                self._idle[self] = None  # idle between requests: a response sent, nothing of the next request yet
             self._track()
 
         def _track(self) -> None:
-            """Arm the deadline for what the client owes in the connection's present state."""
-            if self.conn.their_state is not h11.IDLE or self.conn.our_state is not h11.IDLE:
-                self._silent.pop(self, None)  # a request came: no longer the first to make room
-            if self.transport.is_closing():
+            """Arm the deadline for what the client owes for the request answered now (not yet for the next)."""
+            if self.transport.is_closing() or self.pipeline:  # closing; or an earlier request answered, next ones read
                 owed = None
-            elif self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
-                owed = None if self._between else "head"  # idle between requests: uvicorn's keep-alive timer runs
-            elif self.conn.their_state is h11.SEND_BODY:
-                owed = "body"
+            elif self.cycle is None or (self.cycle.response_complete and self._reading != "body"):
+                owed = None if self in self._idle else "head"  # idle: uvicorn's keep-alive timer runs instead
             else:
-                owed = None
+                owed = "body" if self._reading == "body" else None
             self._set_deadline(owed)
 
         def _set_deadline(self, owed: str | None) -> None:
@@ -218,8 +218,8 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             if self.transport.is_closing():
                 return
             metrics.HTTP_CONNECTIONS_TIMED_OUT.labels(owed).inc()
-            if self.conn.our_state is h11.IDLE:  # no response begun: say why
+            if owed == "head" or not self.cycle.response_started:  # no response begun: say why
                 self.transport.write(_TOO_SLOW)
             self.transport.close()
 
-    return GuardedH11Protocol
+    return GuardedHttpToolsProtocol

@@ -27,7 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stack import LoneGateway, lone_gateway
 
 from loraserve.errors import InvalidConfigError
-from loraserve.gateway.http.connections import DESCRIPTOR_HEADROOM, ConnectionLimits, ensure_descriptors
+from loraserve.gateway.http.connections import (
+    DESCRIPTOR_HEADROOM,
+    MAX_HEAD_BYTES,
+    ConnectionLimits,
+    ensure_descriptors,
+    guarded_protocol,
+)
 
 pytestmark = pytest.mark.slow
 MAX_CONNECTIONS = 40
@@ -159,10 +165,15 @@ def _answers(socks: list[socket.socket], within_s: float) -> list[bytes | None]:
 
 
 def test_idle_trickling_and_kept_alive_clients_are_cut_off_at_their_deadline(gateway):
+    """Each one that owes a head or a body is answered 408 (no response has begun) and closed at its deadline; an
+    idle keep-alive one is closed with no answer. On h11 a body's deadline closed it with no answer: h11 counts a
+    response as begun once a request head is read."""
     idle = _open(gateway.http_port, 5)
     head = _open(gateway.http_port, 5)
     body = _open(gateway.http_port, 5)
     kept = _open(gateway.http_port, 5)
+    for sock in head:  # a well-formed head that never ends: one header's value, trickled below
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-trickle: ")
     for sock in body:  # a whole head announcing a body that never comes whole
         sock.sendall(_head(gateway, "POST", length=100) + b"{")
     for sock in kept:  # one whole request answered (400: no `model`), then nothing: an idle keep-alive
@@ -181,11 +192,52 @@ def test_idle_trickling_and_kept_alive_clients_are_cut_off_at_their_deadline(gat
     assert len(closed) == len(answers), f"{len(answers) - len(closed)} still open after {3 * DEADLINE_S} s"
     assert all(0.8 * DEADLINE_S <= t <= DEADLINE_S + 1.0 for t in closed.values()), sorted(closed.values())
     for sock in idle + head + body:
-        assert answers[sock] == b"" or answers[sock].startswith(b"HTTP/1.1 408"), answers[sock]
+        assert answers[sock].startswith(b"HTTP/1.1 408"), answers[sock]
     for sock in kept:
         assert answers[sock].startswith(b"HTTP/1.1 400") and b"408" not in answers[sock], answers[sock]
     for sock in answers:
         sock.close()
+
+
+def test_a_request_head_is_bounded_in_size_until_it_is_whole(gateway):
+    """A head still not whole past MAX_HEAD_BYTES, however it is trickled, is answered 400 and closed at once (as
+    h11 bounded it; llhttp alone buffers any size until the head deadline); a whole head of nearly that size
+    is read."""
+    line = b"x-pad: " + b"a" * 1000 + b"\r\n"
+    big = _open(gateway.http_port, 1)[0]
+    big.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+    for _ in range(MAX_HEAD_BYTES // len(line) + 1):
+        time.sleep(0.01)
+        with contextlib.suppress(OSError):
+            big.sendall(line)
+    answer = _answers([big], within_s=DEADLINE_S / 2)[0]
+    assert answer is not None and answer.startswith(b"HTTP/1.1 400"), answer
+    near = _open(gateway.http_port, 1)[0]
+    near.sendall(_head(gateway, "POST", length=2).replace(b"\r\n\r\n", b"\r\n" + line * 14 + b"\r\n") + b"{}")
+    answer = _answers([near], within_s=DEADLINE_S + 1.0)[0]  # answered, then closed as an idle keep-alive
+    assert answer is not None and answer.startswith(b"HTTP/1.1 400") and b"model" in answer, answer
+    for sock in (big, near):
+        sock.close()
+
+
+def test_an_http11_head_without_host_is_answered_400_and_an_http10_one_is_served(gateway):
+    """RFC 9112 3.2: a server answers 400 to an HTTP/1.1 request that lacks Host (before the app reads it); HTTP/1.0
+    has no Host to require, so its request reaches the app (400 there: the body names no `model`)."""
+    for version in (b"HTTP/1.1", b"HTTP/1.0"):
+        sock = _open(gateway.http_port, 1)[0]
+        sock.sendall(_head(gateway, "POST", length=2).replace(b"HTTP/1.1\r\nhost: x", version) + b"{}")
+        answer = _answers([sock], within_s=DEADLINE_S + 1.0)[0]
+        assert answer is not None and answer.startswith(b"HTTP/1.1 400"), (version, answer)
+        assert (b"model" in answer) == (version == b"HTTP/1.0"), (version, answer)
+        sock.close()
+
+
+def test_the_port_is_served_by_uvicorns_httptools_protocol():
+    """The C parser and framing (the gateway's CPU per streamed token, docs/benchmarks.md), with the bounds the
+    tests above hold it to."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    assert issubclass(guarded_protocol(ConnectionLimits()), HttpToolsProtocol)
 
 
 def _head(gateway: LoneGateway, method: str, length: int) -> bytes:
