@@ -7,6 +7,7 @@ workers, and adoption of requests a scheduler before this one placed. Pure: time
     unplace(request_id)         it ended, failed or moved: (worker id, request) or None
     drop(view, reason)          -> decisions: the worker is gone, what it held fails over
     silent(now)                 -> decisions: workers dropped for sending nothing (no heartbeat, no report)
+    listening(now, stall_s)     the loop runs (each round); a gap since its last run is no worker's silence
     ready() / fresh(now)        workers that take new requests / of those, the ones placed on now
 
 Every question a decision asks is answered from state kept as reports and assignments come (a worker's
@@ -110,6 +111,7 @@ class ClusterView:
         self._fresh_at = 0.0  # when it was made (a clock that goes back makes it again)
         self._slots = 0  # batch slots of the fresh workers
         self._oldest = float("inf")  # a bound on the oldest last report: no worker timed out before it
+        self._listened: float | None = None  # when the scheduler's loop last ran (`listening`)
 
     # ---- questions ---------------------------------------------------------------------------------
     def ready(self) -> list[WorkerView]:
@@ -262,6 +264,17 @@ class ClusterView:
                 decisions += self.drop(view, f"worker {view.worker_id} stopped responding (nothing for {timeout:g} s)")
         self._oldest = min((w.last_heard for w in self.workers.values()), default=now)
         return decisions
+
+    def listening(self, now: float, stall_s: float) -> float:
+        """The scheduler's loop runs at `now` (each round). If it last ran over `stall_s` earlier, it read no
+        worker's messages meanwhile (they are still unread): that gap, returned (else 0), is no worker's silence."""
+        gap, self._listened = now - (self._listened if self._listened is not None else now), now
+        if gap <= stall_s:
+            return 0.0
+        for view in self.workers.values():
+            view.last_heard = min(now, view.last_heard + gap)
+        self._oldest = min((w.last_heard for w in self.workers.values()), default=self._oldest)
+        return gap
 
     def _forget(self, request_id: str) -> Placed | None:
         placed = self.placed.pop(request_id, None)

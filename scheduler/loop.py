@@ -7,9 +7,12 @@ arrives, so dead workers and expired deadlines are noticed. A monitor on the wor
 turns a disconnect (a killed worker's TCP connection closing) into a probe of every worker, so a
 dead one is dropped at once instead of after `worker_timeout_s` (a stopped one, whose connection
 stays open, is caught by its silence: a live worker's I/O thread sends a heartbeat every 0.25 s,
-however long its step, and any message keeps it). The monitor is drained as fast as events come and
-probes are coalesced, at most one round per `PROBE_INTERVAL_S` (`scheduler/disconnects.py`): connection
-churn from strangers costs the scheduler a bounded amount of work and never stalls the workers' socket.
+however long its step, and any message keeps it). Silence is counted only while this loop listens:
+rounds more than `STALL_S` apart mean the process did not run (paused, starved, a clock step), and
+that gap is nobody's silence, so a stalled scheduler does not drop its live workers when it resumes.
+The monitor is drained as fast as events come and probes are coalesced, at most one round per
+`PROBE_INTERVAL_S` (`scheduler/disconnects.py`): connection churn from strangers costs the scheduler a
+bounded amount of work and never stalls the workers' socket.
 
 Nothing from outside reaches the policy unchecked: a Submit arrives as its `RequestSpec`, built and
 checked by the Submit servicer (`scheduler/submit.py`) against the same limits a worker's decoder
@@ -66,6 +69,7 @@ from loraserve.v1 import scheduler_pb2
 from loraserve.wire import Assign, Cancel, Heartbeat, Prefetch, Tokens, WorkerReport
 
 log = logging.getLogger(__name__)
+STALL_S = 1.0  # rounds (every tick_s, 0.05 s) this far apart: the loop did not run, nor read the workers
 
 
 @dataclass
@@ -234,8 +238,10 @@ class SchedulerLoop:
             )
 
     def _run_round(self) -> None:
-        started = time.perf_counter()
-        self._execute(self.policy.schedule(time.time()))
+        started, now = time.perf_counter(), time.time()
+        if stalled := self.policy.cluster.listening(now, STALL_S):
+            log.warning("the scheduler's loop did not run for %.1f s: worker silence then not counted", stalled)
+        self._execute(self.policy.schedule(now))
         self._round_s = time.perf_counter() - started
         metrics.QUEUE_LENGTH.set(len(self.policy.queue))
         metrics.READY_WORKERS.set(len(self.policy.ready_workers()))

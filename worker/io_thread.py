@@ -39,6 +39,7 @@ from loraserve.worker.fetch_threads import Wakeup
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.02  # the gateways' connection monitors are read at most this often (and when idle)
 MAX_RECEIVED_PER_TURN = 64  # scheduler messages decoded before the outbox is looked at again
+LATE_S = 1.0  # a heartbeat this much past its time is logged: this thread did not run (the scheduler may drop us)
 
 
 class WorkerIO:
@@ -112,8 +113,9 @@ class WorkerIO:
                 self._send_queued()
                 if self._stopping:
                     return
-                if time.monotonic() - heartbeat >= self.heartbeat_s:
-                    heartbeat = time.monotonic()
+                if (now := time.monotonic()) - heartbeat >= self.heartbeat_s:
+                    self._late(now - heartbeat - self.heartbeat_s, now)
+                    heartbeat = now
                     self._heartbeat(heartbeat)
                 if self._scheduler in ready:
                     self._receive()
@@ -124,6 +126,20 @@ class WorkerIO:
         except Exception:  # a bug here must not leave the worker running deaf: the step loop sees it die
             log.exception("worker I/O thread failed")
             raise
+
+    def _late(self, late_s: float, now: float) -> None:
+        """Log a heartbeat that goes out `late_s` past its time: this thread was held up meanwhile (the process
+        was not scheduled, another thread held the interpreter, or a send blocked), and the scheduler may have taken the
+        silence for a dead worker."""
+        if late_s >= LATE_S:
+            started = self.step_started
+            self._dropped.warning(
+                "scheduler",
+                "late heartbeat",
+                "sent %.1f s late: the I/O thread was held up (%s)",
+                late_s,
+                f"the step under way has run {now - started:.1f} s" if started is not None else "no step under way",
+            )
 
     def _heartbeat(self, now: float) -> None:
         started = self.step_started

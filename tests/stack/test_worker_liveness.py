@@ -6,11 +6,15 @@ gateway's checks, while another tenant's streams run through the gateway on the 
 stream completes without a failover, the worker stays in the cluster all along, and each costly request
 ends alone with INVALID_ARGUMENT naming structured output. In the second, an emulated worker's steps take
 3 s each, longer than the scheduler's worker timeout (2 s): its heartbeats keep it, and its streams
-complete where they started.
+complete where they started. In the third, the scheduler process is stopped for longer than the worker
+timeout while a stream runs: on resuming it does not take its live worker for dead, and the stream ends
+where it started.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -137,4 +141,28 @@ def test_a_worker_whose_steps_outlast_the_worker_timeout_is_kept(tmp_path):
         stack.stop()
     for tokens, summary in results:
         assert len(tokens) == 3 and summary.failovers == 0, summary
+    assert samples and all(s == ["worker-0"] for s in samples), f"the worker left the cluster: {samples}"
+
+
+def test_a_scheduler_paused_past_the_worker_timeout_keeps_its_live_workers(tmp_path):
+    profile = fixed_profile(tmp_path / "runner_profile.json", step_s=0.1)
+    stack = LocalStack(
+        DEMO_MODEL_DIR, 1, runner="emulated", runner_profile=profile, worker_timeout=WORKER_TIMEOUT_S
+    ).start()
+    try:
+        stack.wait_workers(1, timeout_s=120)
+        scheduler = stack.process("scheduler").pid
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream, stack, _requests(1, 50)[0])  # 5 s of steps
+            time.sleep(1.0)
+            os.kill(scheduler, signal.SIGSTOP)  # what a starved, paused or suspended process looks like
+            time.sleep(1.5 * WORKER_TIMEOUT_S)
+            os.kill(scheduler, signal.SIGCONT)
+            tokens, summary = stream.result(timeout=120)
+        watch = ClusterWatch(stack)
+        time.sleep(1.0)
+        samples = watch.stop()
+    finally:
+        stack.stop()
+    assert len(tokens) == 50 and summary.failovers == 0, summary
     assert samples and all(s == ["worker-0"] for s in samples), f"the worker left the cluster: {samples}"

@@ -79,3 +79,17 @@ def test_at_most_max_workers_register():
     assert sorted(cluster.placed) == ["r0", "r1", "r2"], "a refused worker's requests are not adopted"
     cluster.drop(cluster.workers["w0"], "gone")
     assert cluster.on_report(report("w9", instance="i9"), 1.0)[0] is not None, "a freed place is taken again"
+
+
+def test_time_the_scheduler_did_not_listen_is_no_workers_silence():
+    """The loop did not run for 4 s (a paused or starved process): what the worker sent meanwhile is still
+    unread, so it is not dropped when the loop resumes; silence after that still counts from where it left."""
+    cluster = ClusterView(ClusterConfig(worker_timeout_s=TIMEOUT_S, stale_after_s=0.5))
+    cluster.on_report(report("w", instance="w1"), 0.0)
+    cluster.on_report(report("gone", instance="g1"), 0.0)
+    assert cluster.listening(0.2, stall_s=1.0) == 0.0  # a round
+    assert cluster.listening(4.2, stall_s=1.0) == 4.0  # the next round: none ran from 0.2 to 4.2
+    assert not cluster.silent(4.2) and set(cluster.workers) == {"w", "gone"}
+    assert cluster.on_heartbeat(Heartbeat("w", "w1"), 4.25)  # read once the loop runs again
+    gone = [d for d in cluster.silent(4.0 + TIMEOUT_S + 0.1) if isinstance(d, WorkerGone)]
+    assert [d.worker_id for d in gone] == ["gone"], "a worker silent before and after the stall is still dropped"

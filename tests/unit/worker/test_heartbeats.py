@@ -2,17 +2,24 @@
 
 A real worker service (emulated engine, `inproc_worker.py`) whose one step takes 2 s (a 400-token
 prefill at 5 ms a token): reports come only between steps, but the scheduler's side hears from the
-worker every 0.25 s all along, and the heartbeats say how long the step under way has run.
+worker every 0.25 s all along, and the heartbeats say how long the step under way has run. An I/O thread
+that was held up anyway (here a send that blocks) logs how late its heartbeat went out.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from itertools import pairwise
 
+import zmq
 from emulated import fixed_profile
 from inproc_worker import InprocWorker
 
 from loraserve.params import SamplingParams
+from loraserve.sockets import make_socket
+from loraserve.worker.fetch_threads import Wakeup
+from loraserve.worker.io_thread import LATE_S, WorkerIO
 
 PROMPT = [1] + [40 + i % 200 for i in range(399)]  # 400 tokens: one prefill step of ~2 s
 PER_TOKEN_S = 0.005
@@ -41,3 +48,35 @@ def test_heartbeats_go_on_while_a_step_holds_the_step_loop(tmp_path):
     longest = max(h.step_s for _, h in heartbeats)
     assert 1.0 < longest < 10.0, f"the heartbeats said the step had run {longest:.2f} s at most"
     assert any(h.step_s == 0.0 for _, h in heartbeats), "between steps a heartbeat says no step is under way"
+
+
+class HeldUpIO(WorkerIO):
+    """The worker's I/O thread whose next turn blocks for `hold_s` (as a send to a stuck peer would)."""
+
+    hold_s = 0.0
+
+    def _send_queued(self) -> None:
+        hold, self.hold_s = self.hold_s, 0.0
+        time.sleep(hold)
+        super()._send_queued()
+
+
+def test_a_heartbeat_sent_late_is_logged_with_how_late(caplog):
+    ctx = zmq.Context()
+    scheduler = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    wakeup = Wakeup()
+    io = HeldUpIO(ctx, scheduler.getsockopt_string(zmq.LAST_ENDPOINT), "w1", wakeup)
+    try:
+        with caplog.at_level(logging.WARNING, logger="loraserve.worker.io_thread"):
+            time.sleep(1.0)
+            assert not [r for r in caplog.records if "late" in r.getMessage()], "on time: nothing logged"
+            io.hold_s = LATE_S + 0.5
+            time.sleep(LATE_S + 1.5)
+    finally:
+        io.close(linger_ms=0)
+        wakeup.close()
+        scheduler.close(linger=0)
+    late = [r.getMessage() for r in caplog.records if "late heartbeat" in r.getMessage()]
+    assert len(late) == 1 and "held up" in late[0] and "no step under way" in late[0], late
+    seconds = float(late[0].split("sent ")[1].split(" s late")[0])
+    assert LATE_S <= seconds <= LATE_S + 1.5, late
