@@ -10,7 +10,9 @@ sockets to gateways (`PushSockets`) and the monitors that tell when a gateway's 
 - sends the scheduler a `Heartbeat` every `heartbeat_s` (0.25 s) on its own schedule, whatever the step
   loop is doing: the worker's liveness is "its process and this thread answer", not "its last step was
   short". It carries how long the step under way has run (`step_started`, set by the step loop), so a
-  slow step is seen as slow (the scheduler places nothing new there) and not as a dead worker;
+  slow step is seen as slow (the scheduler places nothing new there) and not as a dead worker; a
+  heartbeat that goes out over `LATE_S` late is logged, and if none goes out for `STACKS_AFTER_S`
+  faulthandler's watchdog (a C thread) writes every thread's stack to stderr: what held this one up;
 - turns what went wrong on the way out into `events` for the step loop (`worker/effects.py`): `Unsendable`
   (a gateway that cannot take its tokens: those requests stop) and `GatewayGone` (a dropped connection).
 
@@ -20,8 +22,10 @@ socket is used by two threads. Malformed scheduler messages are logged (rate-lim
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.02  # the gateways' connection monitors are read at most this often (and when idle)
 MAX_RECEIVED_PER_TURN = 64  # scheduler messages decoded before the outbox is looked at again
 LATE_S = 1.0  # a heartbeat this much past its time is logged: this thread did not run (the scheduler may drop us)
+STACKS_AFTER_S = 3.0  # no heartbeat for this long: every thread's stack to stderr (faulthandler's C watchdog)
 
 
 class WorkerIO:
@@ -55,9 +60,11 @@ class WorkerIO:
         gateway_curve: Curve | None = None,
         instance: str = "",
         heartbeat_s: float = 0.25,
+        stacks_after_s: float = STACKS_AFTER_S,
     ):
         self.ctx, self._wakeup = ctx, wakeup
         self.worker_id, self.instance, self.heartbeat_s = worker_id, instance, heartbeat_s
+        self._stacks_after_s, self._stacks_fd = stacks_after_s, _stderr_fd()
         # monotonic time the step under way started, None between steps: written by the step loop only (one
         # reference swap), read here for the heartbeats
         self.step_started: float | None = None
@@ -92,6 +99,7 @@ class WorkerIO:
         self._stopping = True
         self._nudge.wake()
         self._thread.join(10)
+        faulthandler.cancel_dump_traceback_later()
         if self._thread.is_alive():  # stuck in a send: leave its sockets to it, lingering nothing
             log.warning("worker I/O thread did not stop in time")
             return
@@ -117,6 +125,10 @@ class WorkerIO:
                     self._late(now - heartbeat - self.heartbeat_s, now)
                     heartbeat = now
                     self._heartbeat(heartbeat)
+                    # Re-armed at each heartbeat: if this thread is held up that long, a C thread (it needs no
+                    # interpreter) writes what every thread is doing, the one that holds the interpreter too.
+                    if self._stacks_fd is not None:
+                        faulthandler.dump_traceback_later(self._stacks_after_s, file=self._stacks_fd)
                 if self._scheduler in ready:
                     self._receive()
                 if time.monotonic() - watched >= WATCH_INTERVAL_S:  # not on every message: the monitors are slow news
@@ -185,6 +197,14 @@ class WorkerIO:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def _stderr_fd() -> int | None:
+    """The file descriptor of this process's stderr, None if it has none (a replaced stream without one)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 class GatewayWatch:

@@ -61,11 +61,11 @@ class HeldUpIO(WorkerIO):
         super()._send_queued()
 
 
-def test_a_heartbeat_sent_late_is_logged_with_how_late(caplog):
+def test_a_heartbeat_sent_late_is_logged_with_how_late_and_every_threads_stack_written(caplog, capfd):
     ctx = zmq.Context()
     scheduler = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*")
     wakeup = Wakeup()
-    io = HeldUpIO(ctx, scheduler.getsockopt_string(zmq.LAST_ENDPOINT), "w1", wakeup)
+    io = HeldUpIO(ctx, scheduler.getsockopt_string(zmq.LAST_ENDPOINT), "w1", wakeup, stacks_after_s=LATE_S)
     try:
         with caplog.at_level(logging.WARNING, logger="loraserve.worker.io_thread"):
             time.sleep(1.0)
@@ -76,6 +76,8 @@ def test_a_heartbeat_sent_late_is_logged_with_how_late(caplog):
         io.close(linger_ms=0)
         wakeup.close()
         scheduler.close(linger=0)
+    stacks = capfd.readouterr().err  # faulthandler's watchdog, once the thread was held up past stacks_after_s
+    assert "Timeout (" in stacks and "in _send_queued" in stacks and "in sleep" not in stacks, stacks
     late = [r.getMessage() for r in caplog.records if "late heartbeat" in r.getMessage()]
     assert len(late) == 1 and "held up" in late[0] and "no step under way" in late[0], late
     seconds = float(late[0].split("sent ")[1].split(" s late")[0])
