@@ -22,7 +22,7 @@ from loraserve.shared_defaults import (
     STORE_DATA_ADDRESS,
 )
 from loraserve.wire import MAX_BATCH
-from loraserve.worker.cpu_cores import parse_cores
+from loraserve.worker.cpu_cores import StepCores, parse_cores
 
 if TYPE_CHECKING:
     import torch
@@ -290,8 +290,9 @@ class WorkerConfig:
     grammar_threads: int = setting(2, "threads building structured-output matchers (and first masks) off the step loop")
     cpu_cores: str = setting(
         "",
-        'CPU cores this worker computes on, such as "1" or "2-5,8": its step loop and torch\'s threads (its '
-        "threads that wait on sockets run anywhere); empty: wherever the OS puts them",
+        'CPU cores this worker computes on, such as "1" or "2-5,8": its step loop while it steps, and torch\'s '
+        "threads (its threads that wait on sockets, and the step loop while it waits for work, run anywhere); "
+        "empty: wherever the OS puts them",
     )
     pin_all_threads: bool = setting(
         False,
@@ -309,6 +310,11 @@ class WorkerConfig:
                 "the report and heartbeat intervals must be positive and grammar_threads at least 1: "
                 f"{self.report_interval_s}, {self.heartbeat_interval_s}, {self.grammar_threads}"
             )
+
+    def step_cores(self) -> StepCores:
+        """The step loop's cores: `cpu_cores` while it steps; anywhere while it waits, unless every thread is pinned."""
+        cores = parse_cores(self.cpu_cores)
+        return StepCores(cores, cores if self.pin_all_threads else None)
 
     def curve_to(self, role: str) -> Curve | None:
         return self.keys.client_of(role) if self.keys is not None else None

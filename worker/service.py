@@ -51,6 +51,7 @@ class WorkerService:
         answers = EngineAnswers(engine.cached, engine.pool.standing, engine.registry.has)
         intervals = config.report_interval_s, config.drain_timeout_s
         self.core = WorkerCore(worker_id, answers, engine.config.prefetch, *intervals)
+        self.cores = config.step_cores()  # `--cpu-cores` while stepping, anywhere while waiting for work
         self.reporter = Reporter(engine, worker_id, self.instance)
         self.last_report: WorkerReport | None = None  # read by the metrics endpoint's thread
         self._step_seconds = metrics.STEP_SECONDS.labels(worker_id)  # its series exists before the first step
@@ -74,9 +75,8 @@ class WorkerService:
     def run(self, stop: threading.Event) -> None:
         core = self.core
         self._do(core.report(Now.read()))  # register (not ready yet: heartbeats keep it while it warms up)
-        token = self.engine.tokenizer.bos_token_id or 0  # one short generation, then structured output's warm-up
-        warm = GenerateRequest(prompt_ids=[token], sampling=SamplingParams(max_new_tokens=2, ignore_eos=True))
-        self.engine.generate([warm])
+        warm = SamplingParams(max_new_tokens=2, ignore_eos=True)  # one short generation, then the matchers' warm-up
+        self.engine.generate([GenerateRequest(prompt_ids=[self.engine.tokenizer.bos_token_id or 0], sampling=warm)])
         self.guides.warm_up(self.engine.runner.masks)
         self._do(core.become_ready(Now.read()))
         log.info("worker %s ready: %d pool pages", self.config.worker_id, self.engine.layout.num_pages)
@@ -103,6 +103,7 @@ class WorkerService:
         if not self.io.alive:
             raise RuntimeError("the worker's I/O thread died")
         self.engine.check_ranks()  # a split model's other ranks: one that died fails the worker now, idle or not
+        self.cores.use(idle=bool(block_s))  # an idle loop is not pinned: it could wait for seconds to run there
         if block_s:
             zmq.select([self._wakeup.fd], [], [], block_s)
         self._wakeup.clear()
@@ -115,13 +116,12 @@ class WorkerService:
             self._do(self.core.built(built, Now.read()))
 
     def _step(self) -> None:
-        self.io.step_started = time.monotonic()
-        started = time.perf_counter()
+        started = self.io.step_started = time.monotonic()  # the heartbeats carry how long it has run
         try:
             outputs = self.engine.step()
         finally:
             self.io.step_started = None
-        seconds = time.perf_counter() - started
+        seconds = time.monotonic() - started
         self._step_seconds.observe(seconds)
         self.reporter.sample_step(seconds)
         self._do(self.core.deliver(outputs, Now.read()) + self.core.report(Now.read()))

@@ -8,7 +8,9 @@ ends alone with INVALID_ARGUMENT naming structured output. In the second, an emu
 3 s each, longer than the scheduler's worker timeout (2 s): its heartbeats keep it, and its streams
 complete where they started. In the third, the scheduler process is stopped for longer than the worker
 timeout while a stream runs: on resuming it does not take its live worker for dead, and the stream ends
-where it started.
+where it started. In the fourth, a worker started with `--cpu-cores` runs its step loop on that core while
+it steps and anywhere while it waits for work (`worker/cpu_cores.py`: pinned and idle on a core a busy
+process computes on, the loop waited seconds to run, and the heartbeats with it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import zmq
@@ -166,3 +169,34 @@ def test_a_scheduler_paused_past_the_worker_timeout_keeps_its_live_workers(tmp_p
         stack.stop()
     assert len(tokens) == 50 and summary.failovers == 0, summary
     assert samples and all(s == ["worker-0"] for s in samples), f"the worker left the cluster: {samples}"
+
+
+def _cores(pid: int) -> str:
+    """The cores a process's main thread (the worker's step loop) may run on, as Linux lists them."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(line for line in status if line.startswith("Cpus_allowed_list")).split(":")[1].strip()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin to one")
+def test_a_pinned_worker_steps_on_its_cores_and_waits_anywhere(tmp_path):
+    core, everywhere = str(max(os.sched_getaffinity(0))), _cores(os.getpid())
+    profile = fixed_profile(tmp_path / "runner_profile.json", step_s=0.2)
+    stack = LocalStack(DEMO_MODEL_DIR, 1, runner="emulated", runner_profile=profile, cpu_cores=core).start()
+    try:
+        stack.wait_workers(1, timeout_s=120)
+        step_loop = stack.process("worker-0").pid
+        waiting = [_cores(step_loop)]
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream, stack, _requests(1, 20)[0])  # 4 s of steps
+            stepping = []
+            while not stream.done():
+                stepping.append(_cores(step_loop))
+                time.sleep(0.1)
+            tokens, _ = stream.result(timeout=60)
+        time.sleep(0.5)
+        waiting.append(_cores(step_loop))
+    finally:
+        stack.stop()
+    assert len(tokens) == 20
+    assert waiting == [everywhere, everywhere]
+    assert stepping.count(core) >= len(stepping) // 2, stepping  # between the stream's steps it may wait anywhere

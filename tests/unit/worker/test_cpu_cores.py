@@ -2,8 +2,12 @@
 
 - Lists of cores parse as Linux writes them; anything else, or a core this process may not use, is an
   InvalidConfigError naming it (the worker's config refuses it at start).
-- A real worker process started with `--cpu-cores` runs its step loop on that core only, and the threads
-  that wait on sockets (its I/O thread, which sends the heartbeats, and ZMQ's) wherever the OS puts them.
+- A real worker process started with `--cpu-cores` runs its step loop on that core while it steps, and
+  the threads that wait on sockets (its I/O thread, which sends the heartbeats, and ZMQ's) wherever the OS
+  puts them. Idle, its step loop is not pinned (`StepCores`): a thread that mostly sleeps on a core a busy
+  process computes on was measured waiting 8 s there to run, holding up the interpreter and with it the
+  heartbeats; with `--pin-all-threads` it stays pinned. No other Python thread stays pinned either: those
+  started while the engine loads are freed after it, those the pinned step loop starts when it next idles.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +24,7 @@ import pytest
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.errors import InvalidConfigError
 from loraserve.worker.config import WorkerConfig
-from loraserve.worker.cpu_cores import parse_cores
+from loraserve.worker.cpu_cores import StepCores, parse_cores, pinned
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 
@@ -73,7 +78,11 @@ def test_a_worker_started_with_cpu_cores_runs_its_threads_there(tmp_path):
     worker = _started(_worker_argv("--cpu-cores", str(core)), tmp_path / "worker.log")
     try:
         tasks = {t.name: t for t in Path(f"/proc/{worker.pid}/task").iterdir()}
-        assert _allowed(tasks[str(worker.pid)]) == str(core)  # the step loop (the main thread)
+        step_loop = tasks[str(worker.pid)]  # the main thread: pinned for its warm-up, then idle, so anywhere
+        deadline = time.monotonic() + 10
+        while _allowed(step_loop) != _allowed(Path("/proc/self")):
+            assert time.monotonic() < deadline, f"the idle step loop stays on {_allowed(step_loop)}"
+            time.sleep(0.1)
         zmq_io = [t for t in tasks.values() if (t / "comm").read_text().startswith("ZMQbg/IO")]
         assert zmq_io and all(_allowed(t) == _allowed(Path("/proc/self")) for t in zmq_io)
     finally:
@@ -97,3 +106,74 @@ def test_pin_all_threads_puts_every_thread_on_those_cores(tmp_path):
 def test_pin_all_threads_without_cores_is_refused():
     with pytest.raises(InvalidConfigError, match="pin_all_threads needs cpu_cores"):
         WorkerConfig(pin_all_threads=True)
+
+
+def _in_a_thread(call):
+    """`call()` on a thread of its own (its cores are its own), returning what it returned."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(call()))
+    thread.start()
+    thread.join(10)
+    return out[0]
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two cores to pin to one")
+def test_the_step_loop_is_pinned_to_step_and_free_to_wait():
+    core = frozenset({ALLOWED[-1]})
+
+    def turns(cores: StepCores) -> list[set[int]]:
+        seen = []
+        for idle in (False, True, True, False):
+            cores.use(idle=idle)
+            seen.append(os.sched_getaffinity(0))
+        return seen
+
+    everywhere = set(ALLOWED)
+    assert _in_a_thread(lambda: turns(StepCores(core))) == [core, everywhere, everywhere, core]
+    assert _in_a_thread(lambda: turns(StepCores(core, idle_cores=core))) == [core] * 4  # --pin-all-threads
+    assert _in_a_thread(lambda: turns(StepCores(frozenset()))) == [everywhere] * 4  # no --cpu-cores: untouched
+    assert WorkerConfig(cpu_cores=str(ALLOWED[-1]), pin_all_threads=True).step_cores().idle_cores == core
+
+
+class Sleeper:
+    """A Python thread that waits until stopped; `cores` says where it may run."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._stop.wait, daemon=True)
+        self.thread.start()
+
+    @property
+    def cores(self) -> set[int]:
+        return os.sched_getaffinity(self.thread.native_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(10)
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two cores to pin to one")
+def test_python_threads_started_while_pinned_do_not_stay_pinned():
+    core = frozenset({ALLOWED[-1]})
+
+    def loading() -> tuple[set[int], set[int]]:
+        with pinned(core):  # the engine loads: a library starts a Python thread
+            sleeper = Sleeper()
+            inside = sleeper.cores
+        after = sleeper.cores
+        sleeper.stop()
+        return inside, after
+
+    assert _in_a_thread(loading) == (core, set(ALLOWED))
+
+    def stepping() -> tuple[set[int], set[int]]:
+        cores = StepCores(core)
+        cores.use(idle=False)
+        sleeper = Sleeper()  # a pool's worker, started by the step loop on first use
+        inside = sleeper.cores
+        cores.use(idle=True)
+        after = sleeper.cores
+        sleeper.stop()
+        return inside, after
+
+    assert _in_a_thread(stepping) == (core, set(ALLOWED))
