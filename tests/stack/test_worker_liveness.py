@@ -199,4 +199,4 @@ def test_a_pinned_worker_steps_on_its_cores_and_waits_anywhere(tmp_path):
         stack.stop()
     assert len(tokens) == 20
     assert waiting == [everywhere, everywhere]
-    assert stepping.count(core) >= len(stepping) // 2, stepping  # between the stream's steps it may wait anywhere
+    assert stepping and stepping.count(core) >= len(stepping) // 2, stepping  # it may wait before its first step
