@@ -16,6 +16,7 @@ import msgspec
 
 from loraserve.bounds import Count, Finite, TokenId
 from loraserve.errors import InvalidRequestError
+from loraserve.struct_errors import DECODE_ERRORS, decode_problem
 from loraserve.structured import MAX_GRAMMAR_BYTES
 
 # Below these the arithmetic stops meaning anything: logits / 1e-45 overflow float32 to infinity.
@@ -129,5 +130,5 @@ def decode_sampling(data: bytes, field: str = "sampling_params") -> SamplingPara
     is wrong if it is not one, or a value is out of range."""
     try:
         return _DECODER.decode(data)
-    except msgspec.DecodeError as e:  # a ValidationError too: a value of the wrong type or out of bounds
-        raise InvalidRequestError(field, str(e)) from None
+    except DECODE_ERRORS as e:  # a ValidationError too: a value of the wrong type or out of bounds
+        raise InvalidRequestError(field, decode_problem(e)) from None

@@ -20,7 +20,7 @@ from loraserve.bounds import MAX_LIST, Count, Id, Seconds, Short, TokenIds, Ttft
 from loraserve.endpoints import BadEndpointError, check_endpoint
 from loraserve.errors import InvalidRequestError
 from loraserve.params import SamplingParams
-from loraserve.struct_errors import invalid_field
+from loraserve.struct_errors import DECODE_ERRORS, decode_problem, invalid_field
 
 MAX_ADAPTER_RANK = 4096  # far above any rank a store admits (its --max-lora-rank)
 NO_REPLY = "ipc://no-reply"  # the reply address of a spec made in-process (an offline request, a hint's view)
@@ -83,5 +83,5 @@ def decode_spec(data: bytes, field: str = "spec") -> RequestSpec:
         error = invalid_field(e, whole=field)
         name = error.field if error.field == field else f"{field}.{error.field}"
         raise InvalidRequestError(name, error.problem) from None
-    except msgspec.DecodeError as e:
-        raise InvalidRequestError(field, str(e)) from None
+    except DECODE_ERRORS as e:
+        raise InvalidRequestError(field, decode_problem(e)) from None

@@ -33,7 +33,8 @@ EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "25"))
 DEADLINE_S = 10.0
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"]
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=CI)
 
 _INTS = {
     FieldDescriptor.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
@@ -193,20 +194,33 @@ def test_the_gateway_still_serves_afterwards(stack):
 SCHEDULER = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"]
 
 
+# A valid request (its prompt of 3 tokens) whose KV reserves all of the fake worker's pages (report():
+# 10,000 of 16 tokens) until it is reported finished: a worker that never finished what it was assigned
+# would leave no room for the requests of the tests after it, whatever they are.
+WHOLE_POOL = 10_000 * 16 - 3
+
+
 @pytest.fixture(scope="module")
 def scheduler():
-    with scheduler_with_worker() as running:
+    with scheduler_with_worker(finishes=True) as running:  # a worker that serves each ASSIGN at once
         yield running
 
 
-def _valid_submit(request_id: str) -> scheduler_pb2.SubmitRequest:
+def _valid_submit(request_id: str, max_new_tokens: int = 4, **fields) -> scheduler_pb2.SubmitRequest:
     return scheduler_pb2.SubmitRequest(
         request_id=request_id,
         prompt_ids=[1, 2, 3],
-        max_new_tokens=4,
+        max_new_tokens=max_new_tokens,
         reply_to="tcp://127.0.0.1:9",
         arrival_unix=time.time(),
+        **fields,
     )
+
+
+# msgpack maps whose string is not UTF-8 (msgspec raises UnicodeDecodeError for it, not a DecodeError): a
+# spec of 4 fields whose first key is cut short, and sampling params whose key is an encoded surrogate
+NOT_UTF8_SPEC = b"\x84\xa4\xea7\xa1\xd4\xb4"
+NOT_UTF8_SAMPLING = b"\x81\xa3\xed\xa0\x80\x01"
 
 
 @st.composite
@@ -237,7 +251,10 @@ def test_fuzzed_submits_never_fail_internally_and_pass_nothing_invalid_to_a_work
 
     @FUZZ
     @given(near_valid_submits() | messages(submit.input_type) | _RAW)
+    @example(_valid_submit("fuzz-whole-pool", max_new_tokens=WHOLE_POOL))  # reserves the pool until it finishes
     @example(_valid_submit("fuzz-baseline"))  # always run: proves an accepted Submit reaches the worker intact
+    @example(_valid_submit("fuzz-spec", spec=NOT_UTF8_SPEC))
+    @example(_valid_submit("fuzz-sampling", sampling_params=NOT_UTF8_SAMPLING))
     def check(message):
         raw = message if isinstance(message, bytes) else message.SerializeToString()
         _call(process.channel, submit, raw, SCHEDULER)
@@ -263,6 +280,7 @@ def test_fuzzed_submit_batches_get_an_outcome_each_and_never_fail_internally(sch
     @FUZZ
     @given(st.lists(submits, max_size=6), st.lists(hints, max_size=2))
     @example([_valid_submit("stream-baseline")], [])
+    @example([_valid_submit("stream-spec", spec=NOT_UTF8_SPEC), _valid_submit("stream-ok")], [])
     def check(requests, hints):
         batch = scheduler_pb2.SubmitStreamRequest(requests=requests, hints=hints)
         replies = list(process.stub.SubmitStream(iter([batch]), timeout=DEADLINE_S))

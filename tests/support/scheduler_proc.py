@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve.launcher.ports import free_port_block
 from loraserve.sockets import make_socket, send
 from loraserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from loraserve.wire import Assign, Prefetch, WireError, WorkerReport, decode
+from loraserve.wire import MAX_REPORTED_IDS, Assign, Prefetch, WireError, WorkerReport, decode
 
 
 def report(worker_id: str, **changes) -> WorkerReport:
@@ -64,9 +65,10 @@ class SchedulerProcess:
         ]
         # `prelude` runs first in the child (a test's fault injection), then the real CLI.
         code = f"import sys\n{prelude}\nfrom loraserve.cli import main\nsys.exit(main({args!r}))"
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        # Its output goes to a file, not a pipe nobody reads while it runs: a scheduler that logs more than a
+        # pipe holds would block in its next log call, and a test would read that as a wedged scheduler.
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (open while the process lives)
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdout=self._log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.grpc_address)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -109,9 +111,9 @@ class SchedulerProcess:
         raise TimeoutError(f"worker {worker_id} did not register")
 
     def output(self) -> str:
-        if self.process.poll() is None:
-            return "(still running)"
-        return self.process.stdout.read()
+        """What the scheduler has logged so far (it may still be running)."""
+        self._log.seek(0)
+        return self._log.read()
 
     def stop(self) -> None:
         self.channel.close()
@@ -125,11 +127,17 @@ class SchedulerProcess:
 
 
 class FakeWorker:
-    """A DEALER with a worker identity: heartbeats a ready report, collects the ASSIGNs and PREFETCHes it gets."""
+    """A DEALER with a worker identity: heartbeats a ready report, collects the ASSIGNs and PREFETCHes it gets.
 
-    def __init__(self, address: str, worker_id: str = "w1"):
+    By default it holds what it is assigned for good (never reported running or finished), so the
+    scheduler counts each ASSIGN against its slots and pages; with `finishes` it reports each one
+    finished in its next report, as a worker that served it at once would, and never fills up."""
+
+    def __init__(self, address: str, worker_id: str = "w1", finishes: bool = False):
         self.ctx = zmq.Context()
         self.worker_id = worker_id
+        self.finishes = finishes
+        self._unreported: list[str] = []  # assigned since the last report (reported finished, with `finishes`)
         self.sock = make_socket(self.ctx, zmq.DEALER, connect=address, identity=worker_id)
         self.assigned: list[Assign] = []
         self.prefetched: list[Prefetch] = []
@@ -141,7 +149,8 @@ class FakeWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            send(self.sock, report(self.worker_id))
+            finished, self._unreported = self._unreported[:MAX_REPORTED_IDS], self._unreported[MAX_REPORTED_IDS:]
+            send(self.sock, report(self.worker_id, finished=finished))
             next_report = time.monotonic() + 0.1  # a steady heartbeat, however many messages arrive
             while (wait := next_report - time.monotonic()) > 0 and self.sock.poll(int(wait * 1000) + 1):
                 try:
@@ -152,6 +161,8 @@ class FakeWorker:
                     continue
                 if isinstance(message, Assign):
                     self.assigned.append(message)
+                    if self.finishes:
+                        self._unreported.append(message.spec.request_id)
                 elif isinstance(message, Prefetch):
                     self.prefetched.append(message)
 
@@ -172,13 +183,15 @@ class FakeWorker:
 
 
 @contextlib.contextmanager
-def scheduler_with_worker(worker_timeout: float = 5.0) -> Iterator[tuple[SchedulerProcess, FakeWorker]]:
+def scheduler_with_worker(
+    worker_timeout: float = 5.0, finishes: bool = False
+) -> Iterator[tuple[SchedulerProcess, FakeWorker]]:
     """A serving scheduler process with one registered FakeWorker; both stopped at the end."""
     process = SchedulerProcess(worker_timeout=worker_timeout)
     worker = None
     try:
         process.wait_serving()
-        worker = FakeWorker(process.worker_address)
+        worker = FakeWorker(process.worker_address, finishes=finishes)
         process.wait_worker(worker.worker_id)
         yield process, worker
     finally:

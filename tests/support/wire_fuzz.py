@@ -1,7 +1,8 @@
 """Hypothesis strategies for internal wire messages, shared by the wire fuzzers.
 
 `VALID` holds one valid message of every type; `any_frames` draws a valid message with one field
-replaced or dropped, a random map under a (known or unknown) type byte, or raw frames.
+replaced or dropped, one with a string that is not UTF-8, a random map under a (known or unknown) type
+byte, or raw frames. Derandomized when CI is set.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 
 import msgpack
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
 from loraserve.params import SamplingParams
@@ -33,7 +34,8 @@ from loraserve.wire import (
 )
 
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=CI)
 
 VALID: list[Message] = [
     WorkerReport("w", True, 8, 100, 50, 40, 10, ["a"], ["b"], [("x", 1)], finished=["c"], waste_fraction=0.5),
@@ -89,6 +91,17 @@ def _packable(value) -> bool:
         return False
 
 
+def _field(draw, body: dict) -> tuple[dict, str]:
+    """A map of `body` (itself, or a nested one: an ASSIGN's spec, or the spec's sampling) and a name in it
+    (or a stray one)."""
+    target = body
+    while True:
+        name = draw(st.sampled_from([*target, "stray"]))
+        if not isinstance(target.get(name), dict) or not draw(st.booleans()):
+            return target, name
+        target = target[name]
+
+
 @st.composite
 def mutated(draw) -> list[bytes]:
     """A valid message with one field replaced, dropped, or a stray field added; the field may be one of
@@ -96,18 +109,38 @@ def mutated(draw) -> list[bytes]:
     message = draw(st.sampled_from(VALID))
     frames = [bytes(f) for f in encode(message)]
     body = msgpack.unpackb(frames[1])
-    target = body
-    while True:
-        name = draw(st.sampled_from([*target, "stray"]))
-        if not isinstance(target.get(name), dict) or not draw(st.booleans()):
-            break
-        target = target[name]
+    target, name = _field(draw, body)
     action = draw(st.sampled_from(["replace", "drop"]))
     if action == "drop":
         target.pop(name, None)
     else:
         target[name] = draw(values.filter(_packable))
     return [frames[0], msgpack.packb(body, use_bin_type=True), *frames[2:]]
+
+
+# Byte strings that are not UTF-8: a lone continuation byte, a truncated sequence, an overlong encoding,
+# an encoded surrogate, bytes UTF-8 never uses.
+NOT_UTF8 = [b"\xa0\xa1", b"\xc3\x28", b"\xe2\x82", b"\xc0\x80", b"\xed\xa0\x80", b"\xff\xfe"]
+_MARKS = {2: "\u07fe", 3: "\uffef"}  # UTF-8 strings as long as bad bytes, to stand for them in a packed body
+
+
+@st.composite
+def not_utf8(draw) -> list[bytes]:
+    """A valid message with one string (a field's value or a field's name, maybe of a nested map) whose bytes
+    are not UTF-8: what a forged frame, or another language's msgpack encoder, can send."""
+    message = draw(st.sampled_from(VALID))
+    frames = [bytes(f) for f in encode(message)]
+    body = msgpack.unpackb(frames[1])
+    target, name = _field(draw, body)
+    bad = draw(st.sampled_from(NOT_UTF8))
+    mark = _MARKS[len(bad)]
+    if draw(st.booleans()):
+        target[name] = mark
+    else:
+        target[mark] = target.pop(name, 0)
+    packed = msgpack.packb(body, use_bin_type=True)
+    assume(packed.count(mark.encode()) == 1)  # the mark alone holds those bytes
+    return [frames[0], packed.replace(mark.encode(), bad), *frames[2:]]
 
 
 @st.composite
@@ -122,4 +155,4 @@ def random_map(draw) -> list[bytes]:
 
 
 raw_frames = st.lists(st.binary(max_size=64), max_size=5)
-any_frames = st.one_of(mutated(), random_map(), raw_frames)
+any_frames = st.one_of(mutated(), not_utf8(), random_map(), raw_frames)

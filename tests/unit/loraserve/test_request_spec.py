@@ -180,3 +180,28 @@ def test_the_io_thread_decodes_sends_and_reports_what_failed():
         if not gateway.closed:
             gateway.close(linger=0)
         ctx.term()
+
+
+# Two bytes that are not UTF-8: a lone continuation pair, a cut sequence, an overlong NUL, bytes never used.
+NOT_UTF8 = [b"\xa0\xa1", b"\xc3\x28", b"\xc0\x80", b"\xff\xfe"]
+
+
+def _with_bad_string(encoded: bytes, bad: bytes) -> bytes:
+    """`encoded` with its one string "\u07fe" (two bytes of UTF-8) turned into `bad`."""
+    mark = "\u07fe".encode()
+    assert encoded.count(mark) == 1
+    return encoded.replace(mark, bad)
+
+
+@pytest.mark.parametrize("bad", NOT_UTF8)
+def test_a_string_that_is_not_utf8_is_refused_naming_the_field(bad):
+    """msgspec raises UnicodeDecodeError (not a DecodeError) for such a string: a Submit's spec or sampling
+    parameters holding one are refused INVALID_ARGUMENT, never an internal error."""
+    spec = RequestSpec("r\u07fe", [1, 2], SamplingParams(max_new_tokens=4), SINK, 1.0)
+    with pytest.raises(InvalidRequestError, match=r"^spec: holds a string that is not UTF-8"):
+        spec_from_submit(
+            scheduler_pb2.SubmitRequest(request_id="r", spec=_with_bad_string(encode_spec(spec), bad)), 2.0
+        )
+    sampling = _with_bad_string(msgspec.msgpack.encode({"max_new_tokens": 4, "\u07fe": 1}), bad)
+    with pytest.raises(InvalidRequestError, match=r"^sampling_params: holds a string that is not UTF-8"):
+        spec_from_submit(_submit(sampling_params=sampling), 2.0)

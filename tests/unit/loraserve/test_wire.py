@@ -7,7 +7,18 @@ import pytest
 
 from loraserve.params import SamplingParams
 from loraserve.request_spec import RequestSpec
-from loraserve.wire import AdapterPayload, Assign, MsgType, Prefetch, Tokens, WireError, WorkerReport, decode, encode
+from loraserve.wire import (
+    AdapterPayload,
+    Assign,
+    Cancel,
+    MsgType,
+    Prefetch,
+    Tokens,
+    WireError,
+    WorkerReport,
+    decode,
+    encode,
+)
 
 
 def test_round_trip_keeps_every_field():
@@ -100,3 +111,13 @@ def test_logprobs_travel_with_their_tokens_and_are_checked():
     ]:
         with pytest.raises(WireError, match=why):
             decode(encode(bad))
+
+
+@pytest.mark.parametrize("bad", [b"\xa0\xa1", b"\xc3\x28", b"\xc0\x80", b"\xff\xfe"])
+def test_a_string_that_is_not_utf8_is_a_wire_error(bad):
+    """msgspec raises UnicodeDecodeError for such a string; `decode` raises WireError and nothing else, so
+    no role's receive loop meets another exception (one such frame once stopped every role that read it)."""
+    frames = [bytes(f) for f in encode(Cancel(request_ids=["r\u07fe"], reason="gone"))]
+    frames[1] = frames[1].replace("\u07fe".encode(), bad)
+    with pytest.raises(WireError, match=r"^Cancel: body holds a string that is not UTF-8"):
+        decode(frames)
