@@ -23,10 +23,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scheduler_proc import scheduler_with_worker
 from stack import LocalStack
+from store_proc import StoreProcess
 
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.params import SamplingParams
-from loraserve.v1 import gateway_pb2, scheduler_pb2
+from loraserve.v1 import adapter_store_pb2, gateway_pb2, scheduler_pb2
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "25"))
@@ -136,8 +137,9 @@ def stack():
     stack.stop()
 
 
-def _call(channel: grpc.Channel, method, request: bytes, service=SERVICE) -> None:
-    """One raw call; asserts the properties on its outcome."""
+def _call(channel: grpc.Channel, method, request: bytes, service=SERVICE, first_only: bool = False) -> None:
+    """One raw call; asserts the properties on its outcome. `first_only`: a server stream that only ends when
+    cancelled (a watch) is read to its first message, then cancelled."""
     path = f"/{service.full_name}/{method.name}"
     started = time.monotonic()
     try:
@@ -147,8 +149,11 @@ def _call(channel: grpc.Channel, method, request: bytes, service=SERVICE) -> Non
         elif method.client_streaming:
             channel.stream_unary(path)(iter([request]), timeout=DEADLINE_S)
         elif method.server_streaming:
-            for _ in channel.unary_stream(path)(request, timeout=DEADLINE_S):
-                pass
+            stream = channel.unary_stream(path)(request, timeout=DEADLINE_S)
+            for _ in stream:
+                if first_only:
+                    stream.cancel()
+                    break
         else:
             channel.unary_unary(path)(request, timeout=DEADLINE_S)
     except grpc.RpcError as e:
@@ -299,7 +304,7 @@ def test_fuzzed_submit_batches_get_an_outcome_each_and_never_fail_internally(sch
     assert any(a.spec.request_id == "stream-baseline" for a in worker.assigned)
 
 
-@pytest.mark.parametrize("method", ["Cancel", "GetClusterState"])
+@pytest.mark.parametrize("method", ["Cancel", "GetClusterState", "PrepareAdapter"])
 def test_the_schedulers_other_rpcs_never_fail_internally(scheduler, method):
     process, _ = scheduler
     descriptor = SCHEDULER.methods_by_name[method]
@@ -321,3 +326,36 @@ def test_a_submit_without_a_prompt_is_refused_before_any_worker_sees_it(schedule
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("prompt_ids: must hold 1-")
     assert "empty" not in [a.spec.request_id for a in worker.assigned]
+
+
+STORE = adapter_store_pb2.DESCRIPTOR.services_by_name["AdapterStore"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter-root")
+    (root / "team").mkdir()
+    process = StoreProcess(
+        tmp_path_factory.mktemp("store"), "--model", str(DEMO_MODEL_DIR), "--adapter-root", str(root)
+    )
+    try:
+        yield process.wait_serving()
+    finally:
+        process.stop()
+
+
+@pytest.mark.parametrize("method", list(STORE.methods), ids=lambda m: m.name)
+def test_the_stores_rpcs_never_fail_internally(store, method):
+    """Every RPC of the adapter store's own service (the gateway's proxy aside): random typed requests and
+    raw bytes get a status, never INTERNAL or UNKNOWN, and the store serves on."""
+
+    @FUZZ
+    @given(messages(method.input_type) | _RAW)
+    def check(message):
+        raw = message if isinstance(message, bytes) else message.SerializeToString()
+        _call(store.channel, method, raw, STORE, first_only=True)
+
+    check()
+    assert store.proc.poll() is None, store.output()
+    reply = store.health.Check(health_pb2.HealthCheckRequest(service=STORE.full_name), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
