@@ -2,6 +2,10 @@
 
 Tests that run Triton kernels take `kernel_device`: "cpu" (interpreted) without CUDA, "cuda"
 (compiled, marked `gpu`) with it; see helpers.KERNEL_DEVICES.
+
+With CI set, every property test is derandomized and replays nothing from a local example database:
+the profile loaded here is the default of each `settings(...)` the test modules make (they are imported
+after this file), so a run checks the same examples on every machine.
 """
 
 from __future__ import annotations
@@ -23,9 +27,14 @@ sys.path.extend(sorted({str(p.parent) for p in Path(__file__).parent.glob("*/**/
 
 import pytest
 from helpers import KERNEL_DEVICES, TinySpec, make_adapter, make_model
+from hypothesis import settings
 from stack import Collector
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+    settings.register_profile("ci", derandomize=True, database=None)
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session", autouse=True)
