@@ -41,8 +41,7 @@ from loraserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "500"))
-CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=CI)
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 CONFIG = ConstraintConfig(constraint_workers=2, constraint_timeout=2.0)
 SLACK_S = 5.0  # waiting for a crashed child's replacement, on a machine shared with other tests
 FIELDS = ["guided_json", "guided_regex", "guided_grammar", "response_format", "sampling.structured_output.grammar"]

@@ -34,8 +34,7 @@ EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "25"))
 DEADLINE_S = 10.0
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["LoraServe"]
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=CI)
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 _INTS = {
     FieldDescriptor.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),

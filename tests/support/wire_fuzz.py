@@ -2,7 +2,7 @@
 
 `VALID` holds one valid message of every type; `any_frames` draws a valid message with one field
 replaced or dropped, one with a string that is not UTF-8, a random map under a (known or unknown) type
-byte, or raw frames. Derandomized when CI is set.
+byte, or raw frames. With CI set they are derandomized (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from loraserve.wire import (
 )
 
 EXAMPLES = int(os.environ.get("LORASERVE_FUZZ_EXAMPLES", "150"))
-CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=CI)
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 VALID: list[Message] = [
     WorkerReport("w", True, 8, 100, 50, 40, 10, ["a"], ["b"], [("x", 1)], finished=["c"], waste_fraction=0.5),
