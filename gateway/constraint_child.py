@@ -5,7 +5,8 @@ It names itself `loraserve-gateway-constraints`, dies with the gateway (Linux PD
 socket's end), writes no core file, and leaves Ctrl-C to the gateway. The first message (`Start`)
 carries the model's tokenizer and the memory bound: the bound (RLIMIT_AS) is set before anything
 is built, then the LLTokenizer is built once, then each `Compile` is answered in turn with
-`Compiled` or `Refused` (`constraint_check.check_constraint`).
+`Compiled` or `Refused` (`constraint_check.check_constraint`). When the gateway closes its end (it
+stops, or killed the child it waited too long for), the child exits 0 without a word.
 
 Checks run on one thread whose stack is COMPILE_STACK_BYTES, half the 8 MiB main-thread stack a
 worker builds its matchers on: a grammar whose compiling recurses deep enough to overflow a worker's
@@ -37,6 +38,14 @@ _FIELD = "constraint"  # errors name this; the parent puts the request's own fie
 def main() -> int:
     _become_child()
     sock = socket.socket(fileno=sys.stdin.fileno())
+    try:
+        return _serve(sock)
+    except (BrokenPipeError, ConnectionResetError):  # the gateway closed its end (it stops, or gave up on us)
+        return 0
+
+
+def _serve(sock: socket.socket) -> int:
+    """Start, then answer each Compile until the gateway closes its end (0), or 2 for a message out of turn."""
     start = receive(sock)
     if not isinstance(start, Start):
         print(f"{TITLE}: expected Start, got {type(start).__name__}", file=sys.stderr)
