@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loraserve.errors import InvalidModelError, InvalidRequestError
+from loraserve.model_config import read_json_object, read_model_text
 
 
 class ChatTemplate:
@@ -44,12 +45,13 @@ class ChatTemplate:
     def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
         """The template of the model in `model_dir`, or None when it has none."""
         model_dir = Path(model_dir)
-        config = _read_json(model_dir / "tokenizer_config.json")
+        config = read_json_object(model_dir / "tokenizer_config.json", missing_ok=True)
         source: Any = None
         if (model_dir / "chat_template.jinja").is_file():
-            source = (model_dir / "chat_template.jinja").read_text()
+            source = read_model_text(model_dir / "chat_template.jinja")
         else:
-            source = _read_json(model_dir / "chat_template.json").get("chat_template") or config.get("chat_template")
+            templates = read_json_object(model_dir / "chat_template.json", missing_ok=True)
+            source = templates.get("chat_template") or config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}, ...]
             source = next(
                 (t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None
@@ -73,16 +75,6 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:  # raise_exception() included: the template refuses this conversation
             raise InvalidRequestError("messages", f"the model's chat template refused them: {e}") from None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidModelError(f"{path} could not be read: {e}") from None
-    return raw if isinstance(raw, dict) else {}
 
 
 def _token(value: Any) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from loraserve.errors import InvalidModelError
+from loraserve.model_config import read_json_object, token_ids
 
 
 class Tokenizer:
@@ -118,18 +119,15 @@ def _special_ids(model_dir: Path, tok: HFTokenizer) -> tuple[tuple[int, ...], in
     """EOS ids from generation_config.json, else config.json, else tokenizer_config.json's eos_token."""
     for name in ("generation_config.json", "config.json"):
         path = model_dir / name
-        if path.is_file():
-            raw = json.loads(path.read_text())
-            eos = raw.get("eos_token_id")
-            if eos is not None:
-                return (tuple(eos) if isinstance(eos, list) else (eos,)), raw.get("bos_token_id")
-    path = model_dir / "tokenizer_config.json"
-    if path.is_file():
-        raw = json.loads(path.read_text())
-        eos = tok.token_to_id(raw["eos_token"]) if isinstance(raw.get("eos_token"), str) else None
-        bos = tok.token_to_id(raw["bos_token"]) if isinstance(raw.get("bos_token"), str) else None
-        return ((eos,) if eos is not None else ()), bos
-    return (), None
+        raw = read_json_object(path, missing_ok=True)
+        eos = raw.get("eos_token_id")
+        if eos is not None:
+            bos = token_ids(raw.get("bos_token_id"), f"{path}: bos_token_id")
+            return token_ids(eos, f"{path}: eos_token_id"), (bos[0] if bos else None)
+    raw = read_json_object(model_dir / "tokenizer_config.json", missing_ok=True)
+    eos = tok.token_to_id(raw["eos_token"]) if isinstance(raw.get("eos_token"), str) else None
+    bos = tok.token_to_id(raw["bos_token"]) if isinstance(raw.get("bos_token"), str) else None
+    return ((eos,) if eos is not None else ()), bos
 
 
 class IncrementalDetokenizer:
