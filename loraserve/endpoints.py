@@ -14,6 +14,8 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from loraserve.errors import InvalidConfigError
+
 MAX_ENDPOINT_LEN = 512
 MAX_IPC_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
@@ -53,6 +55,15 @@ def _check_tcp(address: str) -> None:
 def _check_path(address: str, path: str, limit: int) -> None:
     if not path or len(path.encode()) > limit or not _PRINTABLE.fullmatch(path):
         raise BadEndpointError(f"{address[:64]!r}: the path must be 1-{limit} printable ASCII bytes")
+
+
+def listen_port(bind: str, flag: str = "--bind") -> int:
+    """The port of a listening address `HOST:PORT` (`[v6]:PORT`; 0: any free one); InvalidConfigError naming
+    `flag` unless it is 0-65535 (grpc and getaddrinfo would take 99999 as 34463, modulo 65536, without a word)."""
+    port = bind.rpartition(":")[2]
+    if not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise InvalidConfigError(f"{flag} {bind[:64]!r}: the port must be 0-65535 (HOST:PORT)")
+    return int(port)
 
 
 def is_loopback(bind: str) -> bool:

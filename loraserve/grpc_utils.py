@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from loraserve import errors
+from loraserve.endpoints import listen_port
 from loraserve.errors import InvalidRequestError
 from loraserve.grpc_token import token_interceptors
 from loraserve.reflection import add_reflection
@@ -228,6 +229,7 @@ def new_server(
 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server with the error interceptor, listening on `bind` (TLS with `credentials`,
     else plaintext); returns (server, port)."""
+    listen_port(bind)  # a port grpc would take modulo 65536 is refused first
     server = grpc.aio.server(interceptors=[ErrorInterceptor(), *(interceptors or [])], options=SERVER_OPTIONS)
     port = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
     if port == 0:

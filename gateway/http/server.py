@@ -21,6 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
+from loraserve.endpoints import listen_port
 from loraserve.errors import InvalidConfigError
 from loraserve.gateway.admin_service import AdapterAdminService
 from loraserve.gateway.chat_template import ChatTemplate
@@ -122,11 +123,11 @@ class HttpServer:
 
 def listen(bind: str) -> socket.socket:
     """A listening TCP socket on `bind` (`host:port`, `[v6]:port`); InvalidConfigError naming --http-bind."""
-    host, _, port = bind.rpartition(":")
-    host = host.strip("[]")
+    host = bind.rpartition(":")[0].strip("[]")
     try:
+        port = listen_port(bind, "--http-bind")
         family, kind, proto, _, address = socket.getaddrinfo(
-            host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, kind, proto)
     except (ValueError, OSError) as e:
