@@ -1,32 +1,19 @@
 """Answering a request: its generations run by the generation core, answered whole or as one stream.
 
-Each choice of each prompt (one prompt, or a completions batch; n choices of each) is a generation of
-its own downstream: scheduled, traced and cancelled on its own, with the request's parameters; a
-prompt's choices are one prefill group, so the prompt is computed once. All of them are one client
-request to the scheduler (`gateway/client_request.py`): they share one batch share of a worker, and the
-tenant's token quota admits or refuses them whole, charged once for their summed cost. What the answer
-looks like is its shape's: `responses.Answers` (completions and chat completions: one choice per
-generation) or `responses_events.Reply` (the Responses API: one generation).
+Each choice of each prompt is a generation of its own downstream (scheduled, traced and cancelled on
+its own); a prompt's choices are one prefill group, so the prompt is computed once. All of them are one
+client request to the scheduler (`gateway/client_request.py`): one batch share of a worker, admitted or
+refused whole by the tenant's token quota. The answer's shape is `responses.Answers` (completions and
+chat completions: one choice per generation) or `responses_events.Reply` (the Responses API).
 
 - whole: every generation is awaited; the first failure fails the request with its status, and
   cancels the others;
 - streamed: the first event of every generation is awaited before the stream starts, so a prompt
-  refused before its first token gives a status (400, 429, 503, ...); then the shape writes the events
-  as they come (several generations through one merge, `merged`). A failure after the start is an
+  refused before its first token gives a status (400, 429, 503, ...); a failure after the start is an
   event of the stream.
 
 A client that leaves cancels every generation of the request: `until_disconnected` watches the
-connection while they are awaited (cancelling the read cancels the generation), and `GenerationStream`
-closes them however a stream ends (Starlette cancels a stream's task when its client leaves).
-
-`Generation` reads one generation's events from `GenerationCore.generate` (`gateway/events.py`) directly,
-in whichever task asks for its next one (no task or queue of its own): `Chunk`s with text or
-log-probabilities (a chunk with neither is joined to the next, so its tokens still count), then the
-`Summary`, after which it reads the core's events to their end (its outcome: OK); a refusal's retry hint
-is kept for a Retry-After header. `close` stops it early, which cancels the request downstream exactly
-as a gRPC client's cancel does; a reader of a closed generation gets `GenerationCancelled`.
-`http_metadata` presents a request's headers as the call metadata the core reads (`authorization`,
-`traceparent`).
+connection while they are awaited, and `GenerationStream` closes them however a stream ends.
 """
 
 from __future__ import annotations
@@ -45,7 +32,7 @@ from loraserve.gateway.client_request import ClientRequest
 from loraserve.gateway.core import Call, GenerationCore
 from loraserve.gateway.events import Chunk, Event, RetryLaterError, Summary
 from loraserve.gateway.generation_request import Fields
-from loraserve.gateway.http.errors import HttpError
+from loraserve.gateway.http.errors import http_error
 from loraserve.gateway.validation import END_USER_METADATA
 
 T = TypeVar("T")
@@ -70,7 +57,9 @@ def http_metadata(headers: Mapping[str, str], extra: Mapping[str, str] | None = 
 
 
 class Generation:
-    """The events of one generation, read from the core as they are asked for."""
+    """The events of one generation (`gateway/events.py`), read from the core in whichever task asks for the
+    next one (no task or queue of its own). `close` cancels the request downstream, as a gRPC client's
+    cancel does; a reader of a closed generation gets `GenerationCancelled`."""
 
     def __init__(self, events: AsyncIterator[Event]):
         self._events = events
@@ -148,22 +137,20 @@ class GenerationStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # first: a merge of several generations stops reading them
-            for generation in self.generations:
-                await generation.close()
+            await _close(self.generations)
 
 
 class Shape(Protocol):
-    """What one request's answer looks like (`Answers`, `Reply`): its id, its body (`stream`, `user`), and
-    the answer, whole or streamed, or a failure in the API's terms."""
+    """What one request's answer looks like (`Answers`, `Reply`): its id, its body (`stream`, `user`), the
+    API's names for the core's fields (`errors.PARAMS`, ...), and the answer, whole or streamed."""
 
     id: str
     body: Any
+    params: Mapping[str, str]
 
     def whole(self, results: list[tuple[Chunk, Summary]]) -> dict[str, Any]: ...
 
     def stream(self, firsts: list[Event], generations: list[Generation]) -> AsyncIterator[bytes]: ...
-
-    def error(self, exc: BaseException, retry_after_s: float | None = None) -> HttpError: ...
 
 
 async def answer(core: GenerationCore, drafts: list[Fields], shape: Shape, request: Request) -> Response:
@@ -188,7 +175,7 @@ async def answer(core: GenerationCore, drafts: list[Fields], shape: Shape, reque
     except Exception as e:
         await _close(generations)
         hints = [g.retry_after_s for g in generations if g.retry_after_s is not None]
-        raise shape.error(e, max(hints) if hints else None) from None
+        raise http_error(e, shape.params, max(hints) if hints else None) from None
     return GenerationStream(generations, shape.stream(firsts, generations))
 
 

@@ -1,20 +1,16 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses`
 (the operational ones are `operations.py`'s).
 
-A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's
-name. A request becomes one draft per choice (`drafts.py`: a `GenerationRequest`'s fields), which
-`answering.py` has the generation core run and answers in the API's shape (`responses.py`,
-`responses_events.py`); failures leave in OpenAI's error shape (`errors.py`). Chat renders `messages`
-with the model's chat template (`gateway/chat_template.py`) and sends the token ids (both in the
-tokenizer's threads, `gateway/tokenizing.py`). The Responses API takes the same path: its request
-becomes the chat completion it asks for (`responses_api.py`). `BodyGuard` (`body_guard.py`) stands in
-front of every route: a caller without a valid key gets 401, and a body over the cap 413, before any
-byte of the body is read; the routes then authenticate again (the principal they act for).
+A model id is an adapter's name as the caller sees it (`gateway/namespaces.py`), or the base model's.
+A request becomes one draft per choice (`drafts.py`), which `answering.py` has the generation core run
+and answers in the API's shape; failures leave in OpenAI's error shape (`errors.py`). Chat renders
+`messages` with the model's chat template and sends the token ids (both in the tokenizer's threads);
+the Responses API becomes the chat completion it asks for (`responses_api.py`). `BodyGuard` stands in
+front of every route (401 and 413 before any byte of the body is read).
 """
 
 from __future__ import annotations
 
-import logging
 import uuid
 from typing import Annotated, Any
 
@@ -32,7 +28,6 @@ from loraserve.gateway.generation_request import Fields
 from loraserve.gateway.http import responses_api
 from loraserve.gateway.http.answering import answer, http_metadata
 from loraserve.gateway.http.body_guard import BodyGuard
-from loraserve.gateway.http.drafts import with_sampling
 from loraserve.gateway.http.errors import (
     CHAT_PARAMS,
     PARAMS,
@@ -59,8 +54,6 @@ from loraserve.gateway.tenants import Scope
 from loraserve.gateway.tool_parsers import ToolCallParser
 from loraserve.structured import Constraint
 
-log = logging.getLogger(__name__)
-
 
 def build_app(
     core: GenerationCore,
@@ -74,37 +67,34 @@ def build_app(
     model writes tool calls (`tool_choice: auto`)."""
     routes = OpenAiRoutes(core, chat_template, started_unix, tool_parser)
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None, strict_content_type=False)
-    app.state.routes = routes
-    app.add_api_route("/v1/models", routes.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
-    app.add_api_route("/v1/responses", routes.responses, methods=["POST"], response_model=None)
-    operations = OperationRoutes(core, chat_template, routes.model)
-    app.add_api_route("/health", operations.health, methods=["GET"], response_model=None)
-    app.add_api_route("/version", operations.version, methods=["GET"])
-    app.add_api_route("/tokenize", operations.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", operations.detokenize, methods=["POST"])
-    adapters = AdapterRoutes(admin)
-    app.add_api_route("/v1/load_lora_adapter", adapters.load, methods=["POST"], response_model=None)
-    app.add_api_route("/v1/unload_lora_adapter", adapters.unload, methods=["POST"], response_model=None)
+    app.state.core = core  # `Caller`'s
+    operations, adapters = OperationRoutes(core, chat_template, routes.model), AdapterRoutes(admin)
+    for method, path, endpoint in (
+        ("GET", "/v1/models", routes.models),
+        ("GET", "/v1/models/{model_id:path}", routes.model),
+        ("POST", "/v1/completions", routes.completions),
+        ("POST", "/v1/chat/completions", routes.chat_completions),
+        ("POST", "/v1/responses", routes.responses),
+        ("GET", "/health", operations.health),
+        ("GET", "/version", operations.version),
+        ("POST", "/tokenize", operations.tokenize),
+        ("POST", "/detokenize", operations.detokenize),
+        ("POST", "/v1/load_lora_adapter", adapters.load),
+        ("POST", "/v1/unload_lora_adapter", adapters.unload),
+    ):  # the answers are the handlers' own: no response model checks or re-encodes them
+        app.add_api_route(path, endpoint, methods=[method], response_model=None)
     app.add_exception_handler(HttpError, _send_error)
-    app.add_exception_handler(LoraserveError, _loraserve_error)
+    app.add_exception_handler(LoraserveError, _send_error)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
-    app.add_middleware(
-        BodyGuard, authenticate=core.authenticate, max_body_bytes=max_body_bytes(core), open_paths=OPEN_PATHS
-    )
+    largest = 2 * core.limits.max_prompt_bytes + (1 << 16)  # the longest prompt, JSON-escaped, and the rest
+    app.add_middleware(BodyGuard, authenticate=core.authenticate, max_body_bytes=largest, open_paths=OPEN_PATHS)
     return app
 
 
-def max_body_bytes(core: GenerationCore) -> int:
-    """The largest request body read: room for the longest prompt, JSON-escaped, and the other fields."""
-    return 2 * core.limits.max_prompt_bytes + (1 << 16)
-
-
 def _caller(request: Request) -> Principal:
-    return request.app.state.routes.caller(request)
+    """The authenticated caller (a dependency of every route; `BodyGuard` has refused the others)."""
+    return request.app.state.core.authenticate(http_metadata(request.headers))
 
 
 Caller = Annotated[Principal, Depends(_caller)]  # every route's: the principal it acts for
@@ -122,10 +112,6 @@ class OpenAiRoutes:
         self.tool_parser = tool_parser
         self.base_model = core.config.model_name
 
-    def caller(self, request: Request) -> Principal:
-        """The authenticated caller (a dependency of every route; `BodyGuard` has refused the others)."""
-        return self.core.authenticate(http_metadata(request.headers))
-
     # ---- models ---------------------------------------------------------------------------------
     async def models(self, principal: Caller) -> dict[str, Any]:
         return {"object": "list", "data": await self._models(principal)}
@@ -133,7 +119,7 @@ class OpenAiRoutes:
     async def model(self, model_id: str, principal: Caller) -> dict[str, Any]:
         found = next((m for m in await self._models(principal) if m["id"] == model_id), None)
         if found is None:
-            raise http_error(AdapterNotFoundError(model_id))
+            raise AdapterNotFoundError(model_id)
         return found
 
     async def _models(self, principal: Principal) -> list[dict[str, Any]]:
@@ -208,10 +194,10 @@ class OpenAiRoutes:
             ids = await self.core.tokenizing.encode(text, "messages", add_special_tokens=False)
         except LoraserveError as e:
             raise http_error(e, params) from None
-        draft = {**draft, "prompt_ids": list(ids)}
-        if not draft["sampling"]["max_new_tokens"]:
-            draft = with_sampling(draft, max_new_tokens=max(1, limits.max_context - len(ids)))
-        return draft, tools
+        sampling = draft["sampling"]
+        if not sampling["max_new_tokens"]:
+            sampling = sampling | {"max_new_tokens": max(1, limits.max_context - len(ids))}
+        return {**draft, "prompt_ids": list(ids), "sampling": sampling}, tools
 
     def _logprobs(self, asked: bool, body: CompletionRequest | ChatCompletionRequest) -> LogprobFormat | None:
         chat = isinstance(body, ChatCompletionRequest)
@@ -234,11 +220,8 @@ class OpenAiRoutes:
             constraint = _one_constraint(requested_constraint(body.constraint_fields()), tools)
         except LoraserveError as e:
             raise http_error(e, params) from None
-        return body.generation_fields() | {"adapter": self._adapter(body.model), "constraint": constraint}
-
-    def _adapter(self, model: str) -> str:
-        """The adapter a model id names ("": the base model)."""
-        return "" if model == self.base_model else model
+        adapter = "" if body.model == self.base_model else body.model  # "": the base model
+        return body.generation_fields() | {"adapter": adapter, "constraint": constraint}
 
 
 def _one_constraint(constraint: Constraint | None, tools: ToolChoice | None) -> Constraint | None:
@@ -283,12 +266,9 @@ def _card(model_id: str, created: int, owner: str, max_model_len: int, parent: s
     }
 
 
-async def _send_error(_request: Request, error: HttpError) -> JSONResponse:
+async def _send_error(_request: Request, error: HttpError | LoraserveError) -> JSONResponse:
+    error = error if isinstance(error, HttpError) else http_error(error)
     return JSONResponse(error.body, status_code=error.status, headers=error.headers)
-
-
-async def _loraserve_error(request: Request, exc: LoraserveError) -> JSONResponse:
-    return await _send_error(request, http_error(exc))
 
 
 async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -296,13 +276,13 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
     problem = exc.errors()[0] if exc.errors() else {}
     location = [str(part) for part in problem.get("loc", ()) if part != "body"]
     if problem.get("type") == INVALID_UNICODE:
-        return await _send_error(request, bad_request(problem["ctx"]["param"], problem["msg"]))
-    if problem.get("type") == "json_invalid" or not location:
+        error = bad_request(problem["ctx"]["param"], problem["msg"])
+    elif problem.get("type") == "json_invalid" or not location:
         why = "send a JSON object with Content-Type: application/json"
-        return await _send_error(request, bad_request("body", f"{problem.get('msg', 'is not valid')}: {why}"))
-    param = location[0]
-    where = ".".join(location)
-    return await _send_error(request, bad_request(param, f"{problem.get('msg', 'is invalid')} (at {where})"))
+        error = bad_request("body", f"{problem.get('msg', 'is not valid')}: {why}")
+    else:
+        error = bad_request(location[0], f"{problem.get('msg', 'is invalid')} (at {'.'.join(location)})")
+    return await _send_error(request, error)
 
 
 async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:

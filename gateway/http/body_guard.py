@@ -1,13 +1,9 @@
 """What the HTTP port refuses before it reads a request body: a caller without a valid key, a body too big.
 
-`BodyGuard` is plain ASGI middleware in front of the routes. From the headers alone it answers 401
-when the gateway has an auth file and the request carries no known key (503 while the gateway
-drains: the same check as the gRPC API's), and 413 when Content-Length is over the cap. Otherwise
-it reads the body itself, counting bytes as they arrive (a chunked body announces no length), and
-answers 413 as soon as the count passes the cap: it never holds more than the cap. A body within
-the cap reaches the routes as one message; later `receive` calls go to the connection, so a client
-that disconnects is still noticed. A refusal closes the connection (`Connection: close`): the rest
-of an unwanted body is never read.
+`BodyGuard` is plain ASGI middleware in front of the routes: from the headers alone it answers 401 (503
+while the gateway drains) and 413 when Content-Length is over the cap; then it reads the body itself,
+counting bytes as they arrive, and answers 413 as soon as the count passes the cap. A body within the
+cap reaches the routes as one message. A refusal closes the connection: the rest is never read.
 """
 
 from __future__ import annotations

@@ -1,33 +1,18 @@
 """How many HTTP connections the gateway holds, and how long a client may take to send a request (the
-README's HTTP API section states the rules for clients).
+README's HTTP API section states the rules for clients; `ConnectionLimits` holds the flags).
 
 uvicorn alone accepts every connection and waits forever for a request head or body, so idle or
-trickling clients with no key can hold sockets until the process runs out of file descriptors and
-fails its health checks. `guarded_protocol` returns uvicorn's httptools protocol with these bounds:
+trickling clients with no key could hold sockets until the process runs out of file descriptors.
+`guarded_protocol` returns uvicorn's httptools protocol with a connection limit (a new connection takes
+the place of one that waits for its client: silent longest, else idle longest; only when every one is
+mid-request is it answered 503), a request-head deadline (from accept or the head's first byte, however
+trickled; past 16 KiB not yet whole, or without `Host` on HTTP/1.1, 400, as h11 did), a request-body
+deadline (either deadline missed: 408, closed), and uvicorn's own keep-alive timeout. No deadline runs
+while the gateway answers. Under TLS `server.py` bounds the handshake by the head deadline.
 
-- **a connection limit**: with `max_connections` open, a new connection takes the place of one that
-  waits for its client: the one that has waited longest for its first request head (answered `503`
-  and closed), else the one idle longest between requests (response sent, nothing of the next request
-  yet: closed with no answer, as its keep-alive timeout would). Only when every open connection is in
-  the middle of a request is the new one answered `503` and closed. Either way the descriptors stay
-  bounded, and connections that send nothing cannot keep a well-behaved client out;
-- **a request-head deadline**: from accept, or from the first byte of a later request, the whole head
-  must arrive within `header_timeout_s`, however it is trickled (uvicorn's keep-alive timer stops at
-  the first byte), and hold at most 16 KiB until whole (else `400`: h11's bound, which llhttp lacks);
-  an HTTP/1.1 head without `Host` is answered `400` (RFC 9112, as h11 did; llhttp lets it through);
-  **a request-body deadline**: then the whole body within `body_timeout_s`;
-- **a keep-alive timeout**: a connection idle between requests is closed (with no answer) after
-  `keep_alive_s`, by uvicorn's own timer; the head deadline does not run while it is idle.
-
-A client that misses a deadline gets `408` (when no response has begun) and is closed. While the
-gateway answers (a generation, a stream) no deadline runs. Under TLS the protocol starts once the
-handshake is done: `server.py` bounds the handshake by `header_timeout_s` (not the loop's 60 s).
-
-`keep_alive_s` (75 s, as nginx's and Go's idle timeouts) outlasts common client pools' idle expiry
-(httpx and so the openai SDK: 5 s; undici/node: 4 s; aiohttp: 15 s): the pool must be the one to drop
-an idle connection, since a server closing it as the client reuses it (equal timeouts race) loses the
-request on the wire ("Server disconnected without sending a response"). Idle connections make room
-for new ones at `max_connections`, so the long timeout cannot starve the port.
+`keep_alive_s` (75 s, as nginx's and Go's) outlasts common client pools' idle expiry (httpx: 5 s, undici:
+4 s, aiohttp: 15 s): the pool must drop an idle connection first, or a request sent as the server closes
+it is lost on the wire. Idle connections make room for new ones, so the long timeout cannot starve the port.
 """
 
 from __future__ import annotations

@@ -30,11 +30,6 @@ def sampling_fields(values: dict[str, Any], max_new_tokens: int, stop_token_ids:
     return fields | {"max_new_tokens": max_new_tokens, "stop_token_ids": list(stop_token_ids)}
 
 
-def with_sampling(draft: Fields, **changes: Any) -> Fields:
-    """`draft` with these sampling fields changed (a copy; drafts are never changed in place)."""
-    return {**draft, "sampling": {**draft["sampling"], **changes}}
-
-
 def wire_float(value: float) -> float:
     """`value` as a proto `float` (float32) holds it: rounded to nearest, infinite beyond its range."""
     try:

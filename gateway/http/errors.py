@@ -1,12 +1,9 @@
 """Errors at the HTTP edge: one table from loraserve's status names to HTTP statuses, in OpenAI's shape.
 
-Every failure leaves as `{"error": {"message", "type", "param", "code"}}` with the HTTP status the
-table gives its gRPC status name (`LoraserveError.status`), so the two edges can never disagree about
-what a failure is; a `TooLargeError` (INVALID_ARGUMENT, e.g. an adapter over the store's
---max-adapter-mb) is 413. `param` names the OpenAI request parameter at fault: the inner code names its own
-fields (`max_new_tokens`, `sampling.temperature`, `adapter`), and each API's table (`PARAMS` for
-completions, `CHAT_PARAMS`, `RESPONSES_PARAMS`) says which parameter each one came from. Anything that is
-not a LoraserveError is logged with an incident id and leaves as 500.
+Every failure leaves as `{"error": {"message", "type", "param", "code"}}` with the HTTP status its gRPC
+status name maps to, so the two edges never disagree. `param` names the OpenAI parameter at fault: each
+API's table (`PARAMS`, `CHAT_PARAMS`, `RESPONSES_PARAMS`) maps the inner code's fields to its own names.
+Anything that is not a LoraserveError is logged with an incident id and leaves as 500.
 """
 
 from __future__ import annotations

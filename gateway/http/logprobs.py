@@ -1,13 +1,10 @@
-"""Log-probabilities in OpenAI's two shapes, from the generation's `Logprob`s (formatting only, no I/O): a
-completion's `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (`top_logprobs` with the
-token's own beside the k likeliest, as OpenAI and vLLM: up to k + 1 entries), and chat's `{"content":
-[{"token", "logprob", "bytes", "top_logprobs"}, ...], "refusal": null}` (exactly the k likeliest).
+"""Log-probabilities in OpenAI's two shapes, from the generation's `Logprob`s (formatting only, no I/O):
+a completion's `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` and chat's
+`{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...], "refusal": null}`.
 
-A token's text is the tokenizer's decoding of that token alone (special tokens included), its
-`bytes` that text's UTF-8. `text_offset` is where each token's text begins in the choice's text:
-it counts the characters of the tokens before it, from the first token reported (so a stream's
-offsets go on from chunk to chunk), a special token counting none unless the text keeps special
-tokens (`skip_special_tokens: false`): the BOS an echoed prompt begins with is not in its text.
+A token's text is the tokenizer's decoding of that token alone. `text_offset` counts the characters of
+the tokens before it, from the first token reported (a stream's offsets go on from chunk to chunk), a
+special token counting none unless the text keeps special tokens (`skip_special_tokens: false`).
 """
 
 from __future__ import annotations

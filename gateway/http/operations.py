@@ -1,19 +1,11 @@
 """The HTTP port's operational routes, in vLLM's shapes (the README lists their bodies and answers):
 `/health`, `/version`, `/tokenize`, `/detokenize`, `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
 
-`/health` and `/version` need no key (probes and load balancers carry none, as gRPC health needs
-none): `/health` answers 200 with an empty body while at least one worker is ready and the gateway
-is not draining, else 503 with an OpenAI error body saying which. `/tokenize` and `/detokenize` act
-for an authenticated caller and are metered as the gRPC `Tokenize` and `Detokenize` are
-(`gateway/metered.py`: scope `generate`, one of the tenant's in-flight slots, the request counter);
-they use the base model's tokenizer, which every adapter shares, in its threads
-(`gateway/tokenizing.py`: a text too long to fit the context is refused 400 before it is tokenized);
-a `model` they are given must be one the caller can use.
-
-The adapter routes are the gRPC `RegisterAdapterFromPath` and `DeleteAdapter`, run by the same adapter
-admin (`gateway/admin_service.py`): its scope (`adapters`), namespace, path rule (`--adapter-root`),
-audit log and rollout; a name that exists already gets a new version. Their failures name `lora_name` or
-`lora_path`.
+`/health` and `/version` need no key (probes carry none). `/tokenize` and `/detokenize` are metered as the
+gRPC `Tokenize` and `Detokenize` are (`gateway/metered.py`) and use the base model's tokenizer, in its
+threads (`gateway/tokenizing.py`). The adapter routes are the gRPC `RegisterAdapterFromPath` and
+`DeleteAdapter`, run by the same adapter admin (`gateway/admin_service.py`); their failures name
+`lora_name` or `lora_path`.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from loraserve.errors import AdapterNotFoundError, InvalidRequestError, LoraserveError
+from loraserve.errors import InvalidRequestError, LoraserveError
 from loraserve.gateway.admin_service import AdapterAdminService
 from loraserve.gateway.auth import Principal
 from loraserve.gateway.chat_template import ChatTemplate
@@ -46,7 +38,7 @@ from loraserve.v1 import gateway_pb2
 OPEN_PATHS = frozenset({"/health", "/version"})  # answered without a key
 ADAPTER_PARAMS = {"name": "lora_name", "path": "lora_path"}  # the gRPC request's fields, as these routes name them
 
-FindModel = Callable[[str, Principal], Awaitable[Any]]  # raises a 404 HttpError for a model the caller lacks
+FindModel = Callable[[str, Principal], Awaitable[Any]]  # raises AdapterNotFoundError for a model the caller lacks
 
 
 class OperationRoutes:
@@ -65,7 +57,8 @@ class OperationRoutes:
 
     async def tokenize(self, body: TokenizeRequest, request: Request) -> dict[str, Any]:
         async with metered(self.core, http_metadata(request.headers), "tokenize") as principal:
-            await self._check_model(body.model, principal)
+            if body.model is not None:  # one the caller can use
+                await self.find_model(body.model, principal)
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidRequestError("prompt", "give either a prompt or messages")
             tokenizing = self.core.tokenizing
@@ -88,7 +81,8 @@ class OperationRoutes:
 
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> dict[str, str]:
         async with metered(self.core, http_metadata(request.headers), "detokenize") as principal:
-            await self._check_model(body.model, principal)
+            if body.model is not None:
+                await self.find_model(body.model, principal)
             vocab = self.core.limits.vocab_size
             bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
             if bad is not None:
@@ -96,15 +90,6 @@ class OperationRoutes:
                     "tokens", f"tokens[{bad}] = {body.tokens[bad]} is not below the vocabulary size {vocab}"
                 )
             return {"prompt": await self.core.tokenizing.decode(body.tokens, skip_special_tokens=False)}
-
-    async def _check_model(self, model: str | None, principal: Principal) -> None:
-        """A `model` the caller names must be one it can use (AdapterNotFoundError, 404, if not)."""
-        if model is None:
-            return
-        try:
-            await self.find_model(model, principal)
-        except HttpError:
-            raise AdapterNotFoundError(model) from None
 
 
 def _unavailable(why: str) -> JSONResponse:

@@ -2,19 +2,13 @@
 (`Chunk`s, then a `Summary`): whole completions, stream chunks and their SSE framing (the README's
 "POST /v1/completions" says what a client sees).
 
-A stream is `data: <json>\\n\\n` events: (chat only) a role chunk per choice, a chunk per piece of text,
-a chunk with the finish reason, the usage chunk (`include_usage`; every other chunk then carries
-`"usage": null`), and `data: [DONE]`; with `continuous_usage_stats` every chunk carries its choice's
-usage so far instead. A failure after the stream has begun is one `data: {"error": {...}}` event before
-`[DONE]`. Several generations' chunks interleave, each choice with its `index` (the prompt's place × n +
-the choice's); the usage counts each prompt's tokens once and every generation's (best_of: every
-candidate's, though only the n likeliest are answered). Most chunks hold text alone, written into a
-template of their choice's chunk (`Answers.text_piece`) rather than encoded whole per token.
-
-A chat answer with tools in use (`tool_calling.py`) carries its tool calls in the message; streamed, its
-text is held back and sent whole at the end, with the calls, because a call can only be parsed from the
-whole text. With `echo`, a completion's text and log-probabilities (`logprobs.py`) begin with the
-prompt's, in a stream in its first chunk (a choice that ends before any text: its closing chunk).
+A stream is `data: <json>` events ending with `data: [DONE]` (a failure after its start: one `error`
+event before it). Several generations' chunks interleave, each choice with its `index` (the prompt's
+place × n + the choice's); the usage counts each prompt's tokens once and every generation's (best_of:
+every candidate's). Most chunks hold text alone, written into a template of their choice's chunk
+(`Answers.text_piece`) rather than encoded whole per token. With tools in use (`tool_calling.py`) a
+streamed answer's text is held back and sent whole at the end, with its calls, which are parsed from
+the whole text.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ from typing import Any
 
 from loraserve.gateway.events import Chunk, Event, Summary
 from loraserve.gateway.http.answering import Generation, merged
-from loraserve.gateway.http.errors import CHAT_PARAMS, PARAMS, HttpError, http_error
+from loraserve.gateway.http.errors import CHAT_PARAMS, PARAMS, http_error
 from loraserve.gateway.http.logprobs import LogprobFormat
 from loraserve.gateway.http.schemas import ChatCompletionRequest, CompletionRequest
 from loraserve.gateway.http.tool_calling import ToolChoice, tool_calls_json
@@ -92,8 +86,9 @@ class Answers:
     def chat(self) -> bool:
         return isinstance(self.body, ChatCompletionRequest)
 
-    def error(self, exc: BaseException, retry_after_s: float | None = None) -> HttpError:
-        return http_error(exc, CHAT_PARAMS if self.chat else PARAMS, retry_after_s)
+    @property
+    def params(self) -> dict[str, str]:
+        return CHAT_PARAMS if self.chat else PARAMS
 
     def whole(self, results: list[tuple[Chunk, Summary]]) -> dict[str, Any]:
         """The non-streaming answer to one or several prompts: choice i is the i-th kept result (prompt
@@ -191,7 +186,7 @@ class Answers:
             if self.body.include_usage:
                 yield sse(self.usage([written.summaries[i] for i in sorted(written.summaries)]))
         except Exception as e:  # after the status line: the failure goes in the stream
-            yield sse(self.error(e).body)
+            yield sse(http_error(e, self.params).body)
         yield DONE
 
     def _with_tool_calls(self, text: str, reason: str) -> tuple[dict[str, Any], str]:
@@ -249,7 +244,8 @@ class _Written:
         if isinstance(event, Summary):
             self.summaries[index] = event
             if answers.tools is not None:
-                return [sse(c) for c in answers.settled(_joined(self._held.pop(index, [])), event, index)]
+                held = self._held.pop(index, [Chunk("")])  # no text: one empty chunk
+                return [sse(c) for c in answers.settled(Chunk.joined(held), event, index)]
             return [sse(answers.closing(event, index, first=index not in self._started))]
         self._generated[index] = generated = self._generated.get(index, 0) + len(event.token_ids)
         if not (event.text or event.logprobs or event.prompt_logprobs):
@@ -262,7 +258,3 @@ class _Written:
         first = index not in self._started
         self._started.add(index)
         return [sse(answers.piece(event, index, first, generated))]
-
-
-def _joined(chunks: list[Chunk]) -> Chunk:
-    return Chunk.joined(chunks) if chunks else Chunk("")

@@ -1,15 +1,10 @@
 """A Responses API request (`schemas.ResponsesRequest`) as a chat completion (`chat_request`): the route
 (`app.py`) renders, constrains and generates it exactly as it does a chat completion.
 
-- The conversation: `instructions` first, as a system message; then `input`'s items in order, as chat
-  messages: a message keeps its role (`developer` becomes `system`: chat templates know no developer
-  role) and its text; a `function_call` joins the assistant message just before it (or opens one) as one
-  of its `tool_calls`, and a `function_call_output` is a `tool` message answering its `call_id`.
-- The rest as chat's: function tools (`strict` null read as true, the Responses API's default),
-  `tool_choice` (`{"type": "function", "name": N}` a named function), `parallel_tool_calls`,
-  `text.format` as `response_format`, `max_output_tokens` as `max_tokens`; `max_tool_calls` is
-  `tool_calling.tool_choice`'s `max_calls`. A failure names the Responses API's parameters
-  (`errors.RESPONSES_PARAMS`). The response repeats the parameters as they took effect (`echo`).
+`instructions` becomes a system message, then `input`'s items are chat messages in order (`developer`
+becomes `system`; a `function_call` joins the assistant message before it as one of its `tool_calls`; a
+`function_call_output` is a `tool` message). The response repeats the parameters as they took effect
+(`echo`).
 """
 
 from __future__ import annotations
@@ -25,6 +20,7 @@ from loraserve.gateway.http.schemas import (
     FunctionChoice,
     FunctionDefinition,
     FunctionName,
+    FunctionTool,
     NamedToolChoice,
     ResponsesRequest,
     Tool,
@@ -78,13 +74,15 @@ def functions(body: ResponsesRequest) -> list[FunctionDefinition]:
     fields = set(FunctionDefinition.model_fields)
     return [
         FunctionDefinition(**t.model_dump(include=fields) | {"strict": t.strict is not False})
-        for t in body.function_tools()
+        for t in body.tools or ()
+        if isinstance(t, FunctionTool)
     ]
 
 
 def echo(body: ResponsesRequest) -> dict[str, Any]:
     """The request's parameters as the response repeats them: as they took effect (defaults filled in)."""
     text_format, choice = body.text_format(), body.tool_choice or ("auto" if body.tools else "none")
+    shown_format = text_format.model_dump(by_alias=True, exclude_none=True) if text_format else {"type": "text"}
     return {
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
@@ -97,11 +95,7 @@ def echo(body: ResponsesRequest) -> dict[str, Any]:
         "background": False,
         "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "text": {
-            "format": {"type": "text"}
-            if text_format is None
-            else text_format.model_dump(by_alias=True, exclude_none=True)
-        },
+        "text": {"format": shown_format},
         "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice,
         "tools": [{"type": "function", **f.model_dump()} for f in functions(body)],
         "truncation": "disabled",

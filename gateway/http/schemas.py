@@ -1,27 +1,17 @@
-"""The OpenAI request bodies, as pydantic models, and what of them is refused: the one schema module of the
-HTTP edge (completions, chat completions, the Responses API, and the operational routes' bodies). The
-README's HTTP API section lists every field served and every refusal.
+"""The one schema module of the HTTP edge: the OpenAI request bodies as pydantic models (completions, chat
+completions, the Responses API, the operational routes), and what of them is refused (the README's HTTP
+API section lists every field served and every refusal).
 
 Only what a field's type says is checked here (a pydantic failure is a 400 naming the parameter); what the
-values mean (temperature ranges, context length, stop limits, adapter names) is checked by the same struct
-and checks the gRPC API's requests get (`gateway/generation_request.py`), once the body is a draft of its
-fields (`drafts.py`). Every string anywhere in a body (values and keys, known fields or not) must be Unicode
-text: JSON can spell a lone surrogate (`"\\ud800"`), which no UTF-8 encoder takes, and such a body is refused
-whole (`invalid_unicode`, naming where the surrogate is) before any field is looked at.
+values mean is checked by the struct and checks the gRPC API's requests get (`gateway/generation_request.py`),
+once the body is a draft of its fields (`drafts.py`). A body holding a lone surrogate (`"\\ud800"`, which
+JSON can spell and no UTF-8 encoder takes) anywhere is refused whole (`invalid_unicode`).
 
-Completions and chat completions (structured output's fields are read by `structured.py`, tool calling's
-by `tool_calling.py`; the fields marked "extension" are vLLM's). Unknown fields are ignored, as
-OpenAI-compatible servers do, except the ones that ask for what loraserve does not do (`NOT_IMPLEMENTED`
-and the endpoints' tables): those are accepted only at the values that ask for nothing (null, or what
-loraserve does anyway) and refused with a 400 naming them otherwise, never ignored. `unsupported()` names
-the first refusal.
-
-The Responses API (`responses_api.py` maps a request onto the chat path): the fields `ResponsesRequest`
-declares are served. Everything else is refused by name, unless its value asks for nothing: null, false,
-an empty string, list or object (an object of such values), or a value listed in `NOT_SERVED` (what
-loraserve does anyway). `NOT_SERVED` says why for the fields OpenAI defines; an unknown field is "not
-supported" (OpenAI refuses unknown fields too). The same rule holds inside items, content parts, tools and
-`text`. Nothing is stored: a conversation is sent whole in `input`.
+Refusals: completions and chat ignore unknown fields, as OpenAI-compatible servers do, but refuse by name
+the ones that ask for what loraserve does not do (`NOT_IMPLEMENTED` and the endpoints' tables) unless at a
+value that asks for nothing. The Responses API serves the fields `ResponsesRequest` declares and refuses
+everything else (inside items, parts, tools and `text` too) unless it asks for nothing (`NOT_SERVED` says
+why for the fields OpenAI defines).
 """
 
 from __future__ import annotations
@@ -722,9 +712,6 @@ class ResponsesRequest(_Body, _Open):
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)  # type: ignore[arg-type]  # OtherItem is refused by unsupported()
-
-    def function_tools(self) -> list[FunctionTool]:
-        return [t for t in self.tools or () if isinstance(t, FunctionTool)]
 
     def text_format(self) -> TextFormat | None:
         return self.text.format if self.text is not None else None

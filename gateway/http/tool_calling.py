@@ -1,15 +1,11 @@
 """Tool calling on /v1/chat/completions (the Responses API's through it): `tools` and `tool_choice`, and
 the answer's `tool_calls` (the README's "Tools" says what each choice does for a client).
 
-The tools go to the chat template as `tools` whatever the choice (as transformers' `apply_chat_template`
-gives them). `"none"` parses nothing; `"auto"` (the default with tools) parses the model's free text with
-the family's parser (`tool_parsers.py`, chosen with the gateway's `--tool-call-parser`, without which
-`"auto"` is refused), and with a `strict` tool holds it to the parser's grammar; `"required"` and a named
-function constrain the output (structured output) to a JSON list of calls, or to the function's
-arguments. Every grammar, and the parsing of unconstrained output, bounds the calls in one answer
-(MAX_TOOL_CALLS, or the request's `max_calls`; 1 without parallel calls); schemas are closed
-(`loraserve/closed_schemas.py`). A call that max_tokens cut short is still answered as a call, its
-arguments as far as they were generated, never as raw call text in the content.
+`"auto"` parses the model's free text with the family's parser (`tool_parsers.py`, the gateway's
+`--tool-call-parser`), held to the parser's grammar when a tool is `strict`; `"required"` and a named
+function constrain the output to a JSON list of calls, or to the function's arguments. Every grammar,
+and the parsing of free text, bounds the calls in one answer (`MAX_TOOL_CALLS`, or the request's). A
+call that max_tokens cut short is still answered as a call, its arguments as far as they were generated.
 """
 
 from __future__ import annotations

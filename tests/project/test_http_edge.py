@@ -23,7 +23,7 @@ EVENTS = ROOT / "gateway" / "events.py"
 SCHEMAS = "schemas.py"
 EVENT_RECORDS = ("Chunk", "Summary")
 MIN_SHARED = 2
-MAX_LINES = 3023  # lowered as the edge shrinks, toward GOAL_LINES
+MAX_LINES = 2882  # lowered as the edge shrinks, toward GOAL_LINES
 GOAL_LINES = 1800
 
 
