@@ -1,6 +1,7 @@
 """Percentiles of measured values, rounded, as every suite reports them.
 
 quantile([0.1, 0.2, 0.4], 0.99, digits=4)   # linear interpolation (numpy's default); None when empty
+quantile(seconds, 0.5, 2, scale=1e3)        # the same in milliseconds, rounded to 0.01 ms
 distribution("ttft", values, digits=6)      # {"ttft_mean_s", "ttft_p50_s", "ttft_p99_s"}
 ratio(after, before, digits=3)              # None when either is missing or `before` is 0
 median_seconds(fn, repeats=5)               # the median wall time of a call, after a warm-up call
@@ -15,11 +16,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 
-def quantile(values: Sequence[float], q: float, digits: int) -> float | None:
-    """The q-quantile (0 <= q <= 1) of `values`, rounded to `digits`; None when there are none."""
+def quantile(values: Sequence[float], q: float, digits: int, scale: float = 1.0) -> float | None:
+    """The q-quantile (0 <= q <= 1) of `values` times `scale`, rounded to `digits`; None when there are none."""
     if len(values) == 0:
         return None
-    return round(float(np.quantile(np.asarray(values, dtype=np.float64), q)), digits)
+    return round(float(np.quantile(np.asarray(values, dtype=np.float64), q)) * scale, digits)
 
 
 def distribution(name: str, values: Sequence[float], digits: int, mean: bool = True) -> dict[str, float | None]:

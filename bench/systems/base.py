@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tqdm import tqdm
@@ -71,6 +71,16 @@ class System(Protocol):
     def stats(self) -> dict:
         """System-specific numbers about the last run (pool waste, adapter loads, switches); may be empty."""
         ...
+
+
+@dataclass
+class LastRunStats:
+    """What every system keeps of its last run: `run` sets `_stats`, `stats()` hands out a copy."""
+
+    _stats: dict = field(default_factory=dict, init=False, repr=False)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems.base import Replay, ReplayLimits, RequestRecord
+from loraserve.bench.systems.base import LastRunStats, Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workloads.slora import Trace
 from loraserve.model_config import ModelConfig
 from loraserve.worker.adapters import LoraAdapter, load_adapter_bytes
@@ -44,13 +44,12 @@ class AdapterBank:
 
 
 @dataclass
-class EngineSystem:
+class EngineSystem(LastRunStats):
     name: str
     model_dir: Path
     config: EngineConfig
     bank: AdapterBank
     limits: ReplayLimits = field(default_factory=ReplayLimits)
-    _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
         engine = Engine(self.model_dir, self.config)
@@ -96,9 +95,6 @@ class EngineSystem:
             "mean_batch_size": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
         }
         return replay.results()
-
-    def stats(self) -> dict:
-        return dict(self._stats)
 
 
 def warm_up(engine: Engine, adapters: dict[str, int]) -> None:

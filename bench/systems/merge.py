@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems.base import Replay, ReplayLimits, RequestRecord
+from loraserve.bench.systems.base import LastRunStats, Replay, ReplayLimits, RequestRecord
 from loraserve.bench.systems.hf_batching import AdapterQueues, load_base_model, serve_one_adapter_at_a_time, warm_up
 from loraserve.bench.workloads.slora import Trace
 
@@ -51,14 +51,13 @@ class MergedModel:
 
 
 @dataclass
-class MergeSwapSystem:
+class MergeSwapSystem(LastRunStats):
     adapters: SyntheticAdapters
     max_batch_size: int = 32
     limits: ReplayLimits = field(default_factory=ReplayLimits)
     name: str = "merge-and-swap"
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
-    _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
         model = load_base_model(self.adapters.model_dir, self.device, self.dtype)
@@ -79,6 +78,3 @@ class MergeSwapSystem:
 
         self._stats = serve_one_adapter_at_a_time(model, replay, self.max_batch_size, pick, switch)
         return replay.results()
-
-    def stats(self) -> dict:
-        return dict(self._stats)

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems.base import Replay, ReplayLimits, RequestRecord
+from loraserve.bench.systems.base import LastRunStats, Replay, ReplayLimits, RequestRecord
 from loraserve.bench.systems.hf_batching import load_base_model, serve_one_adapter_at_a_time, warm_up
 from loraserve.bench.workloads.slora import Trace
 
 
 @dataclass
-class PeftSystem:
+class PeftSystem(LastRunStats):
     adapters: SyntheticAdapters
     adapter_dir: Path | None = None  # where adapter directories are written once (default: a temp dir)
     max_batch_size: int = 32
@@ -30,7 +30,6 @@ class PeftSystem:
     name: str = "peft"
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
-    _stats: dict = field(default_factory=dict, init=False, repr=False)
     _loaded: tuple = field(default=(), init=False, repr=False)  # (adapters, model) kept for the next trace
 
     def run(self, trace: Trace) -> list[RequestRecord]:
@@ -69,6 +68,3 @@ class PeftSystem:
         )
         self._stats |= stats
         return replay.results()
-
-    def stats(self) -> dict:
-        return dict(self._stats)

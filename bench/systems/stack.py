@@ -17,14 +17,14 @@ import grpc
 
 from loraserve.bench.common.stack_run import cluster_state, local_stack, upload_messages
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems.base import Replay, ReplayLimits, RequestRecord
+from loraserve.bench.systems.base import LastRunStats, Replay, ReplayLimits, RequestRecord
 from loraserve.bench.workloads.slora import Trace, TraceRequest
 from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 @dataclass
-class StackSystem:
+class StackSystem(LastRunStats):
     adapters: SyntheticAdapters
     pool_pages: int
     max_batch_size: int
@@ -34,7 +34,6 @@ class StackSystem:
     device: str = "cpu"  # the worker's
     workers: int = 1
     policy: str | None = None  # the scheduler's --policy (None: its default)
-    _stats: dict = field(default_factory=dict, init=False, repr=False)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
         with local_stack(
@@ -70,9 +69,6 @@ class StackSystem:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._stats = await _cluster_stats(stack)
             return replay.results()
-
-    def stats(self) -> dict:
-        return dict(self._stats)
 
 
 async def _stream(api: gateway_pb2_grpc.LoraServeStub, request: TraceRequest, replay: Replay) -> None:

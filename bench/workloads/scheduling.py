@@ -72,14 +72,11 @@ def zipf_adapters(prefix: str, n: int, ranks: tuple[int, ...] = RANKS) -> dict[s
     return {f"{prefix}{i:04d}": ranks[i % len(ranks)] for i in range(n)}
 
 
-def _zipf_choice(rng: np.random.Generator, names: list[str], alpha: float, size: int) -> list[str]:
-    picks = rng.choice(len(names), size=size, p=power_law_shares(len(names), alpha))
-    return [names[i] for i in picks]
-
-
-def _arrivals(rng: np.random.Generator, rate: float, duration_s: float) -> np.ndarray:
-    n = rng.poisson(rate * duration_s)
-    return np.sort(rng.uniform(0.0, duration_s, size=n))
+def _arrivals(rng: np.random.Generator, rate: float, duration_s: float, names: list[str], alpha: float) -> list:
+    """(time, adapter) of Poisson arrivals at `rate` over `duration_s`, in order, adapters drawn by Zipf(alpha)."""
+    times = np.sort(rng.uniform(0.0, duration_s, size=rng.poisson(rate * duration_s)))
+    picks = rng.choice(len(names), size=len(times), p=power_law_shares(len(names), alpha))
+    return [(float(t), names[i]) for t, i in zip(times, picks, strict=True)]
 
 
 def heavy_tail(
@@ -87,15 +84,13 @@ def heavy_tail(
 ) -> SchedTrace:
     rng = np.random.default_rng([seed, 1])
     adapters = zipf_adapters("ht-", n_adapters)
-    times = _arrivals(rng, rate, duration_s)
-    names = _zipf_choice(rng, list(adapters), alpha, len(times))
     requests = []
-    for i, (t, name) in enumerate(zip(times, names, strict=True)):
+    for i, (t, name) in enumerate(_arrivals(rng, rate, duration_s, list(adapters), alpha)):
         if rng.random() < long_share:
             size, prompt, output = "long", int(rng.integers(192, 385)), int(rng.integers(48, 129))
         else:
             size, prompt, output = "short", int(rng.integers(8, 49)), min(96, int(rng.geometric(1 / 24)))
-        requests.append(SchedRequest(f"ht-{i}", float(t), name, prompt, output, size=size))
+        requests.append(SchedRequest(f"ht-{i}", t, name, prompt, output, size=size))
     params = {"rate": rate, "duration_s": duration_s, "seed": seed, "n_adapters": n_adapters, "alpha": alpha}
     return SchedTrace("heavy-tail", tuple(requests), adapters, {**params, "long_share": long_share})
 
@@ -108,11 +103,9 @@ def flood(victim_rate: float, flooder_rate: float, duration_s: float, seed: int,
     for tenant, rate in (("victim", victim_rate), ("flooder", flooder_rate)):
         own = zipf_adapters(f"{tenant}-", n_adapters)
         adapters |= own
-        times = _arrivals(rng, rate, duration_s)
-        names = _zipf_choice(rng, list(own), 1.0, len(times))
-        for i, (t, name) in enumerate(zip(times, names, strict=True)):
+        for i, (t, name) in enumerate(_arrivals(rng, rate, duration_s, list(own), 1.0)):
             prompt, output = int(rng.integers(16, 97)), int(rng.integers(16, 65))
-            requests.append(SchedRequest(f"{tenant}-{i}", float(t), name, prompt, output, tenant=tenant))
+            requests.append(SchedRequest(f"{tenant}-{i}", t, name, prompt, output, tenant=tenant))
     requests.sort(key=lambda r: (r.arrival_s, r.request_id))
     params = {"victim_rate": victim_rate, "flooder_rate": flooder_rate, "duration_s": duration_s, "seed": seed}
     return SchedTrace("flood", tuple(requests), adapters, params)
@@ -121,11 +114,9 @@ def flood(victim_rate: float, flooder_rate: float, duration_s: float, seed: int,
 def popularity(rate: float, duration_s: float, seed: int, n_adapters: int = 1000, alpha: float = 1.0) -> SchedTrace:
     rng = np.random.default_rng([seed, 3])
     adapters = zipf_adapters("pop-", n_adapters)
-    times = _arrivals(rng, rate, duration_s)
-    names = _zipf_choice(rng, list(adapters), alpha, len(times))
     requests = [
-        SchedRequest(f"pop-{i}", float(t), name, int(rng.integers(16, 97)), int(rng.integers(16, 65)))
-        for i, (t, name) in enumerate(zip(times, names, strict=True))
+        SchedRequest(f"pop-{i}", t, name, int(rng.integers(16, 97)), int(rng.integers(16, 65)))
+        for i, (t, name) in enumerate(_arrivals(rng, rate, duration_s, list(adapters), alpha))
     ]
     params = {"rate": rate, "duration_s": duration_s, "seed": seed, "n_adapters": n_adapters, "alpha": alpha}
     return SchedTrace("popularity", tuple(requests), adapters, params)
@@ -135,13 +126,12 @@ def conversations(rate: float, duration_s: float, seed: int, n_adapters: int = 1
     """Multi-turn conversations at about `rate` requests/s in all (see the module docstring)."""
     rng = np.random.default_rng([seed, 4])
     adapters = zipf_adapters("pop-", n_adapters)  # the popularity scenario's adapters
-    starts = _arrivals(rng, rate / MEAN_TURNS, duration_s)
-    names = _zipf_choice(rng, list(adapters), alpha, len(starts))
+    starts = _arrivals(rng, rate / MEAN_TURNS, duration_s, list(adapters), alpha)
     requests = []
-    for c, (start, name) in enumerate(zip(starts, names, strict=True)):
+    for c, (start, name) in enumerate(starts):
         turns = int(rng.geometric(1 / MEAN_TURNS))
         prompt, output = int(rng.integers(32, 97)), int(rng.integers(16, 49))
-        previous, at = None, float(start)
+        previous, at = None, start
         for turn in range(turns):
             if prompt + output > MAX_CONTEXT:
                 break

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import numpy as np
 
 from loraserve.bench.common.stack_run import local_stack, upload_messages
+from loraserve.bench.common.stats import quantile
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.launcher.local_stack import LocalStack
 from loraserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -107,18 +107,14 @@ def _phases(cold: list[tuple[float, common_pb2.Timings]], warm: list[tuple[float
 
 def _record(rank: int, cold: list[float], warm: list[float]) -> dict:
     penalty = [c - w for c, w in zip(cold, warm, strict=True)]
-
-    def q(values: list[float], p: float) -> float:
-        return round(float(np.quantile(values, p)) * 1e3, 2)
-
     return {
         "rank": rank,
         "trials": len(cold),
-        "cold_p50_ms": q(cold, 0.5),
-        "cold_p99_ms": q(cold, 0.99),
-        "warm_p50_ms": q(warm, 0.5),
-        "warm_p99_ms": q(warm, 0.99),
-        "penalty_p50_ms": q(penalty, 0.5),
-        "penalty_p99_ms": q(penalty, 0.99),
+        "cold_p50_ms": quantile(cold, 0.5, 2, 1e3),
+        "cold_p99_ms": quantile(cold, 0.99, 2, 1e3),
+        "warm_p50_ms": quantile(warm, 0.5, 2, 1e3),
+        "warm_p99_ms": quantile(warm, 0.99, 2, 1e3),
+        "penalty_p50_ms": quantile(penalty, 0.5, 2, 1e3),
+        "penalty_p99_ms": quantile(penalty, 0.99, 2, 1e3),
         "cold_over_warm_p50": round(statistics.median(cold) / statistics.median(warm), 3),
     }

@@ -31,7 +31,6 @@ DIR/results.json: `results.py`, a record per case (`AttentionResult`).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -46,12 +45,12 @@ from loraserve.bench.common.stats import ratio
 from loraserve.bench.common.tables import fmt, markdown_table
 from loraserve.bench.suites.kernels.device import ensure_interpreter, suite_meta
 from loraserve.bench.suites.kernels.results import write_report
-from loraserve.bench.suites.kernels.timing import Timers, cuda_timers, timed, wall_timers
+from loraserve.bench.suites.kernels.timing import Timers, cuda_timers, errors, timed, wall_timers
 from loraserve.config_cli import setting
 
 # dense fp16/bf16 tensor-core peak by device-name substring, first match wins (datasheets, no sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0}
-ATOL = RTOL = 4e-3
+ATOL = 4e-3  # and as rtol: Triton against SDPA
 
 
 @dataclass(frozen=True)
@@ -152,16 +151,6 @@ def compute_us(case: AttentionCase, config: AttentionConfig) -> float | None:
     return flops(case, config) / (config.peak_tflops * 1e12) * 1e6 if config.peak_tflops else None
 
 
-def _errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float | None, float | None, bool]:
-    """(max |out - ref|, ||out - ref||_F / ||ref||_F, allclose(4e-3, 4e-3) or rel < 1e-2)."""
-    diff = (out.float() - ref.float()).abs()
-    max_abs, rel = diff.max().item(), (diff.norm() / ref.float().norm().clamp_min(1e-30)).item()
-    if not (math.isfinite(max_abs) and math.isfinite(rel)):
-        return None, None, False
-    close = bool((diff <= ATOL + RTOL * ref.float().abs()).all())
-    return max_abs, rel, close or rel < 1e-2
-
-
 def run_case(case: AttentionCase, config: AttentionConfig, device: torch.device, timers: Timers) -> AttentionResult:
     """Build the case on `device`, check Triton against SDPA once, time both."""
     from loraserve.kernels.attention_triton import attention_triton
@@ -187,7 +176,7 @@ def run_case(case: AttentionCase, config: AttentionConfig, device: torch.device,
     out = triton_call()  # also builds the batch's index tensors (cached) and compiles: before any capture
     if config.check:
         ref = sdpa_call().transpose(1, 2).reshape(data.q.shape)
-        result.max_abs_err, result.rel_err, result.ok = _errors(out, ref)
+        result.max_abs_err, result.rel_err, result.ok = errors(out, ref, ATOL)
     result.triton_us = timed(result, "triton", timers.eager, triton_call)
     result.triton_graph_us = timed(result, "triton graph", timers.graph, triton_call)
     if case.phase == "decode":

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from loraserve.bench.common.kernel_cases import (
 )
 from loraserve.bench.common.stats import ratio
 from loraserve.bench.common.tables import fmt
-from loraserve.bench.suites.kernels.timing import Fn, Timers, timed
+from loraserve.bench.suites.kernels.timing import Fn, Timers, errors, timed
 from loraserve.kernels.lora_bmm import lora_apply_bmm, prepare_lora_bmm
 from loraserve.kernels.lora_torch import lora_apply_torch, prepare_lora_torch
 
@@ -158,16 +157,6 @@ def lora_pool(rank: int | str, config: LoraConfig, device: torch.device, pools: 
     return pools[rank]
 
 
-def _errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float | None, float | None, bool]:
-    """(max |out - ref|, ||out - ref||_F / ||ref||_F, rel < 1e-2); None for a non-finite error."""
-    diff = (out.float() - ref.float()).abs()
-    max_abs = diff.max().item() if diff.numel() else 0.0
-    rel = (diff.norm() / ref.float().norm().clamp_min(1e-30)).item() if diff.numel() else 0.0
-    if not (math.isfinite(max_abs) and math.isfinite(rel)):
-        return None, None, False
-    return max_abs, rel, rel < 1e-2
-
-
 def run_case(case: Case, config: LoraConfig, device: torch.device, timers: Timers, pools: Pools) -> Result:
     """Build the case's batch on `device` (pool shared per rank) and time the three implementations."""
     from loraserve.kernels.lora_triton import TOKEN_PATH_MAX_SEG_LEN, lora_apply_triton, prepare_lora_triton
@@ -206,7 +195,7 @@ def run_case(case: Case, config: LoraConfig, device: torch.device, timers: Timer
             y.zero_()
             call(fn)()
             outs.append(y.clone())
-        result.max_abs_err, result.rel_err, result.ok = _errors(*outs)
+        result.max_abs_err, result.rel_err, result.ok = errors(*outs)
     result.triton_us = timed(result, "triton", timers.eager, call(lora_apply_triton))
     result.triton_graph_us = timed(result, "triton graph", timers.graph, call(lora_apply_triton))
     result.loop_us = timed(result, "loop", timers.eager, call(lora_apply_torch))

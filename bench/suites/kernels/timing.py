@@ -1,8 +1,10 @@
 """Timing GPU kernels: eager calls (triton's do_bench), one call replayed from a CUDA graph with L2
-flushed, the wall clock on CPU (dry runs), and the device's memory bandwidth."""
+flushed, the wall clock on CPU (dry runs), and the device's memory bandwidth; and a kernel's output
+checked against its reference (`errors`)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -133,3 +135,15 @@ def timed(result: Any, name: str, timer: GraphTimer, fn: Fn) -> float | None:
         result.note = "; ".join(filter(None, [result.note, f"{name}: out of memory"]))
         torch.cuda.empty_cache()
         return None
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor, atol: float | None = None) -> tuple[float | None, float | None, bool]:
+    """(max |out - ref|, ||out - ref||_F / ||ref||_F, ok); Nones and not ok for a non-finite error, 0s for empty
+    tensors. ok: rel < 1e-2, or (given `atol`) every element within atol + atol * |ref| (allclose)."""
+    diff = (out.float() - ref.float()).abs()
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    rel = (diff.norm() / ref.float().norm().clamp_min(1e-30)).item() if diff.numel() else 0.0
+    if not (math.isfinite(max_abs) and math.isfinite(rel)):
+        return None, None, False
+    close = atol is not None and bool((diff <= atol + atol * ref.float().abs()).all())
+    return max_abs, rel, close or rel < 1e-2

@@ -36,7 +36,6 @@ from loraserve.bench.common.engine_run import bench_cache, quiet
 from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.random_model import model_dir
 from loraserve.bench.common.results import target, write_results
-from loraserve.bench.common.settings import add_settings
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.systems.engine import AdapterBank
 from loraserve.config_cli import setting
@@ -72,10 +71,6 @@ class TensorParallelSettings:
 
 
 SETTINGS = TensorParallelSettings
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_settings(p, TensorParallelSettings)
 
 
 def _engine(path: Path, size: int, device: str, batch: int, bank: AdapterBank, lora_comm: bool = True):
