@@ -4,8 +4,8 @@
 `stop`), or another name an edge gives it (`names`).
 
 msgspec's decoders raise `UnicodeDecodeError`, not a `DecodeError`, for a string whose bytes are not UTF-8:
-every decoder of bytes from outside the process catches `DECODE_ERRORS` and says what is wrong with
-`decode_problem`."""
+every decoder of bytes from outside the process catches both (`DECODE_ERRORS`; `wire.decode` one by one)
+and says what is wrong with `decode_problem`."""
 
 from __future__ import annotations
 
