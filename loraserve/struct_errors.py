@@ -3,9 +3,9 @@
 `$.sampling.temperature` names the field `sampling.temperature` (list indices dropped: `$.stop[2]` is
 `stop`), or another name an edge gives it (`names`).
 
-msgspec's decoders raise `UnicodeDecodeError`, not a `DecodeError`, for a string whose bytes are not UTF-8:
-every decoder of bytes from outside the process catches both (`DECODE_ERRORS`; `wire.decode` one by one)
-and says what is wrong with `decode_problem`."""
+A string whose bytes are not UTF-8 is a `UnicodeDecodeError` from msgspec up to 0.22 and a `DecodeError`
+("Invalid UTF-8 encoded string") from 0.23 on: every decoder of bytes from outside the process catches both
+(`DECODE_ERRORS`) and says what is wrong with `decode_problem`, in the same words under either version."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import msgspec
 from loraserve.errors import InvalidRequestError
 
 DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)  # a ValidationError is a DecodeError
+_NOT_UTF8 = re.compile(r"^Invalid UTF-8", re.IGNORECASE)  # msgspec >= 0.23's message for such a string
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _INDEX = re.compile(r"\[[^\]]*\]")
 
@@ -34,8 +35,13 @@ def invalid_field(
     return InvalidRequestError((names or {}).get(path, path), message[: at.start()])
 
 
-def decode_problem(error: Exception) -> str:
-    """What is wrong with bytes a msgspec decoder refused (one of `DECODE_ERRORS`)."""
+def decode_problem(error: Exception, not_decodable: str = "") -> str:
+    """What is wrong with bytes a msgspec decoder refused (one of `DECODE_ERRORS`); `not_decodable` is put
+    before the message of a DecodeError that is neither a ValidationError nor a string that is not UTF-8."""
     if isinstance(error, UnicodeDecodeError):
         return f"holds a string that is not UTF-8 ({error.reason} at byte {error.start} of it)"
-    return str(error)
+    if _NOT_UTF8.match(str(error)):
+        return "holds a string that is not UTF-8"
+    if isinstance(error, msgspec.ValidationError):
+        return str(error)
+    return f"{not_decodable}{error}"

@@ -30,7 +30,7 @@ from loraserve.errors import LoraserveError
 from loraserve.params import MAX_LOGPROBS
 from loraserve.prefix_keys import FINGERPRINT_BYTES
 from loraserve.request_spec import RequestSpec
-from loraserve.struct_errors import decode_problem
+from loraserve.struct_errors import DECODE_ERRORS, decode_problem
 
 MAX_TEXT = 64 * 1024  # characters of an error message or reason
 
@@ -428,10 +428,8 @@ def decode(frames: list) -> Message:
         message = _decoder(cls).decode(body)
     except msgspec.ValidationError as e:
         raise WireError(_describe(cls.__name__, str(e), body)) from None
-    except msgspec.DecodeError as e:
-        raise WireError(f"{cls.__name__}: body is not msgpack: {e}") from None
-    except UnicodeDecodeError as e:  # msgspec's error for a string that is not UTF-8
-        raise WireError(f"{cls.__name__}: body {decode_problem(e)}") from None
+    except DECODE_ERRORS as e:
+        raise WireError(f"{cls.__name__}: body {decode_problem(e, not_decodable='is not msgpack: ')}") from None
     except LoraserveError as e:  # a spec's cross-field or sampling check (`RequestSpec`, `SamplingParams`)
         raise WireError(f"{cls.__name__}.spec: {e}") from None
     try:

@@ -221,7 +221,7 @@ def _valid_submit(request_id: str, max_new_tokens: int = 4, **fields) -> schedul
     )
 
 
-# msgpack maps whose string is not UTF-8 (msgspec raises UnicodeDecodeError for it, not a DecodeError): a
+# msgpack maps whose string is not UTF-8 (msgspec < 0.23 raises UnicodeDecodeError for it, not a DecodeError): a
 # spec of 4 fields whose first key is cut short, and sampling params whose key is an encoded surrogate
 NOT_UTF8_SPEC = b"\x84\xa4\xea7\xa1\xd4\xb4"
 NOT_UTF8_SAMPLING = b"\x81\xa3\xed\xa0\x80\x01"

@@ -195,8 +195,8 @@ def _with_bad_string(encoded: bytes, bad: bytes) -> bytes:
 
 @pytest.mark.parametrize("bad", NOT_UTF8)
 def test_a_string_that_is_not_utf8_is_refused_naming_the_field(bad):
-    """msgspec raises UnicodeDecodeError (not a DecodeError) for such a string: a Submit's spec or sampling
-    parameters holding one are refused INVALID_ARGUMENT, never an internal error."""
+    """msgspec raises UnicodeDecodeError (up to 0.22) or DecodeError (0.23 on) for such a string: a Submit's
+    spec or sampling parameters holding one are refused INVALID_ARGUMENT, never an internal error."""
     spec = RequestSpec("r\u07fe", [1, 2], SamplingParams(max_new_tokens=4), SINK, 1.0)
     with pytest.raises(InvalidRequestError, match=r"^spec: holds a string that is not UTF-8"):
         spec_from_submit(

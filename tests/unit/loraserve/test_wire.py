@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from loraserve.params import SamplingParams
 from loraserve.request_spec import RequestSpec
+from loraserve.struct_errors import decode_problem
 from loraserve.wire import (
     AdapterPayload,
     Assign,
@@ -115,9 +117,30 @@ def test_logprobs_travel_with_their_tokens_and_are_checked():
 
 @pytest.mark.parametrize("bad", [b"\xa0\xa1", b"\xc3\x28", b"\xc0\x80", b"\xff\xfe"])
 def test_a_string_that_is_not_utf8_is_a_wire_error(bad):
-    """msgspec raises UnicodeDecodeError for such a string; `decode` raises WireError and nothing else, so
-    no role's receive loop meets another exception (one such frame once stopped every role that read it)."""
+    """msgspec raises UnicodeDecodeError (up to 0.22) or DecodeError (0.23 on) for such a string; `decode`
+    raises WireError and nothing else, in the same words under either, so no role's receive loop meets
+    another exception (one such frame once stopped every role that read it)."""
     frames = [bytes(f) for f in encode(Cancel(request_ids=["r\u07fe"], reason="gone"))]
     frames[1] = frames[1].replace("\u07fe".encode(), bad)
     with pytest.raises(WireError, match=r"^Cancel: body holds a string that is not UTF-8"):
         decode(frames)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        UnicodeDecodeError("utf-8", b"\xc0\x80", 0, 1, "invalid start byte"),  # msgspec <= 0.22
+        msgspec.DecodeError("Invalid UTF-8 encoded string"),  # msgspec >= 0.23
+    ],
+)
+def test_a_string_that_is_not_utf8_reads_the_same_under_either_msgspec(error):
+    """The installed msgspec raises one of these two; the words a client or a log reads are the same."""
+    assert decode_problem(error, not_decodable="is not msgpack: ").startswith("holds a string that is not UTF-8")
+
+
+def test_bytes_that_are_not_msgpack_say_so():
+    assert decode_problem(msgspec.DecodeError("truncated"), not_decodable="is not msgpack: ") == (
+        "is not msgpack: truncated"
+    )
+    with pytest.raises(WireError, match=r"^Cancel: body is not msgpack: "):
+        decode([bytes(encode(Cancel(request_ids=["r"], reason="gone"))[0]), b"\xc1"])
