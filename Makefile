@@ -16,23 +16,34 @@ BUF       := node_modules/.bin/buf
 # The release `buf breaking` compares with: the newest baseline in proto/releases (`make proto-release`).
 PROTO_BASELINE = $(shell ls proto/releases/loraserve-*.json 2>/dev/null | sort -V | tail -n 1)
 
-.PHONY: run test test-unit lint setup clean-venv demo-assets protos proto-check proto-release gpu-check docs-targets
+.PHONY: run test test-unit lint lock setup clean-venv demo-assets protos proto-check proto-release gpu-check docs-targets
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "make: '$(PYTHON)' not found: install Python 3.11 or newer, or run 'make PYTHON=/path/to/python3.11 ...'" >&2; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || { echo "make: loraserve needs Python >= 3.11; '$(PYTHON)' is $$($(PYTHON) -V 2>&1). Run 'make PYTHON=/path/to/python3.11 ...'" >&2; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { echo "make: '$(PYTHON)' lacks the venv/ensurepip modules (Debian: apt install python3-venv)" >&2; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first: a bare 'torch' requirement would pull a multi-GB CUDA build; the CPU wheel is pinned here.
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install --disable-pip-version-check -q "$(TORCH)" || { echo "make: could not install $(TORCH); set TORCH=... to another torch requirement" >&2; exit 1; }
-	@# The rest with uv (seconds, where pip takes minutes), held to the torch installed above; pip if uv fails.
+	@# The rest with uv (seconds, where pip takes minutes), held to the torch installed above and to the
+	@# versions in constraints.txt; pip if uv fails.
 	@$(PY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install --disable-pip-version-check -q uv && \
-		$(VENV)/bin/uv pip install --python $(PY) -q -c $(VENV)/torch-constraint.txt -e '.[dev]' \
-		|| $(PY) -m pip install --disable-pip-version-check -q -e '.[dev]'
+		$(VENV)/bin/uv pip install --python $(PY) -q -c $(VENV)/torch-constraint.txt -c constraints.txt -e '.[dev]' \
+		|| $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev]'
 	@touch $(STAMP)
+
+# Resolve pyproject.toml's dependencies afresh in a scratch venv and write the versions to constraints.txt
+# (torch, triton and the installers left out: TORCH picks those).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --disable-pip-version-check -q "$(TORCH)" uv
+	.venv-lock/bin/uv pip install --python .venv-lock/bin/python -q -e '.[dev]'
+	{ sed -n '/^#/p' constraints.txt; .venv-lock/bin/uv pip freeze --python .venv-lock/bin/python --exclude-editable \
+		| grep -viE '^(torch|triton|pip|setuptools|uv)=='; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	rm -rf .venv-lock
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
