@@ -17,7 +17,7 @@ import msgspec
 from loraserve.errors import InvalidRequestError
 
 DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)  # a ValidationError is a DecodeError
-_NOT_UTF8 = re.compile(r"^Invalid UTF-8", re.IGNORECASE)  # msgspec >= 0.23's message for such a string
+NOT_UTF8 = "Invalid UTF-8"  # how msgspec >= 0.23's DecodeError for such a string begins
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _INDEX = re.compile(r"\[[^\]]*\]")
 
@@ -36,12 +36,10 @@ def invalid_field(
 
 
 def decode_problem(error: Exception, not_decodable: str = "") -> str:
-    """What is wrong with bytes a msgspec decoder refused (one of `DECODE_ERRORS`); `not_decodable` is put
-    before the message of a DecodeError that is neither a ValidationError nor a string that is not UTF-8."""
+    """What is wrong with bytes a msgspec decoder refused (one of `DECODE_ERRORS`); `not_decodable` goes
+    before any other error's message (`wire.decode` passes it after catching ValidationErrors apart)."""
     if isinstance(error, UnicodeDecodeError):
         return f"holds a string that is not UTF-8 ({error.reason} at byte {error.start} of it)"
-    if _NOT_UTF8.match(str(error)):
+    if str(error).startswith(NOT_UTF8):
         return "holds a string that is not UTF-8"
-    if isinstance(error, msgspec.ValidationError):
-        return str(error)
     return f"{not_decodable}{error}"
