@@ -35,6 +35,7 @@ packing the rows for the pool).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -144,21 +145,14 @@ def calibration_adapters(grid: Grid) -> dict[str, int]:
 def calibration_engine(model_dir: Path, bank, adapters: dict[str, int], config=None):
     """An engine as the calibration runs it (`config`: the same with other settings, e.g. the emulated
     runner), with `adapters` registered, warmed up and all resident: the steps timed copy nothing."""
-    from loraserve.bench.systems.engine import warm_up
+    from loraserve.bench.systems.engine import warmed_engine
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
 
-    engine = Engine(model_dir, config or EngineConfig(**CALIBRATION_ENGINE))
-    try:
-        for name, rank in adapters.items():
-            engine.adapters.add(name, bank.get(name, rank))
-        warm_up(engine, adapters)
+    def resident(engine) -> None:
         for name in adapters:
             engine.pool.ensure(engine.registry.latest(name))
-    except BaseException:
-        engine.close()
-        raise
-    return engine
+
+    return warmed_engine(model_dir, config or EngineConfig(**CALIBRATION_ENGINE), bank, adapters, resident)
 
 
 # No prefix cache: the grid repeats its prompts, and every step should compute the tokens it is timed for.
@@ -178,8 +172,7 @@ def _measure(model_dir: Path, grid: Grid, seed: int) -> Calibration:
     started = time.perf_counter()
     bank = AdapterBank(SyntheticAdapters(model_dir, seed=seed))
     adapters = calibration_adapters(grid)
-    engine = calibration_engine(model_dir, bank, adapters)
-    try:
+    with contextlib.closing(calibration_engine(model_dir, bank, adapters)) as engine:
         runs = [time_steps(engine, adapters, grid) for _ in range(grid.repeats)]
         shapes = runs[0].shapes
         if any(r.shapes != shapes for r in runs):
@@ -188,8 +181,6 @@ def _measure(model_dir: Path, grid: Grid, seed: int) -> Calibration:
         runner_s = [min(times) for times in zip(*(r.runner_s for r in runs), strict=True)]
         copies = _time_copies(engine, bank, grid.load_samples)
         fetches = _time_fetches(engine, bank, grid.load_samples)
-    finally:
-        engine.close()
     measured_on = {
         **cpu_fields(),
         "model": str(model_dir),
@@ -213,17 +204,12 @@ class StepTimes:
 def time_steps(engine, adapters: dict[str, int], grid: Grid, timer: Callable[[], float] = clock) -> StepTimes:
     """Run the grid's batches through `engine`, timing every step with `timer` (and its runner's part)."""
     names = list(adapters)
-    batches = []
-    for batch in grid.batch_sizes:
-        for prompt_len in grid.prompt_lens:
-            for mix in grid.mixes:
-                chosen = {"base": [None] * batch, "one": [names[0]] * batch, "distinct": names[:batch]}[mix]
-                batches.append([(prompt_len, grid.new_tokens, a) for a in chosen])
     times = StepTimes()
     with RunnerTimer(engine, timer) as runner:
-        for batch in batches:
-            for i, request in enumerate(batch):
-                add_request(engine, i, request)
+        for batch, prompt_len, mix in itertools.product(grid.batch_sizes, grid.prompt_lens, grid.mixes):
+            chosen = {"base": [None] * batch, "one": [names[0]] * batch, "distinct": names[:batch]}[mix]
+            for i, adapter in enumerate(chosen):
+                add_request(engine, i, (prompt_len, grid.new_tokens, adapter))
             step_all(engine, runner, times)
         if grid.mixed:  # two new requests before each step while they last: a full batch and a queue
             for i, request in enumerate(_mixed_batch(adapters, grid.mixed)):
@@ -288,9 +274,7 @@ def _mixed_batch(adapters: dict[str, int], n: int) -> list[tuple[int, int, str |
     """`n` requests of the heavy-tail scenario's mix (sizes, Zipf adapters of every rank)."""
     from loraserve.bench.workloads.scheduling import heavy_tail
 
-    by_rank: dict[int, list[str]] = {}
-    for name, rank in adapters.items():
-        by_rank.setdefault(rank, []).append(name)
+    by_rank = {rank: [name for name, r in adapters.items() if r == rank] for rank in set(adapters.values())}
     trace = heavy_tail(100.0, n / 50.0, seed=7, n_adapters=4 * min(len(v) for v in by_rank.values()))
     out = []
     for r in trace.requests[:n]:
@@ -307,12 +291,11 @@ def _prepared(engine, adapter):
 def _time_copies(engine, bank, samples: int) -> list[tuple[int, float]]:
     """`UnifiedPool.ensure` of adapters that are not resident: the copy into the pool, per rank."""
     out = []
-    for rank in RANKS:
-        for i in range(samples):
-            key = engine.adapters.add(f"copy-{rank}-{i}", _prepared(engine, bank.get(f"copy-{rank}-{i}", rank)))
-            start = clock()
-            assert engine.pool.ensure(key)
-            out.append((rank, clock() - start))
+    for rank, i in itertools.product(RANKS, range(samples)):
+        key = engine.adapters.add(f"copy-{rank}-{i}", _prepared(engine, bank.get(f"copy-{rank}-{i}", rank)))
+        start = clock()
+        assert engine.pool.ensure(key)
+        out.append((rank, clock() - start))
     return out
 
 
@@ -323,12 +306,11 @@ def _time_fetches(engine, bank, samples: int) -> list[tuple[int, float]]:
     from loraserve.worker.adapters import load_adapter_bytes
 
     out = []
-    for rank in RANKS:
-        for i in range(samples):
-            config, weights = bank.adapters.files(f"fetch-{rank}-{i}", rank)
-            start = clock()
-            _prepared(engine, load_adapter_bytes(config, weights, bank.model, bank.max_rank))
-            out.append((rank, clock() - start))
+    for rank, i in itertools.product(RANKS, range(samples)):
+        config, weights = bank.adapters.files(f"fetch-{rank}-{i}", rank)
+        start = clock()
+        _prepared(engine, load_adapter_bytes(config, weights, bank.model, bank.max_rank))
+        out.append((rank, clock() - start))
     return out
 
 

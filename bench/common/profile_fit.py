@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -68,8 +69,7 @@ def write_profile(model_dir: Path, grid: Grid, path: Path, seed: int = 0) -> Run
     calibration = calibrate(model_dir, grid, seed)
     profile = profile_from(calibration, ModelConfig.from_dir(model_dir))
     profile.write(path)
-    checked = fidelity(model_dir, path, calibration, grid, seed)
-    checked = {**checked, "wall_s": round(time.perf_counter() - started, 1)}
+    checked = fidelity(model_dir, path, calibration, grid, seed) | {"wall_s": round(time.perf_counter() - started, 1)}
     profile = dataclasses.replace(profile, fidelity={"in_sample": checked})
     profile.write(path)
     return profile
@@ -93,12 +93,8 @@ def fidelity(model_dir: Path, profile_path: Path, calibration: Calibration, grid
     bank = AdapterBank(SyntheticAdapters(model_dir, seed=seed))
     adapters = calibration_adapters(grid)
     config = EngineConfig(**CALIBRATION_ENGINE, runner="emulated", runner_profile=profile_path)
-    with one_torch_thread():
-        engine = calibration_engine(model_dir, bank, adapters, config)
-        try:
-            runs = [time_steps(engine, adapters, grid, timer=time.perf_counter) for _ in range(grid.repeats)]
-        finally:
-            engine.close()
+    with one_torch_thread(), closing(calibration_engine(model_dir, bank, adapters, config)) as engine:
+        runs = [time_steps(engine, adapters, grid, timer=time.perf_counter) for _ in range(grid.repeats)]
     if any(r.shapes != calibration.shapes for r in runs):
         raise RuntimeError("the emulated engine scheduled the calibration workload differently from the real one")
     emulated = np.array([min(times) for times in zip(*(r.step_s for r in runs), strict=True)])

@@ -11,6 +11,8 @@ The engine is driven in real time: requests are added when their arrival time co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,14 +54,8 @@ class EngineSystem(LastRunStats):
     limits: ReplayLimits = field(default_factory=ReplayLimits)
 
     def run(self, trace: Trace) -> list[RequestRecord]:
-        engine = Engine(self.model_dir, self.config)
-        try:
-            for name, rank in trace.adapters.items():
-                engine.adapters.add(name, self.bank.get(name, rank))
-            warm_up(engine, trace.adapters)
+        with closing(warmed_engine(self.model_dir, self.config, self.bank, trace.adapters)) as engine:
             return self._replay(engine, trace)
-        finally:
-            engine.close()
 
     def _replay(self, engine: Engine, trace: Trace) -> list[RequestRecord]:
         replay = Replay(trace, self.name, self.limits)
@@ -95,6 +91,27 @@ class EngineSystem(LastRunStats):
             "mean_batch_size": sum(batch_sizes) / len(batch_sizes) if batch_sizes else 0.0,
         }
         return replay.results()
+
+
+def warmed_engine(
+    model_dir: Path,
+    config: EngineConfig,
+    bank: AdapterBank,
+    adapters: dict[str, int],
+    then: Callable[[Engine], object] = lambda engine: None,
+) -> Engine:
+    """An engine on `model_dir` with `adapters` (name -> rank) registered from `bank` and warmed up (`warm_up`),
+    then `then(engine)` done (e.g. every adapter made resident); closed if any of it fails."""
+    engine = Engine(model_dir, config)
+    try:
+        for name, rank in adapters.items():
+            engine.adapters.add(name, bank.get(name, rank))
+        warm_up(engine, adapters)
+        then(engine)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 def warm_up(engine: Engine, adapters: dict[str, int]) -> None:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import grpc
@@ -151,16 +152,14 @@ class HealthProbe:
             health = health_pb2_grpc.HealthStub(channel)
             while not self._stop.wait(self.interval_s):
                 started = time.time()
-                connection = http.client.HTTPConnection(host, int(port), timeout=30)
-                try:
-                    connection.request("GET", "/health")
-                    response = connection.getresponse()
-                    response.read()
-                    self.not_serving += response.status != 200
-                except OSError:
-                    self.not_serving += 1
-                finally:
-                    connection.close()
+                with closing(http.client.HTTPConnection(host, int(port), timeout=30)) as connection:
+                    try:
+                        connection.request("GET", "/health")
+                        response = connection.getresponse()
+                        response.read()
+                        self.not_serving += response.status != 200
+                    except OSError:
+                        self.not_serving += 1
                 self.http_s.append(time.time() - started)
                 started = time.time()
                 try:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import psutil
@@ -155,10 +156,9 @@ class Traffic:
             thread.join(timeout=30)
 
     def _loop(self, index: int) -> None:
-        client = Client(self.grpc_address, api_key=self.api_key, retry=NO_RETRY)
         calls = (self._unary, self._stream, self._http, self._structured, self._choices)
         n = index
-        try:
+        with Client(self.grpc_address, api_key=self.api_key, retry=NO_RETRY) as client:
             while not self._stop.is_set():
                 call = calls[n % len(calls)]
                 adapter = self.adapters[n % len(self.adapters)]
@@ -167,8 +167,6 @@ class Traffic:
                 with self._lock:
                     self.outcomes.append(Outcome(started, time.time(), call.__name__.strip("_"), status))
                 n += 1
-        finally:
-            client.close()
 
     def _unary(self, client: Client, adapter: str) -> str:
         try:
@@ -219,19 +217,16 @@ class Traffic:
 def http_post(address: str, path: str, body: dict, api_key: str, timeout_s: float = 60.0) -> tuple[str, float]:
     """POST `body` as JSON; (the HTTP status or the error's name, seconds)."""
     host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    started = time.time()
-    try:
-        connection.request(
-            "POST", path, json.dumps(body), {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-        )
-        response = connection.getresponse()
-        response.read()
-        return str(response.status), time.time() - started
-    except OSError as e:
-        return type(e).__name__, time.time() - started
-    finally:
-        connection.close()
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    with closing(http.client.HTTPConnection(host, int(port), timeout=timeout_s)) as connection:
+        started = time.time()
+        try:
+            connection.request("POST", path, json.dumps(body), headers)
+            response = connection.getresponse()
+            response.read()
+            return str(response.status), time.time() - started
+        except OSError as e:
+            return type(e).__name__, time.time() - started
 
 
 def _percentile(ordered: list[float], q: int) -> float:
@@ -252,14 +247,13 @@ def big_body(address: str, size: int, api_key: str | None, chunk: int = 1 << 20,
     """POST a `size`-byte body to /v1/completions as fast as the gateway takes it; returns the status
     the gateway answered, the seconds until then and how many bytes it took before answering."""
     host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
     head += f"Content-Length: {size}\r\n"
     if api_key:
         head += f"Authorization: Bearer {api_key}\r\n"
-    started, sent = time.time(), 0
     payload = b"x" * chunk
-    try:
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        started, sent = time.time(), 0
         sock.sendall((head + "\r\n").encode())
         sock.setblocking(False)
         answer = b""
@@ -286,8 +280,6 @@ def big_body(address: str, size: int, api_key: str | None, chunk: int = 1 << 20,
                 answer += more
         except OSError:
             pass
-    finally:
-        sock.close()
     line = answer.split(b"\r\n", 1)[0].decode(errors="replace")
     status = line.split()[1] if len(line.split()) > 1 else "no answer"
     return {"status": status, "seconds": round(time.time() - started, 2), "bytes_taken": sent}

@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,12 +71,11 @@ def summarize(phase: str, samples: list[float], nbytes: int) -> Result:
 def run_benchmark(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], float]:
     model = write_model(workdir / "model")
     write_adapter(workdir / "adapter", model, args.rank, args.modules)
-    with store_process(workdir / "model", workdir / "adapter", workdir, args.transport) as data_address:
-        fetcher = AdapterFetcher(data_address, timeout_s=30.0)
-        try:
-            return _fetches(fetcher, model, args)
-        finally:
-            fetcher.close()
+    with (
+        store_process(workdir / "model", workdir / "adapter", workdir, args.transport) as data_address,
+        closing(AdapterFetcher(data_address, timeout_s=30.0)) as fetcher,
+    ):
+        return _fetches(fetcher, model, args)
 
 
 def _fetches(fetcher: AdapterFetcher, model, args: argparse.Namespace) -> tuple[list[Result], float]:

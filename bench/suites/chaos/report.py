@@ -63,9 +63,6 @@ class AppliedDisruption:
     recovery_s: float | None = None  # from the signal until the worker served again
     exit_code: int | None = None  # of the victim, for kill and term
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def max_gap(start: float, chunk_times: list[float]) -> tuple[float, float] | None:
     """(length, start) of the longest wait for a token chunk from the call's `start` on (None

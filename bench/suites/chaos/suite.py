@@ -104,7 +104,7 @@ async def _run(stack: LocalStack, config: ChaosConfig, synthetic: SyntheticAdapt
             for run, records in (("reference", reference), ("chaos", streams))
             for r in records
         ],
-        "disruptions": [d.as_dict() for d in chaos.applied],
+        "disruptions": [asdict(d) for d in chaos.applied],
     }
 
 
@@ -177,9 +177,7 @@ class Chaos:
     """Applies disruptions to the workers and brings them back; owns which workers are recovering."""
 
     def __init__(self, stack: LocalStack, scheduler: scheduler_pb2_grpc.SchedulerStub, config: ChaosConfig) -> None:
-        self.stack = stack
-        self.scheduler = scheduler
-        self.config = config
+        self.stack, self.scheduler, self.config = stack, scheduler, config
         self.recovering: set[str] = set()
         self.applied: list[AppliedDisruption] = []
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 from loraserve.bench.common.engine_run import quiet
 from loraserve.bench.common.results import judged, publish
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
-from loraserve.bench.systems.engine import AdapterBank, adapter_counters, adapter_stats_since, warm_up
+from loraserve.bench.systems.engine import AdapterBank, adapter_counters, adapter_stats_since, warmed_engine
 from loraserve.bench.workloads.slora import DEFAULT_RANKS, FIRST_TOKEN_ID, round_robin_ranks
 from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
@@ -38,16 +39,11 @@ def measure(
     n_adapters: int, bank: AdapterBank, prompts: list[list[int]], output_len: int, config, ranks: tuple[int, ...]
 ) -> dict:
     """One engine, n adapters, every request queued at once; returns throughput and pool numbers."""
-    from loraserve.worker.engine import Engine
     from loraserve.worker.sampling import SamplingParams
 
-    engine = Engine(bank.adapters.model_dir, config)
     names = list(round_robin_ranks(n_adapters, ranks).items())
-    try:
-        for name, rank in names:
-            engine.adapters.add(name, bank.get(name, rank))
-        sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True, seed=0)
-        warm_up(engine, dict(names))
+    sampling = SamplingParams(max_new_tokens=output_len, ignore_eos=True, seed=0)
+    with closing(warmed_engine(bank.adapters.model_dir, config, bank, dict(names))) as engine:
         counters0, steps0, read0 = adapter_counters(engine), engine.steps, engine.adapter_bytes_read
         waste, batch = [], []  # per step
         start = time.perf_counter()
@@ -58,8 +54,6 @@ def measure(
             waste.append(engine.stats()["pool"]["waste_fraction"])
         elapsed = time.perf_counter() - start
         adapter_stats = adapter_stats_since(engine, counters0)
-    finally:
-        engine.close()
     tokens = len(prompts) * output_len
     steps = engine.steps - steps0
     adapter_bytes = (engine.adapter_bytes_read - read0) / max(steps, 1)

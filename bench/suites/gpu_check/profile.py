@@ -15,6 +15,7 @@ none) is prefilled, a few decode steps warm up, then `steps` decode steps run un
 
 from __future__ import annotations
 
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -31,16 +32,13 @@ PROMPT_LEN = 32
 def profile_decode(
     model_dir: Path, config: EngineConfig, bank: AdapterBank, n_adapters: int, ranks: tuple[int, ...], steps: int = 5
 ) -> dict:
-    engine = Engine(model_dir, config)
-    graphs = engine.runner.graphs is not None
-    try:
+    with closing(Engine(model_dir, config)) as engine:
+        graphs = engine.runner.graphs is not None
         names = list(round_robin_ranks(n_adapters, ranks).items()) if n_adapters else []
         for name, rank in names:
             engine.adapters.add(name, bank.get(name, rank))
         on_gpu = engine.device.type == "cuda"
         wall, prof = profiled_decode(engine, [n for n, _ in names], steps, 3, 2 * steps + 16, PROMPT_LEN)
-    finally:
-        engine.close()
     kernels = [e for e in prof.key_averages() if on_gpu and e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_us = sum(e.self_device_time_total for e in kernels)
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]

@@ -27,6 +27,7 @@ import argparse
 import logging
 import random
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import publish
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
 from loraserve.bench.common.tables import rich_table, wide_console
-from loraserve.bench.systems.engine import AdapterBank, adapter_counters, warm_up
+from loraserve.bench.systems.engine import AdapterBank, adapter_counters, warmed_engine
 from loraserve.bench.workloads.slora import round_robin_ranks
 from loraserve.config_cli import setting
 from loraserve.worker.config import ADAPTER_DTYPES
@@ -147,11 +148,9 @@ def _alternated(
     """(engine, runs per side): one engine whose pool holds every adapter and a full batch's KV,
     warmed up with every adapter resident, then the same requests once per side, `repeats` times
     round, so that every side is measured under the same conditions."""
-    engine = _prepared_engine(path, args, adapters, PROMPT_LEN[1] + max(n for _, n in requests), cuda_graphs)
-    try:
+    longest = PROMPT_LEN[1] + max(n for _, n in requests)
+    with closing(_prepared_engine(path, args, adapters, longest, cuda_graphs)) as engine:
         runs = alternate(repeats, range(len(sides)), lambda i: _run(engine, requests, sides[i]))
-    finally:
-        engine.close()
     return engine, list(runs.values())
 
 
@@ -159,7 +158,6 @@ def _prepared_engine(path: Path, args: argparse.Namespace, adapters: dict[str, i
     """An engine whose pool holds every adapter and a full batch's KV at `longest` tokens, warmed up
     with every adapter resident."""
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
 
     bank = AdapterBank(SyntheticAdapters(path, seed=args.seed))
     pages = pool_pages(path, args.overhead_batch, longest, adapters, bank.adapters.target_modules)
@@ -171,16 +169,7 @@ def _prepared_engine(path: Path, args: argparse.Namespace, adapters: dict[str, i
         max_batch_size=args.overhead_batch,
         pool_pages=pages,
     )
-    engine = Engine(path, config)
-    try:
-        for name, rank in adapters.items():
-            engine.adapters.add(name, bank.get(name, rank))
-        warm_up(engine, adapters)
-        _load_all(engine, list(adapters))
-    except BaseException:
-        engine.close()
-        raise
-    return engine
+    return warmed_engine(path, config, bank, adapters, lambda engine: _load_all(engine, list(adapters)))
 
 
 def _load_all(engine, names: list[str]) -> None:
@@ -274,11 +263,8 @@ def measure_breakdown(name: str, path: Path, args: argparse.Namespace) -> list[d
 
     adapters = round_robin_ranks(args.overhead_adapters, OVERHEAD_RANKS)
     steps = PROFILE_STEPS
-    engine = _prepared_engine(path, args, adapters, PROFILE_PROMPT + 2 * steps + 8, "auto")
-    try:
+    with closing(_prepared_engine(path, args, adapters, PROFILE_PROMPT + 2 * steps + 8, "auto")) as engine:
         sides = [profile_decode(engine, [], "base", steps), profile_decode(engine, list(adapters), "lora", steps)]
-    finally:
-        engine.close()
     fields = {"model": name, **_engine_fields(engine, args), "ranks": list(OVERHEAD_RANKS)}
     return [{**gather_bandwidth(*pool_row_bytes(path)), "model": name}, *({**s, **fields} for s in sides)]
 

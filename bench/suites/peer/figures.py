@@ -110,12 +110,7 @@ def self_agreement(runs: Sequence[Sequence[Output]]) -> float | None:
 
 
 def _common_prefix(x: str | Sequence[str], y: str | Sequence[str]) -> int:
-    n = 0
-    for cx, cy in zip(x, y, strict=False):
-        if cx != cy:
-            break
-        n += 1
-    return n
+    return next((i for i, (cx, cy) in enumerate(zip(x, y, strict=False)) if cx != cy), min(len(x), len(y)))
 
 
 def targets(records: Sequence[dict], agreements: dict[str, dict], adapters: int) -> list[dict]:

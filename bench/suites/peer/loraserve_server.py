@@ -62,12 +62,9 @@ class LoraserveServer:
         server = cls(stack, port, data_dir)
         try:
             wait_healthy(f"http://127.0.0.1:{port}/health", 60.0, server.alive, interval_s=0.5)
-            client = Client(stack.address)
-            try:
+            with Client(stack.address) as client:
                 for name, path in adapters.items():
                     client.upload_adapter(name, path, timeout=120)
-            finally:
-                client.close()
         except BaseException:
             server.stop()
             raise

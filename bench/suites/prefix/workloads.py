@@ -48,28 +48,32 @@ def conversations(preset: PrefixPreset, vocab: int, rng: random.Random) -> list[
     return out
 
 
-def _sampling(preset: PrefixPreset):
-    from loraserve.worker.sampling import SamplingParams
-
-    return SamplingParams(max_new_tokens=preset.answer_tokens, temperature=1.0, ignore_eos=True)
-
-
-class MultiTurn:
-    """Conversations over the adapters' system prompts; each request carries its tenant as the cache salt."""
+class _Workload:
+    """What both workloads keep: the engine and its timeline, a seeded rng, the answers' sampling; done when
+    nothing is queued (a subclass's `queue`) or in flight (its `active`)."""
 
     def __init__(self, engine, preset: PrefixPreset, seed: int) -> None:
+        from loraserve.worker.sampling import SamplingParams
+
         self.engine, self.preset = engine, preset
         self.rng = random.Random(seed)
         self.vocab = engine.model_config.vocab_size
-        self.queue = deque(conversations(preset, self.vocab, self.rng))
-        self.active: dict[str, tuple[Conversation, object]] = {}  # request id -> (its conversation, the Request)
         self.timeline = Timeline(engine)
-        self.sampling = _sampling(preset)
-        self.sent = 0
+        self.sampling = SamplingParams(max_new_tokens=preset.answer_tokens, temperature=1.0, ignore_eos=True)
 
     @property
     def done(self) -> bool:
         return not (self.queue or self.active)
+
+
+class MultiTurn(_Workload):
+    """Conversations over the adapters' system prompts; each request carries its tenant as the cache salt."""
+
+    def __init__(self, engine, preset: PrefixPreset, seed: int) -> None:
+        super().__init__(engine, preset, seed)
+        self.queue = deque(conversations(preset, self.vocab, self.rng))
+        self.active: dict[str, tuple[Conversation, object]] = {}  # request id -> (its conversation, the Request)
+        self.sent = 0
 
     def _send(self, conversation: Conversation) -> None:
         conversation.history += [self.rng.randrange(3, self.vocab) for _ in range(self.preset.user_tokens)]
@@ -97,31 +101,23 @@ class MultiTurn:
                 self._send(conversation)
 
 
-class UniquePrompts:
+class UniquePrompts(_Workload):
     """Prompts nobody sent before, as many as the multi-turn requests, of their mean length."""
 
     def __init__(self, engine, preset: PrefixPreset, seed: int) -> None:
-        self.engine, self.preset = engine, preset
-        self.rng = random.Random(seed)
-        self.vocab = engine.model_config.vocab_size
+        super().__init__(engine, preset, seed)
         count = preset.adapters * preset.tenants * preset.conversations * preset.turns
         self.length = int(
             preset.system_tokens
             + (preset.turns + 1) / 2 * preset.user_tokens
             + (preset.turns - 1) / 2 * preset.answer_tokens
         )
-        self.pending = deque(range(count))
+        self.queue = deque(range(count))
         self.active: set[str] = set()
-        self.timeline = Timeline(engine)
-        self.sampling = _sampling(preset)
-
-    @property
-    def done(self) -> bool:
-        return not (self.pending or self.active)
 
     def advance(self) -> None:
-        while self.pending and len(self.active) < self.preset.concurrency:
-            i = self.pending.popleft()
+        while self.queue and len(self.active) < self.preset.concurrency:
+            i = self.queue.popleft()
             prompt = [1] + [self.rng.randrange(3, self.vocab) for _ in range(self.length - 1)]
             adapter = f"a{i % self.preset.adapters}"
             request = self.engine.add_request(prompt, self.sampling, adapter, f"u{i}", cache_salt=f"t{i % 2}")

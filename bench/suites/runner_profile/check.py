@@ -24,6 +24,7 @@ what this machine's noise alone does to a per-step ratio.
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,12 +111,8 @@ def out_of_sample(
         ("real", EngineConfig(**CALIBRATION_ENGINE), clock),
         ("emulated", emulated_config, time.perf_counter),
     ):
-        with one_torch_thread():
-            engine = calibration_engine(model_dir, bank, adapters, config)
-            try:
-                runs[kind] = [time_workload(engine, arrivals, timer) for _ in range(repeats)]
-            finally:
-                engine.close()
+        with one_torch_thread(), closing(calibration_engine(model_dir, bank, adapters, config)) as engine:
+            runs[kind] = [time_workload(engine, arrivals, timer) for _ in range(repeats)]
     shapes = runs["real"][0].shapes
     if any(r.shapes != shapes for r in runs["real"] + runs["emulated"]):
         raise RuntimeError("the engines scheduled the check workload differently")

@@ -55,15 +55,8 @@ def targets(records: list[dict]) -> list[dict]:
     """The scheduling targets, each {name, goal, value, met}, for the scenarios the records cover."""
 
     def find(scenario: str, prefetch: bool = True, **tags) -> dict | None:
-        def matches(r: dict) -> bool:
-            return (
-                r["scenario"] == scenario
-                and r["role"] == "default"
-                and r["prefetch"] == prefetch
-                and all(r.get(k) == v for k, v in tags.items())
-            )
-
-        return next((r for r in records if matches(r)), None)
+        wanted = {"scenario": scenario, "role": "default", "prefetch": prefetch, **tags}
+        return next((r for r in records if all(r.get(k) == v for k, v in wanted.items())), None)
 
     out = []
     if (ht := find("heavy-tail")) is not None:

@@ -23,10 +23,8 @@ MARKERS = "os^Dvx*P"
 
 
 def _lines(rows: list[dict], x: str) -> dict[str, list[dict]]:
-    systems: dict[str, list[dict]] = {}
-    for row in rows:
-        systems.setdefault(row["system"], []).append(row)
-    return {name: sorted(points, key=lambda r: r[x]) for name, points in systems.items()}
+    systems = dict.fromkeys(row["system"] for row in rows)
+    return {name: sorted((r for r in rows if r["system"] == name), key=lambda r: r[x]) for name in systems}
 
 
 def _figure(rows: list[dict], x: str, panels: list[tuple[str, str]], title: str, path: Path, log_x: bool) -> bool:
@@ -55,10 +53,7 @@ def _figure(rows: list[dict], x: str, panels: list[tuple[str, str]], title: str,
 
 
 def _offered(ax, rows: list[dict], x: str) -> None:
-    offered: dict = {}
-    for row in rows:
-        if row.get("offered_req_per_s") is not None:
-            offered[row[x]] = row["offered_req_per_s"]
+    offered = {row[x]: row["offered_req_per_s"] for row in rows if row.get("offered_req_per_s") is not None}
     if len(offered) > 1:
         xs = sorted(offered)
         ax.plot(xs, [offered[v] for v in xs], linestyle="--", color="grey", linewidth=1, label="offered load")
@@ -66,9 +61,7 @@ def _offered(ax, rows: list[dict], x: str) -> None:
 
 def _most_common(rows: list[dict], key: str, varying: str) -> object | None:
     """The value of `key` shared by the most distinct values of `varying`."""
-    counts = Counter()
-    for value in {r[key] for r in rows}:
-        counts[value] = len({r[varying] for r in rows if r[key] == value})
+    counts = Counter({value: len({r[varying] for r in rows if r[key] == value}) for value in {r[key] for r in rows}})
     return counts.most_common(1)[0][0] if counts else None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from loraserve.bench.common import stats
 from loraserve.bench.common.results import judged
 from loraserve.bench.common.tables import rich_table, wide_console
 from loraserve.bench.systems.engine import LORASERVE_VARIANTS
@@ -25,9 +26,7 @@ def ratios(rows: list[dict], rate: float) -> list[tuple[str, float | None]]:
     """(description, value): throughput ratios at `rate` (and mean-latency ratios where they help)."""
 
     def ratio(a: dict | None, b: dict | None, key: str = "req_per_s") -> float | None:
-        if a is None or b is None or not b.get(key) or a.get(key) is None:
-            return None
-        return round(a[key] / b[key], 3)
+        return stats.ratio((a or {}).get(key), (b or {}).get(key), 3)
 
     out = []
     for n in (100, 1):

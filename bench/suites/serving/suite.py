@@ -139,8 +139,6 @@ def settings(args: argparse.Namespace) -> list[Setting]:
 
 
 def build_system(name: str, args: argparse.Namespace, bank: AdapterBank, limits: ReplayLimits) -> System:
-    from loraserve.worker.config import EngineConfig
-
     if name in LORASERVE_VARIANTS:
         config = EngineConfig(
             device="cpu", max_batch_size=args.max_batch_size, pool_pages=args.pool_pages, seed=args.seed
@@ -202,8 +200,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
         trace = load_trace(args.trace, seed=args.seed)
         jobs = [(Setting(len(trace.adapters), float(trace.params.get("rate", 0.0))), trace)]
     else:
-        todo = settings(args)
-        jobs = [(s, None) for s in todo]
+        jobs = [(s, None) for s in settings(args)]
     rows, records, systems = [], [], {}
     began = time.perf_counter()
     for point, given in jobs:

@@ -29,6 +29,7 @@ import argparse
 import os
 import random
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,13 +111,10 @@ def _speed(path: Path, size: int, args, bank: AdapterBank, requests, repeats: in
     runs: dict[str, list[dict]] = {side: [] for side in SIDES if size > 1 or side != "lora-no-comm"}
     for _ in range(repeats):
         for lora_comm in (True, False) if size > 1 else (True,):
-            engine = _engine(path, size, args.tp_device, args.tp_batch, bank, lora_comm)
-            try:
+            with closing(_engine(path, size, args.tp_device, args.tp_batch, bank, lora_comm)) as engine:
                 _run(engine, requests[:4], True)  # first-call costs
                 for side, lora in (("base", False), ("lora", True)) if lora_comm else (("lora-no-comm", True),):
                     runs[side].append(_run(engine, requests, lora))
-            finally:
-                engine.close()
     return [{"side": side} | min(done, key=lambda r: r["seconds"]) for side, done in runs.items()]
 
 
@@ -124,8 +122,7 @@ def _traffic(path: Path, size: int, args, bank: AdapterBank) -> dict:
     """One prefill step of `tp_batch` tokens with one rank-16 adapter on all projections: the bytes sent."""
     from loraserve.worker.sampling import SamplingParams
 
-    engine = _engine(path, size, args.tp_device, args.tp_batch, bank)
-    try:
+    with closing(_engine(path, size, args.tp_device, args.tp_batch, bank)) as engine:
         engine.add_request(list(range(3, 3 + args.tp_batch)), SamplingParams(max_new_tokens=1), "a0")
         before = (engine.leader.collectives.traffic.base, engine.leader.collectives.traffic.lora)
         engine.step()
@@ -133,8 +130,6 @@ def _traffic(path: Path, size: int, args, bank: AdapterBank) -> dict:
         config, element = engine.model_config, engine.dtype.itemsize
         part = engine.leader.channel.rows_sent.get(1, 0)  # rank 1's part of a0, handed over at its load
         whole = bank.get("a0", RANK).pack(PoolLayout.for_model(config, 2, 1), config, engine.dtype).nbytes
-    finally:
-        engine.close()
     b, h, n, layers = args.tp_batch, config.hidden_size, size, config.num_layers
     base, lora = traffic.base - before[0], traffic.lora - before[1]
     return {
