@@ -14,7 +14,7 @@ sampling), open loop at each offered rate for the preset's phase, on `--cp-clien
 Submit call each).
 
 Per offered rate: admitted req/s, refusals, the Submit call's latency, the decision latency inside
-the scheduler and end to end, and the scheduler's CPU use (psutil: at one full core it is saturated).
+the scheduler and end to end, and the scheduler's CPU use (its CPU-time clock: at one full core it is saturated).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import psutil
 import zmq
 
+from loraserve.bench.common.cpu_clock import process_cpu_seconds
 from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import cpu_fields, judged, publish
 from loraserve.bench.common.stack_run import supervised
@@ -243,19 +243,17 @@ async def measure(
         with supervised(roles(policy, base, args, latencies_file, profile), stop_s=30.0) as fleet:
             grpc_address = f"127.0.0.1:{base}"
             await wait_ready(grpc_address, args.cp_workers)
-            cpu = psutil.Process(fleet.children["scheduler"].pid)
+            scheduler_pid = fleet.children["scheduler"].pid
             catalogue = Catalogue(args.cp_adapters, args.seed)
             clients = Clients(grpc_address, args.cp_clients, reply_to, catalogue, args.seed, submit)
             await clients.phase("warm", 200.0, 1.0)
             await asyncio.sleep(1.0)
             for rate in preset.rates:
                 name = f"r{int(rate)}"
-                before, wall = cpu.cpu_times(), time.monotonic()
+                before, wall = process_cpu_seconds(scheduler_pid), time.monotonic()
                 result = await clients.phase(name, rate, preset.phase_s)
-                used = cpu.cpu_times()
-                result["scheduler_cpu"] = round(
-                    (used.user + used.system - before.user - before.system) / (time.monotonic() - wall), 3
-                )
+                used = process_cpu_seconds(scheduler_pid) - before
+                result["scheduler_cpu"] = round(used / (time.monotonic() - wall), 3)
                 result["phase"] = name
                 phases.append(result)
                 log.info("%s %s %s: %s", policy, submit, name, {k: v for k, v in result.items() if k != "codes"})

@@ -8,14 +8,17 @@ the emulated runner with a fixed 2 ms step: the worker costs almost no CPU and n
 back on the model. `--gateway-streams` streams at once (64), each asking for `--gateway-tokens` tokens
 (ignore_eos; half on an adapter, half on the base model), first as gRPC `GenerateStream` calls, then as
 streamed HTTP `/v1/completions`, alternating `--gateway-runs` times. For each run the gateway process's
-CPU seconds (user + system, read by psutil) are divided by the tokens the clients received: the
-per-token cost of everything the gateway does for a stream (admission, submission, reading the workers'
-messages, detokenizing, encoding, sending), amortized over the stream's tokens.
+CPU seconds (user + system, read from its CPU-time clock to the nanosecond) are divided by the tokens
+the clients received: the per-token cost of everything the gateway does for a stream (admission,
+submission, reading the workers' messages, detokenizing, encoding, sending), amortized over the stream's
+tokens.
 
 DIR/results.json is {"suite", "machine", "commit", "records", "summary", "targets", "options"}; a record
-is {"api", "run", "tokens", "wall_s", "gateway_cpu_s", "us_per_token"}; "summary" holds each API's median
-µs per token over its runs. With `--gateway-baseline FILE` (an earlier run's results.json, e.g. of an
-older commit), the targets are each API's baseline µs per token over this run's, goal >= 2.
+is {"api", "run", "tokens", "wall_s", "gateway_cpu_s", "us_per_token"} (us_per_token null when no token
+came back or no CPU time could be resolved); "summary" holds each API's median µs per token over its
+measured runs. With `--gateway-baseline FILE` (an earlier run's results.json, e.g. of an older commit),
+the targets are each API's baseline µs per token over this run's, goal >= 2; a target either side of
+which has no figure is reported unjudged ("met": null) rather than divided by zero.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,12 +33,13 @@ from pathlib import Path
 
 import grpc
 import httpx
-import psutil
 
 from loraserve.bench.common.calibration import fixed_profile
+from loraserve.bench.common.cpu_clock import process_cpu_seconds
 from loraserve.bench.common.preset import Preset
 from loraserve.bench.common.results import judged, publish
 from loraserve.bench.common.stack_run import local_stack
+from loraserve.bench.common.stats import quantile, ratio
 from loraserve.config_cli import setting
 from loraserve.demo.assets import DEMO_MODEL_DIR
 from loraserve.launcher.ports import free_port_block
@@ -44,6 +47,7 @@ from loraserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 STEP_S = 0.002  # the emulated worker's step
 ADAPTER = "upper"
+APIS = ("grpc", "http")
 
 
 @dataclass(frozen=True)
@@ -102,16 +106,16 @@ async def _http_tokens(url: str, model: str, streams: int, tokens: int) -> int:
         return sum(await asyncio.gather(*map(one, range(streams))))
 
 
-def _run(api: str, stack, url: str, gateway: psutil.Process, streams: int, tokens: int) -> dict:
-    before, started = gateway.cpu_times(), time.perf_counter()
+def _run(api: str, stack, url: str, gateway_pid: int, streams: int, tokens: int) -> dict:
+    before, started = process_cpu_seconds(gateway_pid), time.perf_counter()
     if api == "grpc":
         received = asyncio.run(_grpc_tokens(stack.address, streams, tokens))
     else:
         received = asyncio.run(_http_tokens(url, DEMO_MODEL_DIR.name, streams, tokens))
-    wall, after = time.perf_counter() - started, gateway.cpu_times()
-    cpu = (after.user - before.user) + (after.system - before.system)
-    record = {"api": api, "tokens": received, "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 3)}
-    return record | {"us_per_token": round(cpu / received * 1e6, 1)}
+    wall, cpu = time.perf_counter() - started, process_cpu_seconds(gateway_pid) - before
+    record = {"api": api, "tokens": received, "wall_s": round(wall, 3), "gateway_cpu_s": round(cpu, 6)}
+    per_token = ratio(cpu * 1e6, received, 1)  # None when no token came back
+    return record | {"us_per_token": per_token or None}  # 0: less CPU than the clock resolves, not a cost
 
 
 def _warm(url: str, deadline_s: float = 180.0) -> None:
@@ -129,12 +133,23 @@ def _warm(url: str, deadline_s: float = 180.0) -> None:
         time.sleep(1)
 
 
-def _targets(summary: dict[str, float], baseline: Path) -> list[dict]:
-    """Each API's µs per token at `baseline`'s run over this run's (goal: at least 2)."""
+def summarize(records: list[dict]) -> dict[str, float | None]:
+    """Each API's median µs per token over its measured runs (None when no run of it was measured)."""
+    return {
+        api: quantile([r["us_per_token"] for r in records if r["api"] == api and r["us_per_token"]], 0.5, 1)
+        for api in APIS
+    }
+
+
+def targets(summary: dict[str, float | None], baseline: Path) -> list[dict]:
+    """Each API's µs per token at `baseline`'s run over this run's (goal: at least 2); not judged (met: None)
+    where either run has no measured figure."""
     before = json.loads(baseline.read_text())
-    ratios = {api: before["summary"][api] / summary[api] for api in ("grpc", "http")}
     name = "gateway µs per token at {} / now, {} (64 streams, emulated worker)"
-    return [judged(name.format(before["commit"], api), ">= 2", round(r, 2)) for api, r in ratios.items()]
+    return [
+        judged(name.format(before["commit"], api), ">= 2", ratio(before["summary"].get(api), summary[api], 2), None)
+        for api in APIS
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -147,17 +162,15 @@ def main(args: argparse.Namespace) -> int:
         with local_stack(DEMO_MODEL_DIR, max_batch_size=args.gateway_streams, pool_pages=2048, **options) as stack:
             url = f"http://127.0.0.1:{port}"
             _warm(url)
-            gateway = psutil.Process(stack.process("gateway").pid)
+            gateway_pid = stack.process("gateway").pid
             records = []
             for run in range(runs):
-                for api in ("grpc", "http"):
-                    records.append({"run": run} | _run(api, stack, url, gateway, args.gateway_streams, tokens))
+                for api in APIS:
+                    records.append({"run": run} | _run(api, stack, url, gateway_pid, args.gateway_streams, tokens))
                     print(records[-1], flush=True)
-    summary = {
-        api: statistics.median(r["us_per_token"] for r in records if r["api"] == api) for api in ("grpc", "http")
-    }
+    summary = summarize(records)
     options = {"streams": args.gateway_streams, "tokens": tokens, "runs": runs, "step_s": STEP_S}
-    goals = _targets(summary, args.gateway_baseline) if args.gateway_baseline else []
+    goals = targets(summary, args.gateway_baseline) if args.gateway_baseline else []
     print(f"gateway µs per token (median): {summary}")
     publish(args.out, "gateway", records, summary=summary, targets=goals, options=options)
     return 0

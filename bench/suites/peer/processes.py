@@ -1,5 +1,5 @@
-"""A server's process tree, as the peer suite measures and waits for it: CPU time (psutil), and an HTTP
-health check.
+"""A server's process tree, as the peer suite measures and waits for it: CPU time (each process's own CPU clock),
+and an HTTP health check.
 
     cpu = tree_cpu_seconds([server.pid])        # user + system seconds of it and every descendant
 """
@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import psutil
+
+from loraserve.bench.common.cpu_clock import process_cpu_seconds
 
 
 class Server(Protocol):
@@ -50,9 +52,8 @@ def tree_cpu_seconds(roots: Iterable[int]) -> float:
     that exited between two readings takes its time with it: servers keep theirs)."""
     total = 0.0
     for process in tree(roots):
-        with contextlib.suppress(psutil.Error):
-            times = process.cpu_times()
-            total += times.user + times.system
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            total += process_cpu_seconds(process.pid)
     return total
 
 

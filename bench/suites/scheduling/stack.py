@@ -40,6 +40,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 
 from loraserve.bench.common.stack_run import cluster_state, local_stack, upload_messages
 from loraserve.bench.common.synthetic_adapters import SyntheticAdapters
@@ -186,7 +187,8 @@ class StackRunner:
                 await api.Generate(gateway_pb2.GenerateRequest(text="warm up", max_new_tokens=2), timeout=60)
             before = await self._counters(stack, metrics_base)
             for phase in phases:
-                wall, cpu = time.perf_counter(), cpu_times()
+                wall = time.perf_counter()
+                psutil.cpu_percent()  # the machine's busy share is measured from here
                 if phase.sequential:
                     outcomes = await self._sequential(api, phase)
                 else:
@@ -194,7 +196,7 @@ class StackRunner:
                 wall_s = time.perf_counter() - wall
                 after = await self._counters(stack, metrics_base)
                 workers = {w: {k: v - before.get(w, {}).get(k, 0) for k, v in c.items()} for w, c in after.items()}
-                extra = {"cpu_busy": busy_share(cpu, cpu_times())}
+                extra = {"cpu_busy": round(psutil.cpu_percent() / 100, 3)}  # user .. steal, of every CPU
                 runs.append(StackRun(outcomes, workers, round(wall_s, 2), round(up_s, 2), extra))
                 before = after
         return runs
@@ -295,23 +297,6 @@ def _held_ports(count: int) -> Iterator[int]:
     finally:
         for s in held:
             s.close()
-
-
-def cpu_times() -> tuple[int, int] | None:
-    """The machine's (busy, total) CPU time in ticks since boot (`/proc/stat`); None where there is none."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = sum(fields[3:5])  # idle, iowait
-    return sum(fields[:8]) - idle, sum(fields[:8])  # user .. steal; guest time is inside user already
-
-
-def busy_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """The share of the machine's CPU time that was busy between two `cpu_times()` readings."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return round((after[0] - before[0]) / (after[1] - before[1]), 3)
 
 
 def _found(port: int) -> dict[str, float]:
