@@ -49,8 +49,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The folders whose tests start no role processes and hold no wall-clock bounds run on TEST_WORKERS
+# processes (pytest-xdist; one file stays on one worker); tests/stack (real processes, sockets, latency
+# bounds) runs alone after them, as a loaded CPU would stretch its timings. Both run even if the first
+# fails. tests/project/test_test_split.py keeps the two lists covering every folder of tests/.
+TEST_WORKERS   ?= 2
+PARALLEL_TESTS := tests/unit tests/numerics tests/fuzz tests/gpu tests/project
+SERIAL_TESTS   := tests/stack
+
 test: lint proto-check
-	$(VENV)/bin/pytest
+	@status=0; \
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile $(PARALLEL_TESTS) || status=$$?; \
+	$(VENV)/bin/pytest $(SERIAL_TESTS) || status=$$?; \
+	exit $$status
 
 # The unit tests of every package (tests/unit: no processes, no sockets to other roles), with the
 # property tests' examples fixed (CI=true) so that a run is quick and repeatable. tests/README.md: the folders.

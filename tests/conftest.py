@@ -30,7 +30,10 @@ from helpers import KERNEL_DEVICES, TinySpec, make_adapter, make_model
 from hypothesis import settings
 from stack import Collector
 
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+# Under pytest-xdist (`make test`'s parallel folders) the workers share the cores: a torch thread pool
+# each as wide as the machine would oversubscribe it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1) // _WORKERS))
 
 if os.environ.get("CI", "").lower() not in ("", "0", "false"):
     settings.register_profile("ci", derandomize=True, database=None)
