@@ -1,12 +1,17 @@
 """Prefix caching leaks nothing across tenants, measured as an attacker would: by time to first token.
 
-A real stack, tenants `a` and `b`. Each trial draws a fresh ~420-token prompt P and a fresh prompt Q
-of the same length; `a` sends P, then `b` sends P (would be fast if `a`'s cached KV were shared)
-and Q (cold: nobody sent it), in alternating order, and `a` sends P again (a hit: the positive
-control, which shows the measurement can see a cached prefix at all). Over the trials, `b`'s TTFT
-for P must be as far from `a`'s hit as a cold prompt is, and as close to the cold one as the
-trials' own spread: the medians of the paired differences (after - cold) must stay within a
-quarter of the hit's effect (cold - hit).
+A real stack, tenants `a` and `b`. Each trial draws a fresh ~420-token prompt P and a prompt Q nobody
+sent of exactly P's token count (P's words after the first, shuffled); `a` sends P, then `b` sends P
+(would be fast if `a`'s cached KV were shared) and Q (cold), in alternating order, and `a` sends P
+again (a hit: the positive control, which shows the measurement can see a cached prefix at all). Over
+the trials, `b`'s TTFT for P must be as far from `a`'s hit as a cold prompt is, and as close to the
+cold one as the trials' own spread: the medians of the paired differences (after - cold) must stay
+within a quarter of the hit's effect (cold - hit).
+
+Q has P's length because the length alone is visible: the CPU math libraries keep kernels per shape,
+so a prefill of a length that just ran starts a few milliseconds sooner whatever its tokens (with Q of
+another length, after - cold was -2 to -6 ms against a 16-21 ms hit effect on the demo model; with
+P's length, -0.5 to +1.6 ms). That is the prompt's length, not its content (docs/security.md).
 """
 
 from __future__ import annotations
@@ -44,17 +49,17 @@ def stack(tmp_path_factory):
     stack.stop()
 
 
-def _ttft(stack, tenant: str, text: str) -> tuple[float, int]:
-    """(seconds until the first token reached the client, prompt tokens the worker found cached)."""
+def _ttft(stack, tenant: str, text: str) -> tuple[float, int, int]:
+    """(seconds until the first token reached the client, prompt tokens the worker found cached, prompt tokens)."""
     request = gateway_pb2.GenerateRequest(text=text, max_new_tokens=2)
-    started, first, cached = time.perf_counter(), None, -1
+    started, first, usage = time.perf_counter(), None, None
     for event in stack.api.GenerateStream(request, timeout=60, metadata=(("authorization", f"Bearer {KEYS[tenant]}"),)):
         if event.HasField("chunk") and first is None:
             first = time.perf_counter() - started
         if event.HasField("summary"):
-            cached = event.summary.usage.cached_tokens
-    assert first is not None
-    return first, cached
+            usage = event.summary.usage
+    assert first is not None and usage is not None
+    return first, usage.cached_tokens, usage.prompt_tokens
 
 
 def test_another_tenants_prompt_is_as_cold_as_one_nobody_sent(stack):
@@ -63,17 +68,25 @@ def test_another_tenants_prompt_is_as_cold_as_one_nobody_sent(stack):
     def prompt() -> str:
         return " ".join(rng.choice(WORDS) for _ in range(280))
 
+    def same_length(p: str) -> str:  # P's words after the first, shuffled: another prompt of P's token count
+        first, *rest = p.split()
+        return " ".join([first, *rng.sample(rest, len(rest))])
+
     _ttft(stack, "a", prompt())  # warm the path (connections, first allocations): not measured
     after, cold, hit = [], [], []
     for trial in range(TRIALS):
-        p, q = prompt(), prompt()
+        p = prompt()
+        q = same_length(p)
         _ttft(stack, "a", p)
         b_side = [("after", p), ("cold", q)] if trial % 2 else [("cold", q), ("after", p)]
+        lengths = set()
         for kind, text in b_side:
-            seconds, cached = _ttft(stack, "b", text)
+            seconds, cached, length = _ttft(stack, "b", text)
             assert cached == 0, (kind, cached)  # the structural guarantee: nothing of `a`'s is found
             (after if kind == "after" else cold).append(seconds)
-        seconds, cached = _ttft(stack, "a", p)
+            lengths.add(length)
+        assert len(lengths) == 1, lengths  # P and Q differ in their tokens alone
+        seconds, cached, _ = _ttft(stack, "a", p)
         assert cached > 0
         hit.append(seconds)
     effect = statistics.median(c - h for c, h in zip(cold, hit, strict=True))
